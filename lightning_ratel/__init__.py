@@ -1,0 +1,13 @@
+"""lightning_ratel: fine-tune models larger than GPU memory with PyTorch Lightning, model states on NVMe."""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_ratel.errors import RatelConfigError, RatelPlanError, RatelStoreError
+from lightning_ratel.precision import RatelPrecision
+from lightning_ratel.strategy import RatelStrategy
+
+if RatelStrategy.strategy_name not in StrategyRegistry:
+    RatelStrategy.register_strategies(StrategyRegistry)
+
+__all__ = ["RatelConfigError", "RatelPlanError", "RatelPrecision", "RatelStoreError", "RatelStrategy"]
+__version__ = "0.1.0"

@@ -1,0 +1,106 @@
+"""Split a model into blocks: the units of parameter paging and activation placement.
+
+The repeated layers (a transformers model's decoder layers, or the largest ``nn.ModuleList`` of same-class modules)
+become one block each. Every parameter outside them lands in a block of its own module (embeddings, final norm, the
+head), so the whole model is covered and no module has to change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from lightning_ratel.errors import RatelConfigError
+
+BlockSpec = Sequence[str] | Callable[[nn.Module], Sequence[str]] | None
+
+
+@dataclass
+class Block:
+    """A module whose forward pass pages in the parameters it uses.
+
+    Attributes:
+        index: position in discovery order.
+        name: qualified module name (``""`` for the root).
+        module: the module whose forward hooks drive paging.
+        direct_only: the block holds only the module's own parameters, not its children's (a container that also
+            contains other blocks).
+        uses: every parameter the block's forward may touch, shared ones included.
+    """
+
+    index: int
+    name: str
+    module: nn.Module
+    direct_only: bool
+    uses: list[nn.Parameter] = field(default_factory=list)
+
+
+def _repeated_layers(model: nn.Module) -> list[str]:
+    """Names of the children of the ``nn.ModuleList`` of same-class modules holding the most parameters."""
+    best: list[str] = []
+    best_numel = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) < 2:
+            continue
+        if len({type(child) for child in module}) != 1:
+            continue
+        numel = sum(p.numel() for p in module.parameters())
+        if numel > best_numel:
+            best_numel = numel
+            best = [f"{name}.{i}" if name else str(i) for i in range(len(module))]
+    return best
+
+
+def discover_blocks(model: nn.Module, spec: BlockSpec = None) -> list[Block]:
+    """Partition ``model``'s parameters into blocks.
+
+    Args:
+        model: the model (typically the LightningModule).
+        spec: module names to use as the repeated blocks, a callable returning them, or ``None`` to detect them.
+
+    Returns:
+        Blocks in module registration order, covering every parameter.
+
+    Raises:
+        RatelConfigError: a name in ``spec`` is not a submodule, or block modules are nested.
+    """
+    modules = dict(model.named_modules())
+    if spec is None:
+        names = _repeated_layers(model)
+    else:
+        names = list(spec(model) if callable(spec) else spec)
+        missing = [n for n in names if n not in modules]
+        if missing:
+            raise RatelConfigError(f"`blocks` names modules that the model does not have: {missing}")
+    layer_names = set(names)
+    for name in names:
+        for other in names:
+            if other != name and other.startswith(name + "."):
+                raise RatelConfigError(f"`blocks` entries must not be nested: {name!r} contains {other!r}")
+
+    def holds_layer(name: str) -> bool:
+        prefix = name + "." if name else ""
+        return any(n.startswith(prefix) for n in layer_names)
+
+    blocks: list[Block] = []
+
+    def visit(name: str, module: nn.Module) -> None:
+        if name in layer_names or (not holds_layer(name) and any(True for _ in module.parameters())):
+            blocks.append(Block(len(blocks), name, module, direct_only=False))
+            return
+        if any(True for _ in module.parameters(recurse=False)):
+            blocks.append(Block(len(blocks), name, module, direct_only=True))
+        for child_name, child in module.named_children():
+            visit(f"{name}.{child_name}" if name else child_name, child)
+
+    visit("", model)
+    for block in blocks:
+        seen: set[int] = set()
+        named = block.module.named_parameters(recurse=not block.direct_only, remove_duplicate=False)
+        for _, p in named:
+            if id(p) not in seen:
+                seen.add(id(p))
+                block.uses.append(p)
+    return blocks

@@ -1,0 +1,178 @@
+"""Precision plugin for RatelStrategy: autocast for mixed precision, fp16 loss scaling, and the optimizer step.
+
+The engine, not ``optimizer.step()``, updates the parameters, so this plugin owns the step the way Lightning's
+DeepSpeed precision plugin does: it runs the closure (forward + backward, during which the CPU updates already run)
+and then lets the engine finish the step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Generator
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
+from torch import Tensor
+from typing_extensions import override
+
+import lightning.pytorch as pl
+from lightning_ratel.errors import RatelConfigError
+
+_PRECISION_INPUT = Literal["32-true", "bf16-mixed", "16-mixed"]
+_HALF = {"32-true": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
+class RatelPrecision(Precision):
+    """Mixed or full precision for :class:`~lightning_ratel.RatelStrategy`.
+
+    In ``"bf16-mixed"`` and ``"16-mixed"`` the device holds 16-bit copies of the parameters that autocast would cast
+    to 16-bit anyway (linear and convolution weights), fp32 copies of the rest, and the fp32 masters stay off the
+    device; the numbers match Lightning's own mixed precision.
+
+    Args:
+        precision: ``"32-true"``, ``"bf16-mixed"`` or ``"16-mixed"``.
+        device: device type for autocast; the strategy sets it from the device it runs on.
+        init_scale: initial fp16 loss scale (as ``torch.amp.GradScaler``).
+        growth_factor: scale multiplier after ``growth_interval`` steps without overflow.
+        backoff_factor: scale multiplier after an overflow.
+        growth_interval: steps without overflow before the scale grows.
+    """
+
+    def __init__(
+        self,
+        precision: _PRECISION_INPUT = "32-true",
+        device: str = "cuda",
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+    ) -> None:
+        if precision not in _HALF:
+            raise RatelConfigError(
+                f"RatelStrategy supports precision '32-true', 'bf16-mixed' and '16-mixed', got {precision!r}"
+            )
+        self.precision = precision
+        self.device = device
+        self.half_dtype: torch.dtype | None = _HALF[precision]
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
+        self.growth_interval = growth_interval
+        self._scale = torch.full((), init_scale, dtype=torch.float32) if precision == "16-mixed" else None
+        self._growth_tracker = 0
+        self._engine: Any = None
+        self.steps_skipped = 0
+
+    @classmethod
+    def from_lightning(cls, plugin: Precision) -> RatelPrecision:
+        """Translate the precision plugin Lightning built from ``Trainer(precision=...)``."""
+        if isinstance(plugin, RatelPrecision):
+            return plugin
+        if type(plugin) is Precision:
+            return cls("32-true")
+        if isinstance(plugin, MixedPrecision):
+            ratel = cls(plugin.precision, device=plugin.device)  # type: ignore[arg-type]
+            return ratel
+        raise RatelConfigError(
+            f"RatelStrategy supports precision '32-true', 'bf16-mixed' and '16-mixed'; got {type(plugin).__name__}"
+            f" (precision={getattr(plugin, 'precision', '?')!r})"
+        )
+
+    def bind(self, engine: Any, device_type: str) -> None:
+        """Attach the engine that runs this fit, and the device type autocast must target."""
+        self._engine = engine
+        self.device = device_type
+
+    @property
+    def loss_scale(self) -> Tensor | None:
+        return self._scale
+
+    @override
+    @contextlib.contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        if self.half_dtype is None:
+            yield
+        else:
+            with torch.autocast(self.device, dtype=self.half_dtype):
+                yield
+
+    @override
+    def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
+        if self._scale is not None:
+            tensor = tensor * self._scale.to(tensor.device)
+        tensor = super().pre_backward(tensor, module)
+        if self._engine is not None:
+            self._engine.pre_backward()
+        return tensor
+
+    @override
+    def post_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
+        if self._engine is not None:
+            self._engine.post_backward()
+        return super().post_backward(tensor, module)
+
+    def _deferred(self, model: pl.LightningModule) -> bool:
+        """Whether updates must wait until backward ends: something global about the gradients is still unknown."""
+        trainer = model.trainer
+        clip_norm = bool(trainer.gradient_clip_val) and trainer.gradient_clip_algorithm in (
+            None, GradClipAlgorithmType.NORM, "norm")
+        custom_clipping = type(model).configure_gradient_clipping is not pl.LightningModule.configure_gradient_clipping
+        return self._scale is not None or clip_norm or custom_clipping
+
+    @override
+    def optimizer_step(  # type: ignore[override]
+        self,
+        optimizer: Any,
+        model: pl.LightningModule,
+        closure: Callable[[], Any],
+        **kwargs: Any,
+    ) -> Any:
+        engine = self._engine
+        trainer = model.trainer
+        deferred = self._deferred(model)
+        algorithm = trainer.gradient_clip_algorithm
+        engine.begin_step(optimizer, trainer.gradient_clip_val, str(algorithm.value if algorithm else "norm"),
+                          deferred)
+        closure_result = closure()
+        self._after_closure(model, optimizer)
+        taken = engine.finish_step(not deferred, self._scale)
+        if self._scale is not None and closure_result is not None:
+            self._update_scale(found_inf=not taken)
+        return closure_result
+
+    def _update_scale(self, found_inf: bool) -> None:
+        """``torch.amp.GradScaler.update`` semantics."""
+        assert self._scale is not None
+        if found_inf:
+            self._scale.mul_(self.backoff_factor)
+            self._growth_tracker = 0
+            self.steps_skipped += 1
+        else:
+            self._growth_tracker += 1
+            if self._growth_tracker == self.growth_interval:
+                self._scale.mul_(self.growth_factor)
+                self._growth_tracker = 0
+
+    @override
+    def clip_gradients(
+        self,
+        optimizer: Any,
+        clip_val: int | float = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
+        if clip_val <= 0:
+            return
+        self._engine.request_clip(clip_val, GradClipAlgorithmType(gradient_clip_algorithm).value)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        if self._scale is None:
+            return {}
+        return {"scale": self._scale.item(), "growth_tracker": self._growth_tracker}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self._scale is not None and state_dict:
+            self._scale.fill_(state_dict["scale"])
+            self._growth_tracker = int(state_dict["growth_tracker"])

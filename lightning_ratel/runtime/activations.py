@@ -1,0 +1,216 @@
+"""Saved-activation placement through autograd's saved-tensor hooks.
+
+Each block runs under its own pack/unpack hooks. What autograd saves is one of:
+
+- a view of a paged parameter: saved as a reference and rebuilt from the resident copy in backward (saving it would
+  pin the whole parameter on the device and defeat paging);
+- a tensor under the block's policy: ``keep`` (left on the device), ``host`` (copied to host memory on the
+  device->host stream) or ``ssd`` (copied to host, then written to the swap store; read back one block ahead of
+  backward, or handed back from memory if its write has not finished: forwarding).
+
+``recompute`` is applied by the engine with :func:`torch.utils.checkpoint.checkpoint` around the block and never
+reaches these hooks. A tensor object saved by several ops is packed once (deduplication).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lightning_ratel.runtime.device import Device
+from lightning_ratel.runtime.pager import ParameterPager
+
+POLICIES = ("keep", "host", "ssd", "recompute")
+
+
+@dataclass
+class _ParamRef:
+    block: int
+    unit: int
+    dtype: torch.dtype
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+@dataclass
+class _HostRef:
+    block: int
+    host: torch.Tensor
+    event: Any
+
+
+@dataclass
+class _SsdRef:
+    block: int
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    # The staging copy, kept until the store write completes so backward can use it directly (forwarding).
+    host: torch.Tensor | None
+    write: Future | None = None
+    read: Future | None = None
+    read_buffer: torch.Tensor | None = None
+
+
+@dataclass
+class _Counters:
+    host_bytes: int = 0
+    ssd_bytes: int = 0
+    forwarded: int = 0
+    deduplicated: int = 0
+    by_policy: dict[str, int] = field(default_factory=dict)
+
+
+class ActivationCache:
+    """Packs and unpacks saved tensors according to each block's policy.
+
+    Args:
+        device: the compute device.
+        pager: the parameter pager, to recognise parameter views.
+        policies: policy per block index.
+        store: the swap store for the ``ssd`` policy, created on first use.
+        on_unpack: called with the block index before a tensor of that block is unpacked (drives backward paging).
+        min_bytes: tensors smaller than this stay on the device; moving them costs more than it saves.
+    """
+
+    def __init__(
+        self,
+        device: Device,
+        pager: ParameterPager,
+        policies: list[str],
+        store: Callable[[], Any],
+        on_unpack: Callable[[int], None],
+        min_bytes: int = 1024,
+    ) -> None:
+        self.device = device
+        self.pager = pager
+        self.policies = policies
+        self._store_factory = store
+        self._store: Any = None
+        self._on_unpack = on_unpack
+        self.min_bytes = min_bytes
+        self._io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ratel-act")
+        self._by_block: dict[int, list[_SsdRef]] = {}
+        # id -> (weak reference, packed ref): a dead tensor whose id is reused never matches its weak reference.
+        self._dedup: dict[int, tuple[weakref.ref, Any]] = {}
+        self._counter = 0
+        self._pending_writes: list[Future] = []
+        self.stats = _Counters()
+
+    def hooks(self, block: int) -> torch.autograd.graph.saved_tensors_hooks:
+        """The saved-tensor hooks context for one forward pass of ``block``."""
+        return torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(block, t), self._unpack)
+
+    @property
+    def store(self) -> Any:
+        if self._store is None:
+            self._store = self._store_factory()
+        return self._store
+
+    def _pack(self, block: int, t: torch.Tensor) -> Any:
+        located = self.pager.param_view(t.untyped_storage().data_ptr())
+        if located is not None:
+            return _ParamRef(block, located[0], located[1], t.storage_offset(), tuple(t.size()), tuple(t.stride()))
+        policy = self.policies[block]
+        nbytes = t.numel() * t.element_size()
+        if policy == "keep" or nbytes < self.min_bytes or t.device != self.device.device:
+            return t
+        known = self._dedup.get(id(t))
+        if known is not None and known[0]() is t:
+            self.stats.deduplicated += 1
+            return known[1]
+        if policy == "host":
+            host, event = self.device.to_host(t.detach())
+            ref: Any = _HostRef(block, host, event)
+            self.stats.host_bytes += nbytes
+        else:
+            ref = self._pack_ssd(block, t.detach(), nbytes)
+        self.stats.by_policy[policy] = self.stats.by_policy.get(policy, 0) + nbytes
+        self._dedup[id(t)] = (weakref.ref(t), ref)
+        return ref
+
+    def _pack_ssd(self, block: int, t: torch.Tensor, nbytes: int) -> _SsdRef:
+        # Flattened contiguous staging copy: the store reads raw bytes.
+        staging = self.device.host_empty(t.numel(), t.dtype)
+        flat = t.contiguous().view(-1) if not self.device.is_cuda else t.reshape(-1)
+        staged, event = self.device.to_host(flat, out=staging)
+        key = f"act{block}.{self._counter}.{nbytes}"
+        self._counter += 1
+        ref = _SsdRef(block, key, tuple(t.shape), t.dtype, staged)
+        store = self.store
+
+        def write() -> None:
+            event.synchronize()
+            store.write(key, staged).result()
+
+        ref.write = self._io.submit(write)
+        ref.write.add_done_callback(lambda f, r=ref: self._written(r, f))
+        self._pending_writes.append(ref.write)
+        self._by_block.setdefault(block, []).append(ref)
+        self.stats.ssd_bytes += nbytes
+        return ref
+
+    @staticmethod
+    def _written(ref: _SsdRef, future: Future) -> None:
+        # Free the staging copy once the data is safely on disk; a failed write keeps it so the error surfaces
+        # from the future instead of as a missing buffer.
+        if future.exception() is None:
+            ref.host = None
+
+    def prefetch_block(self, block: int) -> None:
+        """Start reading ``block``'s swapped tensors back from the store (called one block ahead in backward)."""
+        for ref in self._by_block.get(block, ()):
+            if ref.read is None and ref.host is None:
+                ref.read_buffer = self.device.host_empty(int(torch.Size(ref.shape).numel()), ref.dtype)
+                ref.read = self.store.read(ref.key, ref.read_buffer)
+
+    def _unpack(self, ref: Any) -> torch.Tensor:
+        if isinstance(ref, torch.Tensor):
+            return ref
+        self._on_unpack(ref.block)
+        if isinstance(ref, _ParamRef):
+            flat = self.pager.device_flat(ref.unit, ref.dtype)
+            return flat.as_strided(ref.size, ref.stride, ref.offset)
+        if isinstance(ref, _HostRef):
+            out, event = self.device.to_device(ref.host)
+            self.device.wait(event)
+            return out
+        host = ref.host
+        if host is not None:
+            self.stats.forwarded += 1
+        else:
+            if ref.read is None:
+                self.prefetch_block(ref.block)
+            host = ref.read.result()
+        out, event = self.device.to_device(host.view(ref.shape))
+        self.device.wait(event)
+        return out
+
+    def end_pass(self) -> None:
+        """Forget this pass's tensors once backward is done; waits for writes still in flight (and raises theirs)."""
+        pending, self._pending_writes = self._pending_writes, []
+        self._by_block.clear()
+        self._dedup.clear()
+        self._counter = 0
+        for future in pending:
+            future.result()
+
+    @property
+    def host_bytes_in_use(self) -> int:
+        return sum(
+            ref.host.numel() * ref.host.element_size() if ref.host is not None else 0
+            for refs in self._by_block.values()
+            for ref in refs
+        )
+
+    def close(self) -> None:
+        self._io.shutdown(wait=True)
+        if self._store is not None:
+            self._store.close()
+            self._store = None

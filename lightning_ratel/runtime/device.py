@@ -1,0 +1,130 @@
+"""One device abstraction for CPU and CUDA.
+
+Every mechanism in :mod:`lightning_ratel.runtime` moves data through this class, so the same code runs on a machine
+without a GPU: on CPU, side streams and events become no-ops and pinned memory becomes ordinary memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+
+class _DoneEvent:
+    """Stands in for a CUDA event on CPU, where every copy has completed when it returns."""
+
+    def synchronize(self) -> None:
+        return None
+
+    def wait(self, stream: object = None) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+class Device:
+    """The compute device plus the side streams used for traffic to and from the host.
+
+    Args:
+        device: ``cpu`` or a CUDA device.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self.is_cuda = self.device.type == "cuda"
+        if self.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"lightning_ratel runs on 'cpu' or 'cuda' devices, got {self.device}")
+        if self.is_cuda:
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            # Host->device (params, activations in) and device->host (grads, activations out) get their own streams
+            # so both directions of the PCIe link are busy while the compute stream runs.
+            self.h2d_stream = torch.cuda.Stream(self.device)
+            self.d2h_stream = torch.cuda.Stream(self.device)
+        else:
+            self.h2d_stream = None
+            self.d2h_stream = None
+
+    def host_empty(self, shape: tuple[int, ...] | int, dtype: torch.dtype) -> torch.Tensor:
+        """Host memory for transfers: pinned on CUDA so copies are asynchronous, plain memory on CPU."""
+        return torch.empty(shape, dtype=dtype, pin_memory=self.is_cuda)
+
+    @contextlib.contextmanager
+    def on(self, stream: torch.cuda.Stream | None) -> Iterator[None]:
+        """Run the enclosed work on ``stream`` (a no-op on CPU)."""
+        if stream is None:
+            yield
+        else:
+            with torch.cuda.stream(stream):
+                yield
+
+    def record(self, stream: torch.cuda.Stream | None = None) -> torch.cuda.Event | _DoneEvent:
+        """An event marking all work queued so far on ``stream`` (default: the current stream)."""
+        if not self.is_cuda:
+            return _DoneEvent()
+        event = torch.cuda.Event()
+        event.record(stream if stream is not None else torch.cuda.current_stream(self.device))
+        return event
+
+    def wait(self, event: torch.cuda.Event | _DoneEvent) -> None:
+        """Make the current stream wait for ``event`` without blocking the host."""
+        if self.is_cuda:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+    def wait_stream(self, stream: torch.cuda.Stream | None) -> None:
+        """Make ``stream`` wait for the work queued so far on the current stream."""
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def keep_alive(self, tensor: torch.Tensor, stream: torch.cuda.Stream | None = None) -> None:
+        """Tell the caching allocator that ``tensor`` is used on ``stream`` (default: current), so it is not reused
+        while work on that stream may still read or write it."""
+        if self.is_cuda:
+            tensor.record_stream(stream if stream is not None else torch.cuda.current_stream(self.device))
+
+    def to_host(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, object]:
+        """Copy a device tensor to host memory on the device->host stream.
+
+        On CPU the tensor already is in host memory and is returned as it is, so no copy is made.
+
+        Returns:
+            The host tensor and an event that completes when the copy has landed.
+        """
+        if not self.is_cuda:
+            if out is None:
+                return tensor, _DoneEvent()
+            out.copy_(tensor)
+            return out, _DoneEvent()
+        if out is None:
+            out = self.host_empty(tuple(tensor.shape), tensor.dtype)
+        self.wait_stream(self.d2h_stream)
+        with self.on(self.d2h_stream):
+            out.copy_(tensor, non_blocking=True)
+            self.keep_alive(tensor, self.d2h_stream)
+            event = self.record(self.d2h_stream)
+        return out, event
+
+    def to_device(self, host: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, object]:
+        """Copy a host tensor to the device on the host->device stream.
+
+        ``out`` is filled when given; otherwise a new device tensor is allocated on the transfer stream. The
+        caller makes the compute stream :meth:`wait` for the returned event before using the result.
+        """
+        if not self.is_cuda:
+            if out is None:
+                return host, _DoneEvent()
+            out.copy_(host)
+            return out, _DoneEvent()
+        with self.on(self.h2d_stream):
+            if out is None:
+                out = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+            out.copy_(host, non_blocking=True)
+            event = self.record(self.h2d_stream)
+        return out, event
+
+    def in_backward(self) -> bool:
+        """Whether the calling thread is running an autograd backward pass."""
+        return torch._C._current_graph_task_id() != -1

@@ -1,0 +1,361 @@
+"""The out-of-core CPU AdamW pipeline.
+
+Optimizer state is kept per *shard*: the parameters of one unit (block) that share a parameter group and a compute
+dtype, so a shard's 16-bit copies are one contiguous range of the unit's host cache and its fp32 master, ``exp_avg``
+and ``exp_avg_sq`` are three flat tensors in the swap store.
+
+Gradients reach a single worker thread in the order backward produces them. The worker accumulates them into the
+shard's host fp32 buffer; when a shard's last gradient of the boundary micro-batch arrives (and nothing global such
+as a norm is still unknown) it runs the shard's update: read master and moments from the store (issued ahead while
+the previous shard computes), AdamW in place, write the new compute copy into the host cache (the next forward may
+page the block in from then on), write master and moments back (finishing while the next shard computes).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_ratel import ops
+from lightning_ratel.runtime.pager import Unit
+from lightning_ratel.runtime.storage import TensorStore, aligned_empty
+
+
+@dataclass
+class ShardParam:
+    """One parameter's place in a shard; ``step`` mirrors ``torch.optim.AdamW``'s per-parameter step."""
+
+    name: str
+    param: nn.Parameter
+    index: int
+    offset: int
+    numel: int
+    shape: torch.Size
+    step: int = 0
+    has_grad: bool = False
+    seen: bool = False
+
+    def grad_view(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat[self.offset : self.offset + self.numel].view(self.shape)
+
+
+@dataclass
+class Shard:
+    """Parameters of one unit, one parameter group and one compute dtype."""
+
+    index: int
+    unit: Unit
+    group: int
+    dtype: torch.dtype
+    host_offset: int
+    params: list[ShardParam]
+    numel: int
+    grad: torch.Tensor = field(repr=False, default=None)  # type: ignore[assignment]
+    arrived: int = 0
+    scheduled: bool = False
+    # Updates asked for by the training thread vs. finished by the worker; the unit is current when they match.
+    expected: int = 0
+    done: int = 0
+    moments_on_store: bool = False
+    last_write: Future | None = None
+
+    def key(self, what: str) -> str:
+        return f"shard{self.index}.{what}"
+
+    @property
+    def host_copy(self) -> torch.Tensor:
+        return self.unit.host[self.dtype][self.host_offset : self.host_offset + self.numel]
+
+
+@dataclass(frozen=True)
+class GroupHyper:
+    """Hyperparameters of one parameter group, read from the user's optimizer at the start of each step."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    decoupled: bool
+
+
+@dataclass
+class StepPlan:
+    """How this optimizer step's updates run: hyperparameters per group, whether they start during backward, and
+    the element-wise clip each shard applies to its own gradients first (global transforms such as norm clipping and
+    loss unscaling are applied by the engine before it schedules the updates)."""
+
+    hyper: list[GroupHyper]
+    overlap: bool
+    clip_value: float | None = None
+
+
+class _Buffers:
+    def __init__(self, numel: int) -> None:
+        self.master = aligned_empty(numel, torch.float32)
+        self.exp_avg = aligned_empty(numel, torch.float32)
+        self.exp_avg_sq = aligned_empty(numel, torch.float32)
+
+
+class CpuAdam:
+    """Consumes gradients as backward produces them and updates shards on the CPU, overlapped with backward.
+
+    Args:
+        shards: every shard, in any order.
+        store: the swap store holding masters and moments.
+        depth: buffer sets in flight (one reading, one computing, one writing back).
+        clock: the time source for the recorded timeline.
+    """
+
+    def __init__(self, shards: list[Shard], store: TensorStore, depth: int = 3,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.shards = shards
+        self.store = store
+        self.clock = clock
+        largest = max((s.numel for s in shards), default=1)
+        self._free = [_Buffers(largest) for _ in range(depth)]
+        self._jobs: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._ready: deque[tuple[Shard, StepPlan]] = deque()
+        self._inflight: deque[tuple[Shard, StepPlan, _Buffers, list[Future]]] = deque()
+        self._writes_pending = 0
+        self._barriers: list[Future] = []
+        self._error: BaseException | None = None
+        self._plan: StepPlan | None = None
+        self._cond = threading.Condition()
+        self._unit_shards: dict[int, list[Shard]] = {}
+        for shard in shards:
+            self._unit_shards.setdefault(shard.unit.index, []).append(shard)
+        self.timeline: list[tuple[str, float]] = []
+        self._worker = threading.Thread(target=self._run, name="ratel-cpu-adam", daemon=True)
+        self._worker.start()
+
+    @property
+    def host_buffer_bytes(self) -> int:
+        return sum(3 * b.master.numel() * 4 for b in self._free)
+
+    # Called from the autograd thread.
+    def gradient(self, shard: Shard, sp: ShardParam, grad: torch.Tensor, event: Any) -> None:
+        """Hand over one parameter's gradient, already on (or travelling to) host memory."""
+        self._jobs.put(("grad", shard, sp, grad, event))
+
+    # Called from the training thread.
+    def begin(self, plan: StepPlan | None) -> None:
+        """Start a micro-batch; ``plan`` is set on the boundary micro-batch of an accumulation window."""
+        self._jobs.put(("begin", plan))
+
+    def schedule(self, plan: StepPlan, shards: list[Shard]) -> None:
+        """Update ``shards`` under ``plan`` (the ones whose update was not started during backward)."""
+        self._jobs.put(("schedule", plan, shards))
+
+    def barrier(self, include_writes: bool = False) -> None:
+        """Wait until all work handed over so far is done (and, optionally, written back); re-raise its error."""
+        future: Future = Future()
+        self._jobs.put(("barrier", future, include_writes))
+        future.result()
+
+    def close(self) -> None:
+        self._jobs.put(("stop",))
+        self._worker.join()
+
+    def check(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def expect(self, shards: list[Shard]) -> None:
+        """Record that ``shards`` will be updated in this step, before any forward may page their units in."""
+        with self._cond:
+            for shard in shards:
+                shard.expected += 1
+
+    def unit_ready(self, unit: int) -> bool:
+        return all(s.done >= s.expected for s in self._unit_shards.get(unit, ()))
+
+    def wait_unit(self, unit: int) -> None:
+        """Block until every update of ``unit`` asked for so far has written its new compute copy."""
+        with self._cond:
+            while not self.unit_ready(unit) and self._error is None:
+                self._cond.wait()
+        self.check()
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            kind = job[0]
+            if kind == "stop":
+                return
+            try:
+                self._handle(job)
+                self._advance()
+            except BaseException as err:  # noqa: BLE001 - handed to the training thread through barrier/check
+                self._fail(err)
+            self._resolve_barriers()
+
+    def _fail(self, err: BaseException) -> None:
+        with self._cond:
+            if self._error is None:
+                self._error = err
+            # Nobody may wait forever for an update that will not come.
+            self._cond.notify_all()
+        self._ready.clear()
+
+    def _handle(self, job: tuple[Any, ...]) -> None:
+        kind = job[0]
+        if kind == "grad":
+            _, shard, sp, grad, event = job
+            if self._error is not None:
+                return
+            event.synchronize()
+            plan = self._plan
+            if shard.scheduled and plan is not None and plan.overlap:
+                raise RuntimeError(
+                    f"a gradient of {sp.name} arrived after its shard was updated; RatelStrategy expects each "
+                    "parameter's gradient once per backward pass"
+                )
+            view = sp.grad_view(shard.grad)
+            if sp.has_grad:
+                view.add_(grad)
+            else:
+                view.copy_(grad)
+                sp.has_grad = True
+            if not sp.seen:
+                sp.seen = True
+                shard.arrived += 1
+            if plan is not None and plan.overlap and shard.arrived == len(shard.params) and not shard.scheduled:
+                self._enqueue(shard, plan)
+        elif kind == "begin":
+            self._plan = job[1]
+            for shard in self.shards:
+                shard.arrived = 0
+                shard.scheduled = False
+                for sp in shard.params:
+                    sp.seen = False
+        elif kind == "schedule":
+            _, plan, shards = job
+            for shard in shards:
+                if not shard.scheduled:
+                    self._enqueue(shard, plan)
+        elif kind == "freed":
+            self._free.append(job[1])
+            self._writes_pending -= 1
+        elif kind == "barrier":
+            self._barriers.append((job[1], job[2]))
+
+    def _enqueue(self, shard: Shard, plan: StepPlan) -> None:
+        shard.scheduled = True
+        if any(sp.has_grad for sp in shard.params):
+            self._ready.append((shard, plan))
+
+    def _advance(self) -> None:
+        while True:
+            while self._ready and self._free and self._error is None:
+                shard, plan = self._ready.popleft()
+                buffers = self._free.pop()
+                self._inflight.append((shard, plan, buffers, self._read(shard, buffers)))
+            # Gradients are cheap to take in and unblock backward's memory; updates wait for an empty queue.
+            if not self._inflight or not self._jobs.empty() or self._error is not None:
+                return
+            shard, plan, buffers, reads = self._inflight.popleft()
+            self._update(shard, plan, buffers, reads)
+
+    def _read(self, shard: Shard, b: _Buffers) -> list[Future]:
+        if shard.last_write is not None:
+            shard.last_write.result()
+        n = shard.numel
+        reads = [self.store.read(shard.key("master"), b.master[:n])]
+        if shard.moments_on_store:
+            reads.append(self.store.read(shard.key("exp_avg"), b.exp_avg[:n]))
+            reads.append(self.store.read(shard.key("exp_avg_sq"), b.exp_avg_sq[:n]))
+        return reads
+
+    def _update(self, shard: Shard, plan: StepPlan, b: _Buffers, reads: list[Future]) -> None:
+        for r in reads:
+            r.result()
+        self.timeline.append((f"update_start:{shard.index}", self.clock()))
+        n = shard.numel
+        master, exp_avg, exp_avg_sq = b.master[:n], b.exp_avg[:n], b.exp_avg_sq[:n]
+        if not shard.moments_on_store:
+            exp_avg.zero_()
+            exp_avg_sq.zero_()
+        grad = shard.grad
+        if plan.clip_value is not None:
+            grad.clamp_(min=-plan.clip_value, max=plan.clip_value)
+        hyper = plan.hyper[shard.group]
+        out = shard.host_copy
+        with_grad = [sp for sp in shard.params if sp.has_grad]
+        if len(with_grad) == len(shard.params) and len({sp.step for sp in with_grad}) == 1:
+            step = with_grad[0].step + 1
+            self._adamw(master, grad, exp_avg, exp_avg_sq, out, hyper, step)
+        else:
+            for sp in with_grad:
+                sl = slice(sp.offset, sp.offset + sp.numel)
+                self._adamw(master[sl], grad[sl], exp_avg[sl], exp_avg_sq[sl], out[sl], hyper, sp.step + 1)
+        for sp in with_grad:
+            sp.step += 1
+            sp.has_grad = False
+        shard.moments_on_store = True
+        with self._cond:
+            shard.done += 1
+            self._cond.notify_all()
+        self.timeline.append((f"update_end:{shard.index}", self.clock()))
+        writes = [
+            self.store.write(shard.key("master"), master),
+            self.store.write(shard.key("exp_avg"), exp_avg),
+            self.store.write(shard.key("exp_avg_sq"), exp_avg_sq),
+        ]
+        self._writes_pending += 1
+        done: Future = Future()
+        shard.last_write = done
+        remaining = [len(writes)]
+        lock = threading.Lock()
+
+        def finished(f: Future) -> None:
+            with lock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if f.exception() is not None and not done.done():
+                done.set_exception(f.exception())
+                self._jobs.put(("freed", b))
+                return
+            if last and not done.done():
+                done.set_result(None)
+                self._jobs.put(("freed", b))
+
+        for w in writes:
+            w.add_done_callback(finished)
+
+    @staticmethod
+    def _adamw(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+               out: torch.Tensor, h: GroupHyper, step: int) -> None:
+        ops.fused_adamw_(master, grad, exp_avg, exp_avg_sq, out, lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
+                         weight_decay=h.weight_decay, step=step, decoupled=h.decoupled)
+
+    def _resolve_barriers(self) -> None:
+        if not self._barriers:
+            return
+        busy = bool(self._ready or self._inflight) and self._error is None
+        keep = []
+        for future, include_writes in self._barriers:
+            if self._error is not None:
+                future.set_exception(self._error)
+            elif busy or not self._jobs.empty() or (include_writes and self._writes_pending):
+                keep.append((future, include_writes))
+            else:
+                for shard in self.shards:
+                    if shard.last_write is not None and shard.last_write.done():
+                        err = shard.last_write.exception()
+                        if err is not None:
+                            self._fail(err)
+                            future.set_exception(err)
+                            break
+                else:
+                    future.set_result(None)
+        self._barriers = keep

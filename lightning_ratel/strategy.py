@@ -1,0 +1,207 @@
+"""RatelStrategy: the Lightning entry point.
+
+A thin adapter: it validates the configuration, builds a :class:`~lightning_ratel.engine.RatelEngine` for each
+fit/validate/test/predict run, and forwards Lightning's events to it. It never moves data itself.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.accelerators import Accelerator, CUDAAccelerator
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.types import STEP_OUTPUT
+from torch import nn
+from typing_extensions import override
+
+import lightning.pytorch as pl
+from lightning_ratel.engine import ActivationPolicy, EngineConfig, RatelEngine
+from lightning_ratel.errors import RatelConfigError
+from lightning_ratel.precision import RatelPrecision
+from lightning_ratel.runtime.activations import POLICIES
+
+
+class RatelStrategy(SingleDeviceStrategy):
+    """Fine-tune a model larger than device memory on one device, with model states on NVMe.
+
+    The fp32 master weights and Adam moments live in swap files striped over ``ssd_paths``; 16-bit (or fp32)
+    compute copies live in host memory and visit the device block by block; each gradient leaves the device as soon
+    as it is accumulated and a CPU AdamW updates the block while backward continues; saved activations are kept,
+    moved to host memory or to the swap files, or recomputed, per block.
+
+    Args:
+        ssd_paths: directories for the swap files (one file per directory; use one directory per NVMe drive).
+            ``None``: ``<Trainer default_root_dir>/ratel_swap``.
+        prefetch_depth: how many blocks ahead parameters (and swapped activations, in backward) are fetched.
+        keep_swap_files: keep the swap files after the run instead of deleting them.
+        activation_policy: ``"keep"``, ``"host"``, ``"ssd"`` or ``"recompute"`` for every block, or a mapping from
+            ``fnmatch`` patterns over block names to policies (first match wins; unmatched blocks keep).
+        blocks: names of the modules to treat as the repeated blocks, or a callable returning them from the model;
+            ``None`` detects them (a transformers model's decoder layers, or the largest ``nn.ModuleList``).
+        accelerator: the accelerator; normally set by the Trainer.
+        checkpoint_io: how checkpoints are written; normally set by the Trainer.
+    """
+
+    strategy_name = "ratel"
+
+    def __init__(
+        self,
+        ssd_paths: list[str] | None = None,
+        prefetch_depth: int = 1,
+        keep_swap_files: bool = False,
+        activation_policy: str | dict[str, str] = "host",
+        blocks: list[str] | Callable[[nn.Module], list[str]] | None = None,
+        accelerator: Accelerator | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+    ) -> None:
+        super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io)
+        if isinstance(ssd_paths, (str, os.PathLike)):
+            ssd_paths = [os.fspath(ssd_paths)]
+        if ssd_paths is not None and not ssd_paths:
+            raise RatelConfigError("`ssd_paths` is empty: give at least one directory, or None for the default")
+        if not isinstance(prefetch_depth, int) or prefetch_depth < 0:
+            raise RatelConfigError(f"`prefetch_depth` must be an integer >= 0, got {prefetch_depth!r}")
+        policies = [activation_policy] if isinstance(activation_policy, str) else list(activation_policy.values())
+        bad = [p for p in policies if p not in POLICIES]
+        if bad:
+            raise RatelConfigError(f"`activation_policy` values must be one of {POLICIES}, got {bad}")
+        self.ssd_paths = [os.fspath(p) for p in ssd_paths] if ssd_paths is not None else None
+        self.prefetch_depth = prefetch_depth
+        self.keep_swap_files = keep_swap_files
+        self.activation_policy: ActivationPolicy = activation_policy
+        self.blocks = blocks
+        self._engine: RatelEngine | None = None
+        self._exception: BaseException | None = None
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        if isinstance(self.accelerator, CUDAAccelerator):
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    @property  # type: ignore[override]
+    @override
+    def precision_plugin(self) -> RatelPrecision:
+        return self._precision_plugin if self._precision_plugin is not None else RatelPrecision("32-true")
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, precision_plugin: Precision | None) -> None:
+        # Lightning assigns the plugin it built from Trainer(precision=...); translate it rather than override it.
+        self._precision_plugin = None if precision_plugin is None else RatelPrecision.from_lightning(precision_plugin)
+
+    @property
+    def engine(self) -> RatelEngine | None:
+        """The engine of the current run (``None`` outside one)."""
+        return self._engine
+
+    @override
+    def model_to_device(self) -> None:
+        # Parameters are paged by the engine; only buffers (masks, rotary tables) live on the device for good.
+        assert self.model is not None
+        for module in self.model.modules():
+            for name, buf in module._buffers.items():
+                if buf is not None:
+                    module._buffers[name] = buf.to(self.root_device)
+        self.lightning_module._device = self.root_device  # type: ignore[union-attr]
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None and self.lightning_module is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        optimizer = None
+        if trainer.state.fn == TrainerFn.FITTING:
+            if not module.automatic_optimization:
+                raise RatelConfigError("RatelStrategy runs the optimizer itself and needs automatic optimization")
+            self.setup_optimizers(trainer)
+            if len(self.optimizers) != 1:
+                raise RatelConfigError(f"RatelStrategy supports one optimizer, got {len(self.optimizers)}")
+            optimizer = self.optimizers[0]
+        self.model_to_device()
+        ssd_paths = self.ssd_paths
+        if ssd_paths is None:
+            default = os.path.join(trainer.default_root_dir, "ratel_swap")
+            os.makedirs(default, exist_ok=True)
+            ssd_paths = [default]
+        config = EngineConfig(
+            ssd_paths=ssd_paths,
+            prefetch_depth=self.prefetch_depth,
+            keep_swap_files=self.keep_swap_files,
+            activation_policy=self.activation_policy,
+            blocks=self.blocks,
+        )
+        precision = self.precision_plugin
+        self._exception = None
+        self._engine = RatelEngine(module, self.root_device, config, precision.half_dtype, optimizer)
+        precision.bind(self._engine, self.root_device.type)
+        self.setup_precision_plugin()
+        placement = self._engine.byte_placement()
+        rank_zero_info(
+            f"RatelStrategy: {len(self._engine.blocks)} blocks on {self.root_device}; "
+            + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in placement.items())
+        )
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        assert self._engine is not None
+        self._engine.begin_micro_batch()
+        return super().training_step(*args, **kwargs)
+
+    def byte_placement(self) -> dict[str, int]:
+        """Bytes held right now on the device, in host memory and on disk (empty outside a run)."""
+        return self._engine.byte_placement() if self._engine is not None else {}
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self._engine is None:
+            return super().lightning_module_state_dict()
+        return self._engine.state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        if self._engine is not None and optimizer is self._engine.optimizer:
+            return self._engine.optimizer_state_dict()
+        return super().optimizer_state(optimizer)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if self._engine is None or self._engine.optimizer is None:
+            super().load_optimizer_state_dict(checkpoint)
+            return
+        self._engine.load_optimizer_state_dict(checkpoint["optimizer_states"][0])
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._exception = exception
+
+    @override
+    def teardown(self) -> None:
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            try:
+                engine.close(restore=True)
+            except Exception as err:
+                if self._exception is None:
+                    raise
+                # Do not hide the error that stopped training; the last checkpoint holds the state.
+                rank_zero_warn(f"RatelStrategy could not restore the parameters after {self._exception!r}: {err!r}")
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls, description="Model states on NVMe, paged parameters, overlapped CPU AdamW"
+        )
