@@ -137,6 +137,10 @@ class RatelPrecision(Precision):
         closure_result = closure()
         self._after_closure(model, optimizer)
         taken = engine.finish_step(not deferred, self._scale)
+        if taken:
+            # LR schedulers count optimizer.step() calls to warn about a wrong call order; the engine's update is
+            # that step.
+            optimizer._opt_called = True
         if self._scale is not None and closure_result is not None:
             self._update_scale(found_inf=not taken)
         return closure_result

@@ -24,6 +24,7 @@ import torch
 
 from lightning_ratel.runtime.device import Device
 from lightning_ratel.runtime.pager import ParameterPager
+from lightning_ratel.runtime.storage import aligned_empty
 
 POLICIES = ("keep", "host", "ssd", "recompute")
 
@@ -137,7 +138,8 @@ class ActivationCache:
 
     def _pack_ssd(self, block: int, t: torch.Tensor, nbytes: int) -> _SsdRef:
         # Flattened contiguous staging copy: the store reads raw bytes.
-        staging = self.device.host_empty(t.numel(), t.dtype)
+        # Page-aligned so the store's direct I/O goes straight from this buffer.
+        staging = aligned_empty(t.numel(), t.dtype, pin=self.device.is_cuda)
         flat = t.contiguous().view(-1) if not self.device.is_cuda else t.reshape(-1)
         staged, event = self.device.to_host(flat, out=staging)
         key = f"act{block}.{self._counter}.{nbytes}"
@@ -167,7 +169,7 @@ class ActivationCache:
         """Start reading ``block``'s swapped tensors back from the store (called one block ahead in backward)."""
         for ref in self._by_block.get(block, ()):
             if ref.read is None and ref.host is None:
-                ref.read_buffer = self.device.host_empty(int(torch.Size(ref.shape).numel()), ref.dtype)
+                ref.read_buffer = aligned_empty(int(torch.Size(ref.shape).numel()), ref.dtype, pin=self.device.is_cuda)
                 ref.read = self.store.read(ref.key, ref.read_buffer)
 
     def _unpack(self, ref: Any) -> torch.Tensor:

@@ -1,0 +1,143 @@
+"""Train a small Llama on Genesis with every Ratel offload tier active, then show where the bytes are.
+
+Run from the repository root: `make demo`, or `.venv/bin/python examples/demo.py`.
+`--strategy auto` runs the same training with Lightning's own strategy, for comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from rich.console import Console
+from rich.table import Table
+
+from lightning_ratel import RatelStrategy
+from lm_module import CausalLMModule
+from text_data import TextDataModule
+
+OUTPUTS = Path("outputs")
+
+# Block names are module paths inside the LightningModule (self.model.model.layers.N); the first
+# pattern that matches wins, so the list below puts each offload tier on a different layer.
+ACTIVATION_POLICY = {
+    "*layers.0": "host",
+    "*layers.1": "ssd",
+    "*layers.2": "recompute",
+    "*": "host",
+}
+
+
+class DemoReport(L.Callback):
+    """Prints the loss and throughput every `every` optimizer steps and a summary at the end."""
+
+    def __init__(self, console: Console, every: int = 10) -> None:
+        self.console = console
+        self.every = every
+        self.first_loss: float | None = None
+        self.tokens = 0
+        self.window_tokens = 0
+        self.started = 0.0
+        self.window_started = 0.0
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.started = self.window_started = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        tokens = batch["input_ids"].numel()
+        self.tokens += tokens
+        self.window_tokens += tokens
+        step = trainer.global_step
+        if self.first_loss is None:
+            self.first_loss = float(trainer.callback_metrics["train_loss"])
+        if step % self.every != 0 and step != trainer.max_steps:
+            return
+        # Reading the loss waits for the device, so the clock is read after it.
+        loss = float(trainer.callback_metrics["train_loss"])
+        now = time.perf_counter()
+        rate = self.window_tokens / (now - self.window_started)
+        self.console.print(f"step {step:4d}  train_loss {loss:7.4f}  {rate:9.0f} tokens/s")
+        self.window_tokens = 0
+        self.window_started = now
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        val_loss = float(trainer.callback_metrics["val_loss"])
+        self.console.print(f"step {trainer.global_step:4d}  val_loss   {val_loss:7.4f}")
+        # Validation time is not training throughput.
+        self.window_started = time.perf_counter()
+        self.window_tokens = 0
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        elapsed = time.perf_counter() - self.started
+        final_loss = float(trainer.callback_metrics["train_loss"])
+        self.console.print(
+            f"\ntrain_loss: first {self.first_loss:.4f} -> final {final_loss:.4f} "
+            f"after {trainer.global_step} steps; {self.tokens / elapsed:.0f} tokens/s overall"
+        )
+        # Called here, not after fit(), because teardown releases the engine and its swap files.
+        if isinstance(trainer.strategy, RatelStrategy):
+            self.console.print(placement_table(trainer.strategy.byte_placement()))
+
+
+def placement_table(placement: dict[str, int]) -> Table:
+    total = sum(placement.values())
+    table = Table(title="Where the training state lives now")
+    table.add_column("tier")
+    table.add_column("bytes", justify="right")
+    table.add_column("MiB", justify="right")
+    table.add_column("share", justify="right")
+    for tier, size in placement.items():
+        share = f"{100 * size / total:.1f}%" if total else "-"
+        table.add_row(tier, f"{size:,}", f"{size / 2**20:.1f}", share)
+    table.add_row("total", f"{total:,}", f"{total / 2**20:.1f}", "", style="bold")
+    return table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--strategy", choices=["ratel", "auto"], default="ratel")
+    parser.add_argument("--max-steps", type=int, default=50)
+    args = parser.parse_args()
+
+    console = Console()
+    L.seed_everything(0, workers=True)
+    on_gpu = torch.cuda.is_available()
+    if args.strategy == "ratel":
+        swap_dir = OUTPUTS / "demo-swap"
+        swap_dir.mkdir(parents=True, exist_ok=True)
+        strategy = RatelStrategy(ssd_paths=[str(swap_dir)], prefetch_depth=1, activation_policy=ACTIVATION_POLICY)
+    else:
+        strategy = "auto"
+
+    data = TextDataModule()
+    model = CausalLMModule(vocab_size=data.vocab_size, max_seq_len=data.seq_len)
+    params = sum(p.numel() for p in model.parameters())
+    console.print(f"Llama with {params / 1e6:.2f}M parameters, strategy {args.strategy}, {'GPU' if on_gpu else 'CPU'}")
+
+    trainer = L.Trainer(
+        accelerator="gpu" if on_gpu else "cpu",
+        devices=1,
+        strategy=strategy,
+        precision="bf16-mixed" if on_gpu else "32-true",
+        max_steps=args.max_steps,
+        gradient_clip_val=1.0,
+        # Validate by optimizer step, across epoch boundaries, rather than at epoch ends.
+        val_check_interval=25,
+        check_val_every_n_epoch=None,
+        limit_val_batches=2,
+        num_sanity_val_steps=0,
+        logger=CSVLogger(OUTPUTS, name="demo"),
+        log_every_n_steps=10,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        callbacks=[DemoReport(console)],
+    )
+    trainer.fit(model, datamodule=data)
+
+
+if __name__ == "__main__":
+    main()

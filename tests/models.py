@@ -1,0 +1,122 @@
+"""Tiny models and a runner shared by the tests: the same module trained with and without RatelStrategy."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+VOCAB = 64
+SEQ = 16
+
+
+def tiny_llama(layers: int = 3) -> nn.Module:
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                      tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg)
+
+
+def tiny_gpt2() -> nn.Module:
+    cfg = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=SEQ, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True)
+    return GPT2LMHeadModel(cfg)
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 32)
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)) for _ in range(3)
+        )
+        self.head = nn.Linear(32, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Any:
+        h = self.embed(input_ids)
+        for layer in self.layers:
+            h = h + layer(h)
+        logits = self.head(h).float()
+        loss = nn.functional.cross_entropy(logits.view(-1, VOCAB), labels.view(-1))
+        return type("Out", (), {"loss": loss})()
+
+
+MODELS = {"llama": tiny_llama, "llama8": lambda: tiny_llama(8), "gpt2": tiny_gpt2, "mlp": MLP}
+
+
+class LM(L.LightningModule):
+    """Wraps a causal LM; AdamW with a no-decay group and a step LR scheduler, like a typical fine-tuning script."""
+
+    def __init__(self, model: str = "llama", lr: float = 1e-2, n_batches: int = 12, batch_size: int = 2) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = MODELS[model]()
+        self.lr = lr
+        self.n_batches = n_batches
+        self.batch_size = batch_size
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self.model(input_ids=batch, labels=batch).loss
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.log("val_loss", self.model(input_ids=batch, labels=batch).loss)
+
+    def test_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.log("test_loss", self.model(input_ids=batch, labels=batch).loss)
+
+    def predict_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.model(input_ids=batch, labels=batch).loss
+
+    def configure_optimizers(self) -> Any:
+        decay = [p for p in self.parameters() if p.ndim >= 2]
+        no_decay = [p for p in self.parameters() if p.ndim < 2]
+        opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=self.lr
+        )
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def _loader(self) -> torch.utils.data.DataLoader:
+        g = torch.Generator().manual_seed(1)
+        data = torch.randint(0, VOCAB, (self.n_batches * self.batch_size, SEQ), generator=g)
+        return torch.utils.data.DataLoader(data, batch_size=self.batch_size)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return self._loader()
+
+    def val_dataloader(self) -> torch.utils.data.DataLoader:
+        return self._loader()
+
+    def test_dataloader(self) -> torch.utils.data.DataLoader:
+        return self._loader()
+
+    def predict_dataloader(self) -> torch.utils.data.DataLoader:
+        return self._loader()
+
+
+def trainer(strategy: Any = "auto", **kwargs: Any) -> L.Trainer:
+    defaults = dict(accelerator="cpu", max_steps=4, logger=False, enable_checkpointing=False,
+                    enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                    limit_val_batches=0)
+    defaults.update(kwargs)
+    return L.Trainer(strategy=strategy, **defaults)
+
+
+def final_state(module: L.LightningModule, trainer_: L.Trainer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Parameters and optimizer state after fit, as a user would read them."""
+    params = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    return params, trainer_.optimizers[0].state_dict()
+
+
+def max_rel_err(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    worst = 0.0
+    for k in a:
+        scale = a[k].abs().max().clamp(min=1e-12)
+        worst = max(worst, ((a[k].float() - b[k].float()).abs().max() / scale).item())
+    return worst

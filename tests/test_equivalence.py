@@ -1,0 +1,162 @@
+"""RatelStrategy with every offload tier on trains to the numbers of plain Lightning with torch.optim.AdamW."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_ratel import RatelPrecision, RatelStrategy
+from tests.models import LM, final_state, max_rel_err, trainer
+
+# Every tier at once: a block's activations on disk, one recomputed, the rest in host memory.
+MIXED_POLICY = {"*layers.0": "ssd", "*.h.0": "ssd", "*layers.1": "recompute", "*.h.1": "recompute", "*": "host"}
+
+
+def _fit(strategy: object, model: str, **kwargs: object) -> tuple[dict, dict]:
+    module = LM(model)
+    t = trainer(strategy, **kwargs)
+    t.fit(module)
+    return final_state(module, t)
+
+
+def _compare(ref: tuple[dict, dict], got: tuple[dict, dict], tol: float) -> None:
+    assert max_rel_err(ref[0], got[0]) <= tol
+    ref_state, got_state = ref[1]["state"], got[1]["state"]
+    assert ref_state.keys() == got_state.keys()
+    for i in ref_state:
+        assert got_state[i]["step"].item() == ref_state[i]["step"].item()
+        for key in ("exp_avg", "exp_avg_sq"):
+            scale = ref_state[i][key].abs().max().clamp(min=1e-20)
+            assert ((ref_state[i][key] - got_state[i][key]).abs().max() / scale).item() <= tol, (i, key)
+    assert got[1]["param_groups"] == ref[1]["param_groups"]
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+@pytest.mark.parametrize("model", ["llama", "gpt2", "mlp"])
+@pytest.mark.parametrize(("accumulate", "clip"), [(1, None), (3, None), (1, 0.05), (3, 0.05)])
+def test_matches_plain_adamw(tmp_path, model, precision, accumulate, clip):
+    kwargs = dict(precision=precision, accumulate_grad_batches=accumulate, gradient_clip_val=clip)
+    ref = _fit("auto", model, **kwargs)
+    strategy = RatelStrategy(ssd_paths=[str(tmp_path / "a"), str(tmp_path / "b")], activation_policy=MIXED_POLICY)
+    os.makedirs(tmp_path / "a")
+    os.makedirs(tmp_path / "b")
+    got = _fit(strategy, model, **kwargs)
+    # bf16-mixed stores exactly the parameters autocast would cast, so it is as close as fp32.
+    _compare(ref, got, 1e-5)
+    assert os.listdir(tmp_path / "a") == [] and os.listdir(tmp_path / "b") == []
+
+
+@pytest.mark.parametrize("policy", ["keep", "host", "ssd", "recompute"])
+def test_each_policy_matches(tmp_path, policy):
+    ref = _fit("auto", "llama")
+    got = _fit(RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy=policy), "llama")
+    _compare(ref, got, 1e-5)
+
+
+def test_clip_by_value_matches(tmp_path):
+    kwargs = dict(gradient_clip_val=0.01, gradient_clip_algorithm="value")
+    ref = _fit("auto", "mlp", **kwargs)
+    got = _fit(RatelStrategy(ssd_paths=[str(tmp_path)]), "mlp", **kwargs)
+    _compare(ref, got, 1e-5)
+
+
+class _Record(L.Callback):
+    def __init__(self, states: bool = True) -> None:
+        self.keep_states = states
+        self.states: list[tuple[dict, dict]] = []
+        self.peak = 0
+        self.timeline: list[tuple[str, float]] = []
+        self.unit_bytes: list[int] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        engine = trainer.strategy.engine
+        if self.keep_states:
+            self.states.append((engine.state_dict(), engine.optimizer_state_dict()))
+        self.peak = max(self.peak, engine.pager.peak_resident_bytes)
+
+    def on_train_end(self, trainer, pl_module):
+        engine = trainer.strategy.engine
+        self.timeline = list(engine.timeline)
+        self.unit_bytes = [u.nbytes for u in engine.units.values()]
+
+
+def test_updates_start_while_backward_runs(tmp_path):
+    # Enough blocks that backward lasts long enough for the first updates to start inside it.
+    module = LM("llama8")
+    record = _Record(states=False)
+    trainer(RatelStrategy(ssd_paths=[str(tmp_path)]), max_steps=3, callbacks=[record]).fit(module)
+    timeline = record.timeline
+    ends = [t for name, t in timeline if name == "backward_end"]
+    starts = [t for name, t in timeline if name == "backward_start"]
+    updates = [t for name, t in timeline if name.startswith("update_start")]
+    overlapped = 0
+    for begin, end in zip(starts, ends):
+        inside = [u for u in updates if begin <= u < end]
+        overlapped += bool(inside)
+    assert overlapped >= 2, timeline
+
+
+def test_resident_parameters_bounded_by_prefetch_window(tmp_path):
+    module = LM("llama8")
+    record = _Record(states=False)
+    trainer(RatelStrategy(ssd_paths=[str(tmp_path)], prefetch_depth=1), max_steps=2, callbacks=[record]).fit(module)
+    total = sum(record.unit_bytes)
+    largest = max(record.unit_bytes)
+    # prefetch_depth + 1 blocks, not the model.
+    assert record.peak <= (1 + 1) * largest
+    assert record.peak < total / 3
+
+
+def test_fp16_overflow_skips_the_whole_step(tmp_path):
+    class Overflowing(LM):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            return loss * 1e30 if batch_idx == 2 else loss
+
+    module = Overflowing("mlp")
+    record = _Record()
+    precision = RatelPrecision("16-mixed", device="cpu")
+    t = L.Trainer(accelerator="cpu", strategy=RatelStrategy(ssd_paths=[str(tmp_path)]), plugins=[precision],
+                  max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                  enable_model_summary=False, callbacks=[record])
+    t.fit(module)
+    assert precision.steps_skipped == 1
+    assert precision.loss_scale.item() == 2.0**15
+    (p1, o1), (p2, o2) = record.states[1], record.states[2]
+    assert all(torch.equal(p1[k], p2[k]) for k in p1)
+    for i, entry in o1["state"].items():
+        assert entry["step"].item() == o2["state"][i]["step"].item() == 2
+        assert torch.equal(entry["exp_avg"], o2["state"][i]["exp_avg"])
+        assert torch.equal(entry["exp_avg_sq"], o2["state"][i]["exp_avg_sq"])
+    p3 = record.states[3][0]
+    assert any(not torch.equal(p2[k], p3[k]) for k in p2)
+
+
+def test_fp16_matches_gradscaler_loop(tmp_path):
+    module = LM("mlp")
+    precision = RatelPrecision("16-mixed", device="cpu")
+    t = L.Trainer(accelerator="cpu", strategy=RatelStrategy(ssd_paths=[str(tmp_path)]), plugins=[precision],
+                  max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                  enable_model_summary=False)
+    t.fit(module)
+
+    # The same steps written by hand with torch's GradScaler, as plain fp16 AMP training does them.
+    reference = LM("mlp")
+    config = reference.configure_optimizers()
+    opt, sched = config["optimizer"], config["lr_scheduler"]["scheduler"]
+    scaler = torch.amp.GradScaler("cpu")
+    for step, batch in enumerate(reference.train_dataloader()):
+        if step == 3:
+            break
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = reference.model(input_ids=batch, labels=batch).loss
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        sched.step()
+        opt.zero_grad()
+    assert max_rel_err(reference.state_dict(), module.state_dict()) <= 1e-5
