@@ -1,0 +1,176 @@
+"""Throughput of lightning_ratel's fused host-side AdamW step against torch's and DeepSpeed's CPU optimizers.
+
+Every contender does the same job per step on fp32 master weights: take a bf16 gradient, update the weights and both
+fp32 moments, and leave a bf16 copy of the new weights for the next upload to the GPU. The fused kernel does all of
+it in one pass; the others upcast the gradient into an fp32 ``.grad`` first and copy the weights down afterwards, and
+those casts are timed with the step.
+
+Run from the repository root::
+
+    .venv/bin/python benchmarks/cpu_adam.py                 # 100M parameters, all CPUs this process may use
+    .venv/bin/python benchmarks/cpu_adam.py --numel 10_000_000 --iters 5 --threads 1 --isa avx2
+
+DeepSpeedCPUAdam joins the table when ``import deepspeed`` works (it JIT-compiles its op with ninja on first use);
+otherwise the table says why it was skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from lightning_ratel import ops
+
+LR, BETAS, EPS, WEIGHT_DECAY = 1e-4, (0.9, 0.999), 1e-8, 0.01
+
+Step = Callable[[], None]
+MakeOptimizer = Callable[[torch.nn.Parameter], torch.optim.Optimizer]
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+def _filled(numel: int, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+    # Written once here so that no contender pays for first-touch page faults inside the timed loop.
+    return torch.randn(numel, generator=generator).to(dtype)
+
+
+def fused_step(grad: torch.Tensor, threads: int) -> Step:
+    """The whole job as one ``fused_adamw_`` call."""
+    param = _filled(grad.numel(), torch.float32, torch.Generator().manual_seed(1))
+    exp_avg, exp_avg_sq = torch.zeros_like(param), torch.zeros_like(param)
+    out = torch.zeros_like(grad)
+    step = 0
+
+    def run() -> None:
+        nonlocal step
+        step += 1
+        ops.fused_adamw_(
+            param, grad, exp_avg, exp_avg_sq, out, lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS,
+            weight_decay=WEIGHT_DECAY, step=step, num_threads=threads,
+        )
+
+    return run
+
+
+def optimizer_step(grad: torch.Tensor, make: MakeOptimizer) -> Step:
+    """The same job around a ``torch.optim.Optimizer``: upcast the gradient, step, copy the weights down."""
+    param = torch.nn.Parameter(_filled(grad.numel(), torch.float32, torch.Generator().manual_seed(1)))
+    param.grad = torch.zeros_like(param)
+    out = torch.zeros_like(grad)
+    optimizer = make(param)
+
+    def run() -> None:
+        param.grad.copy_(grad)
+        optimizer.step()
+        with torch.no_grad():
+            out.copy_(param)
+
+    return run
+
+
+def torch_adamw(**kwargs) -> MakeOptimizer:
+    return lambda p: torch.optim.AdamW([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, **kwargs)
+
+
+def deepspeed_adam() -> tuple[MakeOptimizer | None, str]:
+    """DeepSpeedCPUAdam in AdamW mode, or why it cannot run here."""
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        # Building the op is the step that fails without ninja or a compiler, so do it now, untimed.
+        DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(1))])
+    except Exception as err:  # noqa: BLE001 - any failure to import or build means "not available here"
+        return None, f"skipped: {type(err).__name__}: {err}"
+    return (
+        lambda p: DeepSpeedCPUAdam([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, adamw_mode=True)
+    ), ""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--numel", type=lambda s: int(s.replace("_", "")), default=100_000_000)
+    parser.add_argument("--iters", type=int, default=9, help="timed steps per contender; the median is reported")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="threads for everyone")
+    parser.add_argument("--isa", choices=("avx512", "avx2", "scalar"), help="force the fused kernel's code path")
+    parser.add_argument("--skip-deepspeed", action="store_true")
+    args = parser.parse_args()
+    if args.isa and not (ops.NATIVE_AVAILABLE and ops._C.set_isa(args.isa)):
+        parser.error(f"--isa {args.isa} is not available here (native kernel: {ops.isa()})")
+
+    # torch and DeepSpeed both take their thread count from the OpenMP setting this makes.
+    torch.set_num_threads(args.threads)
+    grad = _filled(args.numel, torch.bfloat16, torch.Generator().manual_seed(0))
+
+    names = [
+        f"lightning_ratel fused_adamw_ ({ops.isa()})",
+        "torch AdamW(fused=True) + casts",
+        "torch AdamW(foreach=False) + casts",
+        "DeepSpeedCPUAdam + casts",
+    ]
+    notes = ["one pass", "", "torch.optim's CPU default", ""]
+    steps: list[Step | None] = [
+        fused_step(grad, args.threads),
+        optimizer_step(grad, torch_adamw(fused=True)),
+        optimizer_step(grad, torch_adamw(foreach=False)),
+        None,
+    ]
+    if args.skip_deepspeed:
+        notes[3] = "skipped: --skip-deepspeed"
+    else:
+        make, notes[3] = deepspeed_adam()
+        if make is not None:
+            steps[3] = optimizer_step(grad, make)
+
+    # Contenders take turns within each round, so drifting machine load (other tenants, memory bandwidth) hits
+    # them alike instead of whichever happened to run during a slow spell.
+    for _ in range(args.warmup):
+        for step in steps:
+            if step is not None:
+                step()
+    times: list[list[float]] = [[] for _ in steps]
+    for _ in range(args.iters):
+        for step, record in zip(steps, times):
+            if step is not None:
+                start = time.perf_counter()
+                step()
+                record.append(time.perf_counter() - start)
+    seconds = [statistics.median(t) if t else None for t in times]
+
+    torch_seconds, deepspeed_seconds = seconds[1], seconds[3]
+    table = Table(
+        title=f"AdamW step, {args.numel:,} fp32 params, bf16 grad in, bf16 copy out; {args.threads} threads, "
+        f"median of {args.iters}",
+        caption=f"{_cpu_name()}; torch {torch.__version__}",
+    )
+    for column in ("contender", "s / step", "params / s", "vs torch fused", "vs DeepSpeed", "note"):
+        table.add_column(column, justify="left" if column in ("contender", "note") else "right")
+    for name, sec, note in zip(names, seconds, notes):
+        if sec is None:
+            table.add_row(name, "-", "-", "-", "-", note)
+            continue
+        vs_deepspeed = f"{deepspeed_seconds / sec:.2f}x" if deepspeed_seconds else "-"
+        table.add_row(
+            name, f"{sec:.4f}", f"{args.numel / sec / 1e9:.2f} G", f"{torch_seconds / sec:.2f}x", vs_deepspeed, note
+        )
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    main()

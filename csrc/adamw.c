@@ -1,0 +1,567 @@
+/*
+ * lightning_ratel._C: one-pass Adam/AdamW step on host memory.
+ *
+ * Each element is read once and written once: the gradient (fp32, bf16 or fp16) is unscaled, the fp32 master
+ * weight and both fp32 moments are updated in place, and the weight is optionally written to a 16-bit or fp32
+ * copy. The arithmetic reproduces torch's single-tensor Adam (torch/optim/adam.py) operation by operation,
+ * including where torch's CPU kernels fuse a multiply and an add:
+ *
+ *   - the AVX2/AVX-512 paths match torch's AVX2/AVX-512 kernels, which use an FMA for lerp_, for
+ *     add(..., alpha=) and (by compiler contraction) for addcmul_;
+ *   - the scalar path matches torch's DEFAULT kernels, which round every multiply and add separately.
+ *
+ * The one deliberate difference is sqrt: this file uses IEEE (correctly rounded) sqrt, while torch's float32
+ * sqrt goes through MKL's vector math library, which may be one ulp off. Everything else is bitwise equal.
+ *
+ * The translation unit must be built with -ffp-contract=off so that the compiler does not fuse operations on
+ * its own, and with -fno-math-errno so that sqrtf becomes a single instruction.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define RATEL_X86 1
+#include <immintrin.h>
+#endif
+
+enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_NONE = 3 };
+
+/* Below this many elements per thread, waking the thread team costs more than it saves. */
+#define MIN_PER_THREAD 32768
+/* Thread ranges are multiples of this, so only the last range has a partial vector. */
+#define SPLIT_ALIGN 64
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+typedef struct {
+    float *param;
+    const void *grad;
+    float *exp_avg;
+    float *exp_avg_sq;
+    void *out;
+    int64_t n;
+    int grad_dtype;
+    int out_dtype;
+    /* Per-step scalars, each rounded to float32 exactly where torch rounds it. */
+    float inv_scale;
+    float decay;           /* 1 - lr * weight_decay (AdamW) */
+    float l2;              /* weight_decay (Adam) */
+    float lerp_weight;     /* 1 - beta1 */
+    float beta2;
+    float one_minus_beta2;
+    float bias_correction2_sqrt;
+    float eps;
+    float neg_step_size;
+    int scale;
+    int decoupled_decay;
+    int l2_decay;
+    int lerp_small;
+} adam_job;
+
+typedef void (*range_fn)(const adam_job *job, int64_t begin, int64_t end);
+
+static int64_t dtype_size(int dtype) { return dtype == DT_F32 ? 4 : dtype == DT_NONE ? 0 : 2; }
+
+/* Expands to a switch that calls FN(job, begin, end, G, O) with compile-time dtype codes, so that each
+ * always-inline kernel is specialised per (grad, out) pair instead of branching per element. */
+#define DISPATCH_DTYPES(FN, job, begin, end)                                                          \
+    switch ((job)->grad_dtype * 4 + (job)->out_dtype) {                                             \
+    case DT_F32 * 4 + DT_NONE: FN(job, begin, end, DT_F32, DT_NONE); break;                        \
+    case DT_F32 * 4 + DT_F32: FN(job, begin, end, DT_F32, DT_F32); break;                          \
+    case DT_F32 * 4 + DT_BF16: FN(job, begin, end, DT_F32, DT_BF16); break;                        \
+    case DT_F32 * 4 + DT_F16: FN(job, begin, end, DT_F32, DT_F16); break;                          \
+    case DT_BF16 * 4 + DT_NONE: FN(job, begin, end, DT_BF16, DT_NONE); break;                      \
+    case DT_BF16 * 4 + DT_F32: FN(job, begin, end, DT_BF16, DT_F32); break;                        \
+    case DT_BF16 * 4 + DT_BF16: FN(job, begin, end, DT_BF16, DT_BF16); break;                      \
+    case DT_BF16 * 4 + DT_F16: FN(job, begin, end, DT_BF16, DT_F16); break;                        \
+    case DT_F16 * 4 + DT_NONE: FN(job, begin, end, DT_F16, DT_NONE); break;                        \
+    case DT_F16 * 4 + DT_F32: FN(job, begin, end, DT_F16, DT_F32); break;                          \
+    case DT_F16 * 4 + DT_BF16: FN(job, begin, end, DT_F16, DT_BF16); break;                        \
+    default: FN(job, begin, end, DT_F16, DT_F16); break;                                            \
+    }
+
+/* ---------------------------------------------------------------------------------------------------------- */
+/* Portable conversions                                                                                       */
+
+static inline uint32_t f32_bits(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    return u;
+}
+
+static inline float f32_from_bits(uint32_t u) {
+    float x;
+    memcpy(&x, &u, sizeof x);
+    return x;
+}
+
+static inline float bf16_to_f32(uint16_t h) { return f32_from_bits((uint32_t)h << 16); }
+
+/* Round to nearest even; any NaN becomes the canonical quiet NaN 0x7FC0. */
+static inline uint16_t f32_to_bf16(float x) {
+    uint32_t u = f32_bits(x);
+    if (x != x) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exponent = (h >> 10) & 0x1Fu;
+    uint32_t mantissa = h & 0x3FFu;
+    if (exponent == 0x1F) return f32_from_bits(sign | 0x7F800000u | (mantissa << 13));
+    if (exponent != 0) return f32_from_bits(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+    /* Zero or subnormal: mantissa * 2^-24 is exact in float. */
+    float magnitude = (float)mantissa * 0x1p-24f;
+    return sign ? -magnitude : magnitude;
+}
+
+/* Round to nearest even with overflow to inf; NaN keeps its top payload bits and is made quiet, which is what
+ * F16C does, so every path writes the same bits. */
+static inline uint16_t f32_to_f16(float x) {
+    uint32_t u = f32_bits(x);
+    uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    uint32_t a = u & 0x7FFFFFFFu;
+    if (a > 0x7F800000u) return sign | 0x7E00u | (uint16_t)((a >> 13) & 0x3FFu);
+    /* 65520 is the midpoint between the largest half (65504) and 2^16; it ties to the even side, inf. */
+    if (a >= 0x477FF000u) return sign | 0x7C00u;
+    if (a >= 0x38800000u) {
+        /* Normal half: round the 13 dropped bits, then move the exponent bias from 127 to 15. */
+        uint32_t r = a + 0xFFFu + ((a >> 13) & 1u);
+        return sign | (uint16_t)((r - 0x38000000u) >> 13);
+    }
+    /* Subnormal half (or zero): count units of 2^-24. Scaling by 2^24 is exact, and adding 2^23 rounds the
+     * integer part to nearest even; 1024 units is the smallest normal half, whose encoding is also 1024. */
+    float units = f32_from_bits(a) * 0x1p24f;
+    float rounded = (units + 0x1p23f) - 0x1p23f;
+    return sign | (uint16_t)rounded;
+}
+
+ALWAYS_INLINE float load_scalar(const void *src, int64_t i, int dtype) {
+    if (dtype == DT_BF16) return bf16_to_f32(((const uint16_t *)src)[i]);
+    if (dtype == DT_F16) return f16_to_f32(((const uint16_t *)src)[i]);
+    return ((const float *)src)[i];
+}
+
+ALWAYS_INLINE void store_scalar(void *dst, int64_t i, int dtype, float x) {
+    if (dtype == DT_BF16) ((uint16_t *)dst)[i] = f32_to_bf16(x);
+    else if (dtype == DT_F16) ((uint16_t *)dst)[i] = f32_to_f16(x);
+    else if (dtype == DT_F32) ((float *)dst)[i] = x;
+}
+
+/* ---------------------------------------------------------------------------------------------------------- */
+/* Scalar path: torch's DEFAULT kernels, every operation rounded on its own.                                  */
+
+ALWAYS_INLINE void range_scalar_t(const adam_job *job, int64_t begin, int64_t end, int gdt, int odt) {
+    /* Copies in locals: stores through the float pointers could otherwise alias the job's fields. */
+    const adam_job h = *job;
+    const float lerp_coeff = 1.0f - h.lerp_weight;
+    for (int64_t i = begin; i < end; ++i) {
+        float g = load_scalar(h.grad, i, gdt);
+        float p = h.param[i];
+        float m = h.exp_avg[i];
+        float v = h.exp_avg_sq[i];
+        if (h.scale) g = g * h.inv_scale;
+        if (h.decoupled_decay) p = p * h.decay;
+        if (h.l2_decay) g = g + h.l2 * p;
+        /* lerp_: torch picks the formula that is exact at the nearer end point. */
+        float d = g - m;
+        m = h.lerp_small ? m + h.lerp_weight * d : g - d * lerp_coeff;
+        v = v * h.beta2;
+        v = v + h.one_minus_beta2 * g * g;
+        float denom = sqrtf(v) / h.bias_correction2_sqrt + h.eps;
+        p = p + h.neg_step_size * m / denom;
+        h.param[i] = p;
+        h.exp_avg[i] = m;
+        h.exp_avg_sq[i] = v;
+        store_scalar(h.out, i, odt, p);
+    }
+}
+
+static void range_scalar(const adam_job *job, int64_t begin, int64_t end) {
+    DISPATCH_DTYPES(range_scalar_t, job, begin, end)
+}
+
+#ifdef RATEL_X86
+
+/* ---------------------------------------------------------------------------------------------------------- */
+/* AVX2 + FMA + F16C: 8 lanes, matching torch's AVX2 kernels.                                                  */
+
+#define TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+typedef struct {
+    __m256 inv_scale, decay, l2, lerp_coeff, beta2, one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size;
+    int scale, decoupled_decay, l2_decay, lerp_small;
+} consts8;
+
+ALWAYS_INLINE TARGET_AVX2 __m256 load8(const void *src, int dtype) {
+    if (dtype == DT_BF16) {
+        __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)src));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+    }
+    if (dtype == DT_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)src));
+    return _mm256_loadu_ps((const float *)src);
+}
+
+ALWAYS_INLINE TARGET_AVX2 void store8(void *dst, int dtype, __m256 x) {
+    if (dtype == DT_BF16) {
+        __m256i u = _mm256_castps_si256(x);
+        __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+        __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+        __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+        r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+        /* packus narrows within each 128-bit half; the permute brings the two halves together. */
+        r = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
+        _mm_storeu_si128((__m128i *)dst, _mm256_castsi256_si128(r));
+    } else if (dtype == DT_F16) {
+        _mm_storeu_si128((__m128i *)dst, _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+    } else if (dtype == DT_F32) {
+        _mm256_storeu_ps((float *)dst, x);
+    }
+}
+
+ALWAYS_INLINE TARGET_AVX2 void step8(const consts8 *c, float *param, const void *grad, float *exp_avg,
+                                     float *exp_avg_sq, void *out, int gdt, int odt) {
+    __m256 g = load8(grad, gdt);
+    __m256 p = _mm256_loadu_ps(param);
+    __m256 m = _mm256_loadu_ps(exp_avg);
+    __m256 v = _mm256_loadu_ps(exp_avg_sq);
+    if (c->scale) g = _mm256_mul_ps(g, c->inv_scale);
+    if (c->decoupled_decay) p = _mm256_mul_ps(p, c->decay);
+    if (c->l2_decay) g = _mm256_fmadd_ps(p, c->l2, g);
+    __m256 d = _mm256_sub_ps(g, m);
+    m = _mm256_fmadd_ps(c->lerp_coeff, d, c->lerp_small ? m : g);
+    v = _mm256_mul_ps(v, c->beta2);
+    v = _mm256_fmadd_ps(_mm256_mul_ps(c->one_minus_beta2, g), g, v);
+    __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), c->bias_correction2_sqrt), c->eps);
+    p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(c->neg_step_size, m), denom));
+    _mm256_storeu_ps(param, p);
+    _mm256_storeu_ps(exp_avg, m);
+    _mm256_storeu_ps(exp_avg_sq, v);
+    store8(out, odt, p);
+}
+
+ALWAYS_INLINE TARGET_AVX2 void range_avx2_t(const adam_job *job, int64_t begin, int64_t end, int gdt, int odt) {
+    const adam_job h = *job;
+    const consts8 c = {
+        _mm256_set1_ps(h.inv_scale),
+        _mm256_set1_ps(h.decay),
+        _mm256_set1_ps(h.l2),
+        /* torch's vector lerp: fma(w, end - start, start) for small w, else fma(w - 1, end - start, end). */
+        _mm256_set1_ps(h.lerp_small ? h.lerp_weight : h.lerp_weight - 1.0f),
+        _mm256_set1_ps(h.beta2),
+        _mm256_set1_ps(h.one_minus_beta2),
+        _mm256_set1_ps(h.bias_correction2_sqrt),
+        _mm256_set1_ps(h.eps),
+        _mm256_set1_ps(h.neg_step_size),
+        h.scale, h.decoupled_decay, h.l2_decay, h.lerp_small,
+    };
+    const int64_t gsize = dtype_size(gdt), osize = dtype_size(odt);
+    int64_t i = begin;
+    for (; i + 8 <= end; i += 8)
+        step8(&c, h.param + i, (const char *)h.grad + i * gsize, h.exp_avg + i, h.exp_avg_sq + i,
+              odt == DT_NONE ? NULL : (char *)h.out + i * osize, gdt, odt);
+    if (i < end) {
+        /* The last partial vector goes through a zero-padded copy, so it takes the same instructions. */
+        float p[8] = {0}, m[8] = {0}, v[8] = {0};
+        unsigned char g[32] = {0}, o[32] = {0};
+        const int64_t rest = end - i;
+        memcpy(p, h.param + i, (size_t)rest * 4);
+        memcpy(m, h.exp_avg + i, (size_t)rest * 4);
+        memcpy(v, h.exp_avg_sq + i, (size_t)rest * 4);
+        memcpy(g, (const char *)h.grad + i * gsize, (size_t)(rest * gsize));
+        step8(&c, p, g, m, v, o, gdt, odt);
+        memcpy(h.param + i, p, (size_t)rest * 4);
+        memcpy(h.exp_avg + i, m, (size_t)rest * 4);
+        memcpy(h.exp_avg_sq + i, v, (size_t)rest * 4);
+        if (osize) memcpy((char *)h.out + i * osize, o, (size_t)(rest * osize));
+    }
+}
+
+static TARGET_AVX2 void range_avx2(const adam_job *job, int64_t begin, int64_t end) {
+    DISPATCH_DTYPES(range_avx2_t, job, begin, end)
+}
+
+/* ---------------------------------------------------------------------------------------------------------- */
+/* AVX-512F: 16 lanes, matching torch's AVX-512 kernels (same formulas as AVX2).                               */
+
+#define TARGET_AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
+
+typedef struct {
+    __m512 inv_scale, decay, l2, lerp_coeff, beta2, one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size;
+    int scale, decoupled_decay, l2_decay, lerp_small;
+} consts16;
+
+ALWAYS_INLINE TARGET_AVX512 __m512 load16(const void *src, int dtype) {
+    if (dtype == DT_BF16) {
+        __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+    }
+    if (dtype == DT_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)src));
+    return _mm512_loadu_ps(src);
+}
+
+ALWAYS_INLINE TARGET_AVX512 void store16(void *dst, int dtype, __m512 x) {
+    if (dtype == DT_BF16) {
+        __m512i u = _mm512_castps_si512(x);
+        __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+        __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+        r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7FC0));
+        _mm256_storeu_si256((__m256i *)dst, _mm512_cvtepi32_epi16(r));
+    } else if (dtype == DT_F16) {
+        _mm256_storeu_si256((__m256i *)dst, _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    } else if (dtype == DT_F32) {
+        _mm512_storeu_ps(dst, x);
+    }
+}
+
+ALWAYS_INLINE TARGET_AVX512 void step16(const consts16 *c, float *param, const void *grad, float *exp_avg,
+                                        float *exp_avg_sq, void *out, int gdt, int odt) {
+    __m512 g = load16(grad, gdt);
+    __m512 p = _mm512_loadu_ps(param);
+    __m512 m = _mm512_loadu_ps(exp_avg);
+    __m512 v = _mm512_loadu_ps(exp_avg_sq);
+    if (c->scale) g = _mm512_mul_ps(g, c->inv_scale);
+    if (c->decoupled_decay) p = _mm512_mul_ps(p, c->decay);
+    if (c->l2_decay) g = _mm512_fmadd_ps(p, c->l2, g);
+    __m512 d = _mm512_sub_ps(g, m);
+    m = _mm512_fmadd_ps(c->lerp_coeff, d, c->lerp_small ? m : g);
+    v = _mm512_mul_ps(v, c->beta2);
+    v = _mm512_fmadd_ps(_mm512_mul_ps(c->one_minus_beta2, g), g, v);
+    __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), c->bias_correction2_sqrt), c->eps);
+    p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(c->neg_step_size, m), denom));
+    _mm512_storeu_ps(param, p);
+    _mm512_storeu_ps(exp_avg, m);
+    _mm512_storeu_ps(exp_avg_sq, v);
+    store16(out, odt, p);
+}
+
+ALWAYS_INLINE TARGET_AVX512 void range_avx512_t(const adam_job *job, int64_t begin, int64_t end, int gdt,
+                                                int odt) {
+    const adam_job h = *job;
+    const consts16 c = {
+        _mm512_set1_ps(h.inv_scale),
+        _mm512_set1_ps(h.decay),
+        _mm512_set1_ps(h.l2),
+        _mm512_set1_ps(h.lerp_small ? h.lerp_weight : h.lerp_weight - 1.0f),
+        _mm512_set1_ps(h.beta2),
+        _mm512_set1_ps(h.one_minus_beta2),
+        _mm512_set1_ps(h.bias_correction2_sqrt),
+        _mm512_set1_ps(h.eps),
+        _mm512_set1_ps(h.neg_step_size),
+        h.scale, h.decoupled_decay, h.l2_decay, h.lerp_small,
+    };
+    const int64_t gsize = dtype_size(gdt), osize = dtype_size(odt);
+    int64_t i = begin;
+    for (; i + 16 <= end; i += 16)
+        step16(&c, h.param + i, (const char *)h.grad + i * gsize, h.exp_avg + i, h.exp_avg_sq + i,
+               odt == DT_NONE ? NULL : (char *)h.out + i * osize, gdt, odt);
+    if (i < end) {
+        float p[16] = {0}, m[16] = {0}, v[16] = {0};
+        unsigned char g[64] = {0}, o[64] = {0};
+        const int64_t rest = end - i;
+        memcpy(p, h.param + i, (size_t)rest * 4);
+        memcpy(m, h.exp_avg + i, (size_t)rest * 4);
+        memcpy(v, h.exp_avg_sq + i, (size_t)rest * 4);
+        memcpy(g, (const char *)h.grad + i * gsize, (size_t)(rest * gsize));
+        step16(&c, p, g, m, v, o, gdt, odt);
+        memcpy(h.param + i, p, (size_t)rest * 4);
+        memcpy(h.exp_avg + i, m, (size_t)rest * 4);
+        memcpy(h.exp_avg_sq + i, v, (size_t)rest * 4);
+        if (osize) memcpy((char *)h.out + i * osize, o, (size_t)(rest * osize));
+    }
+}
+
+static TARGET_AVX512 void range_avx512(const adam_job *job, int64_t begin, int64_t end) {
+    DISPATCH_DTYPES(range_avx512_t, job, begin, end)
+}
+
+#endif /* RATEL_X86 */
+
+/* ---------------------------------------------------------------------------------------------------------- */
+/* ISA selection                                                                                              */
+
+typedef struct {
+    const char *name;
+    range_fn fn;
+} isa_entry;
+
+static const isa_entry ISAS[] = {
+#ifdef RATEL_X86
+    {"avx512", range_avx512},
+    {"avx2", range_avx2},
+#endif
+    {"scalar", range_scalar},
+};
+
+#define NUM_ISAS ((int)(sizeof ISAS / sizeof ISAS[0]))
+
+static const isa_entry *active_isa = NULL;
+
+static int isa_supported(const isa_entry *isa) {
+#ifdef RATEL_X86
+    if (isa->fn == range_avx512)
+        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") &&
+               __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    if (isa->fn == range_avx2)
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#endif
+    return isa->fn == range_scalar;
+}
+
+static const isa_entry *best_isa(void) {
+    for (int k = 0; k < NUM_ISAS; ++k)
+        if (isa_supported(&ISAS[k])) return &ISAS[k];
+    return &ISAS[NUM_ISAS - 1];
+}
+
+/* ---------------------------------------------------------------------------------------------------------- */
+/* Driver                                                                                                     */
+
+static void run_job(range_fn fn, const adam_job *job, int num_threads) {
+    const int64_t n = job->n;
+    int64_t useful = n / MIN_PER_THREAD;
+    if (useful < 1) useful = 1;
+    if (num_threads > useful) num_threads = (int)useful;
+#ifdef _OPENMP
+    if (num_threads > 1) {
+        const int64_t blocks = (n + SPLIT_ALIGN - 1) / SPLIT_ALIGN;
+#pragma omp parallel num_threads(num_threads)
+        {
+            const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+            /* One contiguous range per thread keeps the hardware prefetchers streaming. */
+            const int64_t begin = blocks * t / nt * SPLIT_ALIGN;
+            int64_t end = blocks * (t + 1) / nt * SPLIT_ALIGN;
+            if (end > n) end = n;
+            if (begin < end) fn(job, begin, end);
+        }
+        return;
+    }
+#else
+    (void)num_threads;
+#endif
+    fn(job, 0, n);
+}
+
+static PyObject *py_adamw(PyObject *self, PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"param", "grad", "exp_avg", "exp_avg_sq", "out", "n", "grad_dtype", "out_dtype",
+                             "lr", "beta1", "beta2", "eps", "weight_decay", "step", "decoupled", "inv_scale",
+                             "num_threads", NULL};
+    unsigned long long param, grad, exp_avg, exp_avg_sq, out;
+    long long n, step;
+    int grad_dtype, out_dtype, decoupled, num_threads;
+    double lr, beta1, beta2, eps, weight_decay, inv_scale;
+    (void)self;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KKKKKLiidddddLpdi:adamw", kwlist, &param, &grad, &exp_avg,
+                                     &exp_avg_sq, &out, &n, &grad_dtype, &out_dtype, &lr, &beta1, &beta2, &eps,
+                                     &weight_decay, &step, &decoupled, &inv_scale, &num_threads))
+        return NULL;
+    if (n < 0 || step < 1 || num_threads < 1) {
+        PyErr_SetString(PyExc_ValueError, "adamw: need n >= 0, step >= 1 and num_threads >= 1");
+        return NULL;
+    }
+    if (grad_dtype < DT_F32 || grad_dtype > DT_F16 || out_dtype < DT_F32 || out_dtype > DT_NONE) {
+        PyErr_SetString(PyExc_ValueError, "adamw: unknown dtype code");
+        return NULL;
+    }
+    if (n > 0 && (!param || !grad || !exp_avg || !exp_avg_sq || (out_dtype != DT_NONE && !out))) {
+        PyErr_SetString(PyExc_ValueError, "adamw: null buffer address");
+        return NULL;
+    }
+
+    /* Scalars follow torch/optim/adam.py: Python floats (doubles) throughout, libm pow as in `x ** y`, and a
+     * single rounding to float32 where the value meets a float32 tensor. */
+    const double bias_correction1 = 1.0 - pow(beta1, (double)step);
+    const double bias_correction2 = 1.0 - pow(beta2, (double)step);
+    const double step_size = lr / bias_correction1;
+    adam_job job = {
+        .param = (float *)(uintptr_t)param,
+        .grad = (const void *)(uintptr_t)grad,
+        .exp_avg = (float *)(uintptr_t)exp_avg,
+        .exp_avg_sq = (float *)(uintptr_t)exp_avg_sq,
+        .out = (void *)(uintptr_t)out,
+        .n = n,
+        .grad_dtype = grad_dtype,
+        .out_dtype = out_dtype,
+        .inv_scale = (float)inv_scale,
+        .decay = (float)(1.0 - lr * weight_decay),
+        .l2 = (float)weight_decay,
+        .lerp_weight = (float)(1.0 - beta1),
+        .beta2 = (float)beta2,
+        .one_minus_beta2 = (float)(1.0 - beta2),
+        .bias_correction2_sqrt = (float)pow(bias_correction2, 0.5),
+        .eps = (float)eps,
+        .neg_step_size = (float)(-step_size),
+    };
+    job.scale = job.inv_scale != 1.0f;
+    job.decoupled_decay = weight_decay != 0.0 && decoupled;
+    job.l2_decay = weight_decay != 0.0 && !decoupled;
+    job.lerp_small = fabsf(job.lerp_weight) < 0.5f;
+
+    const range_fn fn = active_isa->fn;
+    Py_BEGIN_ALLOW_THREADS
+    run_job(fn, &job, num_threads);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_set_isa(PyObject *self, PyObject *arg) {
+    (void)self;
+    const char *name = PyUnicode_AsUTF8(arg);
+    if (!name) return NULL;
+    for (int k = 0; k < NUM_ISAS; ++k) {
+        if (strcmp(ISAS[k].name, name) == 0) {
+            if (!isa_supported(&ISAS[k])) Py_RETURN_FALSE;
+            active_isa = &ISAS[k];
+            Py_RETURN_TRUE;
+        }
+    }
+    if (strcmp(name, "avx512") == 0 || strcmp(name, "avx2") == 0) Py_RETURN_FALSE;
+    PyErr_Format(PyExc_ValueError, "unknown ISA %R; expected 'avx512', 'avx2' or 'scalar'", arg);
+    return NULL;
+}
+
+static PyObject *py_isa(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    return PyUnicode_FromString(active_isa->name);
+}
+
+static PyMethodDef methods[] = {
+    {"adamw", (PyCFunction)(void (*)(void))py_adamw, METH_VARARGS | METH_KEYWORDS,
+     "adamw(param, grad, exp_avg, exp_avg_sq, out, n, grad_dtype, out_dtype, lr, beta1, beta2, eps, "
+     "weight_decay, step, decoupled, inv_scale, num_threads)\n--\n\n"
+     "One Adam (decoupled=False) or AdamW step over n elements at raw addresses. out is 0 with out_dtype "
+     "NONE for no copy. The GIL is released while the threads run."},
+    {"set_isa", py_set_isa, METH_O,
+     "set_isa(name)\n--\n\nUse 'avx512', 'avx2' or 'scalar'; returns False, changing nothing, if this CPU lacks it."},
+    {"isa", py_isa, METH_NOARGS, "isa()\n--\n\nName of the code path in use."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "lightning_ratel._C", "Fused host-side Adam/AdamW step.", -1, methods,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__C(void) {
+#ifdef RATEL_X86
+    __builtin_cpu_init();
+#endif
+    active_isa = best_isa();
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    if (PyModule_AddIntConstant(m, "FLOAT32", DT_F32) || PyModule_AddIntConstant(m, "BFLOAT16", DT_BF16) ||
+        PyModule_AddIntConstant(m, "FLOAT16", DT_F16) || PyModule_AddIntConstant(m, "NONE", DT_NONE)) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,437 @@
+"""Tests of the fused host-side Adam/AdamW step (lightning_ratel.ops and the lightning_ratel._C kernel)."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from lightning_ratel import ops
+
+SIZES = (1, 7, 15, 16, 17, 1023, 100_003)
+OFFSETS = (0, 1, 3)
+LRS = (1e-3, 3e-3, 5e-4, 2e-3, 1e-4)
+BETAS = (0.9, 0.999)
+EPS = 1e-8
+WEIGHT_DECAY = 0.01
+ISAS = ("avx512", "avx2", "scalar")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32 if t.element_size() == 4 else torch.int16)
+
+
+def assert_bitwise(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    assert actual.dtype == expected.dtype
+    mismatch = (_bits(actual) != _bits(expected)).nonzero()
+    assert mismatch.numel() == 0, (
+        f"{what}: {mismatch.numel()} of {actual.numel()} elements differ, first at {mismatch[0].item()}: "
+        f"{actual.flatten()[mismatch[0]].item()!r} vs {expected.flatten()[mismatch[0]].item()!r}"
+    )
+
+
+def _slice(full: torch.Tensor, offset: int, n: int) -> torch.Tensor:
+    """A contiguous view that starts ``offset`` elements into its storage, so the kernel sees unaligned data."""
+    return full[offset : offset + n]
+
+
+def _state(n: int, grad_dtype: torch.dtype, offset: int, seed: int, fresh_moments: bool):
+    gen = torch.Generator().manual_seed(seed)
+    param = _slice(torch.empty(n + offset), offset, n).copy_(torch.randn(n, generator=gen))
+    exp_avg = _slice(torch.empty(n + offset), offset, n)
+    exp_avg_sq = _slice(torch.empty(n + offset), offset, n)
+    if fresh_moments:
+        exp_avg.zero_()
+        exp_avg_sq.zero_()
+    else:
+        exp_avg.copy_(torch.randn(n, generator=gen) * 0.01)
+        exp_avg_sq.copy_(torch.rand(n, generator=gen) * 1e-4)
+    grads = []
+    for _ in LRS:
+        grad = _slice(torch.empty(n + offset, dtype=grad_dtype), offset, n)
+        grads.append(grad.copy_(torch.randn(n, generator=gen) * 0.1))
+    return param, exp_avg, exp_avg_sq, grads
+
+
+def _reference_step(param, grad32, exp_avg, exp_avg_sq, *, lr, step, decoupled, torch_kernels):
+    """torch's ``_single_tensor_adam`` line by line, with a correctly rounded sqrt.
+
+    With ``torch_kernels`` the fused operations are torch's own (``lerp_``, ``addcmul_``, ``add(alpha=)``), which
+    round like one FMA on AVX2/AVX-512 builds; without it they are split into separately rounded steps, which is
+    what torch's DEFAULT kernels compute.
+    """
+    beta1, beta2 = BETAS
+    if decoupled:
+        param.mul_(1 - lr * WEIGHT_DECAY)
+    elif torch_kernels:
+        grad32 = grad32.add(param, alpha=WEIGHT_DECAY)
+    else:
+        grad32 = grad32 + param * WEIGHT_DECAY
+    if torch_kernels:
+        exp_avg.lerp_(grad32, 1 - beta1)
+    else:
+        weight = torch.tensor(1 - beta1, dtype=torch.float32)
+        diff = grad32 - exp_avg
+        if weight < 0.5:
+            exp_avg.add_(diff * weight.item())
+        else:
+            exp_avg.copy_(grad32 - diff * (1 - weight).item())
+    exp_avg_sq.mul_(beta2)
+    if torch_kernels:
+        exp_avg_sq.addcmul_(grad32, grad32, value=1 - beta2)
+    else:
+        exp_avg_sq.add_(grad32 * (1 - beta2) * grad32)
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    step_size = lr / bias_correction1
+    bias_correction2_sqrt = bias_correction2**0.5
+    # sqrt in double, then rounded once to float32, is the correctly rounded float32 sqrt.
+    denom = (exp_avg_sq.double().sqrt().float() / bias_correction2_sqrt).add_(EPS)
+    param.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+def _fused(param, grad, exp_avg, exp_avg_sq, out, *, lr, step, decoupled, grad_scale=1.0, num_threads=None):
+    ops.fused_adamw_(
+        param, grad, exp_avg, exp_avg_sq, out, lr=lr, beta1=BETAS[0], beta2=BETAS[1], eps=EPS,
+        weight_decay=WEIGHT_DECAY, step=step, decoupled=decoupled, grad_scale=grad_scale, num_threads=num_threads,
+    )
+
+
+@pytest.fixture(params=ISAS)
+def native_isa(request):
+    """Forces one native code path for the test and restores the automatic choice afterwards."""
+    if ops._C is None:
+        pytest.skip("lightning_ratel._C is not built")
+    saved = ops._C.isa()
+    if not ops._C.set_isa(request.param):
+        pytest.skip(f"this CPU has no {request.param}")
+    yield request.param
+    ops._C.set_isa(saved)
+
+
+def _uses_torch_fma(isa: str) -> bool:
+    """Whether ``isa`` rounds like torch's FMA kernels (AVX2/AVX-512) rather than its DEFAULT ones."""
+    if isa == "scalar":
+        return False
+    if torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+        pytest.skip("torch runs its DEFAULT kernels here, so it cannot provide the FMA reference")
+    return True
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "adam"])
+def test_bitwise_equal_to_torch_ops(native_isa, decoupled, grad_dtype):
+    torch_kernels = _uses_torch_fma(native_isa)
+    out_dtypes = (None, torch.bfloat16, torch.float16, torch.float32)
+    for case, (n, offset) in enumerate((n, o) for n in SIZES for o in OFFSETS):
+        param, exp_avg, exp_avg_sq, grads = _state(n, grad_dtype, offset, seed=case, fresh_moments=False)
+        ref_param, ref_avg, ref_avg_sq = param.clone(), exp_avg.clone(), exp_avg_sq.clone()
+        out_dtype = out_dtypes[case % len(out_dtypes)]
+        out = None if out_dtype is None else _slice(torch.empty(n + 2, dtype=out_dtype), 2, n)
+        for step, (lr, grad) in enumerate(zip(LRS, grads), start=1):
+            _fused(param, grad, exp_avg, exp_avg_sq, out, lr=lr, step=step, decoupled=decoupled)
+            _reference_step(
+                ref_param, grad.float(), ref_avg, ref_avg_sq, lr=lr, step=step, decoupled=decoupled,
+                torch_kernels=torch_kernels,
+            )
+            where = f"n={n} offset={offset} step={step}"
+            assert_bitwise(exp_avg, ref_avg, f"exp_avg {where}")
+            assert_bitwise(exp_avg_sq, ref_avg_sq, f"exp_avg_sq {where}")
+            assert_bitwise(param, ref_param, f"param {where}")
+            if out is not None:
+                assert_bitwise(out, param.to(out_dtype), f"param_out {where}")
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "adam"])
+def test_matches_torch_optimizer(decoupled, grad_dtype):
+    """Against torch.optim.AdamW/Adam (single-tensor) stepping on the fp32 upcast of the gradient."""
+    n = 100_003
+    param, exp_avg, exp_avg_sq, grads = _state(n, grad_dtype, 1, seed=7, fresh_moments=True)
+    torch_param = torch.nn.Parameter(param.clone())
+    optimizer_cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+    optimizer = optimizer_cls(
+        [torch_param], lr=LRS[0], betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, foreach=False
+    )
+    for step, (lr, grad) in enumerate(zip(LRS, grads), start=1):
+        _fused(param, grad, exp_avg, exp_avg_sq, None, lr=lr, step=step, decoupled=decoupled)
+        optimizer.param_groups[0]["lr"] = lr
+        torch_param.grad = grad.float()
+        optimizer.step()
+    state = optimizer.state[torch_param]
+    # torch's float32 sqrt (MKL) may be one ulp off the correctly rounded one the kernel uses, so a weight can
+    # land one ulp away in a step. AdamW's moments never see the weight and stay bitwise equal; Adam feeds the
+    # weight back into the gradient, so its moments inherit the same few-ulp wobble.
+    if decoupled:
+        assert_bitwise(exp_avg, state["exp_avg"], "exp_avg")
+        assert_bitwise(exp_avg_sq, state["exp_avg_sq"], "exp_avg_sq")
+    else:
+        # A weight difference reaches the gradient scaled by weight_decay.
+        torch.testing.assert_close(exp_avg, state["exp_avg"], rtol=1e-6, atol=WEIGHT_DECAY * 1e-6)
+        torch.testing.assert_close(exp_avg_sq, state["exp_avg_sq"], rtol=1e-6, atol=1e-11)
+    # At most one rounding per step at the magnitude of the weight or of its update (|update| < 10 lr here).
+    expected = torch_param.detach()
+    bound = len(LRS) * 2.0**-23 * (torch.maximum(param.abs(), expected.abs()) + 10 * max(LRS))
+    worst = ((param - expected).abs() / bound).max().item()
+    assert worst <= 1.0, f"weights differ by {worst:.2f} times the allowed rounding"
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_param_out_rounds_like_torch(native_isa, out_dtype):
+    gen = torch.Generator().manual_seed(3)
+    random_bits = torch.randint(-(2**31), 2**31, (4093,), dtype=torch.int32, generator=gen).view(torch.float32)
+    tiny = torch.finfo(torch.float32).tiny
+    special = torch.tensor(
+        [0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-45, -1e-45, tiny, 65504.0, 65519.99, 65520.0,
+         -65520.0, 2.0**-24, 2.0**-25, 3 * 2.0**-25, 2.0**-14 - 2.0**-25, 1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8,
+         1.0 + 2.0**-11, 1.0 + 3 * 2.0**-11, 3.4e38, -3.4e38]
+    )
+    param = torch.cat([special, random_bits, torch.randn(1000, generator=gen)])
+    n = param.numel()
+    grad = torch.ones(n)
+    exp_avg, exp_avg_sq = torch.zeros(n), torch.zeros(n)
+    out = torch.empty(n, dtype=out_dtype)
+    # lr = 0 leaves every weight as it was, so the copy sees all of the values above.
+    ops.fused_adamw_(
+        param, grad, exp_avg, exp_avg_sq, out, lr=0.0, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1
+    )
+    expected = param.to(out_dtype)
+    # Which NaN a bf16 copy holds differs between torch versions; that it is a NaN is what counts.
+    nan = expected.isnan()
+    assert torch.equal(out.isnan(), nan)
+    assert_bitwise(out[~nan], expected[~nan], f"{out_dtype} copy")
+
+
+def test_grad_scale_multiplies_by_float32_reciprocal(native_isa):
+    torch_kernels = _uses_torch_fma(native_isa)
+    scale = 3.0 * 2.0**13  # not a power of two, so the reciprocal is rounded
+    for grad_dtype in (torch.float32, torch.bfloat16, torch.float16):
+        param, exp_avg, exp_avg_sq, grads = _state(1029, grad_dtype, 3, seed=11, fresh_moments=False)
+        grads = [(g.float() * scale).to(grad_dtype) for g in grads]
+        ref_param, ref_avg, ref_avg_sq = param.clone(), exp_avg.clone(), exp_avg_sq.clone()
+        inv_scale = torch.tensor(scale, dtype=torch.float32).double().reciprocal().float()  # as GradScaler
+        for step, (lr, grad) in enumerate(zip(LRS, grads), start=1):
+            _fused(param, grad, exp_avg, exp_avg_sq, None, lr=lr, step=step, decoupled=True, grad_scale=scale)
+            _reference_step(
+                ref_param, grad.float() * inv_scale, ref_avg, ref_avg_sq, lr=lr, step=step, decoupled=True,
+                torch_kernels=torch_kernels,
+            )
+        assert_bitwise(param, ref_param, f"param, {grad_dtype} grad")
+        assert_bitwise(exp_avg, ref_avg, f"exp_avg, {grad_dtype} grad")
+        assert_bitwise(exp_avg_sq, ref_avg_sq, f"exp_avg_sq, {grad_dtype} grad")
+
+
+def test_lerp_weight_above_half(native_isa):
+    """beta1 < 0.5 makes torch's lerp switch to its other formula."""
+    torch_kernels = _uses_torch_fma(native_isa)
+    param, exp_avg, exp_avg_sq, grads = _state(1001, torch.float32, 1, seed=5, fresh_moments=False)
+    ref_avg = exp_avg.clone()
+    ops.fused_adamw_(
+        param, grads[0], exp_avg, exp_avg_sq, None, lr=1e-3, beta1=0.3, beta2=0.999, eps=1e-8, weight_decay=0.0,
+        step=1,
+    )
+    if torch_kernels:
+        ref_avg.lerp_(grads[0], 1 - 0.3)
+    else:
+        weight = torch.tensor(1 - 0.3, dtype=torch.float32)
+        ref_avg = grads[0] - (grads[0] - ref_avg) * (1 - weight).item()
+    assert_bitwise(exp_avg, ref_avg, "exp_avg")
+
+
+@pytest.mark.parametrize("num_threads", [2, 3])
+def test_thread_count_does_not_change_results(num_threads):
+    n = 3 * 32768 + 77  # enough for three threads, with a tail in the last range
+    results = []
+    for threads in (1, num_threads):
+        param, exp_avg, exp_avg_sq, grads = _state(n, torch.bfloat16, 1, seed=9, fresh_moments=False)
+        out = torch.empty(n, dtype=torch.bfloat16)
+        for step, (lr, grad) in enumerate(zip(LRS, grads), start=1):
+            _fused(param, grad, exp_avg, exp_avg_sq, out, lr=lr, step=step, decoupled=True, num_threads=threads)
+        results.append((param, exp_avg, exp_avg_sq, out))
+    for single, multi in zip(*results):
+        assert_bitwise(multi, single, f"{num_threads} threads")
+
+
+def test_scalar_path_matches_torch_default_kernels():
+    """In a process where torch runs its DEFAULT (no FMA) kernels, the scalar path equals them bitwise."""
+    if ops._C is None:
+        pytest.skip("lightning_ratel._C is not built")
+    # The helpers travel as source and the extension is loaded from its file, so the child imports only torch
+    # and the kernel, not the package (which pulls in lightning).
+    helpers = "\n\n".join(inspect.getsource(f) for f in (_bits, assert_bitwise, _slice, _state, _reference_step))
+    script = textwrap.dedent(
+        f"""
+        import importlib.util
+        import torch
+        spec = importlib.util.spec_from_file_location("lightning_ratel._C", {ops._C.__file__!r})
+        _C = importlib.util.module_from_spec(spec)
+        LRS, BETAS, EPS, WEIGHT_DECAY = {LRS!r}, {BETAS!r}, {EPS!r}, {WEIGHT_DECAY!r}
+        """
+    ) + helpers + textwrap.dedent(
+        """
+        assert torch.backends.cpu.get_cpu_capability() == "DEFAULT"
+        assert _C.set_isa("scalar")
+        for decoupled in (True, False):
+            param, exp_avg, exp_avg_sq, grads = _state(1037, torch.bfloat16, 1, seed=13, fresh_moments=False)
+            ref_param, ref_avg, ref_avg_sq = param.clone(), exp_avg.clone(), exp_avg_sq.clone()
+            for step, (lr, grad) in enumerate(zip(LRS, grads), start=1):
+                _C.adamw(
+                    param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), 0, param.numel(),
+                    _C.BFLOAT16, _C.NONE, lr, BETAS[0], BETAS[1], EPS, WEIGHT_DECAY, step, decoupled, 1.0, 1,
+                )
+                _reference_step(
+                    ref_param, grad.float(), ref_avg, ref_avg_sq, lr=lr, step=step, decoupled=decoupled,
+                    torch_kernels=True,
+                )
+            assert_bitwise(param, ref_param, "param")
+            assert_bitwise(exp_avg, ref_avg, "exp_avg")
+            assert_bitwise(exp_avg_sq, ref_avg_sq, "exp_avg_sq")
+        """
+    )
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="default")
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+
+
+def test_follows_torch_default_capability(monkeypatch):
+    """When torch runs its DEFAULT kernels, ops switches the native kernel to the scalar path to match them."""
+    if ops._C is None:
+        pytest.skip("lightning_ratel._C is not built")
+    saved = ops._C.isa()
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    try:
+        importlib.reload(ops)
+        assert ops.isa() == "scalar"
+    finally:
+        monkeypatch.undo()
+        ops._C.set_isa(saved)
+        importlib.reload(ops)
+    assert ops.isa() == saved
+
+
+def test_isa_selection():
+    if ops._C is None:
+        pytest.skip("lightning_ratel._C is not built")
+    assert ops.isa() in ISAS
+    saved = ops._C.isa()
+    try:
+        assert ops._C.set_isa("scalar") is True
+        assert ops.isa() == "scalar"
+        for name in ("avx512", "avx2"):
+            if ops._C.set_isa(name):
+                assert ops.isa() == name
+            else:
+                assert ops.isa() != name
+        with pytest.raises(ValueError, match="unknown ISA"):
+            ops._C.set_isa("sse9")
+    finally:
+        ops._C.set_isa(saved)
+
+
+@pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "adam"])
+def test_fallback_equals_torch_optimizer(monkeypatch, decoupled):
+    monkeypatch.setattr(ops, "_C", None)
+    monkeypatch.setattr(ops, "_fallback_warned", False)
+    assert ops.isa() == "torch"
+    n = 1027
+    param, exp_avg, exp_avg_sq, grads = _state(n, torch.bfloat16, 1, seed=17, fresh_moments=True)
+    scale = 1024.0
+    grads = [(g.float() * scale).to(torch.bfloat16) for g in grads]
+    torch_param = torch.nn.Parameter(param.clone())
+    optimizer_cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+    optimizer = optimizer_cls([torch_param], lr=LRS[0], betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, foreach=False)
+    out = torch.empty(n, dtype=torch.float16)
+    grads_before = [g.clone() for g in grads]
+    for step, (lr, grad) in enumerate(zip(LRS, grads), start=1):
+        if step == 1:
+            with pytest.warns(UserWarning, match="falls back to torch"):
+                _fused(param, grad, exp_avg, exp_avg_sq, out, lr=lr, step=step, decoupled=decoupled, grad_scale=scale)
+        else:
+            _fused(param, grad, exp_avg, exp_avg_sq, out, lr=lr, step=step, decoupled=decoupled, grad_scale=scale)
+        optimizer.param_groups[0]["lr"] = lr
+        torch_param.grad = grad.float() * (1.0 / scale)
+        optimizer.step()
+    state = optimizer.state[torch_param]
+    assert_bitwise(param, torch_param.detach(), "param")
+    assert_bitwise(exp_avg, state["exp_avg"], "exp_avg")
+    assert_bitwise(exp_avg_sq, state["exp_avg_sq"], "exp_avg_sq")
+    assert_bitwise(out, param.half(), "param_out")
+    for grad, before in zip(grads, grads_before):
+        assert_bitwise(grad, before, "grad must not change")
+
+
+def test_fallback_warns_once(monkeypatch, recwarn):
+    monkeypatch.setattr(ops, "_C", None)
+    monkeypatch.setattr(ops, "_fallback_warned", False)
+    param, exp_avg, exp_avg_sq, grads = _state(9, torch.float32, 0, seed=1, fresh_moments=True)
+    for step in (1, 2, 3):
+        _fused(param, grads[0], exp_avg, exp_avg_sq, None, lr=1e-3, step=step, decoupled=True)
+    assert len([w for w in recwarn if "falls back to torch" in str(w.message)]) == 1
+
+
+def test_native_does_not_touch_grad_and_bumps_versions():
+    if ops._C is None:
+        pytest.skip("lightning_ratel._C is not built")
+    param, exp_avg, exp_avg_sq, grads = _state(100, torch.float32, 0, seed=2, fresh_moments=True)
+    grad_before = grads[0].clone()
+    versions = [t._version for t in (param, exp_avg, exp_avg_sq)]
+    _fused(param, grads[0], exp_avg, exp_avg_sq, None, lr=1e-3, step=1, decoupled=True, grad_scale=8.0)
+    assert_bitwise(grads[0], grad_before, "grad")
+    assert all(t._version > v for t, v in zip((param, exp_avg, exp_avg_sq), versions))
+
+
+def test_empty_tensors():
+    empty = torch.empty(0)
+    ops.fused_adamw_(
+        empty, empty.clone(), empty.clone(), empty.clone(), torch.empty(0, dtype=torch.bfloat16), lr=1e-3,
+        beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1,
+    )
+
+
+def _valid(n: int = 8) -> dict:
+    return dict(
+        param=torch.zeros(n), grad=torch.zeros(n, dtype=torch.bfloat16), exp_avg=torch.zeros(n),
+        exp_avg_sq=torch.zeros(n), param_out=torch.empty(n, dtype=torch.bfloat16),
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        ({"param": [0.0] * 8}, TypeError, "param must be a torch.Tensor"),
+        ({"param": torch.zeros(8, dtype=torch.float64)}, TypeError, "param must be torch.float32"),
+        ({"exp_avg": torch.zeros(8, dtype=torch.bfloat16)}, TypeError, "exp_avg must be torch.float32"),
+        ({"exp_avg_sq": torch.zeros(8, dtype=torch.float16)}, TypeError, "exp_avg_sq must be torch.float32"),
+        ({"grad": torch.zeros(8, dtype=torch.float64)}, TypeError, "grad must be float32, bfloat16 or float16"),
+        ({"grad": torch.zeros(8, dtype=torch.int32)}, TypeError, "grad must be"),
+        ({"param_out": torch.zeros(8, dtype=torch.int8)}, TypeError, "param_out must be"),
+        ({"grad": torch.zeros(9, dtype=torch.bfloat16)}, ValueError, "grad has 9 elements but param has 8"),
+        ({"exp_avg_sq": torch.zeros(7)}, ValueError, "exp_avg_sq has 7 elements"),
+        ({"param_out": torch.zeros(4, dtype=torch.bfloat16)}, ValueError, "param_out has 4 elements"),
+        ({"param": torch.zeros(16)[::2]}, ValueError, "param must be contiguous"),
+        ({"grad": torch.zeros(8, 2, dtype=torch.bfloat16)[:, 0]}, ValueError, "grad must be contiguous"),
+        ({"param": torch.zeros(8, device="meta")}, ValueError, "param must be on the CPU"),
+        ({"lr": -1.0}, ValueError, "lr must be >= 0"),
+        ({"beta1": 1.0}, ValueError, "betas must be in"),
+        ({"beta2": -0.1}, ValueError, "betas must be in"),
+        ({"eps": -1e-8}, ValueError, "eps must be >= 0"),
+        ({"weight_decay": -0.1}, ValueError, "weight_decay must be >= 0"),
+        ({"step": 0}, ValueError, "step must be an int >= 1"),
+        ({"step": 1.0}, ValueError, "step must be an int >= 1"),
+        ({"grad_scale": 0.0}, ValueError, "grad_scale must be positive"),
+        ({"grad_scale": float("inf")}, ValueError, "grad_scale must be positive"),
+        ({"num_threads": 0}, ValueError, "num_threads must be at least 1"),
+    ],
+)
+def test_rejects_invalid_arguments(change, error, match):
+    kwargs = dict(_valid(), lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1)
+    kwargs.update(change)
+    tensors = [kwargs.pop(name) for name in ("param", "grad", "exp_avg", "exp_avg_sq", "param_out")]
+    with pytest.raises(error, match=match):
+        ops.fused_adamw_(*tensors, **kwargs)
