@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.optim.adam import adam as functional_adam
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
@@ -162,7 +163,13 @@ class CpuAdam:
         """Wait until all work handed over so far is done (and, optionally, written back); re-raise its error."""
         future: Future = Future()
         self._jobs.put(("barrier", future, include_writes))
-        future.result()
+        while True:
+            try:
+                future.result(timeout=1.0)
+                return
+            except TimeoutError:
+                if not self._worker.is_alive():
+                    raise RuntimeError(f"the CPU optimizer worker stopped: {self._error!r}") from self._error
 
     def close(self) -> None:
         self._jobs.put(("stop",))
@@ -197,9 +204,13 @@ class CpuAdam:
             try:
                 self._handle(job)
                 self._advance()
+                self._resolve_barriers()
             except BaseException as err:  # noqa: BLE001 - handed to the training thread through barrier/check
                 self._fail(err)
-            self._resolve_barriers()
+                for future, _ in self._barriers:
+                    if not future.done():
+                        future.set_exception(err)
+                self._barriers = []
 
     def _fail(self, err: BaseException) -> None:
         with self._cond:
@@ -345,10 +356,33 @@ class CpuAdam:
         out.copy_(master)
 
 
+    def _resolve_barriers(self) -> None:
+        if not self._barriers:
+            return
+        busy = bool(self._ready or self._inflight) and self._error is None
+        keep = []
+        for future, include_writes in self._barriers:
+            if self._error is not None:
+                future.set_exception(self._error)
+            elif busy or not self._jobs.empty() or (include_writes and self._writes_pending):
+                keep.append((future, include_writes))
+            else:
+                for shard in self.shards:
+                    if shard.last_write is not None and shard.last_write.done():
+                        err = shard.last_write.exception()
+                        if err is not None:
+                            self._fail(err)
+                            future.set_exception(err)
+                            break
+                else:
+                    future.set_result(None)
+        self._barriers = keep
+
+
 def _torch_adam(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                 h: GroupHyper, step: int) -> None:
     """torch's own single-tensor Adam(W), the code ``torch.optim.AdamW`` runs on CPU by default."""
-    torch.optim.adam.adam(
+    functional_adam(
         [master], [grad], [exp_avg], [exp_avg_sq], [], [torch.tensor(float(step - 1))], foreach=False,
         amsgrad=False, beta1=h.beta1, beta2=h.beta2, lr=h.lr, weight_decay=h.weight_decay, eps=h.eps,
         maximize=False, decoupled_weight_decay=h.decoupled,
@@ -382,25 +416,3 @@ def native_kernel_is_exact() -> bool:
             "on this CPU; the CPU optimizer uses torch's own AdamW instead."
         )
     return exact
-
-    def _resolve_barriers(self) -> None:
-        if not self._barriers:
-            return
-        busy = bool(self._ready or self._inflight) and self._error is None
-        keep = []
-        for future, include_writes in self._barriers:
-            if self._error is not None:
-                future.set_exception(self._error)
-            elif busy or not self._jobs.empty() or (include_writes and self._writes_pending):
-                keep.append((future, include_writes))
-            else:
-                for shard in self.shards:
-                    if shard.last_write is not None and shard.last_write.done():
-                        err = shard.last_write.exception()
-                        if err is not None:
-                            self._fail(err)
-                            future.set_exception(err)
-                            break
-                else:
-                    future.set_result(None)
-        self._barriers = keep
