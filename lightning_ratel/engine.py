@@ -577,9 +577,21 @@ class RatelEngine:
         finally:
             if self.adam is not None:
                 self.adam.close()
+            # After the worker has stopped: it writes the host copies this reads.
+            self._unplace_leftovers()
             self.cache.close()
             if self.store is not None:
                 self.store.close()
+
+    def _unplace_leftovers(self) -> None:
+        """Give each parameter that still holds a paging placeholder (restore skipped or failed) an ordinary tensor:
+        its last compute copy from the host cache. Its value may be mid-step, but the module can load a checkpoint."""
+        placeholders = {t.data_ptr() for t in self.pager._placeholders.values()}
+        for unit in self.units.values():
+            for slot in unit.slots:
+                if slot.param.data_ptr() in placeholders:
+                    copy = unit.host[slot.dtype][slot.offset : slot.offset + slot.numel].view(slot.shape)
+                    slot.param.data = copy.to(self._orig_dtype[id(slot.param)]).clone()
 
     def _restore(self) -> None:
         masters = self._masters()

@@ -80,6 +80,7 @@ class RatelStrategy(SingleDeviceStrategy):
         self.blocks = blocks
         self._engine: RatelEngine | None = None
         self._exception: BaseException | None = None
+        self._failure: BaseException | None = None
 
     @property
     @override
@@ -142,6 +143,7 @@ class RatelStrategy(SingleDeviceStrategy):
         )
         precision = self.precision_plugin
         self._exception = None
+        self._failure = None
         self._engine = RatelEngine(module, self.root_device, config, precision.half_dtype, optimizer)
         precision.bind(self._engine, self.root_device.type)
         self.setup_precision_plugin()
@@ -163,17 +165,40 @@ class RatelStrategy(SingleDeviceStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self._failure is not None:
+            raise self._failure
         if self._engine is None:
             return super().lightning_module_state_dict()
-        return self._engine.state_dict()
+        return self._from_engine(self._engine.state_dict)
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
+        if self._failure is not None:
+            raise self._failure
         if self._engine is not None and optimizer is self._engine.optimizer:
-            return self._engine.optimizer_state_dict()
+            return self._from_engine(self._engine.optimizer_state_dict)
         return super().optimizer_state(optimizer)
+
+    def _from_engine(self, read: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """Read state for a checkpoint; if the engine cannot produce it, end the run's engine here.
+
+        Lightning saves from ``on_exception`` callbacks (``OnExceptionCheckpoint``) and skips ``teardown`` when such a
+        save raises, so waiting for teardown would leave the swap files and the directory lock behind. The failure is
+        remembered: a later save must not fall back to the module's paging placeholders.
+        """
+        try:
+            return read()
+        except BaseException as err:
+            self._failure = err
+            engine, self._engine = self._engine, None
+            if engine is not None:
+                try:
+                    engine.close(restore=False)
+                except Exception as cleanup:
+                    err.__notes__ = [*getattr(err, "__notes__", []), f"Closing the swap store failed too: {cleanup!r}"]
+            raise
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:

@@ -1,0 +1,553 @@
+"""RatelStrategy inside Lightning: registry, CLI, precision translation, checkpoints and resume, the non-fit entry
+points, logging, schedulers, skipped steps and configuration errors.
+
+Every numeric check compares against the same LightningModule trained by plain Lightning (strategy "auto"), or
+against an uninterrupted RatelStrategy run. Models are tiny and runs are a few steps, so the file stays fast on CPU.
+"""
+
+from __future__ import annotations
+
+import csv
+import functools
+import math
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+import yaml
+from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.strategies import StrategyRegistry
+
+import lightning_ratel
+from lightning_ratel import RatelConfigError, RatelPrecision, RatelStrategy
+from tests.models import LM, final_state, max_rel_err, trainer
+
+# ---------------------------------------------------------------------------------------------------- helpers
+
+
+def swap(tmp_path: Path, name: str = "swap") -> Path:
+    directory = tmp_path / name
+    directory.mkdir(exist_ok=True)
+    return directory
+
+
+def ratel(directory: Path, **kwargs: Any) -> RatelStrategy:
+    return RatelStrategy(ssd_paths=[str(directory)], **kwargs)
+
+
+def ckpt_trainer(strategy: Any, dirpath: Path, max_steps: int, **kwargs: Any) -> L.Trainer:
+    callback = ModelCheckpoint(dirpath=str(dirpath), every_n_train_steps=2, save_top_k=-1)
+    return trainer(strategy, max_steps=max_steps, enable_checkpointing=True, callbacks=[callback], **kwargs)
+
+
+def step_ckpt(dirpath: Path, step: int) -> Path:
+    found = sorted(dirpath.glob(f"*step={step}.ckpt"))
+    assert len(found) == 1, f"no single step-{step} checkpoint in {sorted(os.listdir(dirpath))}"
+    return found[0]
+
+
+def assert_opt_state_close(a: dict[str, Any], b: dict[str, Any], tol: float) -> None:
+    """Two ``torch.optim.AdamW`` state dicts hold the same moments and step counts for every parameter."""
+    assert set(a["state"]) == set(b["state"]), (sorted(a["state"]), sorted(b["state"]))
+    assert a["state"], "no optimizer state at all"
+    for index in a["state"]:
+        sa, sb = a["state"][index], b["state"][index]
+        assert float(sa["step"]) == float(sb["step"]), (index, sa["step"], sb["step"])
+        moments = {k: sa[k] for k in ("exp_avg", "exp_avg_sq")}
+        other = {k: sb[k] for k in ("exp_avg", "exp_avg_sq")}
+        err = max_rel_err(moments, other)
+        assert err <= tol, f"optimizer state of parameter {index} differs: rel err {err}"
+    for ga, gb in zip(a["param_groups"], b["param_groups"]):
+        assert math.isclose(ga["lr"], gb["lr"], rel_tol=1e-9), (ga["lr"], gb["lr"])
+
+
+def assert_ordinary_params(module: torch.nn.Module) -> None:
+    """After teardown: real tensors of the original dtype, finite, each with its own memory, not paged placeholders."""
+    params = list(module.parameters())
+    ptrs = set()
+    for name, p in module.named_parameters():
+        assert p.dtype == torch.float32, (name, p.dtype)
+        assert p.device.type == "cpu", (name, p.device)
+        assert torch.isfinite(p).all(), f"{name} is not finite after teardown"
+        if p.numel() > 1:
+            assert all(s != 0 for s in p.stride()), f"{name} is an expanded placeholder (stride {p.stride()})"
+        ptrs.add(p.data_ptr())
+    assert len(ptrs) == len(params), "parameters share memory after teardown"
+    state = module.state_dict()
+    assert all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point())
+
+
+def without_key_bias(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """GPT-2's attention key bias zeroed out.
+
+    Softmax is invariant to it, so its gradient is rounding noise that Adam scales up to about lr * noise / eps:
+    plain Lightning on 1 versus 2 CPU threads differs there by 1e-3 relative. Every other weight is well determined.
+    """
+    out = dict(params)
+    for name, value in params.items():
+        if name.endswith("attn.c_attn.bias"):
+            third = value.numel() // 3
+            value = value.clone()
+            value[third : 2 * third] = 0
+            out[name] = value
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def plain_run(model: str = "llama", steps: int = 4, n_batches: int = 2, **kwargs: Any) -> tuple[dict, dict]:
+    """Final params and optimizer state of plain Lightning training (cached: several tests compare against it)."""
+    lm = LM(model, n_batches=n_batches)
+    t = trainer("auto", max_steps=steps, **kwargs)
+    t.fit(lm)
+    return final_state(lm, t)
+
+
+class CountingLM(LM):
+    training_steps = 0
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        type(self).training_steps += 1
+        return super().training_step(batch, batch_idx)
+
+
+# ---------------------------------------------------------------------------------------------------- registry, CLI
+
+
+def test_registry_name_trains_with_default_swap_dir(tmp_path: Path) -> None:
+    assert lightning_ratel.RatelStrategy.strategy_name in StrategyRegistry
+    default = tmp_path / "ratel_swap"
+    seen: dict[str, Any] = {}
+
+    class Spy(Callback):
+        def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+            engine = trainer.strategy.engine
+            assert engine is not None
+            seen["paths"] = [str(p) for p in engine.store.paths]
+            seen["files"] = sorted(os.listdir(default))
+
+    lm = LM(n_batches=2)
+    t = trainer("ratel", max_steps=2, default_root_dir=str(tmp_path), callbacks=[Spy()])
+    assert isinstance(t.strategy, RatelStrategy)
+    assert t.strategy.ssd_paths is None
+    t.fit(lm)
+    assert t.global_step == 2
+    assert seen["paths"] == [str(default.resolve())]
+    assert "ratel.swap" in seen["files"]
+    params, opt = final_state(lm, t)
+    ref_params, ref_opt = plain_run(steps=2)
+    assert max_rel_err(ref_params, params) <= 1e-5
+    assert_opt_state_close(ref_opt, opt, 1e-5)
+    assert os.listdir(default) == [], "swap files left behind"
+
+
+def test_lightning_cli_yaml_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "argv", ["cli"])
+    ssd = swap(tmp_path)
+    config = {
+        "trainer": {
+            "accelerator": "cpu",
+            "max_steps": 2,
+            "logger": False,
+            "enable_checkpointing": False,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+            "num_sanity_val_steps": 0,
+            "limit_val_batches": 0,
+            "default_root_dir": str(tmp_path / "root"),
+            "strategy": {
+                "class_path": "lightning_ratel.RatelStrategy",
+                "init_args": {"ssd_paths": [str(ssd)], "prefetch_depth": 2, "activation_policy": "ssd"},
+            },
+        },
+        "model": {"model": "llama", "n_batches": 2},
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    cli = LightningCLI(LM, run=False, args=["--config", str(path)], save_config_kwargs={"overwrite": True})
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, RatelStrategy)
+    assert strategy.ssd_paths == [str(ssd)]
+    assert strategy.prefetch_depth == 2
+    assert strategy.activation_policy == "ssd"
+    seen: dict[str, Any] = {}
+
+    class Spy(Callback):
+        def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+            engine = trainer.strategy.engine
+            seen["depth"] = engine.config.prefetch_depth
+            seen["policies"] = set(engine.policies)
+            seen["ssd_bytes"] = engine.cache.stats.ssd_bytes
+
+    cli.trainer.callbacks.append(Spy())
+    cli.trainer.fit(cli.model)
+    assert cli.trainer.global_step == 2
+    # The settings reached the engine: activations of the repeated blocks really went to the swap directory.
+    assert seen["depth"] == 2
+    assert seen["policies"] == {"ssd"}
+    assert seen["ssd_bytes"] > 0
+    params, _ = final_state(cli.model, cli.trainer)
+    ref_params, _ = plain_run(steps=2)
+    assert max_rel_err(ref_params, params) <= 1e-5
+    assert os.listdir(ssd) == []
+
+
+# ---------------------------------------------------------------------------------------------------- precision
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
+def test_precision_translated(tmp_path: Path, precision: str) -> None:
+    t = trainer(ratel(swap(tmp_path)), precision=precision)
+    plugin = t.strategy.precision_plugin
+    assert isinstance(plugin, RatelPrecision)
+    assert plugin.precision == precision
+    assert plugin.half_dtype == (torch.bfloat16 if precision == "bf16-mixed" else None)
+
+
+@pytest.mark.parametrize("precision", ["bf16-true", "64-true"])
+def test_unsupported_precision_rejected_at_construction(tmp_path: Path, precision: str) -> None:
+    with pytest.raises(RatelConfigError) as info:
+        trainer(ratel(swap(tmp_path)), precision=precision)
+    assert isinstance(info.value, ValueError)
+    assert "32-true" in str(info.value) and "bf16-mixed" in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------------- resume
+
+
+RESUME_CASES = {
+    "llama-32": ("llama", 2, {}),
+    "llama-bf16-ssd": ("llama", 2, {"precision": "bf16-mixed", "activation_policy": "ssd"}),
+    # 4 batches per epoch = 2 optimizer steps, so the step-2 checkpoint falls on an epoch boundary.
+    "gpt2-accum-clip": ("gpt2", 4, {"accumulate_grad_batches": 2, "gradient_clip_val": 1.0}),
+}
+
+
+@pytest.mark.parametrize("case", list(RESUME_CASES))
+def test_resume_equals_uninterrupted(tmp_path: Path, case: str) -> None:
+    model, n_batches, extra = RESUME_CASES[case]
+    extra = dict(extra)
+    policy = extra.pop("activation_policy", "host")
+
+    def ratel(directory: Path) -> RatelStrategy:
+        return RatelStrategy(ssd_paths=[str(directory)], activation_policy=policy)
+
+    straight_dir = tmp_path / "straight"
+    lm = LM(model, n_batches=n_batches)
+    t = ckpt_trainer(ratel(swap(tmp_path, "s1")), straight_dir, 4, **extra)
+    t.fit(lm)
+    straight_params, straight_opt = final_state(lm, t)
+
+    first_dir = tmp_path / "first"
+    lm = LM(model, n_batches=n_batches)
+    t = ckpt_trainer(ratel(swap(tmp_path, "s2")), first_dir, 2, **extra)
+    t.fit(lm)
+    assert t.global_step == 2
+
+    lm = LM(model, n_batches=n_batches)
+    t = trainer(ratel(swap(tmp_path, "s3")), max_steps=4, **extra)
+    t.fit(lm, ckpt_path=str(step_ckpt(first_dir, 2)))
+    assert t.global_step == 4
+    resumed_params, resumed_opt = final_state(lm, t)
+
+    assert max_rel_err(straight_params, resumed_params) <= 1e-6
+    assert_opt_state_close(straight_opt, resumed_opt, 1e-6)
+
+    # The two step-2 checkpoints agree, and the final checkpoint holds what the module holds after teardown.
+    a = torch.load(step_ckpt(straight_dir, 2), weights_only=False)
+    b = torch.load(step_ckpt(first_dir, 2), weights_only=False)
+    assert max_rel_err(a["state_dict"], b["state_dict"]) <= 1e-6
+    assert_opt_state_close(a["optimizer_states"][0], b["optimizer_states"][0], 1e-6)
+    last = torch.load(step_ckpt(straight_dir, 4), weights_only=False)
+    assert max_rel_err(last["state_dict"], straight_params) <= 1e-6
+    assert_opt_state_close(last["optimizer_states"][0], straight_opt, 1e-6)
+
+    # And all of it is what plain Lightning computes.
+    ref_params, ref_opt = plain_run(model, 4, n_batches, **extra)
+    assert max_rel_err(without_key_bias(ref_params), without_key_bias(straight_params)) <= 1e-5
+    assert_opt_state_close(ref_opt, straight_opt, 1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------- checkpoint format
+
+
+def test_checkpoint_loadable_without_plugin(tmp_path: Path) -> None:
+    ckpt_dir = tmp_path / "ckpt"
+    lm = LM(n_batches=2)
+    t = ckpt_trainer(ratel(swap(tmp_path)), ckpt_dir, 2, precision="bf16-mixed")
+    t.fit(lm)
+    ckpt = torch.load(step_ckpt(ckpt_dir, 2), weights_only=False)
+    # bf16 compute copies, fp32 masters: after teardown the module holds the fp32 masters the checkpoint holds.
+    assert_ordinary_params(lm)
+    assert max_rel_err(ckpt["state_dict"], lm.state_dict()) == 0.0
+
+    plain = LM()
+    expected = plain.state_dict()
+    state = ckpt["state_dict"]
+    assert set(state) == set(expected)
+    for key, value in state.items():
+        assert isinstance(value, torch.Tensor) and value.dtype == torch.float32, (key, type(value))
+        assert value.shape == expected[key].shape, key
+        assert torch.isfinite(value).all(), key
+    # The checkpoint holds trained weights, not the initial ones.
+    assert max_rel_err(expected, state) > 1e-4
+
+    plain.load_state_dict(state)
+    opt = plain.configure_optimizers()["optimizer"]
+    opt.load_state_dict(ckpt["optimizer_states"][0])
+    params = [p for g in opt.param_groups for p in g["params"]]
+    assert len(opt.state) == len(params)
+    for p in params:
+        entry = opt.state[p]
+        assert float(entry["step"]) == 2.0
+        assert entry["exp_avg"].shape == p.shape and entry["exp_avg_sq"].shape == p.shape
+        assert entry["exp_avg_sq"].min() >= 0
+    assert ckpt["global_step"] == 2
+    assert ckpt["lr_schedulers"], "scheduler state missing"
+
+
+def test_plain_and_ratel_checkpoints_are_interchangeable(tmp_path: Path) -> None:
+    # Plain, uninterrupted, with a step-2 checkpoint.
+    plain_dir = tmp_path / "plain"
+    lm = LM(n_batches=2)
+    t = ckpt_trainer("auto", plain_dir, 4)
+    t.fit(lm)
+    ref_params, ref_opt = final_state(lm, t)
+
+    # Ratel 2 steps -> plain resumes to 4.
+    ratel_dir = tmp_path / "ratel"
+    lm = LM(n_batches=2)
+    ckpt_trainer(ratel(swap(tmp_path, "s1")), ratel_dir, 2).fit(lm)
+    lm = LM(n_batches=2)
+    t = trainer("auto", max_steps=4)
+    t.fit(lm, ckpt_path=str(step_ckpt(ratel_dir, 2)))
+    params, opt = final_state(lm, t)
+    assert max_rel_err(ref_params, params) <= 1e-5
+    assert_opt_state_close(ref_opt, opt, 1e-5)
+
+    # Plain 2 steps -> Ratel resumes to 4.
+    lm = LM(n_batches=2)
+    t = trainer(ratel(swap(tmp_path, "s2")), max_steps=4)
+    t.fit(lm, ckpt_path=str(step_ckpt(plain_dir, 2)))
+    params, opt = final_state(lm, t)
+    assert max_rel_err(ref_params, params) <= 1e-5
+    assert_opt_state_close(ref_opt, opt, 1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------- entry points
+
+
+EVAL_LIMITS = dict(limit_val_batches=3, limit_test_batches=3, limit_predict_batches=3)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_validate_test_predict_standalone(tmp_path: Path, precision: str) -> None:
+    ssd = swap(tmp_path)
+    initial = LM().state_dict()
+    results: dict[str, Any] = {}
+    for name in ("auto", "ratel"):
+        out: dict[str, Any] = {}
+        for fn in ("validate", "test", "predict"):
+            lm = LM()
+            strategy = ratel(ssd, activation_policy="ssd") if name == "ratel" else "auto"
+            t = trainer(strategy, precision=precision, **EVAL_LIMITS)
+            out[fn] = getattr(t, fn)(lm)
+            if name == "ratel":
+                assert_ordinary_params(lm)
+                assert max_rel_err(initial, lm.state_dict()) == 0.0, f"{fn} changed the parameters"
+                assert os.listdir(ssd) == []
+        results[name] = out
+    tol = 1e-6
+    for fn, key in (("validate", "val_loss"), ("test", "test_loss")):
+        a, b = results["auto"][fn][0][key], results["ratel"][fn][0][key]
+        assert math.isclose(a, b, rel_tol=tol), (fn, a, b)
+    a, b = results["auto"]["predict"], results["ratel"]["predict"]
+    assert len(a) == len(b) == 3
+    for x, y in zip(a, b):
+        assert math.isclose(float(x), float(y), rel_tol=tol), (float(x), float(y))
+
+
+def test_fit_twice_then_validate(tmp_path: Path) -> None:
+    ssd = swap(tmp_path)
+    outcome: dict[str, Any] = {}
+    for name in ("auto", "ratel"):
+        lm = LM(n_batches=2)
+        t = trainer(ratel(ssd) if name == "ratel" else "auto", max_steps=2, limit_val_batches=2)
+        t.fit(lm)
+        after_first = {k: v.clone() for k, v in lm.state_dict().items()}
+        if name == "ratel":
+            assert_ordinary_params(lm)
+            assert os.listdir(ssd) == []
+        if name == "ratel":
+            # A fresh Adam's first step moves every weight by about +-lr whatever its gradient's size, so a weight
+            # whose gradient is near eps turns a 1e-6 difference in the start point into a 1e-4 one; plain
+            # Lightning does the same. Both second fits therefore start from plain Lightning's first result (this
+            # also checks that a fit picks up weights loaded into the module between fits).
+            lm.load_state_dict(outcome["auto"][0])
+        t.fit_loop.epoch_loop.max_steps = 4
+        t.fit(lm)
+        assert t.global_step == 4
+        if name == "ratel":
+            assert_ordinary_params(lm)
+            assert os.listdir(ssd) == []
+        metrics = t.validate(lm, verbose=False)[0]
+        outcome[name] = (after_first, final_state(lm, t), metrics)
+    assert max_rel_err(outcome["auto"][0], outcome["ratel"][0]) <= 1e-5
+    assert max_rel_err(outcome["auto"][1][0], outcome["ratel"][1][0]) <= 1e-5
+    assert_opt_state_close(outcome["auto"][1][1], outcome["ratel"][1][1], 1e-5)
+    a, b = outcome["auto"][2]["val_loss"], outcome["ratel"][2]["val_loss"]
+    assert math.isclose(a, b, rel_tol=1e-5), (a, b)
+
+
+def test_validation_during_fit_matches_plain(tmp_path: Path) -> None:
+    ssd = swap(tmp_path)
+    losses = {}
+    for name in ("auto", "ratel"):
+        lm = LM(n_batches=2)
+        # Validate after every optimizer step: validation reads params while updates may be in flight.
+        t = trainer(ratel(ssd, activation_policy="ssd") if name == "ratel" else "auto", max_steps=3,
+                    limit_val_batches=2, val_check_interval=1, check_val_every_n_epoch=None)
+        t.fit(lm)
+        losses[name] = float(t.callback_metrics["val_loss"])
+        if name == "ratel":
+            assert_ordinary_params(lm)
+    assert math.isclose(losses["auto"], losses["ratel"], rel_tol=1e-5), losses
+
+
+def test_swap_files_kept_when_asked(tmp_path: Path) -> None:
+    ssd = swap(tmp_path)
+    lm = LM(n_batches=2)
+    t = trainer(ratel(ssd, keep_swap_files=True), max_steps=2)
+    t.fit(lm)
+    files = sorted(os.listdir(ssd))
+    assert "ratel.swap" in files
+    assert not any(f.endswith(".lock") for f in files), files
+    assert (ssd / "ratel.swap").stat().st_size > 0
+    assert (ssd / "ratel.swap").stat().st_mode & 0o077 == 0, "swap file readable by others"
+    assert_ordinary_params(lm)
+
+
+# ---------------------------------------------------------------------------------------------------- logging, schedulers
+
+
+def read_csv(path: str) -> list[dict[str, str]]:
+    with open(os.path.join(path, "metrics.csv"), newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_train_loss_logged(tmp_path: Path) -> None:
+    series = {}
+    for name in ("auto", "ratel"):
+        lm = LM(n_batches=2)
+        logger = CSVLogger(str(tmp_path / "logs"), name=name)
+        t = trainer(ratel(swap(tmp_path)) if name == "ratel" else "auto", logger=logger, log_every_n_steps=1)
+        t.fit(lm)
+        assert "train_loss" in t.callback_metrics
+        rows = [r for r in read_csv(logger.log_dir) if r.get("train_loss")]
+        assert len(rows) == 4, rows
+        values = [float(r["train_loss"]) for r in rows]
+        assert math.isclose(values[-1], float(t.callback_metrics["train_loss"]), rel_tol=1e-6)
+        series[name] = values
+    for a, b in zip(series["auto"], series["ratel"]):
+        assert math.isclose(a, b, rel_tol=1e-5), series
+
+
+def test_lr_scheduler_and_monitor(tmp_path: Path) -> None:
+    lm = LM(n_batches=2)
+    logger = CSVLogger(str(tmp_path / "logs"), name="ratel")
+    t = trainer(ratel(swap(tmp_path)), logger=logger, log_every_n_steps=1,
+                callbacks=[LearningRateMonitor(logging_interval="step")])
+    t.fit(lm)
+    rows = read_csv(logger.log_dir)
+    columns = [c for c in rows[0] if c.startswith("lr-")]
+    assert columns, list(rows[0])
+    for column in columns:
+        lrs = [float(r[column]) for r in rows if r.get(column)]
+        assert len(lrs) == 4, (column, lrs)
+        assert all(b < a for a, b in zip(lrs, lrs[1:])), (column, lrs)
+        for k, lr in enumerate(lrs):
+            assert math.isclose(lr, 1e-2 * 0.7**k, rel_tol=1e-9), (column, lrs)
+    params, opt = final_state(lm, t)
+    ref_params, ref_opt = plain_run()
+    assert max_rel_err(ref_params, params) <= 1e-5
+    assert_opt_state_close(ref_opt, opt, 1e-5)
+
+
+def test_scheduler_does_not_warn_about_step_order(tmp_path: Path) -> None:
+    """Plain Lightning steps the optimizer before the scheduler, so torch stays quiet; the engine's step must count
+    as the optimizer's step too, or every user sees a false warning that the schedule skips its first value."""
+    lm = LM(n_batches=2)
+    t = trainer(ratel(swap(tmp_path)), max_steps=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t.fit(lm)
+    order = [str(w.message) for w in caught if "before `optimizer.step()`" in str(w.message)]
+    assert not order, order[0]
+    assert t.optimizers[0].param_groups[0]["lr"] == pytest.approx(1e-2 * 0.7**2, rel=1e-9)
+
+
+class SkipLM(LM):
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor | None:
+        loss = super().training_step(batch, batch_idx)
+        return None if batch_idx == 1 else loss
+
+
+def test_training_step_returning_none_skips_step(tmp_path: Path) -> None:
+    outcome = {}
+    for name in ("auto", "ratel"):
+        lm = SkipLM(n_batches=4)
+        t = trainer(ratel(swap(tmp_path)) if name == "ratel" else "auto", max_steps=-1, max_epochs=1)
+        t.fit(lm)
+        outcome[name] = final_state(lm, t)
+    ref_params, ref_opt = outcome["auto"]
+    params, opt = outcome["ratel"]
+    assert {float(s["step"]) for s in ref_opt["state"].values()} == {3.0}
+    assert max_rel_err(ref_params, params) <= 1e-5
+    assert_opt_state_close(ref_opt, opt, 1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------- config errors
+
+
+class SGDLM(CountingLM):
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class ManualLM(CountingLM):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        type(self).training_steps += 1
+        opt = self.optimizers()
+        loss = self.model(input_ids=batch, labels=batch).loss
+        self.manual_backward(loss)
+        opt.step()
+        opt.zero_grad()
+
+
+def test_unsupported_optimizer_rejected(tmp_path: Path) -> None:
+    ssd = swap(tmp_path)
+    SGDLM.training_steps = 0
+    with pytest.raises(RatelConfigError, match="AdamW") as info:
+        trainer(ratel(ssd)).fit(SGDLM())
+    assert "Adam" in str(info.value).replace("AdamW", "")
+    assert SGDLM.training_steps == 0
+    assert os.listdir(ssd) == []
+
+
+def test_manual_optimization_rejected(tmp_path: Path) -> None:
+    ssd = swap(tmp_path)
+    ManualLM.training_steps = 0
+    with pytest.raises(RatelConfigError, match="automatic optimization"):
+        trainer(ratel(ssd)).fit(ManualLM())
+    assert ManualLM.training_steps == 0
+    assert os.listdir(ssd) == []
