@@ -541,9 +541,7 @@ class RatelEngine:
         if self.adam is not None:
             host += self.adam.host_buffer_bytes
         host += sum(t.numel() * t.element_size() for t in self._originals.values())
-        disk = self.store.nbytes_reserved if self.store is not None else 0
-        if self.cache._store is not None:
-            disk += self.cache._store.nbytes_reserved
+        disk = (self.store.nbytes_reserved if self.store is not None else 0) + self.cache.disk_bytes
         device = self.pager.resident_bytes
         if self.device.is_cuda:
             device = torch.cuda.memory_allocated(self.device.device)

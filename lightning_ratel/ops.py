@@ -14,6 +14,7 @@ magnitude of the weight or its update); with Adam's L2 term that difference also
 
 from __future__ import annotations
 
+import functools
 import numbers
 
 import torch
@@ -102,6 +103,13 @@ def fused_adamw_(
     inv_scale = 1.0 / grad_scale
 
     if _C is None:
+        global _fallback_warned
+        if not _fallback_warned:
+            rank_zero_warn(
+                "lightning_ratel._C is not built (no C compiler with OpenMP at install time?); the CPU optimizer falls"
+                " back to torch operations, which take several passes over memory and are slower."
+            )
+            _fallback_warned = True
         _torch_step(
             param, grad, exp_avg, exp_avg_sq, param_out, lr, beta1, beta2, eps, weight_decay, step, decoupled,
             inv_scale,
@@ -132,6 +140,60 @@ def fused_adamw_(
     for written in (param, exp_avg, exp_avg_sq, param_out):
         if written is not None:
             torch.autograd.graph.increment_version(written)
+
+
+def torch_adamw_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    param_out: torch.Tensor | None,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    decoupled: bool = True,
+    grad_scale: float = 1.0,
+) -> None:
+    """The step of :func:`fused_adamw_` done by torch's own single-tensor Adam(W), bit for bit what
+    ``torch.optim.AdamW`` computes on CPU; same arguments."""
+    _validate(param, grad, exp_avg, exp_avg_sq, param_out, lr, beta1, beta2, eps, weight_decay, step, grad_scale)
+    _torch_step(
+        param, grad, exp_avg, exp_avg_sq, param_out, lr, beta1, beta2, eps, weight_decay, step, decoupled,
+        1.0 / grad_scale,
+    )
+
+
+@functools.cache
+def native_matches_torch() -> bool:
+    """Whether the native kernel reproduces :func:`torch_adamw_` bit for bit on this CPU (checked once).
+
+    Training must end on the numbers of plain training, and Adam turns even one-ulp differences into visible ones
+    on parameters whose gradient is almost zero, so callers that promise equality use the kernel only where it is
+    exact. Says once when it is not.
+    """
+    if _C is None:
+        return False
+    gen = torch.Generator().manual_seed(0)
+    n = 4099
+    start = torch.randn(n, generator=gen)
+    grad = torch.randn(n, generator=gen) * 1e-3
+    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
+    ref, mine = start.clone(), start.clone()
+    ref_m, ref_v, m, v = (torch.zeros(n) for _ in range(4))
+    for step in (1, 2, 3):
+        torch_adamw_(ref, grad, ref_m, ref_v, None, step=step, **hyper)
+        fused_adamw_(mine, grad, m, v, None, step=step, **hyper)
+    exact = torch.equal(ref, mine) and torch.equal(ref_m, m) and torch.equal(ref_v, v)
+    if not exact:
+        rank_zero_warn(
+            f"lightning_ratel: the native AdamW kernel ({isa()}) does not reproduce torch.optim.AdamW bit for bit "
+            "on this CPU; the CPU optimizer uses torch's own AdamW instead."
+        )
+    return exact
 
 
 def _validate(
@@ -198,13 +260,6 @@ def _torch_step(
     decoupled: bool,
     inv_scale: float,
 ) -> None:
-    global _fallback_warned
-    if not _fallback_warned:
-        rank_zero_warn(
-            "lightning_ratel._C is not built (no C compiler with OpenMP at install time?); the CPU optimizer falls"
-            " back to torch operations, which take several passes over memory and are slower."
-        )
-        _fallback_warned = True
     # torch's single-tensor Adam, which is what torch.optim.AdamW runs on CPU by default, so that this path gives
     # exactly the numbers users compare against.
     with torch.no_grad():

@@ -140,8 +140,7 @@ class ActivationCache:
         # Flattened contiguous staging copy: the store reads raw bytes.
         # Page-aligned so the store's direct I/O goes straight from this buffer.
         staging = aligned_empty(t.numel(), t.dtype, pin=self.device.is_cuda)
-        flat = t.contiguous().view(-1) if not self.device.is_cuda else t.reshape(-1)
-        staged, event = self.device.to_host(flat, out=staging)
+        staged, event = self.device.to_host(t.reshape(-1), out=staging)
         key = f"act{block}.{self._counter}.{nbytes}"
         self._counter += 1
         ref = _SsdRef(block, key, tuple(t.shape), t.dtype, staged)
@@ -210,6 +209,11 @@ class ActivationCache:
             for refs in self._by_block.values()
             for ref in refs
         )
+
+    @property
+    def disk_bytes(self) -> int:
+        """Bytes reserved in the activation swap files (zero until the first ``ssd`` tensor)."""
+        return self._store.nbytes_reserved if self._store is not None else 0
 
     def close(self) -> None:
         self._io.shutdown(wait=True)
