@@ -35,13 +35,16 @@ def _compare(ref: tuple[dict, dict], got: tuple[dict, dict], tol: float) -> None
     assert got[1]["param_groups"] == ref[1]["param_groups"]
 
 
+@pytest.mark.parametrize("placement", ["mixed", "planned"])
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 @pytest.mark.parametrize("model", ["llama", "gpt2", "mlp"])
 @pytest.mark.parametrize(("accumulate", "clip"), [(1, None), (3, None), (1, 0.05), (3, 0.05)])
-def test_matches_plain_adamw(tmp_path, model, precision, accumulate, clip):
+def test_matches_plain_adamw(tmp_path, model, precision, accumulate, clip, placement):
     kwargs = dict(precision=precision, accumulate_grad_batches=accumulate, gradient_clip_val=clip)
     ref = _fit("auto", model, **kwargs)
-    strategy = RatelStrategy(ssd_paths=[str(tmp_path / "a"), str(tmp_path / "b")], activation_policy=MIXED_POLICY)
+    # "planned": the first steps run under the profiling placement, the rest under the plan made from them.
+    policy = MIXED_POLICY if placement == "mixed" else None
+    strategy = RatelStrategy(ssd_paths=[str(tmp_path / "a"), str(tmp_path / "b")], activation_policy=policy)
     os.makedirs(tmp_path / "a")
     os.makedirs(tmp_path / "b")
     got = _fit(strategy, model, **kwargs)
