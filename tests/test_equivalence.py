@@ -9,7 +9,7 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_ratel import RatelPrecision, RatelStrategy
+from lightning_ratel import RatelPrecision, RatelStrategy, ops
 from tests.models import LM, final_state, max_rel_err, trainer
 
 # Every tier at once: a block's activations on disk, one recomputed, the rest in host memory.
@@ -58,6 +58,31 @@ def test_each_policy_matches(tmp_path, policy):
     ref = _fit("auto", "llama")
     got = _fit(RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy=policy), "llama")
     _compare(ref, got, 1e-5)
+
+
+def test_engine_uses_native_kernel_when_exact(tmp_path, monkeypatch):
+    """Where the native kernel reproduces torch, every update runs through it and still ends on plain numbers."""
+    if not ops.native_matches_torch():
+        pytest.skip("the native kernel does not reproduce torch.optim.AdamW on this machine")
+    native = ops.fused_adamw_
+    updated: list[int] = []
+
+    def counting(param, *args, **kwargs):
+        updated.append(param.numel())
+        native(param, *args, **kwargs)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the CPU optimizer fell back to torch's AdamW")
+
+    monkeypatch.setattr(ops, "fused_adamw_", counting)
+    monkeypatch.setattr(ops, "torch_adamw_", forbidden)
+    ref = _fit("auto", "llama")
+    module = LM("llama")
+    got = _fit(RatelStrategy(ssd_paths=[str(tmp_path)]), "llama")
+    _compare(ref, got, 1e-5)
+    # Every parameter is updated once per step, alone or in a shard with others.
+    steps = int(got[1]["state"][0]["step"].item())
+    assert sum(updated) == steps * sum(p.numel() for p in module.parameters())
 
 
 def test_clip_by_value_matches(tmp_path):
