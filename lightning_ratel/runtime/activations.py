@@ -62,6 +62,8 @@ class _SsdRef:
     dtype: torch.dtype
     # The staging copy, kept until the store write completes so backward can use it directly (forwarding).
     host: torch.Tensor | None
+    # The device tensor itself when the store writes device memory directly (kvikio); kept until written, likewise.
+    device: torch.Tensor | None = None
     write: Future | None = None
     read: Future | None = None
     read_buffer: torch.Tensor | None = None
@@ -131,6 +133,8 @@ class ActivationCache:
         # bytes packed off the device (or kept) per block, for the profile of blocks that are not tracked op by op
         self.saved_by_block: dict[int, int] = {}
         self._stall = 0.0
+        # Set by the store factory when the store reads and writes device memory itself (no host staging).
+        self.device_direct = False
 
     def hooks(self, block: int) -> torch.autograd.graph.saved_tensors_hooks:
         """The saved-tensor hooks context for one forward pass of ``block``."""
@@ -236,20 +240,26 @@ class ActivationCache:
         return ref
 
     def _pack_ssd(self, block: int, t: torch.Tensor, nbytes: int) -> _SsdRef:
-        # Flattened contiguous staging copy: the store reads raw bytes.
-        # Page-aligned so the store's direct I/O goes straight from this buffer.
-        staging = aligned_empty(t.numel(), t.dtype, pin=self.device.is_cuda)
-        staged, event = self.device.to_host(t.reshape(-1), out=staging)
         key = f"act{block}.{self._counter}.{nbytes}"
         self._counter += 1
-        ref = _SsdRef(block, key, tuple(t.shape), t.dtype, staged)
         store = self.store
+        if self.device_direct:
+            # The store orders its transfer after the work queued on this stream, so it is submitted from here.
+            flat = t.reshape(-1)
+            ref = _SsdRef(block, key, tuple(t.shape), t.dtype, None, device=flat)
+            ref.write = store.write(key, flat)
+        else:
+            # Flattened contiguous staging copy: the store reads raw bytes.
+            # Page-aligned so the store's direct I/O goes straight from this buffer.
+            staging = aligned_empty(t.numel(), t.dtype, pin=self.device.is_cuda)
+            staged, event = self.device.to_host(t.reshape(-1), out=staging)
+            ref = _SsdRef(block, key, tuple(t.shape), t.dtype, staged)
 
-        def write() -> None:
-            event.synchronize()
-            store.write(key, staged).result()
+            def write() -> None:
+                event.synchronize()
+                store.write(key, staged).result()
 
-        ref.write = self._io.submit(write)
+            ref.write = self._io.submit(write)
         ref.write.add_done_callback(lambda f, r=ref: self._written(r, f))
         self._pending_writes.append(ref.write)
         self._by_block.setdefault(block, []).append(ref)
@@ -262,12 +272,17 @@ class ActivationCache:
         # from the future instead of as a missing buffer.
         if future.exception() is None:
             ref.host = None
+            ref.device = None
 
     def prefetch_block(self, block: int) -> None:
         """Start reading ``block``'s swapped tensors back from the store (called one block ahead in backward)."""
         for ref in self._by_block.get(block, ()):
-            if ref.read is None and ref.host is None:
-                ref.read_buffer = aligned_empty(int(torch.Size(ref.shape).numel()), ref.dtype, pin=self.device.is_cuda)
+            if ref.read is None and ref.host is None and ref.device is None:
+                numel = int(torch.Size(ref.shape).numel())
+                if self.device_direct:
+                    ref.read_buffer = torch.empty(numel, dtype=ref.dtype, device=self.device.device)
+                else:
+                    ref.read_buffer = aligned_empty(numel, ref.dtype, pin=self.device.is_cuda)
                 ref.read = self.store.read(ref.key, ref.read_buffer)
 
     def _unpack(self, ref: Any) -> torch.Tensor:
@@ -284,7 +299,11 @@ class ActivationCache:
             out, event = self.device.to_device(ref.host)
             self.device.wait(event)
             return out
-        host = ref.host
+        # Taken once: the write's completion callback may clear them meanwhile.
+        host, on_device = ref.host, ref.device
+        if on_device is not None:
+            self.stats.forwarded += 1
+            return on_device.view(ref.shape)
         if host is not None:
             self.stats.forwarded += 1
         else:
@@ -293,6 +312,8 @@ class ActivationCache:
             start = time.perf_counter()
             host = ref.read.result()
             self._stall += time.perf_counter() - start
+            if self.device_direct:
+                return host.view(ref.shape)
         out, event = self.device.to_device(host.view(ref.shape))
         self.device.wait(event)
         return out
@@ -313,7 +334,7 @@ class ActivationCache:
         for record in self._records.get(block, ()):
             record.outputs = None
         for ref in self._by_block.get(block, ()):
-            if ref.read is not None and ref.read.done() and ref.host is None:
+            if ref.read is not None and ref.read.done() and ref.host is None and ref.device is None:
                 ref.read = None
                 ref.read_buffer = None
 
