@@ -1,17 +1,21 @@
 /*
  * lightning_ratel._C: one-pass Adam/AdamW step on host memory.
  *
- * Each element is read once and written once: the gradient (fp32, bf16 or fp16) is unscaled, the fp32 master
- * weight and both fp32 moments are updated in place, and the weight is optionally written to a 16-bit or fp32
- * copy. The arithmetic reproduces torch's single-tensor Adam (torch/optim/adam.py) operation by operation,
+ * Each element is read from and written to main memory once: the gradient (fp32, bf16 or fp16) is unscaled, the
+ * fp32 master weight and both fp32 moments are updated in place, and the weight is optionally written to a 16-bit
+ * or fp32 copy. The arithmetic reproduces torch's single-tensor Adam (torch/optim/adam.py) operation by operation,
  * including where torch's CPU kernels fuse a multiply and an add:
  *
  *   - the AVX2/AVX-512 paths match torch's AVX2/AVX-512 kernels, which use an FMA for lerp_, for
  *     add(..., alpha=) and (by compiler contraction) for addcmul_;
  *   - the scalar path matches torch's DEFAULT kernels, which round every multiply and add separately.
  *
- * The one deliberate difference is sqrt: this file uses IEEE (correctly rounded) sqrt, while torch's float32
- * sqrt goes through MKL's vector math library, which may be one ulp off. Everything else is bitwise equal.
+ * sqrt is the one operation torch does not compute itself: where torch is built with MKL, its float32 sqrt calls
+ * MKL's vmsSqrt, which is not correctly rounded (one ulp off for some inputs) and whose code depends on the CPU.
+ * So the caller may hand in that very function (set_sqrt); each thread then updates its range in cache-sized
+ * chunks: moments first, then vmsSqrt over the chunk's exp_avg_sq, then the weights, all while the chunk is still
+ * in cache. Without one, the kernel uses the IEEE (correctly rounded) sqrt instruction in a single fused pass,
+ * which is what torch computes where it has no MKL.
  *
  * The translation unit must be built with -ffp-contract=off so that the compiler does not fuse operations on
  * its own, and with -fno-math-errno so that sqrtf becomes a single instruction.
@@ -34,10 +38,22 @@
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_NONE = 3 };
 
+/* What one pass over a range does: the whole step with the inline sqrt, or one of the two halves around an
+ * external sqrt (MOMENTS: decay, moments, stored; APPLY: weights from the chunk's roots). */
+enum { STAGE_FUSED = 0, STAGE_MOMENTS = 1, STAGE_APPLY = 2 };
+
+/* MKL's vmsSqrt(n, a, r, mode). n is an MKL_INT (32 bits in LP64 builds, 64 in ILP64); passing a small positive
+ * count as 64 bits is read correctly either way. */
+typedef void (*vector_sqrt_fn)(int64_t n, const float *a, float *r, int64_t mode);
+
 /* Below this many elements per thread, waking the thread team costs more than it saves. */
 #define MIN_PER_THREAD 32768
 /* Thread ranges are multiples of this, so only the last range has a partial vector. */
 #define SPLIT_ALIGN 64
+/* Elements per chunk with an external sqrt: small enough that a chunk's moments, weights and roots stay in L1
+ * between the passes and that MKL does not start threads of its own for the call; a multiple of SPLIT_ALIGN, so
+ * every chunk starts on a vector boundary. */
+#define SQRT_CHUNK 256
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
@@ -64,28 +80,39 @@ typedef struct {
     int decoupled_decay;
     int l2_decay;
     int lerp_small;
+    /* NULL: inline IEEE sqrt. */
+    vector_sqrt_fn vector_sqrt;
+    int64_t vector_sqrt_mode;
 } adam_job;
 
-typedef void (*range_fn)(const adam_job *job, int64_t begin, int64_t end);
+/* One stage over [begin, end); root holds the roots of that range for STAGE_APPLY, else NULL. */
+typedef void (*range_fn)(const adam_job *job, int stage, int64_t begin, int64_t end, const float *root);
 
 static int64_t dtype_size(int dtype) { return dtype == DT_F32 ? 4 : dtype == DT_NONE ? 0 : 2; }
 
-/* Expands to a switch that calls FN(job, begin, end, G, O) with compile-time dtype codes, so that each
- * always-inline kernel is specialised per (grad, out) pair instead of branching per element. */
-#define DISPATCH_DTYPES(FN, job, begin, end)                                                          \
-    switch ((job)->grad_dtype * 4 + (job)->out_dtype) {                                             \
-    case DT_F32 * 4 + DT_NONE: FN(job, begin, end, DT_F32, DT_NONE); break;                        \
-    case DT_F32 * 4 + DT_F32: FN(job, begin, end, DT_F32, DT_F32); break;                          \
-    case DT_F32 * 4 + DT_BF16: FN(job, begin, end, DT_F32, DT_BF16); break;                        \
-    case DT_F32 * 4 + DT_F16: FN(job, begin, end, DT_F32, DT_F16); break;                          \
-    case DT_BF16 * 4 + DT_NONE: FN(job, begin, end, DT_BF16, DT_NONE); break;                      \
-    case DT_BF16 * 4 + DT_F32: FN(job, begin, end, DT_BF16, DT_F32); break;                        \
-    case DT_BF16 * 4 + DT_BF16: FN(job, begin, end, DT_BF16, DT_BF16); break;                      \
-    case DT_BF16 * 4 + DT_F16: FN(job, begin, end, DT_BF16, DT_F16); break;                        \
-    case DT_F16 * 4 + DT_NONE: FN(job, begin, end, DT_F16, DT_NONE); break;                        \
-    case DT_F16 * 4 + DT_F32: FN(job, begin, end, DT_F16, DT_F32); break;                          \
-    case DT_F16 * 4 + DT_BF16: FN(job, begin, end, DT_F16, DT_BF16); break;                        \
-    default: FN(job, begin, end, DT_F16, DT_F16); break;                                            \
+/* Expands to a switch that calls FN(job, STAGE, begin, end, root, G, O) with compile-time stage and dtype codes,
+ * so that each always-inline kernel is specialised per (stage, grad, out) instead of branching per element. */
+#define DISPATCH_DTYPES(FN, job, stage, begin, end, root)                                                    \
+    switch ((job)->grad_dtype * 4 + (job)->out_dtype) {                                                     \
+    case DT_F32 * 4 + DT_NONE: FN(job, stage, begin, end, root, DT_F32, DT_NONE); break;                   \
+    case DT_F32 * 4 + DT_F32: FN(job, stage, begin, end, root, DT_F32, DT_F32); break;                     \
+    case DT_F32 * 4 + DT_BF16: FN(job, stage, begin, end, root, DT_F32, DT_BF16); break;                   \
+    case DT_F32 * 4 + DT_F16: FN(job, stage, begin, end, root, DT_F32, DT_F16); break;                     \
+    case DT_BF16 * 4 + DT_NONE: FN(job, stage, begin, end, root, DT_BF16, DT_NONE); break;                 \
+    case DT_BF16 * 4 + DT_F32: FN(job, stage, begin, end, root, DT_BF16, DT_F32); break;                   \
+    case DT_BF16 * 4 + DT_BF16: FN(job, stage, begin, end, root, DT_BF16, DT_BF16); break;                 \
+    case DT_BF16 * 4 + DT_F16: FN(job, stage, begin, end, root, DT_BF16, DT_F16); break;                   \
+    case DT_F16 * 4 + DT_NONE: FN(job, stage, begin, end, root, DT_F16, DT_NONE); break;                   \
+    case DT_F16 * 4 + DT_F32: FN(job, stage, begin, end, root, DT_F16, DT_F32); break;                     \
+    case DT_F16 * 4 + DT_BF16: FN(job, stage, begin, end, root, DT_F16, DT_BF16); break;                   \
+    default: FN(job, stage, begin, end, root, DT_F16, DT_F16); break;                                       \
+    }
+
+#define DISPATCH(FN, job, stage, begin, end, root)                                                           \
+    switch (stage) {                                                                                        \
+    case STAGE_MOMENTS: DISPATCH_DTYPES(FN, job, STAGE_MOMENTS, begin, end, root) break;                    \
+    case STAGE_APPLY: DISPATCH_DTYPES(FN, job, STAGE_APPLY, begin, end, root) break;                        \
+    default: DISPATCH_DTYPES(FN, job, STAGE_FUSED, begin, end, root) break;                                 \
     }
 
 /* ---------------------------------------------------------------------------------------------------------- */
@@ -159,34 +186,45 @@ ALWAYS_INLINE void store_scalar(void *dst, int64_t i, int dtype, float x) {
 /* ---------------------------------------------------------------------------------------------------------- */
 /* Scalar path: torch's DEFAULT kernels, every operation rounded on its own.                                  */
 
-ALWAYS_INLINE void range_scalar_t(const adam_job *job, int64_t begin, int64_t end, int gdt, int odt) {
+ALWAYS_INLINE void range_scalar_t(const adam_job *job, int stage, int64_t begin, int64_t end, const float *root,
+                                  int gdt, int odt) {
     /* Copies in locals: stores through the float pointers could otherwise alias the job's fields. */
     const adam_job h = *job;
     const float lerp_coeff = 1.0f - h.lerp_weight;
     for (int64_t i = begin; i < end; ++i) {
-        float g = load_scalar(h.grad, i, gdt);
         float p = h.param[i];
         float m = h.exp_avg[i];
-        float v = h.exp_avg_sq[i];
-        if (h.scale) g = g * h.inv_scale;
-        if (h.decoupled_decay) p = p * h.decay;
-        if (h.l2_decay) g = g + h.l2 * p;
-        /* lerp_: torch picks the formula that is exact at the nearer end point. */
-        float d = g - m;
-        m = h.lerp_small ? m + h.lerp_weight * d : g - d * lerp_coeff;
-        v = v * h.beta2;
-        v = v + h.one_minus_beta2 * g * g;
-        float denom = sqrtf(v) / h.bias_correction2_sqrt + h.eps;
+        float r;
+        if (stage == STAGE_APPLY) {
+            r = root[i - begin];
+        } else {
+            float g = load_scalar(h.grad, i, gdt);
+            float v = h.exp_avg_sq[i];
+            if (h.scale) g = g * h.inv_scale;
+            if (h.decoupled_decay) p = p * h.decay;
+            if (h.l2_decay) g = g + h.l2 * p;
+            /* lerp_: torch picks the formula that is exact at the nearer end point. */
+            float d = g - m;
+            m = h.lerp_small ? m + h.lerp_weight * d : g - d * lerp_coeff;
+            v = v * h.beta2;
+            v = v + h.one_minus_beta2 * g * g;
+            h.exp_avg[i] = m;
+            h.exp_avg_sq[i] = v;
+            if (stage == STAGE_MOMENTS) {
+                h.param[i] = p;
+                continue;
+            }
+            r = sqrtf(v);
+        }
+        float denom = r / h.bias_correction2_sqrt + h.eps;
         p = p + h.neg_step_size * m / denom;
         h.param[i] = p;
-        h.exp_avg[i] = m;
-        h.exp_avg_sq[i] = v;
         store_scalar(h.out, i, odt, p);
     }
 }
 
-static void range_scalar(const adam_job *job, int64_t begin, int64_t end) {
-    DISPATCH_DTYPES(range_scalar_t, job, begin, end)
+static void range_scalar(const adam_job *job, int stage, int64_t begin, int64_t end, const float *root) {
+    DISPATCH(range_scalar_t, job, stage, begin, end, root)
 }
 
 #ifdef RATEL_X86
@@ -227,28 +265,39 @@ ALWAYS_INLINE TARGET_AVX2 void store8(void *dst, int dtype, __m256 x) {
     }
 }
 
-ALWAYS_INLINE TARGET_AVX2 void step8(const consts8 *c, float *param, const void *grad, float *exp_avg,
-                                     float *exp_avg_sq, void *out, int gdt, int odt) {
-    __m256 g = load8(grad, gdt);
+ALWAYS_INLINE TARGET_AVX2 void step8(const consts8 *c, int stage, float *param, const void *grad, float *exp_avg,
+                                     float *exp_avg_sq, const float *root, void *out, int gdt, int odt) {
     __m256 p = _mm256_loadu_ps(param);
     __m256 m = _mm256_loadu_ps(exp_avg);
-    __m256 v = _mm256_loadu_ps(exp_avg_sq);
-    if (c->scale) g = _mm256_mul_ps(g, c->inv_scale);
-    if (c->decoupled_decay) p = _mm256_mul_ps(p, c->decay);
-    if (c->l2_decay) g = _mm256_fmadd_ps(p, c->l2, g);
-    __m256 d = _mm256_sub_ps(g, m);
-    m = _mm256_fmadd_ps(c->lerp_coeff, d, c->lerp_small ? m : g);
-    v = _mm256_mul_ps(v, c->beta2);
-    v = _mm256_fmadd_ps(_mm256_mul_ps(c->one_minus_beta2, g), g, v);
-    __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), c->bias_correction2_sqrt), c->eps);
+    __m256 r;
+    if (stage == STAGE_APPLY) {
+        r = _mm256_loadu_ps(root);
+    } else {
+        __m256 g = load8(grad, gdt);
+        __m256 v = _mm256_loadu_ps(exp_avg_sq);
+        if (c->scale) g = _mm256_mul_ps(g, c->inv_scale);
+        if (c->decoupled_decay) p = _mm256_mul_ps(p, c->decay);
+        if (c->l2_decay) g = _mm256_fmadd_ps(p, c->l2, g);
+        __m256 d = _mm256_sub_ps(g, m);
+        m = _mm256_fmadd_ps(c->lerp_coeff, d, c->lerp_small ? m : g);
+        v = _mm256_mul_ps(v, c->beta2);
+        v = _mm256_fmadd_ps(_mm256_mul_ps(c->one_minus_beta2, g), g, v);
+        _mm256_storeu_ps(exp_avg, m);
+        _mm256_storeu_ps(exp_avg_sq, v);
+        if (stage == STAGE_MOMENTS) {
+            _mm256_storeu_ps(param, p);
+            return;
+        }
+        r = _mm256_sqrt_ps(v);
+    }
+    __m256 denom = _mm256_add_ps(_mm256_div_ps(r, c->bias_correction2_sqrt), c->eps);
     p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(c->neg_step_size, m), denom));
     _mm256_storeu_ps(param, p);
-    _mm256_storeu_ps(exp_avg, m);
-    _mm256_storeu_ps(exp_avg_sq, v);
     store8(out, odt, p);
 }
 
-ALWAYS_INLINE TARGET_AVX2 void range_avx2_t(const adam_job *job, int64_t begin, int64_t end, int gdt, int odt) {
+ALWAYS_INLINE TARGET_AVX2 void range_avx2_t(const adam_job *job, int stage, int64_t begin, int64_t end,
+                                            const float *root, int gdt, int odt) {
     const adam_job h = *job;
     const consts8 c = {
         _mm256_set1_ps(h.inv_scale),
@@ -266,18 +315,20 @@ ALWAYS_INLINE TARGET_AVX2 void range_avx2_t(const adam_job *job, int64_t begin, 
     const int64_t gsize = dtype_size(gdt), osize = dtype_size(odt);
     int64_t i = begin;
     for (; i + 8 <= end; i += 8)
-        step8(&c, h.param + i, (const char *)h.grad + i * gsize, h.exp_avg + i, h.exp_avg_sq + i,
-              odt == DT_NONE ? NULL : (char *)h.out + i * osize, gdt, odt);
+        step8(&c, stage, h.param + i, (const char *)h.grad + i * gsize, h.exp_avg + i, h.exp_avg_sq + i,
+              stage == STAGE_APPLY ? root + (i - begin) : NULL, odt == DT_NONE ? NULL : (char *)h.out + i * osize,
+              gdt, odt);
     if (i < end) {
         /* The last partial vector goes through a zero-padded copy, so it takes the same instructions. */
-        float p[8] = {0}, m[8] = {0}, v[8] = {0};
+        float p[8] = {0}, m[8] = {0}, v[8] = {0}, r[8] = {0};
         unsigned char g[32] = {0}, o[32] = {0};
         const int64_t rest = end - i;
         memcpy(p, h.param + i, (size_t)rest * 4);
         memcpy(m, h.exp_avg + i, (size_t)rest * 4);
         memcpy(v, h.exp_avg_sq + i, (size_t)rest * 4);
         memcpy(g, (const char *)h.grad + i * gsize, (size_t)(rest * gsize));
-        step8(&c, p, g, m, v, o, gdt, odt);
+        if (stage == STAGE_APPLY) memcpy(r, root + (i - begin), (size_t)rest * 4);
+        step8(&c, stage, p, g, m, v, r, o, gdt, odt);
         memcpy(h.param + i, p, (size_t)rest * 4);
         memcpy(h.exp_avg + i, m, (size_t)rest * 4);
         memcpy(h.exp_avg_sq + i, v, (size_t)rest * 4);
@@ -285,8 +336,8 @@ ALWAYS_INLINE TARGET_AVX2 void range_avx2_t(const adam_job *job, int64_t begin, 
     }
 }
 
-static TARGET_AVX2 void range_avx2(const adam_job *job, int64_t begin, int64_t end) {
-    DISPATCH_DTYPES(range_avx2_t, job, begin, end)
+static TARGET_AVX2 void range_avx2(const adam_job *job, int stage, int64_t begin, int64_t end, const float *root) {
+    DISPATCH(range_avx2_t, job, stage, begin, end, root)
 }
 
 /* ---------------------------------------------------------------------------------------------------------- */
@@ -322,29 +373,40 @@ ALWAYS_INLINE TARGET_AVX512 void store16(void *dst, int dtype, __m512 x) {
     }
 }
 
-ALWAYS_INLINE TARGET_AVX512 void step16(const consts16 *c, float *param, const void *grad, float *exp_avg,
-                                        float *exp_avg_sq, void *out, int gdt, int odt) {
-    __m512 g = load16(grad, gdt);
+ALWAYS_INLINE TARGET_AVX512 void step16(const consts16 *c, int stage, float *param, const void *grad,
+                                        float *exp_avg, float *exp_avg_sq, const float *root, void *out, int gdt,
+                                        int odt) {
     __m512 p = _mm512_loadu_ps(param);
     __m512 m = _mm512_loadu_ps(exp_avg);
-    __m512 v = _mm512_loadu_ps(exp_avg_sq);
-    if (c->scale) g = _mm512_mul_ps(g, c->inv_scale);
-    if (c->decoupled_decay) p = _mm512_mul_ps(p, c->decay);
-    if (c->l2_decay) g = _mm512_fmadd_ps(p, c->l2, g);
-    __m512 d = _mm512_sub_ps(g, m);
-    m = _mm512_fmadd_ps(c->lerp_coeff, d, c->lerp_small ? m : g);
-    v = _mm512_mul_ps(v, c->beta2);
-    v = _mm512_fmadd_ps(_mm512_mul_ps(c->one_minus_beta2, g), g, v);
-    __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), c->bias_correction2_sqrt), c->eps);
+    __m512 r;
+    if (stage == STAGE_APPLY) {
+        r = _mm512_loadu_ps(root);
+    } else {
+        __m512 g = load16(grad, gdt);
+        __m512 v = _mm512_loadu_ps(exp_avg_sq);
+        if (c->scale) g = _mm512_mul_ps(g, c->inv_scale);
+        if (c->decoupled_decay) p = _mm512_mul_ps(p, c->decay);
+        if (c->l2_decay) g = _mm512_fmadd_ps(p, c->l2, g);
+        __m512 d = _mm512_sub_ps(g, m);
+        m = _mm512_fmadd_ps(c->lerp_coeff, d, c->lerp_small ? m : g);
+        v = _mm512_mul_ps(v, c->beta2);
+        v = _mm512_fmadd_ps(_mm512_mul_ps(c->one_minus_beta2, g), g, v);
+        _mm512_storeu_ps(exp_avg, m);
+        _mm512_storeu_ps(exp_avg_sq, v);
+        if (stage == STAGE_MOMENTS) {
+            _mm512_storeu_ps(param, p);
+            return;
+        }
+        r = _mm512_sqrt_ps(v);
+    }
+    __m512 denom = _mm512_add_ps(_mm512_div_ps(r, c->bias_correction2_sqrt), c->eps);
     p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(c->neg_step_size, m), denom));
     _mm512_storeu_ps(param, p);
-    _mm512_storeu_ps(exp_avg, m);
-    _mm512_storeu_ps(exp_avg_sq, v);
     store16(out, odt, p);
 }
 
-ALWAYS_INLINE TARGET_AVX512 void range_avx512_t(const adam_job *job, int64_t begin, int64_t end, int gdt,
-                                                int odt) {
+ALWAYS_INLINE TARGET_AVX512 void range_avx512_t(const adam_job *job, int stage, int64_t begin, int64_t end,
+                                                const float *root, int gdt, int odt) {
     const adam_job h = *job;
     const consts16 c = {
         _mm512_set1_ps(h.inv_scale),
@@ -361,17 +423,19 @@ ALWAYS_INLINE TARGET_AVX512 void range_avx512_t(const adam_job *job, int64_t beg
     const int64_t gsize = dtype_size(gdt), osize = dtype_size(odt);
     int64_t i = begin;
     for (; i + 16 <= end; i += 16)
-        step16(&c, h.param + i, (const char *)h.grad + i * gsize, h.exp_avg + i, h.exp_avg_sq + i,
-               odt == DT_NONE ? NULL : (char *)h.out + i * osize, gdt, odt);
+        step16(&c, stage, h.param + i, (const char *)h.grad + i * gsize, h.exp_avg + i, h.exp_avg_sq + i,
+               stage == STAGE_APPLY ? root + (i - begin) : NULL, odt == DT_NONE ? NULL : (char *)h.out + i * osize,
+               gdt, odt);
     if (i < end) {
-        float p[16] = {0}, m[16] = {0}, v[16] = {0};
+        float p[16] = {0}, m[16] = {0}, v[16] = {0}, r[16] = {0};
         unsigned char g[64] = {0}, o[64] = {0};
         const int64_t rest = end - i;
         memcpy(p, h.param + i, (size_t)rest * 4);
         memcpy(m, h.exp_avg + i, (size_t)rest * 4);
         memcpy(v, h.exp_avg_sq + i, (size_t)rest * 4);
         memcpy(g, (const char *)h.grad + i * gsize, (size_t)(rest * gsize));
-        step16(&c, p, g, m, v, o, gdt, odt);
+        if (stage == STAGE_APPLY) memcpy(r, root + (i - begin), (size_t)rest * 4);
+        step16(&c, stage, p, g, m, v, r, o, gdt, odt);
         memcpy(h.param + i, p, (size_t)rest * 4);
         memcpy(h.exp_avg + i, m, (size_t)rest * 4);
         memcpy(h.exp_avg_sq + i, v, (size_t)rest * 4);
@@ -379,8 +443,9 @@ ALWAYS_INLINE TARGET_AVX512 void range_avx512_t(const adam_job *job, int64_t beg
     }
 }
 
-static TARGET_AVX512 void range_avx512(const adam_job *job, int64_t begin, int64_t end) {
-    DISPATCH_DTYPES(range_avx512_t, job, begin, end)
+static TARGET_AVX512 void range_avx512(const adam_job *job, int stage, int64_t begin, int64_t end,
+                                       const float *root) {
+    DISPATCH(range_avx512_t, job, stage, begin, end, root)
 }
 
 #endif /* RATEL_X86 */
@@ -425,6 +490,25 @@ static const isa_entry *best_isa(void) {
 /* ---------------------------------------------------------------------------------------------------------- */
 /* Driver                                                                                                     */
 
+/* The external sqrt torch uses (set_sqrt), or NULL for the IEEE instruction. Read once per call. */
+static vector_sqrt_fn vector_sqrt = NULL;
+static int64_t vector_sqrt_mode = 0;
+
+/* One thread's share of the step. */
+static void run_range(range_fn fn, const adam_job *job, int64_t begin, int64_t end) {
+    if (!job->vector_sqrt) {
+        fn(job, STAGE_FUSED, begin, end, NULL);
+        return;
+    }
+    float root[SQRT_CHUNK] __attribute__((aligned(64)));
+    for (int64_t chunk = begin; chunk < end; chunk += SQRT_CHUNK) {
+        const int64_t stop = chunk + SQRT_CHUNK < end ? chunk + SQRT_CHUNK : end;
+        fn(job, STAGE_MOMENTS, chunk, stop, NULL);
+        job->vector_sqrt(stop - chunk, job->exp_avg_sq + chunk, root, job->vector_sqrt_mode);
+        fn(job, STAGE_APPLY, chunk, stop, root);
+    }
+}
+
 static void run_job(range_fn fn, const adam_job *job, int num_threads) {
     const int64_t n = job->n;
     int64_t useful = n / MIN_PER_THREAD;
@@ -440,14 +524,14 @@ static void run_job(range_fn fn, const adam_job *job, int num_threads) {
             const int64_t begin = blocks * t / nt * SPLIT_ALIGN;
             int64_t end = blocks * (t + 1) / nt * SPLIT_ALIGN;
             if (end > n) end = n;
-            if (begin < end) fn(job, begin, end);
+            if (begin < end) run_range(fn, job, begin, end);
         }
         return;
     }
 #else
     (void)num_threads;
 #endif
-    fn(job, 0, n);
+    run_range(fn, job, 0, n);
 }
 
 static PyObject *py_adamw(PyObject *self, PyObject *args, PyObject *kwargs) {
@@ -504,6 +588,8 @@ static PyObject *py_adamw(PyObject *self, PyObject *args, PyObject *kwargs) {
     job.decoupled_decay = weight_decay != 0.0 && decoupled;
     job.l2_decay = weight_decay != 0.0 && !decoupled;
     job.lerp_small = fabsf(job.lerp_weight) < 0.5f;
+    job.vector_sqrt = vector_sqrt;
+    job.vector_sqrt_mode = vector_sqrt_mode;
 
     const range_fn fn = active_isa->fn;
     Py_BEGIN_ALLOW_THREADS
@@ -534,6 +620,39 @@ static PyObject *py_isa(PyObject *self, PyObject *unused) {
     return PyUnicode_FromString(active_isa->name);
 }
 
+static PyObject *py_set_sqrt(PyObject *self, PyObject *args) {
+    unsigned long long address;
+    long long mode;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "KL:set_sqrt", &address, &mode)) return NULL;
+    vector_sqrt = (vector_sqrt_fn)(uintptr_t)address;
+    vector_sqrt_mode = mode;
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_sqrt(PyObject *self, PyObject *args) {
+    unsigned long long src, dst;
+    long long n;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "KKL:sqrt", &src, &dst, &n)) return NULL;
+    if (n < 0 || (n > 0 && (!src || !dst))) {
+        PyErr_SetString(PyExc_ValueError, "sqrt: need n >= 0 and non-null buffers");
+        return NULL;
+    }
+    const float *a = (const float *)(uintptr_t)src;
+    float *r = (float *)(uintptr_t)dst;
+    /* Same chunking as the step, so the check exercises exactly the calls the step makes. */
+    for (int64_t i = 0; i < n; i += SQRT_CHUNK) {
+        const int64_t len = n - i < SQRT_CHUNK ? n - i : SQRT_CHUNK;
+        if (vector_sqrt) {
+            vector_sqrt(len, a + i, r + i, vector_sqrt_mode);
+        } else {
+            for (int64_t k = i; k < i + len; ++k) r[k] = sqrtf(a[k]);
+        }
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"adamw", (PyCFunction)(void (*)(void))py_adamw, METH_VARARGS | METH_KEYWORDS,
      "adamw(param, grad, exp_avg, exp_avg_sq, out, n, grad_dtype, out_dtype, lr, beta1, beta2, eps, "
@@ -543,6 +662,11 @@ static PyMethodDef methods[] = {
     {"set_isa", py_set_isa, METH_O,
      "set_isa(name)\n--\n\nUse 'avx512', 'avx2' or 'scalar'; returns False, changing nothing, if this CPU lacks it."},
     {"isa", py_isa, METH_NOARGS, "isa()\n--\n\nName of the code path in use."},
+    {"set_sqrt", py_set_sqrt, METH_VARARGS,
+     "set_sqrt(address, mode)\n--\n\nTake float32 square roots with the MKL-style vmsSqrt(n, a, r, mode) at address "
+     "(0: the IEEE instruction, the default)."},
+    {"sqrt", py_sqrt, METH_VARARGS,
+     "sqrt(src, dst, n)\n--\n\nThe square roots the step would take of n floats at src, written to dst."},
     {NULL, NULL, 0, NULL},
 };
 

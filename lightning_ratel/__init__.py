@@ -2,12 +2,22 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_ratel.callbacks import RatelProfiler
 from lightning_ratel.errors import RatelConfigError, RatelPlanError, RatelStoreError
+from lightning_ratel.plan import Plan
 from lightning_ratel.precision import RatelPrecision
 from lightning_ratel.strategy import RatelStrategy
 
 if RatelStrategy.strategy_name not in StrategyRegistry:
     RatelStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["RatelConfigError", "RatelPlanError", "RatelPrecision", "RatelStoreError", "RatelStrategy"]
+__all__ = [
+    "Plan",
+    "RatelConfigError",
+    "RatelPlanError",
+    "RatelPrecision",
+    "RatelProfiler",
+    "RatelStoreError",
+    "RatelStrategy",
+]
 __version__ = "0.1.0"

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import fnmatch
 import functools
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -22,19 +21,25 @@ from typing import Any, Literal
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from lightning_ratel.blocks import Block, BlockSpec, discover_blocks
 from lightning_ratel.errors import RatelConfigError, RatelPlanError
-from lightning_ratel.runtime.activations import POLICIES, ActivationCache
+from lightning_ratel.plan.profile import HardwareProfile, LayerProfile, OpProfile
+from lightning_ratel.plan.search import Plan, search
+from lightning_ratel.runtime import gds
+from lightning_ratel.runtime.activations import TIERS, ActivationCache, Placement
 from lightning_ratel.runtime.device import Device
 from lightning_ratel.runtime.optimizer import CpuAdam, GroupHyper, Shard, ShardParam, StepPlan
+from lightning_ratel.runtime.probe import available_host_memory, measure_hardware
 from lightning_ratel.runtime.pager import ParameterPager, ParamSlot, Unit
+from lightning_ratel.runtime.recompute import INPUT, ForwardRecord, OpTracker
 from lightning_ratel.runtime.storage import ALIGNMENT, TensorStore, aligned_empty
 
 ActivationPolicy = str | dict[str, str]
 ParamInitFn = Callable[[nn.Module], None]
 SUPPORTED_OPTIMIZERS = (torch.optim.AdamW, torch.optim.Adam)
+# Block-level policy names a user may give; "keep" is the older name of "device".
+POLICIES = ("keep", *TIERS)
 ParamCache = Literal["auto", "host", "ssd"]
 PARAM_CACHES: tuple[ParamCache, ...] = ("auto", "host", "ssd")
 # Gradient bytes backward may hold, in largest-shard buffers, before it waits for pending updates to free some: the
@@ -52,21 +57,54 @@ class EngineConfig:
     activation_policy: ActivationPolicy = "host"
     blocks: BlockSpec = None
     name: str = "ratel"
+    host_memory_limit: int | None = None
+    device_memory_limit: int | None = None
     param_cache: ParamCache = "auto"
     param_init_fn: ParamInitFn | None = None
 
 
-def resolve_policies(blocks: Sequence[Block], policy: ActivationPolicy) -> list[str]:
-    """The activation policy of each block: one name for all, or the first matching ``fnmatch`` pattern."""
+def resolve_policies(blocks: Sequence[Block], policy: ActivationPolicy) -> list[Placement]:
+    """The activation placement of each block: one policy for all, or the first matching ``fnmatch`` pattern.
+
+    ``recompute`` becomes an op-level placement (every op recomputed, the block's inputs kept): the replay then
+    reruns the block's forward from its inputs, as activation checkpointing does.
+    """
     if isinstance(policy, str):
         policy = {"*": policy}
     for name in policy.values():
         if name not in POLICIES:
             raise RatelConfigError(f"activation_policy {name!r} is not one of {', '.join(POLICIES)}")
-    resolved = []
+    resolved: list[Placement] = []
     for block in blocks:
-        match = next((p for pat, p in policy.items() if fnmatch.fnmatchcase(block.name, pat)), "keep")
-        resolved.append(match)
+        match = next((p for pat, p in policy.items() if fnmatch.fnmatchcase(block.name, pat)), "device")
+        match = "device" if match == "keep" else match
+        if match == "recompute":
+            resolved.append({"*": "recompute", INPUT: "device"} if not block.direct_only else "device")
+        else:
+            resolved.append(match)
+    return resolved
+
+
+def plan_placements(blocks: Sequence[Block], placement: dict[str, str]) -> list[Placement]:
+    """Per-block placements from a plan's ``"<block>/<op>" -> tier`` mapping.
+
+    A container block (one that holds other blocks) cannot be tracked op by op; its ``"<block>/*"`` entry (or
+    ``device``) applies to everything it saves. Ops the plan does not name stay on the device.
+    """
+    by_block: dict[str, dict[str, str]] = {}
+    for key, tier in placement.items():
+        if tier not in TIERS:
+            raise RatelConfigError(f"the plan places {key!r} on {tier!r}, which is not one of {', '.join(TIERS)}")
+        block, _, op = key.rpartition("/")
+        by_block.setdefault(block, {})[op] = tier
+    resolved: list[Placement] = []
+    for block in blocks:
+        ops = by_block.get(block.name, {})
+        if block.direct_only or not ops:
+            tier = ops.get("*", "device")
+            resolved.append("host" if tier == "recompute" else tier)
+        else:
+            resolved.append(ops)
     return resolved
 
 
@@ -110,7 +148,7 @@ class RatelEngine:
         self.blocks = discover_blocks(module, config.blocks)
         if not self.blocks:
             raise RatelConfigError("the model has no parameters to manage")
-        self.policies = resolve_policies(self.blocks, config.activation_policy)
+        self.placements = resolve_policies(self.blocks, config.activation_policy)
         self._names = {id(p): n for n, p in module.named_parameters()}
         self._orig_dtype = {id(p): p.dtype for _, p in module.named_parameters()}
         groups = self._optimizer_groups(optimizer)
@@ -129,6 +167,7 @@ class RatelEngine:
         self.store: TensorStore | None = None
         self.adam: CpuAdam | None = None
         self._originals: dict[int, torch.Tensor] = {}
+        self._cache_configs = _disable_kv_cache(module) if optimizer is not None else []
         if optimizer is not None:
             self._build_shards(groups)
             self.store = TensorStore(config.ssd_paths, name=config.name, keep_files=config.keep_swap_files)
@@ -155,18 +194,30 @@ class RatelEngine:
             self.device,
             self.units,
             block_units,
-            wait_ready=self.adam.wait_unit if self.adam else (lambda u: None),
+            wait_ready=self._wait_unit,
             is_ready=self.adam.unit_ready if self.adam else (lambda u: True),
             read_unit=self._read_unit if self.param_cache == "ssd" else None,
         )
-        self.cache = ActivationCache(self.device, self.pager, self.policies, self._activation_store, self._enter_backward)
+        self.cache = ActivationCache(self.device, self.pager, self.placements, self._activation_store,
+                                     self._enter_backward)
         self._order = [b.index for b in self.blocks]
         self._order_pass: list[int] = []
-        self._hook_stack: list[tuple[int, Any]] = []
+        self._hook_stack: list[tuple[int, list[Any]]] = []
+        # The submodule path inside the block whose forward is running, for op names (tracked blocks only).
+        self._path_stack: list[str] = []
+        self._paths = {id(m): name for block in self.blocks if not block.direct_only
+                       for name, m in block.module.named_modules() if name}
+        self.profiling = False
+        self.plan: Plan | None = None
+        self._profiled: dict[int, list[ForwardRecord]] = {}
+        self._profiled_times: dict[int, list[dict[str, float]]] = {}
+        self.stall_seconds = 0.0
+        self._timeline_cursor = 0
+        self.block_times: dict[int, dict[str, float]] = {}
+        self._bw_entered: float | None = None
         self._bw_held: list[int] = []
         self._bw_current: int | None = None
         self._handles: list[Any] = []
-        self._patched_forwards: list[tuple[nn.Module, Any]] = []
         self._window: set[int] = set()
         self._pending_plan: StepPlan | None = None
         self._step_plan = StepPlan([], overlap=False)
@@ -260,7 +311,7 @@ class RatelEngine:
         if requested != "auto":
             return requested
         cache_bytes = sum(u.nbytes for u in self.units.values())
-        available = _available_memory()
+        available = available_host_memory()
         choice = "ssd" if available and cache_bytes > available // 2 else "host"
         if choice == "ssd":
             rank_zero_info(
@@ -378,21 +429,32 @@ class RatelEngine:
         return [self.store.read(s.compute_key, s.compute_view(flats[s.dtype])) for s in self._unit_shards[unit.index]]
 
     def _activation_store(self) -> TensorStore:
-        return TensorStore(self.config.ssd_paths, name=f"{self.config.name}-act", keep_files=False)
+        """The swap store for ``ssd``-tier activations: device-direct through kvikio where it is installed, works
+        and measures faster than staging through pinned host memory; the POSIX store otherwise."""
+        name = f"{self.config.name}-act"
+        paths = self.config.ssd_paths
+        if self.device.is_cuda and gds.kvikio_available(paths[0]):
+            bandwidth = gds.measure(paths, self.device.device)
+            if bandwidth.prefer_kvikio():
+                self.cache.device_direct = True
+                return gds.GdsStore(paths, name=name, keep_files=False)
+        return TensorStore(paths, name=name, keep_files=False)
 
     # ------------------------------------------------------------------ hooks
 
     def _install_hooks(self) -> None:
         for block in self.blocks:
             b = block.index
-            self._handles.append(block.module.register_forward_pre_hook(functools.partial(self._pre_forward, b)))
+            self._handles.append(block.module.register_forward_pre_hook(
+                functools.partial(self._pre_forward, b), with_kwargs=True))
             self._handles.append(
                 block.module.register_forward_hook(functools.partial(self._post_forward, b), always_call=True)
             )
-            if self.policies[b] == "recompute":
-                original = block.module.forward
-                block.module.forward = functools.partial(self._recompute_forward, b, original)
-                self._patched_forwards.append((block.module, original))
+            if not block.direct_only:
+                for name, sub in block.module.named_modules():
+                    if name:
+                        self._handles.append(sub.register_forward_pre_hook(self._enter_submodule))
+                        self._handles.append(sub.register_forward_hook(self._leave_submodule, always_call=True))
         for shard in self.shards:
             for sp in shard.params:
                 if sp.param.requires_grad:
@@ -404,45 +466,76 @@ class RatelEngine:
                     # Not in the optimizer: its gradient has no consumer, so it must not pile up on the device.
                     self._handles.append(sp.param.register_post_accumulate_grad_hook(self._drop_grad))
 
+    def _enter_submodule(self, module: nn.Module, args: Any) -> None:
+        self._path_stack.append(self._paths.get(id(module), ""))
+
+    def _leave_submodule(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._path_stack:
+            self._path_stack.pop()
+
+    def _op_path(self) -> str:
+        return self._path_stack[-1] if self._path_stack else ""
+
+    def set_placements(self, placements: list[Placement]) -> None:
+        """Place activations differently from the next forward pass on (a new plan)."""
+        self.placements[:] = placements
+
     def _position(self, block: int) -> int:
         try:
             return self._order.index(block)
         except ValueError:
             return len(self._order)
 
-    def _pre_forward(self, b: int, module: nn.Module, args: Any) -> None:
+    def _sync(self) -> None:
+        if self.device.is_cuda:
+            torch.cuda.synchronize(self.device.device)
+
+    def _pre_forward(self, b: int, module: nn.Module, args: Any, kwargs: Any) -> None:
         self._check()
         self.pager.acquire(b)
         pos = self._position(b)
         for nxt in self._order[pos + 1 : pos + 1 + self.config.prefetch_depth]:
             self.pager.prefetch(nxt)
-        if torch.is_grad_enabled():
-            self._order_pass.append(b)
-            hooks = self.cache.hooks(b)
-            hooks.__enter__()
-            self._hook_stack.append((b, hooks))
+        if not torch.is_grad_enabled():
+            return
+        self._order_pass.append(b)
+        contexts: list[Any] = [self.cache.hooks(b)]
+        if self.cache.tracked(b):
+            device_type = self.device.device.type
+            record = ForwardRecord(
+                b,
+                forward=module.forward,
+                rng_state=torch.get_rng_state(),
+                cuda_rng_state=torch.cuda.get_rng_state(self.device.device) if self.device.is_cuda else None,
+                autocast=(device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)),
+            )
+            self.cache.begin_record(record, args, kwargs)
+            self._path_stack.clear()
+            contexts.append(OpTracker(record, self._op_path, profile=self.profiling, synchronize=self._sync))
+        if self.profiling:
+            self._sync()
+            self.block_times.setdefault(b, {})["forward_start"] = time.perf_counter()
+        for context in contexts:
+            context.__enter__()
+        self._hook_stack.append((b, contexts))
 
     def _post_forward(self, b: int, module: nn.Module, args: Any, output: Any) -> None:
         if self._hook_stack and self._hook_stack[-1][0] == b:
-            self._hook_stack.pop()[1].__exit__(None, None, None)
+            for context in reversed(self._hook_stack.pop()[1]):
+                context.__exit__(None, None, None)
+            if self.profiling:
+                self._sync()
+                times = self.block_times.setdefault(b, {})
+                times["forward"] = times.get("forward", 0.0) + time.perf_counter() - times.pop("forward_start")
+            self.cache.end_record(b)
         self.pager.release(b)
-
-    def _recompute_forward(self, b: int, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled():
-            return original(*args, **kwargs)
-
-        def run(*a: Any, **k: Any) -> Any:
-            if self.device.in_backward():
-                # Recomputation in backward bypasses the module's hooks: page the block in here.
-                self._enter_backward(b)
-            return original(*a, **k)
-
-        return checkpoint(run, *args, use_reentrant=False, **kwargs)
 
     def _enter_backward(self, b: int) -> None:
         """Backward reached block ``b``: keep it resident, release the blocks behind it, prefetch the ones ahead."""
         if self._bw_current == b:
             return
+        if self.profiling:
+            self._close_backward_interval()
         self._bw_current = b
         if b not in self._bw_held:
             self.pager.acquire(b)
@@ -451,10 +544,20 @@ class RatelEngine:
         for held in [h for h in self._bw_held if self._position(h) > pos]:
             self._bw_held.remove(held)
             self.pager.release(held)
+            self.cache.done_with(held)
         ahead = self._order[max(0, pos - self.config.prefetch_depth) : pos]
         for nxt in reversed(ahead):
             self.pager.prefetch(nxt)
             self.cache.prefetch_block(nxt)
+
+    def _close_backward_interval(self) -> None:
+        """Profiling: charge the time since backward last changed block to that block."""
+        self._sync()
+        now = time.perf_counter()
+        if self._bw_current is not None and self._bw_entered is not None:
+            times = self.block_times.setdefault(self._bw_current, {})
+            times["backward"] = times.get("backward", 0.0) + now - self._bw_entered
+        self._bw_entered = now
 
     def _on_grad(self, shard: Shard, sp: ShardParam, param: nn.Parameter) -> None:
         grad = param.grad
@@ -508,9 +611,15 @@ class RatelEngine:
 
     def pre_backward(self) -> None:
         self.timeline.append(("backward_start", time.perf_counter()))
+        self._bw_entered = time.perf_counter()
 
     def post_backward(self) -> None:
         """Backward finished: release what backward held and learn the execution order from the first pass."""
+        if self.profiling:
+            self._close_backward_interval()
+            for b in range(len(self.blocks)):
+                self._profiled.setdefault(b, []).extend(self.cache.records(b))
+                self._profiled_times.setdefault(b, []).append(self.block_times.pop(b, {}))
         self.timeline.append(("backward_end", time.perf_counter()))
         for held in self._bw_held:
             self.pager.release(held)
@@ -578,6 +687,139 @@ class RatelEngine:
             for g in grads:
                 g.clamp_(min=-value, max=value)
 
+    # ------------------------------------------------------------------ planning
+
+    def _wait_unit(self, unit: int) -> None:
+        if self.adam is None:
+            return
+        start = time.perf_counter()
+        self.adam.wait_unit(unit)
+        self.stall_seconds += time.perf_counter() - start
+
+    def adam_step(self) -> Callable[..., None]:
+        """The AdamW step function the CPU optimizer runs."""
+        from lightning_ratel import ops
+
+        return ops.fused_adamw_ if ops.native_matches_torch() else ops.torch_adamw_
+
+    def measure_hardware(self) -> HardwareProfile:
+        """Measure links, swap directories, CPU AdamW and free memory (see :mod:`lightning_ratel.runtime.probe`)."""
+        return measure_hardware(self.device, self.config.ssd_paths, self.adam_step())
+
+    def begin_profile(self) -> None:
+        """Run the next pass under the safe default (block inputs swapped to host, everything else recomputed),
+        timing every op and counting its FLOPs and saved bytes."""
+        self.profiling = True
+        self.block_times.clear()
+        self._profiled.clear()
+        self._profiled_times.clear()
+        self.set_placements([
+            "host" if block.direct_only else {INPUT: "host", "*": "recompute"} for block in self.blocks
+        ])
+
+    def end_profile(self) -> list[LayerProfile]:
+        """Stop profiling and return one :class:`LayerProfile` per block, in execution order.
+
+        Each time is the least seen over the profiled passes: the first pass of a run also pays one-off costs
+        (first touch of fresh memory, lazy initialisation) that later steps do not.
+        """
+        self.profiling = False
+        layers = []
+        for pos, b in enumerate(self._order):
+            block = self.blocks[b]
+            passes = self._profiled_times.get(b) or [{}]
+            records = self._profiled.get(b, [])
+            forward = min(t.get("forward", 0.0) for t in passes)
+            replays = [r.replay_time for r in records] or [0.0]
+            backward = min(t.get("backward", 0.0) for t in passes) - min(replays)
+            backward = backward if backward > 0 else 2.0 * forward
+            owned = [s for s in self.shards if s.unit.index == b]
+            if records and not block.direct_only:
+                record = records[0]
+                same = [r for r in records if len(r.ops) == len(record.ops)]
+                names = [op.name for op in record.ops]
+                ops = [OpProfile(INPUT, 0.0, 0.0, record.saved.get(-1, 0), [])]
+                ops += [
+                    OpProfile(op.name, min(r.ops[k].forward_time for r in same), op.flops, record.saved.get(k, 0),
+                              [names[i] if i >= 0 else INPUT for i in op.inputs])
+                    for k, op in enumerate(record.ops)
+                ]
+            else:
+                ops = [OpProfile("*", 0.0, 0.0, self.cache.saved_by_block.get(b, 0), [])]
+            layers.append(LayerProfile(
+                name=block.name,
+                index=pos,
+                forward_time=forward,
+                backward_time=backward,
+                param_bytes=sum(self.units[u].nbytes for u in self.pager.block_units[b]),
+                grad_bytes=sum(s.numel * torch.empty((), dtype=s.dtype).element_size() for s in owned),
+                trainable_numel=sum(s.numel for s in owned),
+                ops=ops,
+                op_level=not block.direct_only,
+            ))
+        self._profiled.clear()
+        self._profiled_times.clear()
+        self.block_times.clear()
+        return layers
+
+    def make_plan(self, hardware: HardwareProfile, layers: list[LayerProfile]) -> Plan:
+        """Search the placement with the least predicted iteration time under this run's memory budgets."""
+        static = self.byte_placement()["host"]
+        if self.config.host_memory_limit is not None:
+            host_budget = self.config.host_memory_limit
+        else:
+            # What the kernel can still hand out, less a tenth for the page cache, the dataloader and the like.
+            host_budget = static + int(hardware.host_memory_free * 0.9)
+        device_budget = self.config.device_memory_limit or hardware.device_memory_free
+        if hardware.unified_memory:
+            device_budget = host_budget
+        store_budget = int(hardware.ssd_free * 0.95)
+        plan = search(hardware, layers, device_budget=device_budget, host_budget=host_budget,
+                      store_budget=store_budget, prefetch_depth=self.config.prefetch_depth, host_static_bytes=static)
+        plan.budgets["host_static"] = static
+        return plan
+
+    def apply_plan(self, plan: Plan) -> None:
+        """Place activations as ``plan`` says from the next forward pass on."""
+        self.plan = plan
+        self.set_placements(plan_placements(self.blocks, plan.activation_placement))
+
+    def take_breakdown(self, start: float, end: float) -> dict[str, float]:
+        """Where the time of the interval ``[start, end]`` (a training step) went, measured.
+
+        ``compute`` is the wall time the training thread did not spend stalled waiting for an update or a read;
+        ``h2d``/``d2h`` the busy time of each link direction; ``ssd`` the time any swap-file transfer ran;
+        ``cpu_optimizer`` the time any AdamW update ran; ``idle`` the training thread's stalls. Resources overlap,
+        so the parts do not add up to the wall time.
+        """
+        copies = self.device.take_copy_seconds()
+        busy: list[tuple[float, float]] = []
+        for store in (self.store, self.cache._store):
+            if store is not None:
+                busy.extend(store.take_busy_intervals())
+        updates: list[tuple[float, float]] = []
+        opened: dict[str, float] = {}
+        events = self.timeline[self._timeline_cursor :]
+        self._timeline_cursor = len(self.timeline)
+        for name, t in events:
+            kind, _, shard = name.partition(":")
+            if kind == "update_start":
+                opened[shard] = t
+            elif kind == "update_end" and shard in opened:
+                updates.append((opened.pop(shard), t))
+        stall, self.stall_seconds = self.stall_seconds + self.cache.take_stall_seconds(), 0.0
+        wall = end - start
+        copy_time = copies["h2d"] + copies["d2h"] if not self.device.is_cuda else 0.0
+        return {
+            "wall": wall,
+            "compute": max(wall - stall - copy_time, 0.0),
+            "h2d": copies["h2d"],
+            "d2h": copies["d2h"],
+            "ssd": _union(busy, start, end),
+            "cpu_optimizer": _union(updates, start, end),
+            "idle": stall,
+        }
+
     # ------------------------------------------------------------------ state
 
     def synchronize(self) -> None:
@@ -609,7 +851,7 @@ class RatelEngine:
         return sum(s.numel * self._orig_dtype[id(s.param)].itemsize for u in self.units.values() for s in u.slots)
 
     def _ensure_fits(self, nbytes: int, what: str) -> None:
-        available = _available_memory()
+        available = available_host_memory()
         if self.adam is not None and available and nbytes > available:
             raise RatelPlanError(
                 f"RatelStrategy: {what} needs {_gib(nbytes)} of host memory and only {_gib(available)} is available. "
@@ -709,14 +951,15 @@ class RatelEngine:
         """
         try:
             while self._hook_stack:
-                self._hook_stack.pop()[1].__exit__(None, None, None)
+                for context in reversed(self._hook_stack.pop()[1]):
+                    context.__exit__(None, None, None)
             self.pager.release_all()
             for h in self._handles:
                 h.remove()
             self._handles.clear()
-            for module, original in self._patched_forwards:
-                module.forward = original
-            self._patched_forwards.clear()
+            for config in self._cache_configs:
+                config.use_cache = True
+            self._cache_configs.clear()
             if restore:
                 self._restore()
         finally:
@@ -780,24 +1023,36 @@ class RatelEngine:
             self.optimizer.state[params[index]] = entry
 
 
-def _available_memory() -> int:
-    """Host memory available to new allocations (``MemAvailable``: free pages plus reclaimable cache); 0 if unknown."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return 0
+def _union(intervals: list[tuple[float, float]], start: float, end: float) -> float:
+    """Length of the union of ``intervals`` clipped to ``[start, end]``."""
+    total = 0.0
+    reach = start
+    for a, b in sorted(intervals):
+        a, b = max(a, reach), min(b, end)
+        if b > a:
+            total += b - a
+            reach = b
+    return total
+
+
+def _disable_kv_cache(module: nn.Module) -> list[Any]:
+    """Turn off transformers' KV cache for training, as transformers does under gradient checkpointing.
+
+    A training step never reads the cache, but filling it is a side effect a replayed forward would repeat.
+    Returns the configs changed, to restore after the run.
+    """
+    changed = []
+    for m in module.modules():
+        config = getattr(m, "config", None)
+        if config is not None and getattr(config, "use_cache", False) is True and hasattr(m, "generation_config"):
+            config.use_cache = False
+            changed.append(config)
+    return changed
 
 
 def _fits_comfortably(nbytes: int) -> bool:
     """Whether ``nbytes`` take at most half of the available host memory (assumed when it is unknown)."""
-    available = _available_memory()
+    available = available_host_memory()
     return not available or nbytes <= available // 2
 
 
@@ -826,7 +1081,7 @@ def ensure_checkpoint_fits(module: nn.Module, optimizer: torch.optim.Optimizer) 
     """
     params = sum(p.numel() * p.dtype.itemsize for p in module.parameters())
     needed = params + 8 * sum(p.numel() for g in optimizer.param_groups for p in g["params"])
-    available = _available_memory()
+    available = available_host_memory()
     if available and needed > available:
         raise RatelPlanError(
             f"RatelStrategy: a checkpoint of this model gathers its parameters and Adam moments in host memory "

@@ -5,17 +5,20 @@ write the new weight straight into a 16-bit (or fp32) buffer for the next upload
 ``lightning_ratel._C`` kernel when the extension was built, and otherwise the same step with torch operations.
 
 The native kernel follows torch's single-tensor ``torch.optim.Adam``/``AdamW`` (the CPU default) operation by
-operation, rounding to float32 where torch does and fusing a multiply-add exactly where torch's kernels do. The one
-difference is ``sqrt``: torch's float32 ``sqrt`` goes through MKL's vector math library, which is one ulp off the
-correctly rounded result for some inputs, while the kernel uses the IEEE instruction (the same on every CPU). So
-AdamW's moments come out bitwise equal to torch's, and a weight occasionally lands one rounding away (at the
-magnitude of the weight or its update); with Adam's L2 term that difference also reaches the moments.
+operation, rounding to float32 where torch does and fusing a multiply-add exactly where torch's kernels do. For
+``sqrt`` it calls the very function torch's float32 ``sqrt`` calls: MKL's ``vmsSqrt`` inside torch's CPU library,
+which is not correctly rounded and differs between CPUs, so no formula of our own could match it everywhere. Where
+torch has no MKL, the kernel uses the correctly rounded instruction, as torch then does. :func:`native_matches_torch`
+checks the result against torch once per process; callers that promise torch's numbers use the kernel only then.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import numbers
+import os
+import sys
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
@@ -37,10 +40,34 @@ _DTYPE_CODES = (
 )
 _fallback_warned = False
 
-if _C is not None and torch.backends.cpu.get_cpu_capability() == "DEFAULT":
-    # torch's DEFAULT kernels never fuse a multiply with an add; the SIMD paths do, like torch's AVX2/AVX-512
-    # kernels. Following torch keeps the results bitwise equal to its optimizers in this process.
-    _C.set_isa("scalar")
+# The mode torch's at::vml::vsqrt passes to vmsSqrt: VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE.
+VML_SQRT_MODE = 0x2 | 0x140000 | 0x100
+
+
+def torch_vml_sqrt() -> int:
+    """Finds the MKL ``vmsSqrt`` that torch's float32 CPU ``sqrt`` calls.
+
+    Returns:
+        Its address in torch's CPU library, or 0 where torch has no MKL vector math (macOS, builds without MKL) or
+        the library or symbol cannot be found.
+    """
+    if sys.platform == "darwin" or not torch.backends.mkl.is_available():
+        return 0
+    try:
+        # Already loaded by ``import torch``; this only returns its handle.
+        library = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+        return ctypes.cast(library.vmsSqrt, ctypes.c_void_p).value or 0
+    except (OSError, AttributeError):
+        return 0
+
+
+_torch_sqrt = torch_vml_sqrt()
+if _C is not None:
+    _C.set_sqrt(_torch_sqrt, VML_SQRT_MODE)
+    if torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+        # torch's DEFAULT kernels never fuse a multiply with an add; the SIMD paths do, like torch's AVX2/AVX-512
+        # kernels. Following torch keeps the results bitwise equal to its optimizers in this process.
+        _C.set_isa("scalar")
 
 
 def isa() -> str:
@@ -173,27 +200,63 @@ def native_matches_torch() -> bool:
 
     Training must end on the numbers of plain training, and Adam turns even one-ulp differences into visible ones
     on parameters whose gradient is almost zero, so callers that promise equality use the kernel only where it is
-    exact. Says once when it is not.
+    exact. The check tries torch's MKL ``vmsSqrt`` first and the correctly rounded ``sqrt`` second, keeps the first
+    one under which the kernel's square roots equal ``torch.sqrt`` and a few steps equal torch's, and says once when
+    neither does.
     """
     if _C is None:
         return False
+    for address in dict.fromkeys((_torch_sqrt, 0)):
+        _C.set_sqrt(address, VML_SQRT_MODE)
+        if _sqrt_matches_torch() and _steps_match_torch():
+            return True
+    _C.set_sqrt(_torch_sqrt, VML_SQRT_MODE)
+    rank_zero_warn(
+        f"lightning_ratel: the native AdamW kernel ({isa()}) does not reproduce torch.optim.AdamW bit for bit "
+        "on this CPU; the CPU optimizer uses torch's own AdamW instead."
+    )
+    return False
+
+
+def _sqrt_matches_torch() -> bool:
+    gen = torch.Generator().manual_seed(0)
+    # Random bit patterns reach every exponent, subnormals, inf and NaNs; exp_avg_sq is never negative.
+    probe = torch.randint(0, 0x7FFFFFFF, (1 << 16,), dtype=torch.int32, generator=gen).view(torch.float32)
+    roots = torch.empty_like(probe)
+    _C.sqrt(probe.data_ptr(), roots.data_ptr(), probe.numel())
+    return _same_bits(roots, torch.sqrt(probe))
+
+
+def _steps_match_torch() -> bool:
     gen = torch.Generator().manual_seed(0)
     n = 4099
     start = torch.randn(n, generator=gen)
-    grad = torch.randn(n, generator=gen) * 1e-3
+    # Gradients over many magnitudes, some zero: tiny ones are where Adam amplifies a difference in sqrt.
+    grad = torch.randn(n, generator=gen) * torch.logspace(-12, 0, n).index_select(0, torch.randperm(n, generator=gen))
+    grad[::97] = 0.0
     hyper = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
-    ref, mine = start.clone(), start.clone()
-    ref_m, ref_v, m, v = (torch.zeros(n) for _ in range(4))
-    for step in (1, 2, 3):
-        torch_adamw_(ref, grad, ref_m, ref_v, None, step=step, **hyper)
-        fused_adamw_(mine, grad, m, v, None, step=step, **hyper)
-    exact = torch.equal(ref, mine) and torch.equal(ref_m, m) and torch.equal(ref_v, v)
-    if not exact:
-        rank_zero_warn(
-            f"lightning_ratel: the native AdamW kernel ({isa()}) does not reproduce torch.optim.AdamW bit for bit "
-            "on this CPU; the CPU optimizer uses torch's own AdamW instead."
-        )
-    return exact
+    for decoupled, grad_dtype, out_dtype, grad_scale in (
+        (True, torch.float32, None, 1.0),
+        (False, torch.bfloat16, torch.bfloat16, 1024.0),
+    ):
+        g = (grad * grad_scale).to(grad_dtype)
+        ref, mine = start.clone(), start.clone()
+        ref_m, ref_v, m, v = (torch.zeros(n) for _ in range(4))
+        ref_out, out = (None, None) if out_dtype is None else (torch.empty(n, dtype=out_dtype) for _ in range(2))
+        for step in (1, 2, 3):
+            kwargs = dict(step=step, decoupled=decoupled, grad_scale=grad_scale, **hyper)
+            torch_adamw_(ref, g, ref_m, ref_v, ref_out, **kwargs)
+            fused_adamw_(mine, g, m, v, out, **kwargs)
+        pairs = [(ref, mine), (ref_m, m), (ref_v, v)] + ([] if out is None else [(ref_out, out)])
+        if not all(_same_bits(a, b) for a, b in pairs):
+            return False
+    return True
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # Bits, not values: torch.equal calls NaN unequal to itself and -0.0 equal to 0.0.
+    int_type = torch.int32 if a.element_size() == 4 else torch.int16
+    return a.dtype == b.dtype and torch.equal(a.view(int_type), b.view(int_type))
 
 
 def _validate(

@@ -20,12 +20,15 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
+from rich.console import Console
 from torch import nn
 from typing_extensions import override
 
 import lightning.pytorch as pl
+from lightning_ratel.callbacks import RatelProfiler
 from lightning_ratel.engine import (
     PARAM_CACHES,
+    POLICIES,
     ActivationPolicy,
     EngineConfig,
     ParamCache,
@@ -34,8 +37,30 @@ from lightning_ratel.engine import (
     ensure_checkpoint_fits,
 )
 from lightning_ratel.errors import RatelConfigError
+from lightning_ratel.plan.search import Plan
 from lightning_ratel.precision import RatelPrecision
-from lightning_ratel.runtime.activations import POLICIES
+from lightning_ratel.report import plan_table
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_bytes(value: int | str | None, name: str) -> int | None:
+    """``None``, a byte count, or a string such as ``"24GiB"`` / ``"1.5 GB"`` -> bytes."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        text = value.strip().upper().replace(" ", "")
+        number = text.rstrip("KMGTIB")
+        unit = text[len(number):]
+        try:
+            value = int(float(number) * _UNITS[unit])
+        except (ValueError, KeyError):
+            raise RatelConfigError(f"`{name}` must be a byte count or a size like '24GiB', got {value!r}") from None
+    if not isinstance(value, int) or value <= 0:
+        raise RatelConfigError(f"`{name}` must be a positive byte count, got {value!r}")
+    return value
 
 
 class RatelStrategy(SingleDeviceStrategy):
@@ -51,8 +76,16 @@ class RatelStrategy(SingleDeviceStrategy):
             ``None``: ``<Trainer default_root_dir>/ratel_swap``.
         prefetch_depth: how many blocks ahead parameters (and swapped activations, in backward) are fetched.
         keep_swap_files: keep the swap files after the run instead of deleting them.
-        activation_policy: ``"keep"``, ``"host"``, ``"ssd"`` or ``"recompute"`` for every block, or a mapping from
-            ``fnmatch`` patterns over block names to policies (first match wins; unmatched blocks keep).
+        activation_policy: a fixed placement instead of a plan: ``"device"`` (alias ``"keep"``), ``"host"``,
+            ``"ssd"`` or ``"recompute"`` for every block, or a mapping from ``fnmatch`` patterns over block names to
+            those (first match wins; unmatched blocks stay on the device). ``None``: use ``plan``.
+        plan: ``"auto"`` (profile the first step, then place every op's saved activations where the cost model
+            predicts the shortest iteration), a path to a plan JSON file (``ratel_plan.json`` of an earlier run), or a
+            :class:`~lightning_ratel.plan.Plan`. Ignored when ``activation_policy`` is given.
+        host_memory_limit: host memory (bytes, or a string such as ``"64GiB"``) the plan may use in total, the
+            engine's own buffers included. ``None``: what is available when planning, less a margin.
+        device_memory_limit: device memory the plan and the CUDA caching allocator may use (e.g. ``"24GiB"`` to
+            stand in for a consumer card). ``None``: what is free.
         blocks: names of the modules to treat as the repeated blocks, or a callable returning them from the model;
             ``None`` detects them (a transformers model's decoder layers, or the largest ``nn.ModuleList``).
         accelerator: the accelerator; normally set by the Trainer.
@@ -75,7 +108,10 @@ class RatelStrategy(SingleDeviceStrategy):
         ssd_paths: list[str] | None = None,
         prefetch_depth: int = 1,
         keep_swap_files: bool = False,
-        activation_policy: str | dict[str, str] = "host",
+        activation_policy: str | dict[str, str] | None = None,
+        plan: str | Plan | None = "auto",
+        host_memory_limit: int | str | None = None,
+        device_memory_limit: int | str | None = None,
         blocks: list[str] | Callable[[nn.Module], list[str]] | None = None,
         accelerator: Accelerator | None = None,
         checkpoint_io: CheckpointIO | None = None,
@@ -89,10 +125,19 @@ class RatelStrategy(SingleDeviceStrategy):
             raise RatelConfigError("`ssd_paths` is empty: give at least one directory, or None for the default")
         if not isinstance(prefetch_depth, int) or prefetch_depth < 0:
             raise RatelConfigError(f"`prefetch_depth` must be an integer >= 0, got {prefetch_depth!r}")
-        policies = [activation_policy] if isinstance(activation_policy, str) else list(activation_policy.values())
-        bad = [p for p in policies if p not in POLICIES]
-        if bad:
-            raise RatelConfigError(f"`activation_policy` values must be one of {POLICIES}, got {bad}")
+        if activation_policy is not None:
+            policies = [activation_policy] if isinstance(activation_policy, str) else list(activation_policy.values())
+            bad = [p for p in policies if p not in POLICIES]
+            if bad:
+                raise RatelConfigError(f"`activation_policy` values must be one of {POLICIES}, got {bad}")
+            plan = None
+        if isinstance(plan, (str, os.PathLike)) and plan != "auto":
+            if not os.path.isfile(plan):
+                raise RatelConfigError(f"`plan` must be 'auto', a Plan or a plan JSON file; {plan!r} is not a file")
+            plan = Plan.load(plan)
+        self.plan = plan
+        self.host_memory_limit = parse_bytes(host_memory_limit, "host_memory_limit")
+        self.device_memory_limit = parse_bytes(device_memory_limit, "device_memory_limit")
         if param_cache not in PARAM_CACHES:
             raise RatelConfigError(f"`param_cache` must be one of {PARAM_CACHES}, got {param_cache!r}")
         if param_init_fn is not None and not callable(param_init_fn):
@@ -100,7 +145,7 @@ class RatelStrategy(SingleDeviceStrategy):
         self.ssd_paths = [os.fspath(p) for p in ssd_paths] if ssd_paths is not None else None
         self.prefetch_depth = prefetch_depth
         self.keep_swap_files = keep_swap_files
-        self.activation_policy: ActivationPolicy = activation_policy
+        self.activation_policy: ActivationPolicy | None = activation_policy
         self.blocks = blocks
         self.param_cache: ParamCache = param_cache
         self.param_init_fn = param_init_fn
@@ -125,6 +170,26 @@ class RatelStrategy(SingleDeviceStrategy):
     def precision_plugin(self, precision_plugin: Precision | None) -> None:
         # Lightning assigns the plugin it built from Trainer(precision=...); translate it rather than override it.
         self._precision_plugin = None if precision_plugin is None else RatelPrecision.from_lightning(precision_plugin)
+
+    @property
+    def plans_automatically(self) -> bool:
+        """Whether the first training step is profiled and a plan made from it (``plan="auto"``)."""
+        return self.activation_policy is None and self.plan == "auto"
+
+    @override
+    def connect(self, model: nn.Module) -> None:
+        super().connect(model)
+        trainer = getattr(model, "_trainer", None)
+        if trainer is not None and not any(isinstance(c, RatelProfiler) for c in trainer.callbacks):
+            trainer.callbacks.append(RatelProfiler())
+
+    def show_plan(self, plan: Plan, planning_seconds: float | None = None) -> None:
+        """Print the plan as a table (rank zero)."""
+        if self.global_rank != 0:
+            return
+        Console().print(plan_table(plan))
+        took = f" (search {planning_seconds * 1000:.0f} ms)" if planning_seconds is not None else ""
+        rank_zero_info(f"RatelStrategy: plan applied{took}; predicted {plan.predicted_iteration_time:.3f} s/step")
 
     @property
     def engine(self) -> RatelEngine | None:
@@ -168,16 +233,29 @@ class RatelStrategy(SingleDeviceStrategy):
             ssd_paths=ssd_paths,
             prefetch_depth=self.prefetch_depth,
             keep_swap_files=self.keep_swap_files,
-            activation_policy=self.activation_policy,
+            activation_policy=self.activation_policy or "host",
             blocks=self.blocks,
+            host_memory_limit=self.host_memory_limit,
+            device_memory_limit=self.device_memory_limit,
             param_cache=self.param_cache,
             param_init_fn=self.param_init_fn,
         )
+        if self.device_memory_limit is not None and self.root_device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.root_device).total_memory
+            if self.device_memory_limit > total:
+                raise RatelConfigError(
+                    f"`device_memory_limit` ({self.device_memory_limit / 2**30:.1f} GiB) exceeds the device's "
+                    f"{total / 2**30:.1f} GiB"
+                )
+            torch.cuda.set_per_process_memory_fraction(self.device_memory_limit / total, self.root_device)
         precision = self.precision_plugin
         self._exception = None
         self._failure = None
         self._engine = RatelEngine(module, self.root_device, config, precision.half_dtype, optimizer)
         precision.bind(self._engine, self.root_device.type)
+        if isinstance(self.plan, Plan):
+            self._engine.apply_plan(self.plan)
+            self.show_plan(self.plan)
         self.setup_precision_plugin()
         placement = self._engine.byte_placement()
         rank_zero_info(

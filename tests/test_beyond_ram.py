@@ -115,7 +115,7 @@ def test_auto_reads_from_ssd_and_leaves_placeholders_when_memory_is_short(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Host memory smaller than the model: the compute copies must not be cached, the result not gathered back.
-    monkeypatch.setattr(engine, "_available_memory", lambda: 64 * 1024)
+    monkeypatch.setattr(engine, "available_host_memory", lambda: 64 * 1024)
     inspect = _Inspect()
     module = LM("llama")
     with pytest.warns(UserWarning, match="not copied back"):
@@ -131,7 +131,7 @@ def test_auto_reads_from_ssd_and_leaves_placeholders_when_memory_is_short(
 def test_checkpointing_refused_before_training_when_states_do_not_fit(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(engine, "_available_memory", lambda: 64 * 1024)
+    monkeypatch.setattr(engine, "available_host_memory", lambda: 64 * 1024)
     steps = []
 
     class Counting(LM):

@@ -9,7 +9,7 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_ratel import RatelPrecision, RatelStrategy
+from lightning_ratel import RatelPrecision, RatelStrategy, ops
 from tests.models import LM, final_state, max_rel_err, trainer
 
 # Every tier at once: a block's activations on disk, one recomputed, the rest in host memory.
@@ -35,13 +35,16 @@ def _compare(ref: tuple[dict, dict], got: tuple[dict, dict], tol: float) -> None
     assert got[1]["param_groups"] == ref[1]["param_groups"]
 
 
+@pytest.mark.parametrize("placement", ["mixed", "planned"])
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 @pytest.mark.parametrize("model", ["llama", "gpt2", "mlp"])
 @pytest.mark.parametrize(("accumulate", "clip"), [(1, None), (3, None), (1, 0.05), (3, 0.05)])
-def test_matches_plain_adamw(tmp_path, model, precision, accumulate, clip):
+def test_matches_plain_adamw(tmp_path, model, precision, accumulate, clip, placement):
     kwargs = dict(precision=precision, accumulate_grad_batches=accumulate, gradient_clip_val=clip)
     ref = _fit("auto", model, **kwargs)
-    strategy = RatelStrategy(ssd_paths=[str(tmp_path / "a"), str(tmp_path / "b")], activation_policy=MIXED_POLICY)
+    # "planned": the first steps run under the profiling placement, the rest under the plan made from them.
+    policy = MIXED_POLICY if placement == "mixed" else None
+    strategy = RatelStrategy(ssd_paths=[str(tmp_path / "a"), str(tmp_path / "b")], activation_policy=policy)
     os.makedirs(tmp_path / "a")
     os.makedirs(tmp_path / "b")
     got = _fit(strategy, model, **kwargs)
@@ -55,6 +58,32 @@ def test_each_policy_matches(tmp_path, policy):
     ref = _fit("auto", "llama")
     got = _fit(RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy=policy), "llama")
     _compare(ref, got, 1e-5)
+
+
+def test_engine_uses_native_kernel_when_exact(tmp_path, monkeypatch):
+    """Where the native kernel reproduces torch, every update runs through it and still ends on plain numbers."""
+    if not ops.native_matches_torch():
+        pytest.skip("the native kernel does not reproduce torch.optim.AdamW on this machine")
+    native = ops.fused_adamw_
+    updated: list[int] = []
+
+    def counting(param, *args, **kwargs):
+        updated.append(param.numel())
+        native(param, *args, **kwargs)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the CPU optimizer fell back to torch's AdamW")
+
+    monkeypatch.setattr(ops, "fused_adamw_", counting)
+    monkeypatch.setattr(ops, "torch_adamw_", forbidden)
+    ref = _fit("auto", "llama")
+    module = LM("llama")
+    # A fixed placement: planning would also run the kernel in its throughput probe.
+    got = _fit(RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy="host"), "llama")
+    _compare(ref, got, 1e-5)
+    # Every parameter is updated once per step, alone or in a shard with others.
+    steps = int(got[1]["state"][0]["step"].item())
+    assert sum(updated) == steps * sum(p.numel() for p in module.parameters())
 
 
 def test_clip_by_value_matches(tmp_path):

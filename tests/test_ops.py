@@ -5,9 +5,11 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
+import platform
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -59,12 +61,13 @@ def _state(n: int, grad_dtype: torch.dtype, offset: int, seed: int, fresh_moment
     return param, exp_avg, exp_avg_sq, grads
 
 
-def _reference_step(param, grad32, exp_avg, exp_avg_sq, *, lr, step, decoupled, torch_kernels):
-    """torch's ``_single_tensor_adam`` line by line, with a correctly rounded sqrt.
+def _reference_step(param, grad32, exp_avg, exp_avg_sq, *, lr, step, decoupled, torch_kernels, torch_sqrt):
+    """torch's ``_single_tensor_adam`` line by line.
 
     With ``torch_kernels`` the fused operations are torch's own (``lerp_``, ``addcmul_``, ``add(alpha=)``), which
     round like one FMA on AVX2/AVX-512 builds; without it they are split into separately rounded steps, which is
-    what torch's DEFAULT kernels compute.
+    what torch's DEFAULT kernels compute. With ``torch_sqrt`` the square root is ``torch.sqrt`` (MKL's where torch
+    has it), else the correctly rounded one.
     """
     beta1, beta2 = BETAS
     if decoupled:
@@ -92,7 +95,8 @@ def _reference_step(param, grad32, exp_avg, exp_avg_sq, *, lr, step, decoupled, 
     step_size = lr / bias_correction1
     bias_correction2_sqrt = bias_correction2**0.5
     # sqrt in double, then rounded once to float32, is the correctly rounded float32 sqrt.
-    denom = (exp_avg_sq.double().sqrt().float() / bias_correction2_sqrt).add_(EPS)
+    root = exp_avg_sq.sqrt() if torch_sqrt else exp_avg_sq.double().sqrt().float()
+    denom = (root / bias_correction2_sqrt).add_(EPS)
     param.addcdiv_(exp_avg, denom, value=-step_size)
 
 
@@ -115,6 +119,17 @@ def native_isa(request):
     ops._C.set_isa(saved)
 
 
+@pytest.fixture(params=["torch", "ieee"])
+def native_sqrt(request):
+    """Makes the kernel take torch's own sqrt (MKL's vmsSqrt where torch has it) or the correctly rounded one for
+    the test; yields whether the reference must use ``torch.sqrt``."""
+    if ops._C is None:
+        pytest.skip("lightning_ratel._C is not built")
+    ops._C.set_sqrt(ops.torch_vml_sqrt() if request.param == "torch" else 0, ops.VML_SQRT_MODE)
+    yield request.param == "torch"
+    ops._C.set_sqrt(ops._torch_sqrt, ops.VML_SQRT_MODE)
+
+
 def _uses_torch_fma(isa: str) -> bool:
     """Whether ``isa`` rounds like torch's FMA kernels (AVX2/AVX-512) rather than its DEFAULT ones."""
     if isa == "scalar":
@@ -126,7 +141,7 @@ def _uses_torch_fma(isa: str) -> bool:
 
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "adam"])
-def test_bitwise_equal_to_torch_ops(native_isa, decoupled, grad_dtype):
+def test_bitwise_equal_to_torch_ops(native_isa, native_sqrt, decoupled, grad_dtype):
     torch_kernels = _uses_torch_fma(native_isa)
     out_dtypes = (None, torch.bfloat16, torch.float16, torch.float32)
     for case, (n, offset) in enumerate((n, o) for n in SIZES for o in OFFSETS):
@@ -138,7 +153,7 @@ def test_bitwise_equal_to_torch_ops(native_isa, decoupled, grad_dtype):
             _fused(param, grad, exp_avg, exp_avg_sq, out, lr=lr, step=step, decoupled=decoupled)
             _reference_step(
                 ref_param, grad.float(), ref_avg, ref_avg_sq, lr=lr, step=step, decoupled=decoupled,
-                torch_kernels=torch_kernels,
+                torch_kernels=torch_kernels, torch_sqrt=native_sqrt,
             )
             where = f"n={n} offset={offset} step={step}"
             assert_bitwise(exp_avg, ref_avg, f"exp_avg {where}")
@@ -148,38 +163,122 @@ def test_bitwise_equal_to_torch_ops(native_isa, decoupled, grad_dtype):
                 assert_bitwise(out, param.to(out_dtype), f"param_out {where}")
 
 
+def _wide_grads(n: int, grad_dtype: torch.dtype, seed: int, scale: float = 1.0) -> list[torch.Tensor]:
+    """Gradients over twelve decades with some exact zeros, at an unaligned offset: tiny gradients are where Adam
+    turns a one-ulp difference in sqrt into a visible one."""
+    gen = torch.Generator().manual_seed(seed)
+    grads = []
+    for _ in LRS:
+        magnitude = 10.0 ** (torch.rand(n, generator=gen) * 12 - 12)
+        grad = torch.randn(n, generator=gen) * magnitude * scale
+        grad[torch.rand(n, generator=gen) < 0.01] = 0.0
+        grads.append(_slice(torch.empty(n + 1, dtype=grad_dtype), 1, n).copy_(grad))
+    return grads
+
+
+@pytest.mark.parametrize("simd", ["avx512", "avx2"])
+@pytest.mark.parametrize("n", [1, 15, 4097, 100_003])
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "adam"])
-def test_matches_torch_optimizer(decoupled, grad_dtype):
-    """Against torch.optim.AdamW/Adam (single-tensor) stepping on the fp32 upcast of the gradient."""
-    n = 100_003
-    param, exp_avg, exp_avg_sq, grads = _state(n, grad_dtype, 1, seed=7, fresh_moments=True)
+def test_matches_torch_optimizer_bitwise(simd, n, decoupled, grad_dtype):
+    """The engine's contract: as configured at import, the kernel gives torch.optim.AdamW/Adam's (single-tensor)
+    numbers bit for bit, moments and copies included, on fresh draws unlike those of the import-time check."""
+    if ops._C is None:
+        pytest.skip("lightning_ratel._C is not built")
+    if torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+        pytest.skip("torch runs its DEFAULT kernels here; the scalar path is checked against them separately")
+    saved = ops._C.isa()
+    if not ops._C.set_isa(simd):
+        pytest.skip(f"this CPU has no {simd}")
+    try:
+        seed = 1000 + n + 10 * decoupled
+        scale = 4096.0 if grad_dtype == torch.float16 else 1.0  # fp16 gradients carry a loss scale
+        grads = _wide_grads(n, grad_dtype, seed, scale)
+        gen = torch.Generator().manual_seed(seed)
+        param = _slice(torch.empty(n + 3), 3, n).copy_(torch.randn(n, generator=gen))
+        exp_avg, exp_avg_sq = torch.zeros(n), torch.zeros(n)
+        out_dtype = (None, torch.bfloat16, torch.float16)[n % 3]
+        out = None if out_dtype is None else torch.empty(n, dtype=out_dtype)
+        torch_param = torch.nn.Parameter(param.clone())
+        optimizer_cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+        optimizer = optimizer_cls(
+            [torch_param], lr=LRS[0], betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, foreach=False
+        )
+        inv_scale = torch.tensor(scale, dtype=torch.float32).double().reciprocal().float()  # as GradScaler
+        for step, (lr, grad) in enumerate(zip(LRS, grads), start=1):
+            _fused(param, grad, exp_avg, exp_avg_sq, out, lr=lr, step=step, decoupled=decoupled, grad_scale=scale)
+            optimizer.param_groups[0]["lr"] = lr
+            torch_param.grad = grad.float() * inv_scale
+            optimizer.step()
+            state = optimizer.state[torch_param]
+            assert_bitwise(param, torch_param.detach(), f"param step {step}")
+            assert_bitwise(exp_avg, state["exp_avg"], f"exp_avg step {step}")
+            assert_bitwise(exp_avg_sq, state["exp_avg_sq"], f"exp_avg_sq step {step}")
+            if out is not None:
+                assert_bitwise(out, torch_param.detach().to(out_dtype), f"param_out step {step}")
+    finally:
+        ops._C.set_isa(saved)
+
+
+def test_threads_match_torch_optimizer():
+    """Several threads, each with chunks and its own partial last vector, still give torch's numbers."""
+    if ops._C is None:
+        pytest.skip("lightning_ratel._C is not built")
+    n = 3 * 32768 + 77
+    grads = _wide_grads(n, torch.bfloat16, seed=31)
+    param = torch.randn(n, generator=torch.Generator().manual_seed(31))
+    exp_avg, exp_avg_sq = torch.zeros(n), torch.zeros(n)
     torch_param = torch.nn.Parameter(param.clone())
-    optimizer_cls = torch.optim.AdamW if decoupled else torch.optim.Adam
-    optimizer = optimizer_cls(
-        [torch_param], lr=LRS[0], betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, foreach=False
-    )
+    optimizer = torch.optim.AdamW([torch_param], lr=LRS[0], betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
     for step, (lr, grad) in enumerate(zip(LRS, grads), start=1):
-        _fused(param, grad, exp_avg, exp_avg_sq, None, lr=lr, step=step, decoupled=decoupled)
+        _fused(param, grad, exp_avg, exp_avg_sq, None, lr=lr, step=step, decoupled=True, num_threads=3)
         optimizer.param_groups[0]["lr"] = lr
         torch_param.grad = grad.float()
         optimizer.step()
-    state = optimizer.state[torch_param]
-    # torch's float32 sqrt (MKL) may be one ulp off the correctly rounded one the kernel uses, so a weight can
-    # land one ulp away in a step. AdamW's moments never see the weight and stay bitwise equal; Adam feeds the
-    # weight back into the gradient, so its moments inherit the same few-ulp wobble.
-    if decoupled:
-        assert_bitwise(exp_avg, state["exp_avg"], "exp_avg")
-        assert_bitwise(exp_avg_sq, state["exp_avg_sq"], "exp_avg_sq")
-    else:
-        # A weight difference reaches the gradient scaled by weight_decay.
-        torch.testing.assert_close(exp_avg, state["exp_avg"], rtol=1e-6, atol=WEIGHT_DECAY * 1e-6)
-        torch.testing.assert_close(exp_avg_sq, state["exp_avg_sq"], rtol=1e-6, atol=1e-11)
-    # At most one rounding per step at the magnitude of the weight or of its update (|update| < 10 lr here).
-    expected = torch_param.detach()
-    bound = len(LRS) * 2.0**-23 * (torch.maximum(param.abs(), expected.abs()) + 10 * max(LRS))
-    worst = ((param - expected).abs() / bound).max().item()
-    assert worst <= 1.0, f"weights differ by {worst:.2f} times the allowed rounding"
+    assert_bitwise(param, torch_param.detach(), "param")
+    assert_bitwise(exp_avg_sq, optimizer.state[torch_param]["exp_avg_sq"], "exp_avg_sq")
+
+
+def test_native_matches_torch_here():
+    """On an x86 CPU with the kernel built, the import-time configuration reproduces torch and says nothing."""
+    if ops._C is None:
+        pytest.skip("lightning_ratel._C is not built")
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("exactness is only promised on x86-64")
+    ops.native_matches_torch.cache_clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ops.native_matches_torch() is True
+
+
+def test_native_check_rejects_a_different_sqrt(monkeypatch):
+    """Where torch's sqrt is MKL's, the correctly rounded one differs from it; the check must see that, warn, and
+    leave the kernel configured with torch's sqrt."""
+    if ops._C is None:
+        pytest.skip("lightning_ratel._C is not built")
+    if not ops.torch_vml_sqrt():
+        pytest.skip("torch has no MKL vmsSqrt here")
+    monkeypatch.setattr(ops, "_torch_sqrt", 0)
+    ops.native_matches_torch.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="does not reproduce torch.optim.AdamW"):
+            assert ops.native_matches_torch() is False
+    finally:
+        monkeypatch.undo()
+        ops._C.set_sqrt(ops._torch_sqrt, ops.VML_SQRT_MODE)
+        ops.native_matches_torch.cache_clear()
+    assert ops.native_matches_torch() is True
+
+
+@pytest.mark.parametrize("n", [0, 1, 255, 256, 257, 70_001])
+def test_kernel_sqrt_is_torch_sqrt(n):
+    if ops._C is None:
+        pytest.skip("lightning_ratel._C is not built")
+    gen = torch.Generator().manual_seed(n + 5)
+    probe = torch.randint(0, 0x7FFFFFFF, (n + 1,), dtype=torch.int32, generator=gen).view(torch.float32)[1:]
+    roots = torch.empty(n + 2)[2:]
+    ops._C.sqrt(probe.data_ptr(), roots.data_ptr(), n)
+    assert_bitwise(roots, torch.sqrt(probe), "sqrt")
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -208,7 +307,7 @@ def test_param_out_rounds_like_torch(native_isa, out_dtype):
     assert_bitwise(out[~nan], expected[~nan], f"{out_dtype} copy")
 
 
-def test_grad_scale_multiplies_by_float32_reciprocal(native_isa):
+def test_grad_scale_multiplies_by_float32_reciprocal(native_isa, native_sqrt):
     torch_kernels = _uses_torch_fma(native_isa)
     scale = 3.0 * 2.0**13  # not a power of two, so the reciprocal is rounded
     for grad_dtype in (torch.float32, torch.bfloat16, torch.float16):
@@ -220,7 +319,7 @@ def test_grad_scale_multiplies_by_float32_reciprocal(native_isa):
             _fused(param, grad, exp_avg, exp_avg_sq, None, lr=lr, step=step, decoupled=True, grad_scale=scale)
             _reference_step(
                 ref_param, grad.float() * inv_scale, ref_avg, ref_avg_sq, lr=lr, step=step, decoupled=True,
-                torch_kernels=torch_kernels,
+                torch_kernels=torch_kernels, torch_sqrt=native_sqrt,
             )
         assert_bitwise(param, ref_param, f"param, {grad_dtype} grad")
         assert_bitwise(exp_avg, ref_avg, f"exp_avg, {grad_dtype} grad")
@@ -264,19 +363,29 @@ def test_scalar_path_matches_torch_default_kernels():
         pytest.skip("lightning_ratel._C is not built")
     # The helpers travel as source and the extension is loaded from its file, so the child imports only torch
     # and the kernel, not the package (which pulls in lightning).
-    helpers = "\n\n".join(inspect.getsource(f) for f in (_bits, assert_bitwise, _slice, _state, _reference_step))
+    helpers = "\n\n".join(
+        inspect.getsource(f) for f in (_bits, assert_bitwise, _slice, _state, _reference_step, ops.torch_vml_sqrt)
+    )
     script = textwrap.dedent(
         f"""
+        import ctypes
         import importlib.util
+        import os
+        import sys
         import torch
         spec = importlib.util.spec_from_file_location("lightning_ratel._C", {ops._C.__file__!r})
         _C = importlib.util.module_from_spec(spec)
         LRS, BETAS, EPS, WEIGHT_DECAY = {LRS!r}, {BETAS!r}, {EPS!r}, {WEIGHT_DECAY!r}
         """
     ) + helpers + textwrap.dedent(
-        """
+        f"""
         assert torch.backends.cpu.get_cpu_capability() == "DEFAULT"
         assert _C.set_isa("scalar")
+        # torch's DEFAULT build still takes its sqrt from MKL where it has it.
+        _C.set_sqrt(torch_vml_sqrt(), {ops.VML_SQRT_MODE})
+        """
+    ) + textwrap.dedent(
+        """
         for decoupled in (True, False):
             param, exp_avg, exp_avg_sq, grads = _state(1037, torch.bfloat16, 1, seed=13, fresh_moments=False)
             ref_param, ref_avg, ref_avg_sq = param.clone(), exp_avg.clone(), exp_avg_sq.clone()
@@ -287,7 +396,7 @@ def test_scalar_path_matches_torch_default_kernels():
                 )
                 _reference_step(
                     ref_param, grad.float(), ref_avg, ref_avg_sq, lr=lr, step=step, decoupled=decoupled,
-                    torch_kernels=True,
+                    torch_kernels=True, torch_sqrt=True,
                 )
             assert_bitwise(param, ref_param, "param")
             assert_bitwise(exp_avg, ref_avg, "exp_avg")

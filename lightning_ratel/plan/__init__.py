@@ -1,0 +1,19 @@
+"""Activation-placement planning: hardware and block profiles, the cost model and the search (pure Python)."""
+
+from lightning_ratel.plan.cost import Prediction, predict, recompute_ops
+from lightning_ratel.plan.profile import TIERS, HardwareProfile, LayerProfile, OpProfile
+from lightning_ratel.plan.search import Plan, fixed, safe_default, search
+
+__all__ = [
+    "TIERS",
+    "HardwareProfile",
+    "LayerProfile",
+    "OpProfile",
+    "Plan",
+    "Prediction",
+    "fixed",
+    "predict",
+    "recompute_ops",
+    "safe_default",
+    "search",
+]

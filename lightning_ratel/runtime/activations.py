@@ -4,16 +4,20 @@ Each block runs under its own pack/unpack hooks. What autograd saves is one of:
 
 - a view of a paged parameter: saved as a reference and rebuilt from the resident copy in backward (saving it would
   pin the whole parameter on the device and defeat paging);
-- a tensor under the block's policy: ``keep`` (left on the device), ``host`` (copied to host memory on the
-  device->host stream) or ``ssd`` (copied to host, then written to the swap store; read back one block ahead of
-  backward, or handed back from memory if its write has not finished: forwarding).
+- a tensor placed by the block's placement: ``device`` (left where it is), ``host`` (copied to host memory on the
+  device->host stream), ``ssd`` (copied to host, then written to the swap store; read back one block ahead of
+  backward, or handed back from memory if its write has not finished: forwarding) or ``recompute`` (not stored;
+  rebuilt in backward by a partial replay of the block's forward, see :mod:`lightning_ratel.runtime.recompute`).
 
-``recompute`` is applied by the engine with :func:`torch.utils.checkpoint.checkpoint` around the block and never
-reaches these hooks. A tensor object saved by several ops is packed once (deduplication).
+A block's placement is one tier for everything it saves, or a mapping from op names (as
+:class:`~lightning_ratel.runtime.recompute.OpTracker` names them) to tiers, where ``"input"`` stands for the block's
+inputs and ``"*"`` for ops the mapping does not name. A tensor is placed by the op that produced its storage. A tensor
+object saved by several ops is packed once (deduplication).
 """
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -22,11 +26,15 @@ from typing import Any
 
 import torch
 
+from torch.utils._pytree import tree_map
+
 from lightning_ratel.runtime.device import Device
 from lightning_ratel.runtime.pager import ParameterPager
+from lightning_ratel.runtime.recompute import INPUT, ForwardRecord
 from lightning_ratel.runtime.storage import aligned_empty
 
-POLICIES = ("keep", "host", "ssd", "recompute")
+TIERS = ("device", "host", "ssd", "recompute")
+Placement = str | dict[str, str]
 
 
 @dataclass
@@ -54,9 +62,22 @@ class _SsdRef:
     dtype: torch.dtype
     # The staging copy, kept until the store write completes so backward can use it directly (forwarding).
     host: torch.Tensor | None
+    # The device tensor itself when the store writes device memory directly (kvikio); kept until written, likewise.
+    device: torch.Tensor | None = None
     write: Future | None = None
     read: Future | None = None
     read_buffer: torch.Tensor | None = None
+
+
+@dataclass
+class _RecomputeRef:
+    block: int
+    record: ForwardRecord
+    op: int
+    index: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
 
 
 @dataclass
@@ -68,14 +89,18 @@ class _Counters:
     by_policy: dict[str, int] = field(default_factory=dict)
 
 
+def _is_ref(x: Any) -> bool:
+    return isinstance(x, (_HostRef, _SsdRef, _RecomputeRef))
+
+
 class ActivationCache:
-    """Packs and unpacks saved tensors according to each block's policy.
+    """Packs and unpacks saved tensors according to each block's placement.
 
     Args:
         device: the compute device.
         pager: the parameter pager, to recognise parameter views.
-        policies: policy per block index.
-        store: the swap store for the ``ssd`` policy, created on first use.
+        placements: placement per block index (a tier, or op name -> tier).
+        store: the swap store for the ``ssd`` tier, created on first use.
         on_unpack: called with the block index before a tensor of that block is unpacked (drives backward paging).
         min_bytes: tensors smaller than this stay on the device; moving them costs more than it saves.
     """
@@ -84,29 +109,63 @@ class ActivationCache:
         self,
         device: Device,
         pager: ParameterPager,
-        policies: list[str],
+        placements: list[Placement],
         store: Callable[[], Any],
         on_unpack: Callable[[int], None],
         min_bytes: int = 1024,
     ) -> None:
         self.device = device
         self.pager = pager
-        self.policies = policies
+        self.placements = placements
         self._store_factory = store
         self._store: Any = None
         self._on_unpack = on_unpack
         self.min_bytes = min_bytes
         self._io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ratel-act")
         self._by_block: dict[int, list[_SsdRef]] = {}
+        self._records: dict[int, list[ForwardRecord]] = {}
+        self._open: dict[int, ForwardRecord] = {}
         # id -> (weak reference, packed ref): a dead tensor whose id is reused never matches its weak reference.
         self._dedup: dict[int, tuple[weakref.ref, Any]] = {}
         self._counter = 0
         self._pending_writes: list[Future] = []
         self.stats = _Counters()
+        # bytes packed off the device (or kept) per block, for the profile of blocks that are not tracked op by op
+        self.saved_by_block: dict[int, int] = {}
+        self._stall = 0.0
+        # Set by the store factory when the store reads and writes device memory itself (no host staging).
+        self.device_direct = False
 
     def hooks(self, block: int) -> torch.autograd.graph.saved_tensors_hooks:
         """The saved-tensor hooks context for one forward pass of ``block``."""
         return torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(block, t), self._unpack)
+
+    def tracked(self, block: int) -> bool:
+        """Whether ``block``'s placement depends on which op produced a tensor (its forward must be tracked)."""
+        return isinstance(self.placements[block], dict)
+
+    def begin_record(self, record: ForwardRecord, args: Any, kwargs: Any) -> None:
+        """A tracked forward of ``record.block`` starts: pack its inputs under the ``input`` placement, since a
+        replay starts from them."""
+        self._open[record.block] = record
+        self._records.setdefault(record.block, []).append(record)
+
+        def keep(t: Any) -> Any:
+            return self._pack_as(record.block, t, self._tier(record.block, None)) if isinstance(t, torch.Tensor) else t
+
+        record.args = tree_map(keep, args)
+        record.kwargs = tree_map(keep, kwargs)
+
+    def end_record(self, block: int) -> None:
+        """The tracked forward of ``block`` ended: what identified producers is no longer needed."""
+        record = self._open.pop(block, None)
+        if record is not None:
+            record.owner.clear()
+            record.direct.clear()
+
+    def records(self, block: int) -> list[ForwardRecord]:
+        """The tracked forward passes of ``block`` in this pass (for profiling)."""
+        return self._records.get(block, [])
 
     @property
     def store(self) -> Any:
@@ -114,43 +173,93 @@ class ActivationCache:
             self._store = self._store_factory()
         return self._store
 
+    def _tier(self, block: int, name: str | None) -> str:
+        placement = self.placements[block]
+        if isinstance(placement, str):
+            return placement
+        if name is None:
+            tier = placement.get(INPUT, "host")
+            return "host" if tier == "recompute" else tier
+        return placement.get(name, placement.get("*", "device"))
+
     def _pack(self, block: int, t: torch.Tensor) -> Any:
+        record = self._open.get(block)
+        if record is None:
+            return self._place(block, None, t)
+        record.paused = True
+        try:
+            return self._place(block, record, t)
+        finally:
+            record.paused = False
+
+    def _place(self, block: int, record: ForwardRecord | None, t: torch.Tensor) -> Any:
         located = self.pager.param_view(t.untyped_storage().data_ptr())
         if located is not None:
             return _ParamRef(block, located[0], located[1], t.storage_offset(), tuple(t.size()), tuple(t.stride()))
-        policy = self.policies[block]
+        produced = record.producer(t) if record is not None else None
+        tier = self._tier(block, record.ops[produced[0]].name if produced is not None else None)
+        if record is not None and t.numel() * t.element_size() >= self.min_bytes:
+            key = produced[0] if produced is not None else -1
+            if (t.untyped_storage().data_ptr(), key) not in record.counted:
+                record.counted.add((t.untyped_storage().data_ptr(), key))
+                record.saved[key] = record.saved.get(key, 0) + t.numel() * t.element_size()
+        if tier == "recompute" and produced is not None:
+            assert record is not None
+            record.targets.add(produced[0])
+            return _RecomputeRef(block, record, produced[0], produced[1], tuple(t.size()), tuple(t.stride()),
+                                 t.storage_offset())
+        if tier == "recompute":
+            tier = "host"
+        ref = self._pack_as(block, t, tier)
+        if record is not None and ref is not t and produced is not None:
+            op = record.direct_op(t)
+            if op is not None and len(record.ops[op].out_meta) == 1:
+                record.stored[op] = ref
+        return ref
+
+    def _pack_as(self, block: int, t: torch.Tensor, tier: str) -> Any:
         nbytes = t.numel() * t.element_size()
-        if policy == "keep" or nbytes < self.min_bytes or t.device != self.device.device:
+        if nbytes < self.min_bytes or t.device != self.device.device:
             return t
         known = self._dedup.get(id(t))
         if known is not None and known[0]() is t:
             self.stats.deduplicated += 1
             return known[1]
-        if policy == "host":
+        self.saved_by_block[block] = self.saved_by_block.get(block, 0) + nbytes
+        if tier == "device":
+            self._dedup[id(t)] = (weakref.ref(t), t)
+            return t
+        if tier == "host":
             host, event = self.device.to_host(t.detach())
             ref: Any = _HostRef(block, host, event)
             self.stats.host_bytes += nbytes
         else:
             ref = self._pack_ssd(block, t.detach(), nbytes)
-        self.stats.by_policy[policy] = self.stats.by_policy.get(policy, 0) + nbytes
+        self.stats.by_policy[tier] = self.stats.by_policy.get(tier, 0) + nbytes
         self._dedup[id(t)] = (weakref.ref(t), ref)
         return ref
 
     def _pack_ssd(self, block: int, t: torch.Tensor, nbytes: int) -> _SsdRef:
-        # Flattened contiguous staging copy: the store reads raw bytes.
-        # Page-aligned so the store's direct I/O goes straight from this buffer.
-        staging = aligned_empty(t.numel(), t.dtype, pin=self.device.is_cuda)
-        staged, event = self.device.to_host(t.reshape(-1), out=staging)
         key = f"act{block}.{self._counter}.{nbytes}"
         self._counter += 1
-        ref = _SsdRef(block, key, tuple(t.shape), t.dtype, staged)
         store = self.store
+        if self.device_direct:
+            # The store orders its transfer after the work queued on this stream, so it is submitted from here.
+            flat = t.reshape(-1)
+            ref = _SsdRef(block, key, tuple(t.shape), t.dtype, None, device=flat)
+            ref.write = store.write(key, flat)
+        else:
+            # Flattened contiguous staging copy: the store reads raw bytes.
+            # Page-aligned so the store's direct I/O goes straight from this buffer.
+            staging = aligned_empty(t.numel(), t.dtype, pin=self.device.is_cuda)
+            staged, event = self.device.to_host(t.reshape(-1), out=staging)
+            ref = _SsdRef(block, key, tuple(t.shape), t.dtype, staged)
 
-        def write() -> None:
-            event.synchronize()
-            store.write(key, staged).result()
+            def write() -> None:
+                event.synchronize()
+                store.write(key, staged).result()
 
-        ref.write = self._io.submit(write)
+            ref.write = self._io.submit(write)
         ref.write.add_done_callback(lambda f, r=ref: self._written(r, f))
         self._pending_writes.append(ref.write)
         self._by_block.setdefault(block, []).append(ref)
@@ -163,12 +272,17 @@ class ActivationCache:
         # from the future instead of as a missing buffer.
         if future.exception() is None:
             ref.host = None
+            ref.device = None
 
     def prefetch_block(self, block: int) -> None:
         """Start reading ``block``'s swapped tensors back from the store (called one block ahead in backward)."""
         for ref in self._by_block.get(block, ()):
-            if ref.read is None and ref.host is None:
-                ref.read_buffer = aligned_empty(int(torch.Size(ref.shape).numel()), ref.dtype, pin=self.device.is_cuda)
+            if ref.read is None and ref.host is None and ref.device is None:
+                numel = int(torch.Size(ref.shape).numel())
+                if self.device_direct:
+                    ref.read_buffer = torch.empty(numel, dtype=ref.dtype, device=self.device.device)
+                else:
+                    ref.read_buffer = aligned_empty(numel, ref.dtype, pin=self.device.is_cuda)
                 ref.read = self.store.read(ref.key, ref.read_buffer)
 
     def _unpack(self, ref: Any) -> torch.Tensor:
@@ -178,25 +292,58 @@ class ActivationCache:
         if isinstance(ref, _ParamRef):
             flat = self.pager.device_flat(ref.unit, ref.dtype)
             return flat.as_strided(ref.size, ref.stride, ref.offset)
+        if isinstance(ref, _RecomputeRef):
+            ref.record.replay(self._unpack, self._restore)
+            return ref.record.recomputed(ref.op, ref.index).as_strided(ref.size, ref.stride, ref.offset)
         if isinstance(ref, _HostRef):
             out, event = self.device.to_device(ref.host)
             self.device.wait(event)
             return out
-        host = ref.host
+        # Taken once: the write's completion callback may clear them meanwhile.
+        host, on_device = ref.host, ref.device
+        if on_device is not None:
+            self.stats.forwarded += 1
+            return on_device.view(ref.shape)
         if host is not None:
             self.stats.forwarded += 1
         else:
             if ref.read is None:
                 self.prefetch_block(ref.block)
+            start = time.perf_counter()
             host = ref.read.result()
+            self._stall += time.perf_counter() - start
+            if self.device_direct:
+                return host.view(ref.shape)
         out, event = self.device.to_device(host.view(ref.shape))
         self.device.wait(event)
         return out
+
+    def _restore(self, tree: Any) -> Any:
+        return tree_map(lambda x: x if isinstance(x, torch.Tensor) or not _is_ref(x) else self._unpack(x), tree)
+
+    def take_stall_seconds(self) -> float:
+        """Seconds backward waited for swapped activations to come back from disk, since the last call."""
+        stall, self._stall = self._stall, 0.0
+        return stall
+
+    def done_with(self, block: int) -> None:
+        """Backward has left ``block``: drop its recomputed tensors and read-back buffers (device and host memory).
+
+        A tensor unpacked again later is rebuilt the same way (replayed or read), so this only costs time.
+        """
+        for record in self._records.get(block, ()):
+            record.outputs = None
+        for ref in self._by_block.get(block, ()):
+            if ref.read is not None and ref.read.done() and ref.host is None and ref.device is None:
+                ref.read = None
+                ref.read_buffer = None
 
     def end_pass(self) -> None:
         """Forget this pass's tensors once backward is done; waits for writes still in flight (and raises theirs)."""
         pending, self._pending_writes = self._pending_writes, []
         self._by_block.clear()
+        self._records.clear()
+        self._open.clear()
         self._dedup.clear()
         self._counter = 0
         for future in pending:

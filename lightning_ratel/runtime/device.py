@@ -7,6 +7,7 @@ without a GPU: on CPU, side streams and events become no-ops and pinned memory b
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 
 import torch
@@ -47,6 +48,10 @@ class Device:
         else:
             self.h2d_stream = None
             self.d2h_stream = None
+        # Busy time of each direction of the link, for the measured step breakdown: on CPU copies are synchronous and
+        # timed directly; on CUDA each copy is bracketed by timing events read once they have completed.
+        self._copy_seconds = {"h2d": 0.0, "d2h": 0.0}
+        self._copy_events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
 
     def host_empty(self, shape: tuple[int, ...] | int, dtype: torch.dtype) -> torch.Tensor:
         """Host memory for transfers: pinned on CUDA so copies are asynchronous, plain memory on CPU."""
@@ -96,12 +101,14 @@ class Device:
         if not self.is_cuda:
             if out is None:
                 return tensor, _DoneEvent()
+            start = time.perf_counter()
             out.copy_(tensor)
+            self._copy_seconds["d2h"] += time.perf_counter() - start
             return out, _DoneEvent()
         if out is None:
             out = self.host_empty(tuple(tensor.shape), tensor.dtype)
         self.wait_stream(self.d2h_stream)
-        with self.on(self.d2h_stream):
+        with self.on(self.d2h_stream), self._timed("d2h"):
             out.copy_(tensor, non_blocking=True)
             self.keep_alive(tensor, self.d2h_stream)
             event = self.record(self.d2h_stream)
@@ -116,14 +123,38 @@ class Device:
         if not self.is_cuda:
             if out is None:
                 return host, _DoneEvent()
+            start = time.perf_counter()
             out.copy_(host)
+            self._copy_seconds["h2d"] += time.perf_counter() - start
             return out, _DoneEvent()
         with self.on(self.h2d_stream):
             if out is None:
                 out = torch.empty(host.shape, dtype=host.dtype, device=self.device)
-            out.copy_(host, non_blocking=True)
+            with self._timed("h2d"):
+                out.copy_(host, non_blocking=True)
             event = self.record(self.h2d_stream)
         return out, event
+
+    @contextlib.contextmanager
+    def _timed(self, direction: str) -> Iterator[None]:
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        yield
+        end.record()
+        self._copy_events.append((direction, start, end))
+
+    def take_copy_seconds(self) -> dict[str, float]:
+        """Seconds each direction of the link was busy copying since the last call (completed copies only)."""
+        pending = []
+        for direction, start, end in self._copy_events:
+            if end.query():
+                self._copy_seconds[direction] += start.elapsed_time(end) / 1000.0
+            else:
+                pending.append((direction, start, end))
+        self._copy_events = pending
+        taken, self._copy_seconds = self._copy_seconds, {"h2d": 0.0, "d2h": 0.0}
+        return taken
 
     def in_backward(self) -> bool:
         """Whether the calling thread is running an autograd backward pass."""

@@ -19,6 +19,7 @@ import secrets
 import shutil
 import stat
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -401,6 +402,7 @@ class TensorStore:
         self._next_slot = 0
         self._nbytes_reserved = 0
         self._bytes_read = 0
+        self._busy: list[tuple[float, float]] = []
         self._bytes_written = 0
         self._locks: list[tuple[Path, int]] = []
         self._files: list[_SwapFile] = []
@@ -476,6 +478,12 @@ class TensorStore:
         """Bytes written from caller tensors so far."""
         with self._stats_lock:
             return self._bytes_written
+
+    def take_busy_intervals(self) -> list[tuple[float, float]]:
+        """``time.perf_counter`` intervals during which a chunk transfer ran, since the last call."""
+        with self._stats_lock:
+            busy, self._busy = self._busy, []
+        return busy
 
     def reserve(self, key: str, nbytes: int) -> None:
         """Lay out the extent of ``key`` in the swap files.
@@ -655,12 +663,14 @@ class TensorStore:
 
     def _run_chunk(self, request: _Request, chunk: _Chunk) -> None:
         error: BaseException | None = None
+        start = time.perf_counter()
         try:
             self._transfer_chunk(request, chunk)
         except BaseException as exc:  # handed to the caller's future, never dropped
             error = exc
         else:
             with self._stats_lock:
+                self._busy.append((start, time.perf_counter()))
                 if request.is_write:
                     self._bytes_written += chunk.length
                 else:

@@ -1,0 +1,808 @@
+"""Training throughput of RatelStrategy on one GPU capped to a consumer card, against DeepSpeed ZeRO-Infinity/Offload.
+
+What one run measures, for GPT-style decoders (transformers GPT-2 blocks) at sequence length 1024:
+
+- per model and batch size (default 8, 16, 32): seconds per step, tokens/s, model TFLOPS and hardware TFLOPS of
+  RatelStrategy (``plan="auto"``), of DeepSpeed ZeRO-Infinity (stage 3, parameters and optimizer states on NVMe in the
+  same directory) and of DeepSpeed ZeRO-Offload (stage 2, optimizer states and step on the CPU), all through
+  Lightning, all in ``bf16-mixed``, all with the device capped to ``--device-memory`` (24 GiB: an RTX 4090);
+- the in-GPU peak of one transformer block at the same batch size (forward and backward of one block with all of its
+  data resident: Ratel's "green line") and each system's hardware TFLOPS as a fraction of it;
+- the largest model (layers of the same width) each system trains at batch size 1 under the same caps, found by a
+  doubling-then-bisection search over the layer count.
+
+Every training run and every search attempt is its own subprocess, so an out-of-memory error, a DeepSpeed process
+group or a memory-fraction setting never leaks into the next. Results are printed as tables and written to
+``<out>/gpu_throughput.json`` after every run, so a run stopped by its time budget keeps what it measured.
+
+Model sizes. The evaluation of Ratel (and of its artifact, LoHan) uses GPT-3-style models whose rows keep heads equal
+to layers and hidden size 128 times layers (13B: 40 layers, 40 heads, hidden 5120; 175B: 96 layers, 96 heads, hidden
+12288). ``auto`` picks the largest model of that family whose states fit the machine for every system compared (free
+disk under ``--ssd``, available host memory, the device cap; see :data:`BYTES_PER_PARAM`); ``13B:5`` is the 13B row's
+width with 5 layers; ``LxHxD`` gives layers, heads and hidden size.
+
+FLOPs. Model FLOPs per step are ``tokens * (6 * N + 12 * layers * hidden * seq)``: ``N`` counts every weight a matmul
+multiplies (the blocks' 12 hidden^2 per layer and the LM head), the second term is attention scores and weighted sum
+in forward and backward (no causal halving); recomputation is not counted. Hardware FLOPs add what is computed again:
+for Ratel, the FLOPs (counted by ``torch.utils.flop_counter`` while profiling) of the ops its plan re-executes in
+backward; for DeepSpeed with ``--ds-checkpointing`` (default on, as its baselines need at these batch sizes) one more
+forward of every block.
+
+Run from the repository root on the GPU machine::
+
+    python -m benchmarks.gpu_throughput --ssd /mnt/nvme0/bench --out results/
+    python -m benchmarks.gpu_throughput --ssd /mnt/nvme0/bench --out results/ --quick   # a smoke run in ~10 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULT_PREFIX = "GPU_THROUGHPUT_RESULT "
+SYSTEMS = ("ratel", "zero-infinity", "zero-offload")
+DEEPSPEED_SYSTEMS = ("zero-infinity", "zero-offload")
+GIB = 1 << 30
+ROOT = Path(__file__).resolve().parents[1]
+
+TABLE_IV = {"13B": (40, 40, 5120), "175B": (96, 96, 12288)}
+"""Rows of the Ratel/LoHan evaluation models: name -> (layers, heads, hidden)."""
+
+HEAD_DIM = 128
+"""Hidden size per layer (and per head) of that family: hidden = 128 * layers, heads = layers."""
+
+BYTES_PER_PARAM = {
+    "ratel": {"disk": 12, "host": 12, "device": 0},
+    "zero-infinity": {"disk": 14, "host": 6, "device": 0},
+    "zero-offload": {"disk": 0, "host": 18, "device": 4},
+}
+"""Bytes each system keeps per parameter on the swap disk, in host memory and on the device, for sizing only.
+
+Ratel: fp32 master and Adam moments on disk (12); in host memory the module's own fp32 copy (4), the 16-bit compute
+copies (2), fp32 gradient accumulators (4) and staging. ZeRO-Infinity: 16-bit parameters and fp32 master and moments
+on NVMe (14); fp32 gradient partitions and swap buffers in host memory. ZeRO-Offload: fp32 master, moments and
+gradients in host memory plus a pinned 16-bit copy (18); 16-bit parameters and gradients on the device (4).
+"""
+
+SIZING_FRACTION = {"disk": 0.7, "host": 0.7, "device": 0.5}
+"""Share of each resource sizing may plan for: the rest is swap buffers, activations, the CUDA context, the OS."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A GPT-2-style decoder: learned positions, pre-norm blocks with a 4x MLP, LM head tied to the embeddings."""
+
+    layers: int
+    heads: int
+    hidden: int
+    vocab: int = 50257
+    seq: int = 1024
+
+    @property
+    def name(self) -> str:
+        return f"{self.layers}L-{self.hidden}h-{self.heads}a"
+
+    def params(self) -> int:
+        """Parameter count, exactly as transformers' ``GPT2LMHeadModel`` builds it."""
+        h = self.hidden
+        return self.vocab * h + self.seq * h + self.layers * (12 * h * h + 13 * h) + 2 * h
+
+    def matmul_params(self) -> int:
+        """Weights that a matmul multiplies in a step: the blocks' projections and the LM head."""
+        return 12 * self.layers * self.hidden**2 + self.vocab * self.hidden
+
+
+def proportional(layers: int, vocab: int = 50257, seq: int = 1024) -> ModelShape:
+    """The member of the Table IV family with ``layers`` layers (heads = layers, hidden = 128 * layers)."""
+    return ModelShape(layers, layers, HEAD_DIM * layers, vocab, seq)
+
+
+def parse_model(spec: str, vocab: int = 50257, seq: int = 1024) -> ModelShape:
+    """A model from ``"13B"``, ``"13B:5"`` (that row's width, 5 layers) or ``"LxHxD"`` (layers, heads, hidden).
+
+    Raises:
+        ValueError: If the spec is none of these or the hidden size is not a multiple of the heads.
+    """
+    row, _, layers = spec.partition(":")
+    if row in TABLE_IV:
+        depth, heads, hidden = TABLE_IV[row]
+        shape = ModelShape(int(layers) if layers else depth, heads, hidden, vocab, seq)
+    else:
+        parts = spec.lower().split("x")
+        if len(parts) != 3 or not all(p.isdigit() for p in parts):
+            raise ValueError(f"model {spec!r} is not a Table IV row ({', '.join(TABLE_IV)}), ROW:LAYERS or LxHxD")
+        shape = ModelShape(int(parts[0]), int(parts[1]), int(parts[2]), vocab, seq)
+    if shape.layers < 1 or shape.heads < 1 or shape.hidden % shape.heads:
+        raise ValueError(f"model {spec!r}: need layers >= 1 and a hidden size divisible by the heads")
+    return shape
+
+
+def model_flops(shape: ModelShape, batch: int) -> float:
+    """Model FLOPs of one training step (forward and backward, no recomputation)."""
+    tokens = batch * shape.seq
+    return float(tokens * (6 * shape.matmul_params() + 12 * shape.layers * shape.hidden * shape.seq))
+
+
+def block_flops(shape: ModelShape, batch: int) -> float:
+    """FLOPs of forward and backward of one transformer block."""
+    tokens = batch * shape.seq
+    return float(tokens * (6 * 12 * shape.hidden**2 + 12 * shape.hidden * shape.seq))
+
+
+def checkpoint_recompute_flops(shape: ModelShape, batch: int) -> float:
+    """FLOPs of the extra forward of every block that activation checkpointing runs in backward."""
+    tokens = batch * shape.seq
+    return float(tokens * shape.layers * (2 * 12 * shape.hidden**2 + 4 * shape.hidden * shape.seq))
+
+
+def plan_recompute_flops(plan: Any) -> float:
+    """FLOPs the plan re-executes in backward: per block, the profiled FLOPs of each op it recomputes."""
+    from lightning_ratel.plan.cost import recompute_ops
+
+    total = 0.0
+    for layer in plan.layers:
+        rerun = recompute_ops(layer, plan.activation_placement)
+        total += sum(op.flops for op in layer.ops if op.name in rerun)
+    return total
+
+
+def params_that_fit(budgets: dict[str, float], systems: Sequence[str]) -> int:
+    """The most parameters every one of ``systems`` can hold within ``budgets`` (bytes per resource)."""
+    limits = [
+        budgets[resource] / per_param
+        for system in systems
+        for resource, per_param in BYTES_PER_PARAM[system].items()
+        if per_param
+    ]
+    return int(min(limits)) if limits else 0
+
+
+def largest_layers(make: Callable[[int], ModelShape], max_params: int, cap: int = 1024) -> int:
+    """The most layers (at most ``cap``) for which ``make(layers)`` has at most ``max_params`` parameters; 0 if none."""
+    best = 0
+    for layers in range(1, cap + 1):
+        if make(layers).params() > max_params:
+            break
+        best = layers
+    return best
+
+
+def largest_passing(trial: Callable[[int], bool], *, start: int = 1, limit: int | None = None) -> int:
+    """The largest ``n >= start`` (and ``<= limit``) for which ``trial(n)`` holds, assuming it holds up to a point.
+
+    Doubles from ``start`` until a trial fails (or ``limit`` passes), then bisects between the last success and the
+    first failure: about ``2 log2(answer)`` trials.
+
+    Returns:
+        The largest passing ``n``, or ``start - 1`` if ``start`` fails already.
+    """
+    if limit is not None and limit < start:
+        return start - 1
+    if not trial(start):
+        return start - 1
+    good, bad = start, None
+    while bad is None:
+        n = good * 2 if limit is None else min(good * 2, limit)
+        if n == good:
+            return good
+        if trial(n):
+            good = n
+        else:
+            bad = n
+    while bad - good > 1:
+        middle = (good + bad) // 2
+        if trial(middle):
+            good = middle
+        else:
+            bad = middle
+    return good
+
+
+# ---------------------------------------------------------------------------------------------------- worker side
+
+
+def _gpt2_config(shape: ModelShape) -> Any:
+    from transformers import GPT2Config
+
+    return GPT2Config(
+        vocab_size=shape.vocab, n_positions=shape.seq, n_embd=shape.hidden, n_layer=shape.layers, n_head=shape.heads,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, tie_word_embeddings=True,
+        attn_implementation="sdpa",
+    )
+
+
+def _cap_device_memory(cap: int) -> None:
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total))
+
+
+def _bench_module(shape: ModelShape, batch: int, steps: int, deepspeed: bool, checkpointing: bool) -> Any:
+    import lightning as L
+    from transformers import GPT2LMHeadModel
+
+    class Causal(L.LightningModule):
+        """Random token ids through a GPT-2 model; nothing logged, so no host syncs are added."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            # Under RatelStrategy the model is built here, on the host; DeepSpeed builds it in configure_model, inside
+            # deepspeed.zero.Init for stage 3, so it never exists whole.
+            self.model = None if deepspeed else GPT2LMHeadModel(_gpt2_config(shape))
+
+        def configure_model(self) -> None:
+            if self.model is None:
+                self.model = GPT2LMHeadModel(_gpt2_config(shape))
+                if checkpointing:
+                    self.model.gradient_checkpointing_enable()
+
+        def training_step(self, batch_ids: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            return self.model(input_ids=batch_ids, labels=batch_ids).loss
+
+        def configure_optimizers(self) -> Any:
+            if deepspeed:
+                # DeepSpeed refuses a client torch optimizer when the optimizer is offloaded; its CPU Adam is the
+                # fair comparison anyway.
+                from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+                return DeepSpeedCPUAdam(self.parameters(), lr=1e-5, adamw_mode=True)
+            return torch.optim.AdamW(self.parameters(), lr=1e-5)
+
+        def train_dataloader(self) -> torch.utils.data.DataLoader:
+            generator = torch.Generator().manual_seed(0)
+            data = torch.randint(0, shape.vocab, (steps * batch, shape.seq), generator=generator)
+            return torch.utils.data.DataLoader(data, batch_size=batch)
+
+    return Causal()
+
+
+def _step_timer(skip: int, last: int, drain: Callable[[Any], None]) -> Any:
+    import lightning as L
+
+    class StepTimer(L.Callback):
+        """Wall time from the start of batch ``skip`` to the end of batch ``last``, pending updates included."""
+
+        def __init__(self) -> None:
+            self.start: float | None = None
+            self.end: float | None = None
+            self.steps = 0
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            if batch_idx == skip:
+                torch.cuda.synchronize()
+                self.start = time.perf_counter()
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            if self.start is None:
+                return
+            self.steps += 1
+            if batch_idx == last:
+                drain(trainer)
+                torch.cuda.synchronize()
+                self.end = time.perf_counter()
+
+        @property
+        def seconds_per_step(self) -> float | None:
+            if self.start is None or self.end is None or not self.steps:
+                return None
+            return (self.end - self.start) / self.steps
+
+    return StepTimer()
+
+
+def _strategy(system: str, shape: ModelShape, swap_dirs: list[str], cap: int) -> Any:
+    if system == "ratel":
+        from lightning_ratel import RatelStrategy
+
+        return RatelStrategy(ssd_paths=swap_dirs, device_memory_limit=cap)
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    # DeepSpeed's NVMe parameter buffers must each hold the largest parameter (the embedding or the MLP's up matrix).
+    largest = max(shape.vocab * shape.hidden, 4 * shape.hidden**2)
+    if system == "zero-infinity":
+        return DeepSpeedStrategy(
+            stage=3, offload_optimizer=True, offload_parameters=True, offload_optimizer_device="nvme",
+            offload_params_device="nvme", nvme_path=swap_dirs[0], remote_device="nvme", pin_memory=True,
+            params_buffer_size=max(100_000_000, largest), max_in_cpu=max(1_000_000_000, largest),
+        )
+    if system == "zero-offload":
+        return DeepSpeedStrategy(stage=2, offload_optimizer=True, offload_optimizer_device="cpu", pin_memory=True)
+    raise ValueError(f"unknown system {system!r}")
+
+
+def _drain(trainer: Any) -> None:
+    """Wait for work a step leaves running after it returns: RatelStrategy's CPU updates and write-backs."""
+    engine = getattr(trainer.strategy, "engine", None)
+    if engine is not None:
+        engine.synchronize()
+
+
+def train_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """Train ``spec["system"]`` on one model and batch size; seconds per step and what the FLOP counts need."""
+    import lightning as L
+
+    shape = ModelShape(**spec["shape"])
+    system = spec["system"]
+    cap = spec["device_memory"]
+    _cap_device_memory(cap)
+    deepspeed = system in DEEPSPEED_SYSTEMS
+    steps = spec["warmup"] + spec["steps"]
+    module = _bench_module(shape, spec["batch"], steps, deepspeed, deepspeed and spec["ds_checkpointing"])
+    timer = _step_timer(spec["warmup"], steps - 1, _drain)
+    trainer = L.Trainer(
+        accelerator="gpu", devices=1, strategy=_strategy(system, shape, spec["swap_dirs"], cap),
+        precision="bf16-mixed", max_steps=steps, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, callbacks=[timer],
+    )
+    torch.cuda.reset_peak_memory_stats()
+    trainer.fit(module)
+    result: dict[str, Any] = {
+        "ok": timer.seconds_per_step is not None,
+        "seconds_per_step": timer.seconds_per_step,
+        "timed_steps": timer.steps,
+        "peak_allocated": torch.cuda.max_memory_allocated(),
+    }
+    if not result["ok"]:
+        result["error"] = f"no step was timed (ran {trainer.global_step} steps, warmup {spec['warmup']})"
+    if system == "ratel":
+        from lightning_ratel.callbacks import RatelProfiler
+
+        plan = next((c.plan for c in trainer.callbacks if isinstance(c, RatelProfiler)), None)
+        if plan is not None:
+            result["recompute_flops"] = plan_recompute_flops(plan)
+            result["predicted_seconds_per_step"] = plan.predicted_iteration_time
+            result["placement"] = {tier: sum(1 for t in plan.activation_placement.values() if t == tier)
+                                   for tier in ("device", "host", "ssd", "recompute")}
+    return result
+
+
+def block_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """Seconds for forward and backward of one resident block, halving the micro-batch until it fits the cap."""
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    shape = ModelShape(**spec["shape"])
+    _cap_device_memory(spec["device_memory"])
+    block = GPT2Block(_gpt2_config(shape), layer_idx=0).to("cuda", torch.bfloat16)
+    batch = spec["batch"]
+    while True:
+        try:
+            seconds = _time_block(block, shape, batch, spec.get("repeats", 5))
+            return {"ok": True, "batch_used": batch, "seconds": seconds,
+                    "tflops": block_flops(shape, batch) / seconds / 1e12}
+        except torch.OutOfMemoryError:
+            if batch == 1:
+                raise
+        # Outside the handler, so the failed attempt's tensors are freed before the cache is emptied.
+        torch.cuda.empty_cache()
+        # The per-token rate of a block hardly depends on the batch once it fills the GPU.
+        batch //= 2
+
+
+def _time_block(block: torch.nn.Module, shape: ModelShape, batch: int, repeats: int) -> float:
+    """Seconds per forward and backward of ``block`` on ``batch`` sequences, after two untimed ones."""
+    weight = next(block.parameters())
+    x = torch.randn(batch, shape.seq, shape.hidden, device=weight.device, dtype=weight.dtype, requires_grad=True)
+    grad = torch.randn_like(x)
+
+    def step() -> None:
+        out = block(x)
+        out = out[0] if isinstance(out, tuple) else out
+        out.backward(grad)
+        block.zero_grad(set_to_none=True)
+        x.grad = None
+
+    for _ in range(2):
+        step()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        step()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1000 / repeats
+
+
+def io_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """kvikio's availability in the swap directory and, where it works, both routes' bandwidths."""
+    from lightning_ratel.runtime import gds
+
+    reason = gds.kvikio_unavailable_reason(spec["swap_dirs"][0])
+    if reason is not None:
+        return {"ok": True, "kvikio": reason}
+    figures = gds.measure(spec["swap_dirs"], "cuda", nbytes=spec.get("nbytes", 256 << 20))
+    return {"ok": True, "kvikio": "available", **figures.to_dict(), "prefer_kvikio": figures.prefer_kvikio()}
+
+
+WORKERS = {"train": train_worker, "block": block_worker, "io": io_worker}
+
+
+def worker_main(spec: dict[str, Any]) -> None:
+    """Run one measurement and print its result as one JSON line (also a failure, with the reason)."""
+    try:
+        result = WORKERS[spec["kind"]](spec)
+    except BaseException as exc:  # reported to the parent, which decides what the failure means
+        result = {
+            "ok": False,
+            "oom": isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower(),
+            "error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}",
+            "traceback": traceback.format_exc(limit=8),
+        }
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------- parent side
+
+
+def parse_worker_output(returncode: int, output: str) -> dict[str, Any]:
+    """The result a worker printed, or a failure naming why it printed none (killed, crashed)."""
+    for line in reversed(output.splitlines()):
+        if line.startswith(RESULT_PREFIX):
+            return json.loads(line[len(RESULT_PREFIX):])
+    tail = [line for line in output.strip().splitlines() if line.strip()][-3:]
+    if returncode < 0:
+        signal = -returncode
+        cause = " (SIGKILL: most likely the kernel's out-of-memory killer)" if signal == 9 else ""
+        error = f"killed by signal {signal}{cause}"
+    else:
+        error = f"exited with status {returncode} without a result"
+    oom = any("out of memory" in line.lower() for line in tail)
+    return {"ok": False, "oom": oom or returncode == -9, "error": error, "output_tail": tail}
+
+
+class Budget:
+    """The run's wall-clock allowance: each subprocess gets what is left, up to its own limit."""
+
+    def __init__(self, seconds: float, per_run: float) -> None:
+        self.deadline = time.monotonic() + seconds
+        self.per_run = per_run
+
+    def timeout(self) -> float | None:
+        """Seconds the next run may take, or ``None`` when too little is left to start one."""
+        left = self.deadline - time.monotonic()
+        return None if left < 30 else min(left, self.per_run)
+
+
+class OutOfTime(Exception):
+    """The run's time budget is spent."""
+
+
+class Runner:
+    """Starts workers in subprocesses, each with swap directories of its own that are removed afterwards."""
+
+    def __init__(self, ssd: Sequence[Path], budget: Budget) -> None:
+        self.ssd = list(ssd)
+        self.budget = budget
+        self.count = 0
+
+    def __call__(self, spec: dict[str, Any]) -> dict[str, Any]:
+        timeout = self.budget.timeout()
+        if timeout is None:
+            raise OutOfTime
+        self.count += 1
+        swap_dirs = [path / f"gpu-throughput-{os.getpid()}-{self.count}" for path in self.ssd]
+        for swap_dir in swap_dirs:
+            swap_dir.mkdir(parents=True)
+        command = [sys.executable, "-m", "benchmarks.gpu_throughput", "--worker", json.dumps(
+            {**spec, "swap_dirs": [str(d) for d in swap_dirs]})]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        try:
+            done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+            return parse_worker_output(done.returncode, done.stdout + done.stderr)
+        except subprocess.TimeoutExpired:
+            return {"ok": False, "oom": False, "error": f"timed out after {timeout:.0f} s", "timeout": True}
+        finally:
+            # A crashed or killed worker leaves its swap files behind; they must not eat the next run's disk.
+            for swap_dir in swap_dirs:
+                shutil.rmtree(swap_dir, ignore_errors=True)
+
+
+def throughput_row(shape: ModelShape, batch: int, system: str, result: dict[str, Any], ds_checkpointing: bool,
+                   block: dict[str, Any] | None) -> dict[str, Any]:
+    """The figures of one training run: tokens/s, model and hardware TFLOPS, share of the block peak."""
+    row: dict[str, Any] = {"model": shape.name, "params": shape.params(), "batch": batch, "system": system}
+    if not result.get("ok"):
+        row["error"] = "OOM" if result.get("oom") else result.get("error", "failed")
+        return row
+    seconds = result["seconds_per_step"]
+    flops = model_flops(shape, batch)
+    if system == "ratel":
+        recompute = result.get("recompute_flops")
+        row["recompute"] = "plan: profiled FLOPs of the ops it re-executes"
+    elif ds_checkpointing:
+        recompute = checkpoint_recompute_flops(shape, batch)
+        row["recompute"] = "activation checkpointing: one more forward of every block"
+    else:
+        recompute = 0.0
+        row["recompute"] = "none"
+    row.update(seconds_per_step=seconds, tokens_per_s=batch * shape.seq / seconds, model_tflops=flops / seconds / 1e12,
+               peak_allocated=result.get("peak_allocated"))
+    if recompute is not None:
+        row["hardware_tflops"] = (flops + recompute) / seconds / 1e12
+    if block and block.get("ok") and "hardware_tflops" in row:
+        row["block_peak_tflops"] = block["tflops"]
+        row["of_block_peak"] = row["hardware_tflops"] / block["tflops"]
+    for key in ("predicted_seconds_per_step", "placement"):
+        if key in result:
+            row[key] = result[key]
+    return row
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    """Ratel's speedup over each other system on the same model and batch (tokens/s ratio)."""
+    ratel = {(r["model"], r["batch"]): r for r in rows if r["system"] == "ratel" and "tokens_per_s" in r}
+    for row in rows:
+        base = ratel.get((row["model"], row["batch"]))
+        if row["system"] != "ratel" and base is not None and "tokens_per_s" in row:
+            row["ratel_speedup"] = base["tokens_per_s"] / row["tokens_per_s"]
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ssd", nargs="+", type=Path,
+                        help="swap directories on the NVMe drive(s); DeepSpeed uses the first")
+    parser.add_argument("--out", type=Path, help="directory for gpu_throughput.json")
+    parser.add_argument("--models", nargs="+", default=["auto"],
+                        help="'auto', a Table IV row (13B, 175B), ROW:LAYERS or LxHxD (default: auto)")
+    parser.add_argument("--batch-sizes", nargs="+", type=int, help="default 8 16 32 (--quick: 8)")
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--vocab", type=int, default=50257)
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    parser.add_argument("--device-memory", default="24GiB", help="device memory cap for every system (default 24GiB)")
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="untimed steps first; RatelStrategy profiles 2 and plans before the 3rd (default 3)")
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per run (default 4)")
+    parser.add_argument("--ds-checkpointing", action=argparse.BooleanOptionalAction, default=True,
+                        help="activation checkpointing in the DeepSpeed runs (default on)")
+    parser.add_argument("--search", action=argparse.BooleanOptionalAction, default=True,
+                        help="search the largest model each system trains at batch size 1 (default on)")
+    parser.add_argument("--search-max-layers", type=int, help="upper end of that search (default: what fits on disk)")
+    parser.add_argument("--max-seconds", type=float, default=6 * 3600, help="time budget of the whole run")
+    parser.add_argument("--run-timeout", type=float, default=3600, help="time limit of one subprocess")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: an 8-layer model of the family, batch 8, 2 timed steps, search up to 8 "
+                             "layers, 9 minutes at most")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker is None and (args.ssd is None or args.out is None):
+        parser.error("--ssd and --out are required")
+    if args.quick:
+        args.models = ["8x8x1024"] if args.models == ["auto"] else args.models
+        args.batch_sizes = args.batch_sizes or [8]
+        args.steps = min(args.steps, 2)
+        args.search_max_layers = args.search_max_layers or 8
+        args.max_seconds = min(args.max_seconds, 540)
+        args.run_timeout = min(args.run_timeout, 240)
+    args.batch_sizes = args.batch_sizes or [8, 16, 32]
+    return args
+
+
+def _deepspeed_installed() -> bool:
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+def _available_host_memory() -> int:
+    from lightning_ratel.runtime.probe import available_host_memory
+
+    return available_host_memory()
+
+
+def auto_models(specs: Sequence[str], budgets: dict[str, float], systems: Sequence[str], vocab: int,
+                seq: int) -> tuple[list[ModelShape], list[str]]:
+    """The models to run and, for ``auto``, a line saying how the size was chosen."""
+    models, notes = [], []
+    for spec in specs:
+        if spec != "auto":
+            models.append(parse_model(spec, vocab, seq))
+            continue
+        limit = params_that_fit(budgets, systems)
+        layers = largest_layers(lambda n: proportional(n, vocab, seq), limit)
+        if layers == 0:
+            raise SystemExit(f"gpu_throughput: not even a 1-layer model fits every system in {budgets}")
+        shape = proportional(layers, vocab, seq)
+        models.append(shape)
+        held = ", ".join(f"{k} {v / GIB:.0f} GiB" for k, v in budgets.items())
+        notes.append(f"auto: {shape.name} ({shape.params() / 1e9:.2f} B parameters), the largest of the Table IV "
+                     f"family (heads = layers, hidden = 128 x layers) within {limit / 1e9:.2f} B parameters that "
+                     f"{', '.join(systems)} all hold in {held}")
+    return models, notes
+
+
+def machine_info(ssd: Sequence[Path], device_memory: int) -> dict[str, Any]:
+    properties = torch.cuda.get_device_properties(0)
+    info: dict[str, Any] = {
+        "gpu": properties.name,
+        "gpu_memory": properties.total_memory,
+        "device_memory_cap": device_memory,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "host_memory_available": _available_host_memory(),
+        "ssd_free": {str(p): shutil.disk_usage(p).free for p in ssd},
+    }
+    for package in ("deepspeed", "lightning", "transformers", "kvikio-cu12", "kvikio"):
+        try:
+            info[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            info[package] = None
+    return info
+
+
+def _print_tables(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    table = Table(title=f"Throughput, seq {report['config']['seq']}, device capped to "
+                        f"{report['machine']['device_memory_cap'] / GIB:.0f} GiB")
+    for column in ("model", "batch", "system", "s/step", "tokens/s", "model TFLOPS", "hw TFLOPS", "block peak",
+                   "hw/peak", "Ratel x", "note"):
+        table.add_column(column)
+
+    def fmt(value: Any, pattern: str) -> str:
+        return "-" if value is None else pattern.format(value)
+
+    for row in report["throughput"]:
+        table.add_row(
+            row["model"], str(row["batch"]), row["system"], fmt(row.get("seconds_per_step"), "{:.2f}"),
+            fmt(row.get("tokens_per_s"), "{:.0f}"), fmt(row.get("model_tflops"), "{:.1f}"),
+            fmt(row.get("hardware_tflops"), "{:.1f}"), fmt(row.get("block_peak_tflops"), "{:.1f}"),
+            fmt(row.get("of_block_peak"), "{:.0%}"), fmt(row.get("ratel_speedup"), "{:.2f}"),
+            row.get("error", ""),
+        )
+    console.print(table)
+    if report["largest"]:
+        table = Table(title="Largest model trained at batch size 1 (layers of the same width)")
+        for column in ("system", "layers", "parameters", "attempts", "note"):
+            table.add_column(column)
+        for system, entry in report["largest"].items():
+            params = entry.get("params")
+            table.add_row(system, str(entry.get("layers", "-")), "-" if params is None else f"{params / 1e9:.2f} B",
+                          " ".join(f"{n}{'+' if ok else '-'}" for n, ok in entry.get("attempts", [])),
+                          entry.get("note", ""))
+        console.print(table)
+    for line in report["notes"]:
+        console.print(line)
+
+
+def _write(report: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    partial = out / "gpu_throughput.json.partial"
+    partial.write_text(json.dumps(report, indent=1))
+    partial.replace(out / "gpu_throughput.json")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.worker is not None:
+        worker_main(json.loads(args.worker))
+        return
+    if not torch.cuda.is_available():
+        raise SystemExit(
+            f"gpu_throughput measures training on a CUDA GPU, and torch {torch.__version__} sees none here "
+            "(torch.cuda.is_available() is False). Nothing was measured."
+        )
+    from lightning_ratel.strategy import parse_bytes
+
+    for path in args.ssd:
+        if not path.is_dir():
+            raise SystemExit(f"gpu_throughput: --ssd {path} is not a directory")
+    cap = parse_bytes(args.device_memory, "--device-memory")
+    budgets = {
+        "disk": SIZING_FRACTION["disk"] * min(shutil.disk_usage(p).free for p in args.ssd),
+        "host": SIZING_FRACTION["host"] * _available_host_memory(),
+        "device": SIZING_FRACTION["device"] * cap,
+    }
+    deepspeed = _deepspeed_installed()
+    models, notes = auto_models(args.models, budgets, args.systems, args.vocab, args.seq)
+    if not deepspeed:
+        notes.append("DeepSpeed is not installed here: its rows say so and nothing of it was measured.")
+    report: dict[str, Any] = {
+        "machine": machine_info(args.ssd, cap),
+        "config": {**{k: v for k, v in vars(args).items() if k not in ("worker", "ssd", "out")},
+                   "ssd": [str(p) for p in args.ssd], "out": str(args.out)},
+        "models": [{**asdict(m), "name": m.name, "params": m.params()} for m in models],
+        "flops": {
+            "model": "tokens * (6 * (12 * layers * hidden^2 + vocab * hidden) + 12 * layers * hidden * seq)",
+            "hardware_ratel": "model + FLOPs of the ops the plan re-executes (torch.utils.flop_counter, profiled)",
+            "hardware_deepspeed": "model + one forward of every block when --ds-checkpointing, else model",
+            "block_peak": "tokens * (72 * hidden^2 + 12 * hidden * seq) per forward+backward of one resident block",
+        },
+        "io": None,
+        "block_peak": [],
+        "throughput": [],
+        "largest": {},
+        "notes": notes,
+    }
+    run = Runner(args.ssd, Budget(args.max_seconds, args.run_timeout))
+    base = {"device_memory": cap, "ds_checkpointing": args.ds_checkpointing}
+    try:
+        report["io"] = run({**base, "kind": "io"})
+        _write(report, args.out)
+        for shape in models:
+            for batch in args.batch_sizes:
+                common = {**base, "shape": asdict(shape), "batch": batch}
+                block = run({**common, "kind": "block"})
+                report["block_peak"].append({"model": shape.name, "batch": batch, **block})
+                for system in args.systems:
+                    if system in DEEPSPEED_SYSTEMS and not deepspeed:
+                        result = {"ok": False, "error": "DeepSpeed is not installed"}
+                    else:
+                        result = run({**common, "kind": "train", "system": system, "warmup": args.warmup,
+                                      "steps": args.steps})
+                    report["throughput"].append(
+                        throughput_row(shape, batch, system, result, args.ds_checkpointing, block))
+                    add_ratios(report["throughput"])
+                    _write(report, args.out)
+        if args.search:
+            _search_largest(args, models[0], budgets, deepspeed, run, base, report)
+    except OutOfTime:
+        report["notes"].append(f"The time budget (--max-seconds {args.max_seconds:.0f}) ran out; later runs were "
+                               "not started.")
+    _write(report, args.out)
+    _print_tables(report)
+    print(f"written: {args.out / 'gpu_throughput.json'}")
+
+
+def _search_largest(args: argparse.Namespace, width: ModelShape, budgets: dict[str, float], deepspeed: bool,
+                    run: Callable[[dict[str, Any]], dict[str, Any]], base: dict[str, Any],
+                    report: dict[str, Any]) -> None:
+    """For each system, the most layers of ``width``'s width it trains at batch size 1."""
+    for system in args.systems:
+        entry: dict[str, Any] = {"attempts": []}
+        report["largest"][system] = entry
+        if system in DEEPSPEED_SYSTEMS and not deepspeed:
+            entry["note"] = "DeepSpeed is not installed"
+            continue
+        try:
+            _search_system(system, args.search_max_layers, width, budgets, run, base, entry)
+        finally:
+            _write(report, args.out)
+
+
+def _search_system(system: str, max_layers: int | None, width: ModelShape, budgets: dict[str, float],
+                   run: Callable[[dict[str, Any]], dict[str, Any]], base: dict[str, Any],
+                   entry: dict[str, Any]) -> None:
+    """Fill ``entry`` with the attempts and the most layers ``system`` trains; re-raises :class:`OutOfTime`."""
+
+    def make(layers: int) -> ModelShape:
+        return ModelShape(layers, width.heads, width.hidden, width.vocab, width.seq)
+
+    # Beyond what the whole free space could hold an attempt must fail; no need to run it.
+    whole = {k: v / SIZING_FRACTION[k] for k, v in budgets.items()}
+    limit = max(1, max_layers or largest_layers(make, params_that_fit(whole, [system]), cap=4096))
+
+    def trial(layers: int) -> bool:
+        # Three steps: RatelStrategy profiles two, then runs one under its plan (which must fit the budgets).
+        result = run({**base, "kind": "train", "system": system, "shape": asdict(make(layers)), "batch": 1,
+                      "warmup": 2, "steps": 1})
+        entry["attempts"].append((layers, bool(result.get("ok"))))
+        if not result.get("ok"):
+            entry.setdefault("failures", {})[str(layers)] = result.get("error")
+        return bool(result.get("ok"))
+
+    try:
+        entry["layers"] = largest_passing(trial, start=1, limit=limit)
+    except OutOfTime:
+        entry["layers"] = max((n for n, ok in entry["attempts"] if ok), default=0)
+        entry["note"] = "incomplete: the time budget ran out; it trains at least this many layers"
+        raise
+    finally:
+        entry["params"] = make(entry["layers"]).params() if entry.get("layers") else None
+    if entry["layers"] == limit:
+        entry["note"] = f"reached the search limit ({limit} layers)"
+
+
+if __name__ == "__main__":
+    main()

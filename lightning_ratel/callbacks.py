@@ -1,0 +1,159 @@
+"""RatelProfiler: hardware-aware profiling, planning and the per-run report, as a Lightning callback.
+
+:class:`~lightning_ratel.RatelStrategy` adds one by default; add your own to change its settings. The first training
+step runs under the safe default placement while every op is timed; the plan made from those measurements applies
+from the next step. The plan is saved in checkpoints, so a resumed run keeps it instead of profiling again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+import lightning.pytorch as pl
+from lightning_ratel.plan.search import Plan
+
+
+class RatelProfiler(Callback):
+    """Profiles the machine and the model, plans activation placement, and reports what each step measured.
+
+    Args:
+        report: write ``ratel_report.png`` (predicted iteration time against offloaded bytes with the chosen plan,
+            and the measured per-step breakdown) and ``ratel_plan.json`` at the end of fit, into ``output_dir``.
+        output_dir: where the report goes; ``None``: the logger's directory (no report without a logger).
+        trace_step: also write a Chrome trace (``torch.profiler``) of this training step (global step number).
+        reprofile: profile and plan again even when the plan came from a checkpoint.
+        profile_steps: training micro-batches run under the safe default while profiling; each measured time is
+            the least over them, because the first step of a run also pays one-off costs. The plan applies from the
+            next micro-batch.
+    """
+
+    def __init__(
+        self,
+        report: bool = True,
+        output_dir: str | None = None,
+        trace_step: int | None = None,
+        reprofile: bool = False,
+        profile_steps: int = 2,
+    ) -> None:
+        if profile_steps < 1:
+            raise ValueError(f"`profile_steps` must be at least 1, got {profile_steps}")
+        self.profile_steps = profile_steps
+        self.report = report
+        self.output_dir = output_dir
+        self.trace_step = trace_step
+        self.reprofile = reprofile
+        self.plan: Plan | None = None
+        self.steps: list[dict[str, float]] = []
+        self._profiling = False
+        self._profiled = 0
+        self._hardware: Any = None
+        self._step_start = 0.0
+        self._trace: torch.profiler.profile | None = None
+
+    @staticmethod
+    def _strategy(trainer: pl.Trainer) -> Any:
+        from lightning_ratel.strategy import RatelStrategy
+
+        strategy = trainer.strategy
+        return strategy if isinstance(strategy, RatelStrategy) and strategy.engine is not None else None
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = self._strategy(trainer)
+        if strategy is None:
+            return
+        engine = strategy.engine
+        if not strategy.plans_automatically:
+            return
+        if self.plan is not None and not self.reprofile:
+            engine.apply_plan(self.plan)
+            rank_zero_info("RatelProfiler: using the plan from the checkpoint (reprofile=True to measure again)")
+            return
+        start = time.perf_counter()
+        self._hardware = engine.measure_hardware()
+        engine.begin_profile()
+        self._profiling = True
+        self._profiled = 0
+        rank_zero_info(
+            f"RatelProfiler: hardware measured in {time.perf_counter() - start:.2f} s; profiling the first step"
+        )
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if self._strategy(trainer) is None:
+            return
+        if self.trace_step is not None and trainer.global_step == self.trace_step and self._trace is None:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self._trace = torch.profiler.profile(activities=activities)
+            self._trace.__enter__()
+        self._step_start = time.perf_counter()
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        strategy = self._strategy(trainer)
+        if strategy is None:
+            return
+        engine = strategy.engine
+        end = time.perf_counter()
+        breakdown = engine.take_breakdown(self._step_start, end)
+        breakdown["step"] = float(trainer.global_step)
+        breakdown["profiling"] = float(self._profiling)
+        self.steps.append(breakdown)
+        if self._trace is not None:
+            self._trace.__exit__(None, None, None)
+            directory = self._directory(trainer) or trainer.default_root_dir
+            os.makedirs(directory, exist_ok=True)
+            path = os.path.join(directory, f"ratel_trace_step{self.trace_step}.json")
+            self._trace.export_chrome_trace(path)
+            self._trace = None
+            rank_zero_info(f"RatelProfiler: Chrome trace of step {self.trace_step} written to {path}")
+        if self._profiling:
+            self._profiled += 1
+        if self._profiling and self._profiled >= self.profile_steps:
+            self._profiling = False
+            layers = engine.end_profile()
+            start = time.perf_counter()
+            self.plan = engine.make_plan(self._hardware, layers)
+            engine.apply_plan(self.plan)
+            strategy.show_plan(self.plan, planning_seconds=time.perf_counter() - start)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        directory = self._directory(trainer)
+        if not self.report or directory is None or self.plan is None or trainer.global_rank != 0:
+            return
+        from lightning_ratel.report import write_report
+
+        os.makedirs(directory, exist_ok=True)
+        measured = [s for s in self.steps if not s.get("profiling")]
+        write_report(os.path.join(directory, "ratel_report.png"), self.plan, measured)
+        self.plan.save(os.path.join(directory, "ratel_plan.json"))
+        with open(os.path.join(directory, "ratel_steps.json"), "w") as f:
+            json.dump(self.steps, f, indent=1)
+        rank_zero_info(f"RatelProfiler: report written to {directory}")
+
+    def _directory(self, trainer: pl.Trainer) -> str | None:
+        if self.output_dir is not None:
+            return self.output_dir
+        return trainer.log_dir if trainer.loggers else None
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"plan": self.plan.to_json() if self.plan is not None else None}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        text = state_dict.get("plan")
+        self.plan = Plan.from_json(text) if text else None

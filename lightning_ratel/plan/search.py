@@ -1,0 +1,419 @@
+"""Choose where each saved activation lives: Ratel's Algorithm 1 under explicit memory budgets.
+
+The search starts from the cheapest placement that can run at all (each block's inputs stored, everything else
+recomputed) and stores one more op per step, best recompute-seconds-per-byte first, on the best tier that still has
+room: the device (no traffic), else pinned host memory, else the SSDs. Storing the ops with the most benefit first
+makes predicted iteration time a convex curve over the stored volume; the point with the least time is the plan.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import NoReturn
+
+from lightning_ratel.errors import RatelConfigError, RatelPlanError
+from lightning_ratel.plan.cost import CostModel, Prediction, layer_cost, recompute_ops
+from lightning_ratel.plan.profile import (
+    INPUT_OP,
+    STORED_TIERS,
+    TIERS,
+    HardwareProfile,
+    LayerProfile,
+    OpProfile,
+    placement_key,
+)
+
+
+@dataclass
+class Plan:
+    """An activation placement with the prediction and the search that produced it.
+
+    Attributes:
+        activation_placement: ``"<block>/<op>"`` -> ``"device"``, ``"host"``, ``"ssd"`` or ``"recompute"``.
+        predicted_iteration_time: predicted seconds of one micro-batch.
+        predicted_forward_time: predicted seconds of its forward.
+        predicted_backward_time: predicted seconds of its backward.
+        resource_times: ``{"forward": {...}, "backward": {...}}``: busy seconds per resource
+            (see :class:`~lightning_ratel.plan.cost.Prediction`).
+        memory: predicted peak bytes of ``"device"``, ``"host"`` and ``"ssd"``.
+        budgets: the budgets searched under, same keys as ``memory``.
+        curve: ``(offloaded bytes (host + ssd), predicted iteration time)`` at each search point.
+        chosen: index of this plan's point in ``curve``.
+        prefetch_depth: blocks paged in ahead of the one computing.
+        hardware: the hardware profile searched with.
+        layers: the block profiles searched with.
+    """
+
+    activation_placement: dict[str, str]
+    predicted_iteration_time: float
+    predicted_forward_time: float
+    predicted_backward_time: float
+    resource_times: dict[str, dict[str, float]]
+    memory: dict[str, int]
+    budgets: dict[str, int]
+    curve: list[tuple[int, float]]
+    chosen: int
+    prefetch_depth: int = 1
+    hardware: HardwareProfile | None = None
+    layers: list[LayerProfile] = field(default_factory=list)
+
+    def placement(self, block: str, op: str, default: str = "device") -> str:
+        """The tier of ``op`` of ``block``, or ``default`` where the plan does not mention it."""
+        return self.activation_placement.get(placement_key(block, op), default)
+
+    def to_json(self) -> str:
+        """The plan as JSON (profiles included, so a stored plan can be re-predicted and reported)."""
+        data = asdict(self)
+        data["hardware"] = self.hardware.to_dict() if self.hardware is not None else None
+        data["layers"] = [layer.to_dict() for layer in self.layers]
+        return json.dumps(data, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        """The plan :meth:`to_json` produced."""
+        data = json.loads(text)
+        data["hardware"] = HardwareProfile.from_dict(data["hardware"]) if data.get("hardware") else None
+        data["layers"] = [LayerProfile.from_dict(layer) for layer in data.get("layers", [])]
+        data["curve"] = [(int(offloaded), float(seconds)) for offloaded, seconds in data["curve"]]
+        return cls(**data)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write :meth:`to_json` to ``path``."""
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Plan:
+        """Read a plan :meth:`save` wrote."""
+        with open(path, encoding="utf-8") as f:
+            return cls.from_json(f.read())
+
+    def summary(self) -> list[dict]:
+        """Per block, in execution order: where its saved activations go.
+
+        Returns:
+            One dict per block: ``"block"`` (name), ``"ops"`` (tier -> number of ops with saved bytes placed there),
+            ``"bytes"`` (tier -> saved bytes) and ``"rerun"`` (ops re-executed in backward, recompute chains
+            included). Without layer profiles the blocks come from the placement keys, every op counts and bytes
+            are 0.
+        """
+        if not self.layers:
+            rows: dict[str, dict] = {}
+            for key, tier in self.activation_placement.items():
+                block = key.partition("/")[0]
+                row = rows.setdefault(block, {"block": block, "ops": dict.fromkeys(TIERS, 0),
+                                              "bytes": dict.fromkeys(TIERS, 0), "rerun": 0})
+                row["ops"][tier] += 1
+                row["rerun"] += tier == "recompute"
+            return list(rows.values())
+        rows_in_order = []
+        for layer in sorted(self.layers, key=lambda layer: layer.index):
+            counts = dict.fromkeys(TIERS, 0)
+            for op in layer.ops:
+                if op.saved_bytes > 0:
+                    counts[self.placement(layer.name, op.name)] += 1
+            rows_in_order.append({
+                "block": layer.name,
+                "ops": counts,
+                "bytes": layer_cost(layer, self.activation_placement).bytes,
+                "rerun": len(recompute_ops(layer, self.activation_placement)),
+            })
+        return rows_in_order
+
+
+def safe_default(layers: Sequence[LayerProfile]) -> dict[str, str]:
+    """The placement to profile under: least device memory without SSD traffic.
+
+    Every ``"input"`` and every block profiled as a whole goes to ``"host"``, every other op with saved bytes is
+    recomputed, and ops that save nothing are ``"device"``.
+    """
+    placement = {}
+    for layer in layers:
+        for op in layer.ops:
+            if not layer.op_level or op.name == INPUT_OP:
+                tier = "host"
+            else:
+                tier = "recompute" if op.saved_bytes > 0 else "device"
+            placement[placement_key(layer.name, op.name)] = tier
+    return placement
+
+
+def fixed(layers: Sequence[LayerProfile], tier: str) -> dict[str, str]:
+    """Every op on ``tier``; where ``tier`` is ``"recompute"`` the ops that must be stored go to ``"host"``.
+
+    Raises:
+        RatelConfigError: ``tier`` is not one of the tiers.
+    """
+    if tier not in TIERS:
+        raise RatelConfigError(f"tier {tier!r} is not one of {TIERS}")
+    placement = {}
+    for layer in layers:
+        for op in layer.ops:
+            must_store = op.name == INPUT_OP or not layer.op_level
+            placement[placement_key(layer.name, op.name)] = "host" if tier == "recompute" and must_store else tier
+    return placement
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes in the largest binary unit that keeps the number at least 1."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+class _Walk:
+    """The placement being built, with each block's bytes per tier kept up to date for cheap budget checks.
+
+    Args:
+        model: the cost model.
+        budgets: bytes per ``"device"``, ``"host"``, ``"ssd"``.
+        staging_reserve: host bytes kept free for SSD staging whatever the SSDs hold so far.
+    """
+
+    def __init__(self, model: CostModel, budgets: dict[str, int], staging_reserve: int = 0) -> None:
+        self.model = model
+        self.budgets = budgets
+        self.staging_reserve = staging_reserve
+        self.placement: dict[str, str] = {}
+        self.layer_bytes = [dict.fromkeys(TIERS, 0) for _ in model.layers]
+
+    def copy(self, staging_reserve: int) -> _Walk:
+        twin = _Walk(self.model, self.budgets, staging_reserve)
+        twin.placement = dict(self.placement)
+        twin.layer_bytes = [dict(counts) for counts in self.layer_bytes]
+        return twin
+
+    def memory(self) -> dict[str, int]:
+        return self.model.memory(self.layer_bytes, staging_reserve=self.staging_reserve)
+
+    def fits(self) -> bool:
+        memory = self.memory()
+        return all(memory[name] <= self.budgets[name] for name in memory)
+
+    def move(self, layer: int, op: OpProfile, old: str | None, tiers: Sequence[str]) -> str | None:
+        """Put ``op`` on the first of ``tiers`` that keeps every budget (``old``: its tier now, if counted)."""
+        counts = self.layer_bytes[layer]
+        if old is not None:
+            counts[old] -= op.saved_bytes
+        for tier in tiers:
+            counts[tier] += op.saved_bytes
+            if self.fits():
+                self.placement[placement_key(self.model.layers[layer].name, op.name)] = tier
+                return tier
+            counts[tier] -= op.saved_bytes
+        if old is not None:
+            counts[old] += op.saved_bytes
+        return None
+
+
+@dataclass
+class _Descent:
+    """One greedy walk: the placement it started from, its moves and the predicted time after each."""
+
+    start: dict[str, str]
+    moves: list[tuple[str, str]]
+    curve: list[tuple[int, float]]
+    recompute: list[float]
+
+    def rank(self, n: int) -> tuple[float, int, float]:
+        """Sort key of search point ``n``: predicted time, then offloaded bytes, then recompute seconds.
+
+        Of equally fast plans the one moving the least data wins, then the one recomputing least: keeping on the
+        device is free, and fewer recomputes leave margin where the model misjudges the bottleneck.
+        """
+        return self.curve[n][1], self.curve[n][0], self.recompute[n]
+
+    @property
+    def chosen(self) -> int:
+        return min(range(len(self.curve)), key=self.rank)
+
+    def record(self, prediction: Prediction) -> None:
+        """Add the search point ``prediction`` describes."""
+        self.curve.append((prediction.bytes["host"] + prediction.bytes["ssd"], prediction.iteration_time))
+        self.recompute.append(prediction.backward["recompute"])
+
+    def placement(self) -> dict[str, str]:
+        placement = dict(self.start)
+        placement.update(self.moves[: self.chosen])
+        return placement
+
+
+def _descend(walk: _Walk, candidates: list[tuple[int, OpProfile]]) -> _Descent:
+    """Store the candidates in order, each on the best tier with room, predicting after every step."""
+    model = walk.model
+    start = dict(walk.placement)
+    costs = [layer_cost(layer, walk.placement) for layer in model.layers]
+    descent = _Descent(start, [], [], [])
+    descent.record(model.evaluate(costs))
+    for i, op in candidates:
+        # An op that fits nowhere stays recomputed; a smaller one later in the order may still fit.
+        tier = walk.move(i, op, "recompute", STORED_TIERS)
+        if tier is None:
+            continue
+        descent.moves.append((placement_key(model.layers[i].name, op.name), tier))
+        costs[i] = layer_cost(model.layers[i], walk.placement)
+        descent.record(model.evaluate(costs))
+    return descent
+
+
+def _check_fixed_memory(walk: _Walk, unified: bool) -> None:
+    """Raise if paging and the backward working set alone exceed a budget."""
+    model = walk.model
+    memory = walk.memory()
+    largest, working = model.largest_block, model.working_block
+    device_need = (f"{model.buffers} x the largest block {largest.name!r} ({format_bytes(largest.param_bytes)}) "
+                   f"for paging with prefetch_depth={model.prefetch_depth}, plus the backward working set of block "
+                   f"{working.name!r} ({format_bytes(working.param_bytes + working.grad_bytes + working.saved_bytes)}:"
+                   f" parameters, gradients and every activation it saves)") if largest else "nothing"
+    if not unified and memory["device"] > walk.budgets["device"]:
+        raise RatelPlanError(
+            f"device budget too small: the plan needs {format_bytes(memory['device'])} of device memory "
+            f"({device_need}) but the budget is {format_bytes(walk.budgets['device'])}: short by "
+            f"{format_bytes(memory['device'] - walk.budgets['device'])}. Use a smaller batch size or sequence length, "
+            f"lower prefetch_depth, or raise device_memory_limit.")
+    if memory["host"] > walk.budgets["host"]:
+        parts = f"{format_bytes(model.host_static_bytes)} held by the rest of the run"
+        if unified:
+            parts += f" plus {format_bytes(memory['device'] - model.host_static_bytes)} for compute ({device_need})"
+        raise RatelPlanError(
+            f"host budget too small: the plan needs {format_bytes(memory['host'])} of host memory ({parts}) before "
+            f"storing any activation, but the budget is {format_bytes(walk.budgets['host'])}: short by "
+            f"{format_bytes(memory['host'] - walk.budgets['host'])}. Raise host_memory_limit, lower prefetch_depth, "
+            f"or use a smaller batch size or sequence length.")
+
+
+def _place_required(walk: _Walk, unified: bool) -> None:
+    """Store what cannot be recomputed (block inputs, blocks profiled as a whole) on the best tiers with room.
+
+    All of it starts on the SSDs where that fits and is then moved up block by block, so the host staging that
+    SSD traffic needs is never crowded out by earlier choices; where it does not fit, each item takes the best
+    tier left in turn.
+    """
+    model = walk.model
+    required = [(i, op) for i, layer in enumerate(model.layers) for op in layer.ops
+                if op.name == INPUT_OP or not layer.op_level]
+    # Later blocks first: backward reads them first, so they get the fast tiers.
+    required.sort(key=lambda item: -model.layers[item[0]].index)
+    for i, op in required:
+        walk.layer_bytes[i]["ssd"] += op.saved_bytes
+    start_on_ssd = walk.fits()
+    if not start_on_ssd:
+        for i, op in required:
+            walk.layer_bytes[i]["ssd"] -= op.saved_bytes
+    for n, (i, op) in enumerate(required):
+        if walk.move(i, op, "ssd" if start_on_ssd else None, STORED_TIERS) is None:
+            _raise_required(walk, [op for _, op in required], [op for _, op in required[n:]], op, i, unified)
+
+
+def _raise_required(walk: _Walk, required: list[OpProfile], left: list[OpProfile], op: OpProfile, layer: int,
+                    unified: bool) -> NoReturn:
+    """Raise the error for required activations that fit no tier, with what each budget lacks."""
+    memory = walk.memory()
+    budgets = walk.budgets
+    remaining = sum(item.saved_bytes for item in left)
+    host_room = budgets["host"] - memory["host"]
+    store_room = budgets["ssd"] - memory["ssd"]
+    if op.saved_bytes > store_room:
+        ssd_text = (f"the store budget {format_bytes(budgets['ssd'])} has {format_bytes(store_room)} left: short by "
+                    f"{format_bytes(remaining - store_room)}")
+    else:
+        walk.layer_bytes[layer]["ssd"] += op.saved_bytes
+        staging_need = walk.memory()["host"] - memory["host"]
+        walk.layer_bytes[layer]["ssd"] -= op.saved_bytes
+        ssd_text = (f"the SSDs have room, but staging their traffic needs {format_bytes(staging_need)} more host "
+                    f"memory, {format_bytes(host_room)} left: short by {format_bytes(staging_need - host_room)}")
+    what = "block inputs" if all(item.name == INPUT_OP for item in required) else "block inputs and whole blocks"
+    host_name = "host budget (shared with compute on a CPU run)" if unified else "host budget"
+    raise RatelPlanError(
+        f"{what} cannot be recomputed and need {format_bytes(sum(item.saved_bytes for item in required))} of "
+        f"storage, but {format_bytes(remaining)} of it fits nowhere: the {host_name} {format_bytes(budgets['host'])} "
+        f"has {format_bytes(host_room)} left: short by {format_bytes(remaining - host_room)}; {ssd_text}. Raise "
+        f"host_memory_limit, add or free ssd_paths, lower prefetch_depth, or use a smaller batch size or sequence "
+        f"length.")
+
+
+def search(
+    hw: HardwareProfile,
+    layers: Sequence[LayerProfile],
+    *,
+    device_budget: int,
+    host_budget: int,
+    store_budget: int,
+    prefetch_depth: int = 1,
+    host_static_bytes: int = 0,
+    state_read_bytes_per_param: int = 12,
+    state_write_bytes_per_param: int = 12,
+) -> Plan:
+    """Find the activation placement with the least predicted iteration time within the budgets.
+
+    Args:
+        hw: the machine.
+        layers: the profiled blocks.
+        device_budget: bytes of device memory the run may use (ignored on unified memory, where device and host
+            share ``host_budget``).
+        host_budget: bytes of host memory the run may use.
+        store_budget: bytes the swap directories may hold for activations.
+        prefetch_depth: blocks paged in ahead of the one computing.
+        host_static_bytes: host memory the rest of the run holds (parameter cache, optimizer buffers, ...).
+        state_read_bytes_per_param: optimizer-state bytes read from the SSD per trainable parameter and step.
+        state_write_bytes_per_param: optimizer-state bytes written back per trainable parameter and step.
+
+    Returns:
+        The plan at the best point of the search, with the whole curve.
+
+    Raises:
+        RatelPlanError: even the minimum placement does not fit; the message names the budget, the shortfall and
+            what to change.
+        RatelConfigError: the profiles are inconsistent.
+    """
+    model = CostModel(hw, layers, prefetch_depth=prefetch_depth, state_read_bytes_per_param=state_read_bytes_per_param,
+                      state_write_bytes_per_param=state_write_bytes_per_param, host_static_bytes=host_static_bytes)
+    unified = hw.unified_memory
+    budgets = {"device": host_budget if unified else device_budget, "host": host_budget, "ssd": store_budget}
+    walk = _Walk(model, budgets)
+    _check_fixed_memory(walk, unified)
+    _place_required(walk, unified)
+
+    candidates = []
+    for i, layer in enumerate(model.layers):
+        for position, op in enumerate(layer.ops):
+            key = placement_key(layer.name, op.name)
+            if key in walk.placement:
+                continue
+            if op.saved_bytes > 0:
+                walk.placement[key] = "recompute"
+                walk.layer_bytes[i]["recompute"] += op.saved_bytes
+                # Most recompute seconds saved per stored byte first; on ties the ops backward reaches first.
+                candidates.append(((-op.forward_time / op.saved_bytes, -layer.index, -position), i, op))
+            else:
+                walk.placement[key] = "device"
+    order = [(i, op) for _, i, op in sorted(candidates, key=lambda candidate: candidate[0])]
+
+    # Filling host memory first can leave no room for the staging buffers SSD traffic needs, and then nothing
+    # spills; a second walk keeps staging for a whole block free from the start. The faster one wins.
+    descents = [_descend(walk.copy(0), order)]
+    reserve = model.buffers * max((layer.saved_bytes for layer in model.layers), default=0)
+    reserved = walk.copy(reserve)
+    if reserve and reserved.fits():
+        descents.append(_descend(reserved, order))
+    best = min(descents, key=lambda descent: descent.rank(descent.chosen))
+    prediction = model.evaluate([layer_cost(layer, best.placement()) for layer in model.layers])
+    return Plan(
+        activation_placement=best.placement(),
+        predicted_iteration_time=prediction.iteration_time,
+        predicted_forward_time=prediction.forward_time,
+        predicted_backward_time=prediction.backward_time,
+        resource_times={"forward": prediction.forward, "backward": prediction.backward},
+        memory=prediction.memory,
+        budgets=budgets,
+        curve=best.curve,
+        chosen=best.chosen,
+        prefetch_depth=prefetch_depth,
+        hardware=hw,
+        layers=list(layers),
+    )
+

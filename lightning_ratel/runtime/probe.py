@@ -1,0 +1,125 @@
+"""Measure the machine the plan is made for: link and disk bandwidths, CPU AdamW speed, free memory.
+
+Nothing here is assumed from a datasheet: each figure comes from a short transfer or kernel run on the actual device,
+the actual ``ssd_paths`` and the AdamW step the optimizer uses. The probes are small (tens of MiB), so together they
+cost well under a second on ordinary hardware.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from lightning_ratel.plan.profile import HardwareProfile
+from lightning_ratel.runtime.device import Device
+from lightning_ratel.runtime.storage import TensorStore, aligned_empty
+
+
+def available_host_memory() -> int:
+    """``MemAvailable`` from ``/proc/meminfo`` (memory the kernel can hand out, page cache included)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _best_time(run: Callable[[], None], repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def link_bandwidth(device: Device, nbytes: int = 64 << 20, repeats: int = 3) -> tuple[float, float]:
+    """Host->device and device->host bytes/s (pinned host memory on CUDA, a memory copy on CPU)."""
+    host = device.host_empty(nbytes, torch.uint8).fill_(1)
+    target = torch.empty(nbytes, dtype=torch.uint8, device=device.device).fill_(1)
+
+    def h2d() -> None:
+        target.copy_(host, non_blocking=True)
+        if device.is_cuda:
+            torch.cuda.synchronize(device.device)
+
+    def d2h() -> None:
+        host.copy_(target, non_blocking=True)
+        if device.is_cuda:
+            torch.cuda.synchronize(device.device)
+
+    return nbytes / _best_time(h2d, repeats), nbytes / _best_time(d2h, repeats)
+
+
+def disk_bandwidth(paths: Sequence[str], nbytes: int = 64 << 20, name: str = "ratel-probe") -> tuple[float, float]:
+    """Read and write bytes/s of a :class:`TensorStore` striped over ``paths`` (direct I/O where supported)."""
+    buf = aligned_empty(nbytes // 4, torch.float32).fill_(1.0)
+    with TensorStore(paths, name=name, keep_files=False) as store:
+        store.reserve("probe", nbytes)
+        store.preallocate()
+        store.write("probe", buf).result()
+        write = _best_time(lambda: store.write("probe", buf).result(), 2)
+        read = _best_time(lambda: store.read("probe", buf).result(), 2)
+    return nbytes / read, nbytes / write
+
+
+def adam_throughput(step: Callable[..., None], numel: int = 1 << 22, repeats: int = 3) -> float:
+    """Parameters per second of ``step`` (an AdamW step with the optimizer's signature) on fp32 states."""
+    master = torch.randn(numel)
+    grad = torch.randn(numel)
+    m = torch.zeros(numel)
+    v = torch.zeros(numel)
+
+    def run() -> None:
+        step(master, grad, m, v, None, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=1)
+
+    run()
+    return numel / _best_time(run, repeats)
+
+
+def measure_hardware(
+    device: Device,
+    ssd_paths: Sequence[str],
+    adam_step: Callable[..., None],
+    *,
+    probe_bytes: int = 64 << 20,
+    per_path: bool = True,
+) -> HardwareProfile:
+    """Profile the device link, the swap directories (together and, if several, each), the CPU AdamW and memory.
+
+    Args:
+        device: the compute device.
+        ssd_paths: the swap directories.
+        adam_step: the AdamW step the CPU optimizer uses.
+        probe_bytes: bytes moved by each bandwidth probe.
+        per_path: also measure each directory alone when there are several.
+    """
+    h2d, d2h = link_bandwidth(device, probe_bytes)
+    read, write = disk_bandwidth(ssd_paths, probe_bytes)
+    paths: dict[str, dict[str, float]] = {}
+    if per_path and len(ssd_paths) > 1:
+        for path in ssd_paths:
+            r, w = disk_bandwidth([path], probe_bytes)
+            paths[str(path)] = {"read": r, "write": w}
+    host_free = available_host_memory()
+    device_free = torch.cuda.mem_get_info(device.device)[0] if device.is_cuda else host_free
+    ssd_free = sum(shutil.disk_usage(p).free for p in {os.stat(p).st_dev: p for p in ssd_paths}.values())
+    return HardwareProfile(
+        device_type=device.device.type,
+        h2d_bandwidth=h2d,
+        d2h_bandwidth=d2h,
+        ssd_read_bandwidth=read,
+        ssd_write_bandwidth=write,
+        adam_params_per_s=adam_throughput(adam_step),
+        host_memory_free=host_free,
+        device_memory_free=device_free,
+        ssd_free=ssd_free,
+        per_path=paths,
+    )

@@ -1,0 +1,260 @@
+"""What only a CUDA device can show: no host syncs in steady-state steps, the numbers of plain Lightning on CUDA,
+the device memory cap, and kvikio moving device memory to the swap files.
+
+Skipped where ``torch.cuda.is_available()`` is false.
+
+Host syncs that are by design, and outside the steady-state steps checked here:
+
+- the profiled micro-batches of ``plan="auto"`` (the first ``profile_steps``) synchronize to time every op;
+- Lightning turns logged progress-bar metrics into numbers with ``.item()`` every ``log_every_n_steps`` (the modules
+  here log nothing);
+- checkpoints and teardown wait for the CPU optimizer and read the states back from the swap files.
+
+The fp16 overflow check reads ``found_inf`` from the host fp32 gradients, so it costs no device sync.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from lightning_ratel import RatelConfigError, RatelStrategy
+from lightning_ratel.callbacks import RatelProfiler
+from lightning_ratel.runtime import gds
+from tests.models import LM, SEQ, VOCAB, final_state, max_rel_err, trainer
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+# cuBLAS reduces deterministically only with a fixed workspace, set before its first use in the process.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+# Every tier at once: a block's activations on disk, one recomputed, the rest in host memory.
+MIXED_POLICY = {"*layers.0": "ssd", "*.h.0": "ssd", "*layers.1": "recompute", "*.h.1": "recompute", "*": "host"}
+
+# fp32: both runs compute identical gradients (deterministic kernels, the same shapes); the optimizers differ, CUDA's
+# AdamW against the engine's CPU AdamW, by rounding only. bf16: such a last-bit difference in an fp32 master now and
+# then rounds to the neighbouring bf16 value, which every later step sees.
+TOLERANCE = {"32-true": 1e-5, "bf16-mixed": 1e-3}
+
+
+class Quiet(LM):
+    """The shared test module without ``self.log``, whose progress-bar value Lightning reads back with ``.item()``."""
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.model(input_ids=batch, labels=batch).loss
+
+
+class Wide(Quiet):
+    """A Llama whose fp32 parameters (about 170 MB) are more than the device cap of the memory test."""
+
+    def __init__(self) -> None:
+        super().__init__("llama")
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=VOCAB, hidden_size=384, intermediate_size=1024, num_hidden_layers=24,
+                             num_attention_heads=6, num_key_value_heads=6, max_position_embeddings=SEQ,
+                             tie_word_embeddings=False)
+        self.model = LlamaForCausalLM(config)
+
+
+def gpu_trainer(strategy: Any, **kwargs: Any) -> L.Trainer:
+    return trainer(strategy, accelerator="gpu", devices=1, **kwargs)
+
+
+def swap_dirs(tmp_path: Any, count: int = 2) -> list[str]:
+    paths = [tmp_path / f"swap{i}" for i in range(count)]
+    for path in paths:
+        path.mkdir()
+    return [str(p) for p in paths]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_device() -> Iterator[None]:
+    """Each test starts with nothing cached and ends with the whole device and no debug mode."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    yield
+    torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+# ---------------------------------------------------------------------------------------------------- host syncs
+
+
+class SyncTrap(L.Callback):
+    """Makes any synchronizing CUDA call an error during the micro-batches from ``first`` on."""
+
+    def __init__(self, first: int) -> None:
+        self.first = first
+        self.checked = 0
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if batch_idx >= self.first:
+            torch.cuda.set_sync_debug_mode("error")
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        torch.cuda.set_sync_debug_mode("default")
+        if batch_idx >= self.first:
+            self.checked += 1
+
+
+@pytest.mark.parametrize(
+    ("model", "precision", "policy"),
+    [("llama", "bf16-mixed", None), ("gpt2", "32-true", MIXED_POLICY), ("mlp", "16-mixed", MIXED_POLICY)],
+)
+def test_no_host_sync_in_steady_state(tmp_path, model, precision, policy):
+    # plan=auto profiles micro-batches 0 and 1 and plans after batch 1; batch 2 is the first under the plan.
+    trap = SyncTrap(first=3)
+    strategy = RatelStrategy(ssd_paths=swap_dirs(tmp_path), activation_policy=policy)
+    # The trap after the profiler, so the profiler's per-step breakdown is inside the checked span too. The span
+    # ends before Lightning copies the next batch from pageable memory, which is a sync of Lightning's.
+    callbacks = [RatelProfiler(report=False), trap]
+    gpu_trainer(strategy, precision=precision, max_steps=8, callbacks=callbacks).fit(Quiet(model))
+    assert trap.checked == 5
+
+
+# ---------------------------------------------------------------------------------------------------- equivalence
+
+
+@contextmanager
+def reproducible() -> Iterator[None]:
+    """Deterministic kernels and the math attention backend, so two runs compute bit-identical gradients."""
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        with sdpa_kernel(SDPBackend.MATH):
+            yield
+    finally:
+        torch.use_deterministic_algorithms(previous)
+
+
+def _on_host(state: tuple[dict, dict]) -> tuple[dict, dict]:
+    params, optimizer = state
+    moved = {i: {k: v.cpu() for k, v in entry.items()} for i, entry in optimizer["state"].items()}
+    return {k: v.cpu() for k, v in params.items()}, {**optimizer, "state": moved}
+
+
+def _fit(strategy: Any, model: str, precision: str) -> tuple[dict, dict]:
+    module = LM(model)
+    t = gpu_trainer(strategy, precision=precision)
+    t.fit(module)
+    return _on_host(final_state(module, t))
+
+
+@pytest.mark.parametrize("plan", ["every tier", "auto"])
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+@pytest.mark.parametrize("model", ["llama", "gpt2", "mlp"])
+def test_matches_plain_lightning_on_cuda(tmp_path, model, precision, plan):
+    policy = MIXED_POLICY if plan == "every tier" else None
+    with reproducible():
+        ref = _fit("auto", model, precision)
+        got = _fit(RatelStrategy(ssd_paths=swap_dirs(tmp_path), activation_policy=policy), model, precision)
+    tol = TOLERANCE[precision]
+    error = max_rel_err(ref[0], got[0])
+    assert error <= tol, f"parameters differ by {error:.3g} (relative to each tensor's largest value)"
+    ref_state, got_state = ref[1]["state"], got[1]["state"]
+    assert ref_state.keys() == got_state.keys()
+    for i in ref_state:
+        assert got_state[i]["step"].item() == ref_state[i]["step"].item()
+        for key in ("exp_avg", "exp_avg_sq"):
+            scale = ref_state[i][key].abs().max().clamp(min=1e-20)
+            moment_error = ((ref_state[i][key] - got_state[i][key]).abs().max() / scale).item()
+            assert moment_error <= tol, (i, key, moment_error)
+    assert got[1]["param_groups"] == ref[1]["param_groups"]
+    assert all(os.listdir(path) == [] for path in (tmp_path / "swap0", tmp_path / "swap1"))
+
+
+# ---------------------------------------------------------------------------------------------------- memory cap
+
+
+def test_device_memory_limit_caps_the_allocator_and_the_plan(tmp_path):
+    limit = 128 << 20
+    module = Wide()
+    model_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+    assert model_bytes > limit
+    t = gpu_trainer(RatelStrategy(ssd_paths=swap_dirs(tmp_path, 1), device_memory_limit=limit), precision="32-true",
+                    max_steps=5)
+    t.fit(module)
+    assert torch.cuda.max_memory_allocated() <= limit
+    plan = next(c.plan for c in t.callbacks if isinstance(c, RatelProfiler))
+    assert plan is not None
+    assert plan.budgets["device"] == limit
+    assert plan.memory["device"] <= limit
+
+
+def test_device_memory_limit_above_the_device_is_refused(tmp_path):
+    total = torch.cuda.get_device_properties(0).total_memory
+    strategy = RatelStrategy(ssd_paths=swap_dirs(tmp_path, 1), device_memory_limit=2 * total)
+    with pytest.raises(RatelConfigError, match="exceeds the device"):
+        gpu_trainer(strategy, max_steps=1).fit(Quiet("mlp"))
+
+
+# ---------------------------------------------------------------------------------------------------- kvikio
+
+
+@pytest.fixture
+def kvikio_dirs(tmp_path) -> list[str]:
+    dirs = swap_dirs(tmp_path)
+    reason = gds.kvikio_unavailable_reason(dirs[0])
+    if reason is not None:
+        pytest.skip(f"kvikio cannot be used here: {reason}")
+    return dirs
+
+
+def _busy_matmuls(n: int = 4096, rounds: int = 30) -> torch.Tensor:
+    """Queue a few hundred milliseconds of device work and return its (late) result, values of order one."""
+    a = torch.randn(n, n, device="cuda")
+    for _ in range(rounds):
+        a = torch.tanh((a @ a) / n**0.5)
+    return a
+
+
+def test_kvikio_round_trip_striped(kvikio_dirs):
+    with gds.GdsStore(kvikio_dirs, stripe_bytes=1 << 20) as store:
+        data = torch.randn(3 * (1 << 20) // 2 + 77, dtype=torch.bfloat16, device="cuda")
+        torch.cuda.set_sync_debug_mode("error")
+        write = store.write("x", data)  # submitting records an event; it must not block the host on the device
+        torch.cuda.set_sync_debug_mode("default")
+        write.result()
+        out = torch.empty_like(data)
+        assert store.read("x", out).result() is out
+        assert torch.equal(out, data)
+        assert store.nbytes_reserved == data.numel() * 2
+        assert store.take_busy_intervals()
+    assert all(os.listdir(d) == [] for d in kvikio_dirs)
+
+
+def test_kvikio_write_waits_for_the_producer_and_read_for_earlier_users(kvikio_dirs):
+    with gds.GdsStore(kvikio_dirs, stripe_bytes=1 << 20) as store:
+        target = torch.zeros(1 << 20, device="cuda")
+        late = _busy_matmuls()
+        target.copy_(late.reshape(-1)[: target.numel()])
+        store.write("late", target).result()  # the copy above is still queued when this is submitted
+        back = torch.empty_like(target)
+        store.read("late", back).result()
+        assert torch.equal(back, target)
+
+        stored = torch.full((1 << 20,), 7.0, device="cuda")
+        store.write("sevens", stored).result()
+        buffer = torch.zeros(1 << 20, device="cuda")
+        buffer.copy_(_busy_matmuls().reshape(-1)[: buffer.numel()])  # a queued kernel still writes the buffer
+        store.read("sevens", buffer).result()
+        assert torch.equal(buffer, stored)
+
+
+def test_kvikio_measure(kvikio_dirs):
+    figures = gds.measure(kvikio_dirs, "cuda", nbytes=64 << 20)
+    assert min(figures.kvikio_read, figures.kvikio_write, figures.host_read, figures.host_write) > 0
+    assert isinstance(figures.prefer_kvikio(), bool)
+    assert all(os.listdir(d) == [] for d in kvikio_dirs)

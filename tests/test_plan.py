@@ -1,0 +1,312 @@
+"""Tests of the planner (lightning_ratel.plan): cost model and search on hand-built profiles, no device needed."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+
+from lightning_ratel.errors import RatelConfigError, RatelPlanError
+from lightning_ratel.plan import (
+    HardwareProfile,
+    LayerProfile,
+    OpProfile,
+    Plan,
+    fixed,
+    predict,
+    recompute_ops,
+    safe_default,
+    search,
+)
+
+BIG = 1 << 50  # a budget that never binds
+
+
+def _hw(device_type: str = "cuda", *, link: float = 1e9, ssd: float = 1e9, adam: float = 1e12) -> HardwareProfile:
+    return HardwareProfile(device_type=device_type, h2d_bandwidth=link, d2h_bandwidth=link, ssd_read_bandwidth=ssd,
+                           ssd_write_bandwidth=ssd, adam_params_per_s=adam, host_memory_free=BIG,
+                           device_memory_free=BIG, ssd_free=BIG, per_path={"/nvme0": {"read": ssd, "write": ssd}})
+
+
+def _chain(index: int, times: list[float], op_bytes: int, input_bytes: int, param_bytes: int = 1000) -> LayerProfile:
+    """A block whose ops run one after the other, each reading the previous one's output."""
+    ops = [OpProfile("input", 0.0, 0.0, input_bytes)]
+    for k, seconds in enumerate(times):
+        ops.append(OpProfile(f"op{k}", seconds, 1e9 * seconds, op_bytes, [ops[-1].name]))
+    return LayerProfile(name=f"layers.{index}", index=index, forward_time=sum(times), backward_time=2 * sum(times),
+                        param_bytes=param_bytes, grad_bytes=0, trainable_numel=0, ops=ops)
+
+
+def _container(index: int, saved: int) -> LayerProfile:
+    return LayerProfile(name="lm_head", index=index, forward_time=1e-3, backward_time=2e-3, param_bytes=1000,
+                        grad_bytes=0, trainable_numel=0, ops=[OpProfile("*", 1e-3, 1e6, saved)], op_level=False)
+
+
+def _fixed_device(layers: list[LayerProfile], prefetch_depth: int = 1) -> int:
+    """The device bytes every plan needs: paging buffers plus the largest backward working set."""
+    largest = max(layer.param_bytes for layer in layers)
+    working = max(layer.param_bytes + layer.grad_bytes + layer.saved_bytes for layer in layers)
+    return (prefetch_depth + 1) * largest + working
+
+
+def _stored_ops(plan: Plan) -> dict[str, str]:
+    """Placements of the non-input ops with saved bytes."""
+    return {f"{layer.name}/{op.name}": plan.placement(layer.name, op.name)
+            for layer in plan.layers if layer.op_level for op in layer.ops if op.name != "input" and op.saved_bytes}
+
+
+def _hand_layer(name: str, index: int) -> LayerProfile:
+    ops = [
+        OpProfile("input", 0.0, 0.0, 100),
+        OpProfile("a", 0.01, 1.0, 200, ["input"]),
+        OpProfile("b", 0.002, 1.0, 0, ["a"]),
+        OpProfile("c", 0.02, 1.0, 300, ["b"]),
+    ]
+    return LayerProfile(name=name, index=index, forward_time=0.04, backward_time=0.08, param_bytes=1000,
+                        grad_bytes=500, trainable_numel=10, ops=ops)
+
+
+HAND_PLACEMENT = {
+    "b.0/input": "host", "b.0/a": "device", "b.0/b": "device", "b.0/c": "recompute",
+    "b.1/input": "ssd", "b.1/a": "recompute", "b.1/b": "device", "b.1/c": "host",
+}
+
+
+def _hand_predict(device_type: str):
+    hw = HardwareProfile(device_type=device_type, h2d_bandwidth=1000, d2h_bandwidth=500, ssd_read_bandwidth=100,
+                         ssd_write_bandwidth=50, adam_params_per_s=1000, host_memory_free=BIG, device_memory_free=BIG)
+    layers = [_hand_layer("b.0", 0), _hand_layer("b.1", 1)]
+    return predict(hw, layers, HAND_PLACEMENT, prefetch_depth=1, state_read_bytes_per_param=4,
+                   state_write_bytes_per_param=2, host_static_bytes=50)
+
+
+def test_recompute_ops_closure():
+    ops = [
+        OpProfile("input", 0.0, 0.0, 10),
+        OpProfile("a", 1.0, 1.0, 10, ["input"]),
+        OpProfile("b", 1.0, 1.0, 0, ["a"]),
+        OpProfile("c", 1.0, 1.0, 10, ["b"]),
+        OpProfile("d", 1.0, 1.0, 10, ["c", "a"]),
+        OpProfile("e", 1.0, 1.0, 0, ["d", "input"]),
+        OpProfile("f", 1.0, 1.0, 10, ["e"]),
+    ]
+    layer = LayerProfile("blk", 0, 6.0, 12.0, 0, 0, 0, ops)
+    stored = {f"blk/{op.name}": "host" for op in ops}
+    assert recompute_ops(layer, stored) == set()
+    # f's input e saved nothing, so e re-runs; e reads d (stored) and the block input: the chain stops there.
+    assert recompute_ops(layer, {**stored, "blk/f": "recompute"}) == {"f", "e"}
+    # d needs c (recomputed anyway) and a (stored); c needs b, which saved nothing; b needs a (stored).
+    assert recompute_ops(layer, {**stored, "blk/d": "recompute", "blk/c": "recompute"}) == {"d", "c", "b"}
+    # a recomputed: c's chain through b now reaches a and stops at the input.
+    assert recompute_ops(layer, {**stored, "blk/a": "recompute", "blk/c": "recompute"}) == {"a", "b", "c"}
+    # An op with nothing saved placed "recompute" does not re-run by itself.
+    assert recompute_ops(layer, {**stored, "blk/b": "recompute"}) == set()
+
+
+def test_recompute_ops_rejects_bad_placements_and_graphs():
+    layer = _chain(0, [1.0, 1.0], 10, 10)
+    with pytest.raises(RatelConfigError, match="input"):
+        recompute_ops(layer, {"layers.0/input": "recompute"})
+    with pytest.raises(RatelConfigError, match="gpu"):
+        recompute_ops(layer, {"layers.0/op0": "gpu"})
+    with pytest.raises(RatelConfigError, match="profiled as a whole"):
+        predict(_hw(), [_container(0, 10)], {"lm_head/*": "recompute"})
+    layer.ops[1].inputs = ["elsewhere"]
+    with pytest.raises(RatelConfigError, match="elsewhere"):
+        recompute_ops(layer, {"layers.0/op0": "recompute"})
+
+
+def test_predict_by_hand_cuda():
+    p = _hand_predict("cuda")
+    # Activations: device b.0/a; host b.0/input + b.1/c; ssd b.1/input; recompute b.0/c + b.1/a.
+    assert p.bytes == {"device": 200, "host": 400, "ssd": 100, "recompute": 500}
+    assert p.forward == pytest.approx({"compute": 0.08, "h2d": 2000 / 1000, "d2h": 500 / 500, "ssd": 100 / 50})
+    # Recompute: b.0 re-runs c and, through b (saved nothing), b itself: 0.022; b.1 re-runs a: 0.01.
+    assert p.backward == pytest.approx({
+        "compute": 0.16 + 0.032,
+        "recompute": 0.032,
+        "h2d": (2000 + 500) / 1000,
+        "d2h": 1000 / 500,
+        "ssd": 100 / 100 + 20 * 4 / 100 + 20 * 2 / 50,
+        "cpu_optimizer": 20 / 1000,
+    })
+    assert p.forward_time == pytest.approx(2.0)
+    assert p.backward_time == pytest.approx(2.6)
+    assert p.iteration_time == pytest.approx(4.6)
+    # device: kept 200 + 2 paging buffers of 1000 + working set 1000 + 500 + 600; host: 50 + 400 + 2 x 100 staging.
+    assert p.memory == {"device": 4300, "host": 650, "ssd": 100}
+
+
+def test_predict_by_hand_unified_memory():
+    p = _hand_predict("cpu")
+    # Copies and the optimizer share the cores with compute; only the SSD runs beside them.
+    assert p.forward_time == pytest.approx(max(0.08 + 2.0 + 1.0, 2.0))
+    assert p.backward_time == pytest.approx(max(0.192 + 2.5 + 2.0 + 0.02, 2.6))
+    assert p.iteration_time == pytest.approx(3.08 + 4.712)
+    assert p.memory == {"device": 4950, "host": 4950, "ssd": 100}
+
+
+def test_predict_missing_ops_count_as_device():
+    layers = [_hand_layer("b.0", 0)]
+    assert predict(_hw(), layers, {}).bytes == {"device": 600, "host": 0, "ssd": 0, "recompute": 0}
+
+
+def test_transfer_bound_swaps_only_the_inputs():
+    """Ratel's case 1: slow links, fast compute: store only what cannot be recomputed."""
+    layers = [_chain(i, [1e-3] * 5, 100_000, 100_000) for i in range(4)] + [_container(4, 100_000)]
+    plan = search(_hw(link=1e6, ssd=1e6), layers, device_budget=_fixed_device(layers), host_budget=BIG,
+                  store_budget=BIG)
+    for layer in layers[:4]:
+        assert plan.placement(layer.name, "input") == "host"
+    assert plan.placement("lm_head", "*") == "host"
+    assert set(_stored_ops(plan).values()) == {"recompute"}
+    assert plan.chosen == 0
+    assert len(plan.curve) > 1
+    assert plan.curve[0][1] < min(seconds for _, seconds in plan.curve[1:])
+    assert plan.memory["device"] <= plan.budgets["device"]
+
+
+def test_compute_bound_stores_everything_and_spills_to_ssd():
+    """Ratel's case 2: fast links, slow compute: store everything; what host memory cannot hold goes to SSD."""
+    layers = [_chain(i, [1.0] * 4, 1_000_000, 1_000_000) for i in range(3)]
+    host_budget = 14_000_000  # the inputs and a few ops, not all twelve
+    plan = search(_hw(link=1e12, ssd=1e12), layers, device_budget=_fixed_device(layers), host_budget=host_budget,
+                  store_budget=BIG)
+    tiers = list(_stored_ops(plan).values())
+    assert "recompute" not in tiers
+    assert tiers.count("ssd") >= 1 and tiers.count("host") >= 1
+    assert plan.memory["host"] <= host_budget
+    assert plan.chosen == len(plan.curve) - 1
+    assert plan.resource_times["backward"]["recompute"] == 0
+
+
+def test_convex_middle_has_an_interior_optimum():
+    """Ratel's case 3: storing the most valuable ops pays until the links become the bottleneck."""
+    layers = [_chain(i, [10e-3, 6e-3, 3e-3, 1.5e-3, 0.5e-3], 1_000_000, 1_000_000, 1_000_000) for i in range(2)]
+    hw = _hw(link=1e8, ssd=1e8)
+    plan = search(hw, layers, device_budget=_fixed_device(layers), host_budget=BIG, store_budget=BIG)
+    times = [seconds for _, seconds in plan.curve]
+    chosen = plan.chosen
+    assert 0 < chosen < len(times) - 1
+    assert times[chosen] == min(times)
+    assert times[chosen] < times[0] and times[chosen] < times[-1]
+    # Hand numbers: 168 ms all recomputed, 148 ms with both 10 ms ops stored, 260 ms with all stored.
+    assert times[0] == pytest.approx(0.168) and times[chosen] == pytest.approx(0.148)
+    assert times[-1] == pytest.approx(0.260)
+    assert {key for key, tier in _stored_ops(plan).items() if tier != "recompute"} == {"layers.0/op0", "layers.1/op0"}
+    slopes = [(t1 - t0) / (x1 - x0) for (x0, t0), (x1, t1) in zip(plan.curve, plan.curve[1:])]
+    assert all(b >= a - 1e-15 for a, b in zip(slopes, slopes[1:]))
+    assert slopes[chosen - 1] < 0 < slopes[chosen]
+    again = predict(hw, layers, plan.activation_placement)
+    assert again.iteration_time == plan.predicted_iteration_time == times[chosen]
+
+
+def test_device_budget_shortfall_is_reported():
+    layers = [_chain(i, [1e-3] * 3, 1000, 1000) for i in range(2)]
+    need = _fixed_device(layers)
+    with pytest.raises(RatelPlanError, match=r"device budget.*short by 123 B.*prefetch_depth"):
+        search(_hw(), layers, device_budget=need - 123, host_budget=BIG, store_budget=BIG)
+
+
+def test_host_budget_shortfall_is_reported():
+    layers = [_chain(i, [1e-3] * 3, 1000, 1000) for i in range(2)]
+    with pytest.raises(RatelPlanError, match=r"host budget.*short by 77 B.*host_memory_limit"):
+        search(_hw(), layers, device_budget=BIG, host_budget=5000, store_budget=BIG, host_static_bytes=5077)
+
+
+def test_unified_memory_counts_compute_against_the_host_budget():
+    layers = [_chain(i, [1e-3] * 3, 1000, 1000) for i in range(2)]
+    with pytest.raises(RatelPlanError, match=r"host budget.*short by 1 B"):
+        search(_hw("cpu"), layers, device_budget=BIG, host_budget=_fixed_device(layers) - 1, store_budget=BIG)
+    plan = search(_hw("cpu"), layers, device_budget=0, host_budget=BIG, store_budget=BIG)
+    assert plan.budgets["device"] == plan.budgets["host"] == BIG
+    assert plan.memory["device"] == plan.memory["host"]
+    # Keeping is free on the CPU and host copies only cost time, so nothing goes to "host".
+    assert "host" not in plan.activation_placement.values()
+
+
+def test_inputs_that_fit_nowhere_are_reported():
+    layers = [_chain(i, [1e-3] * 3, 1000, 1000) for i in range(2)]
+    # Room on the host for one block's input; no SSD at all.
+    with pytest.raises(RatelPlanError, match=r"block inputs.*host budget.*short by 500 B.*short by 1000 B.*ssd_paths"):
+        search(_hw(), layers, device_budget=_fixed_device(layers), host_budget=1500, store_budget=0)
+
+
+def test_inputs_start_on_ssd_so_staging_fits():
+    layers = [_chain(i, [1e-3] * 3, 1000, 8000) for i in range(3)]
+    # Host first would take two inputs and leave no room to stage the third; all on SSD needs 2 x 8000 of staging.
+    plan = search(_hw(), layers, device_budget=_fixed_device(layers), host_budget=20_000, store_budget=BIG)
+    assert plan.memory["host"] <= 20_000
+    assert {plan.placement(layer.name, "input") for layer in layers} == {"ssd"}
+
+
+def test_safe_default_and_fixed():
+    layers = [_hand_layer("b.0", 0), _container(1, 50)]
+    assert safe_default(layers) == {"b.0/input": "host", "b.0/a": "recompute", "b.0/b": "device",
+                                    "b.0/c": "recompute", "lm_head/*": "host"}
+    assert fixed(layers, "recompute") == {"b.0/input": "host", "b.0/a": "recompute", "b.0/b": "recompute",
+                                          "b.0/c": "recompute", "lm_head/*": "host"}
+    assert set(fixed(layers, "ssd").values()) == {"ssd"}
+    with pytest.raises(RatelConfigError):
+        fixed(layers, "gpu")
+
+
+def test_plan_json_round_trip_and_placement_default(tmp_path):
+    layers = [_hand_layer("b.0", 0), _hand_layer("b.1", 1), _container(2, 50)]
+    plan = search(_hw(), layers, device_budget=BIG, host_budget=BIG, store_budget=BIG, prefetch_depth=2)
+    again = Plan.from_json(plan.to_json())
+    assert again == plan
+    assert isinstance(again.hardware, HardwareProfile) and again.layers[0].ops[1].inputs == ["input"]
+    plan.save(tmp_path / "plan.json")
+    assert Plan.load(tmp_path / "plan.json") == plan
+    bare = Plan({"b.0/a": "host"}, 1.0, 0.25, 0.75, {}, {}, {}, [(0, 1.0)], 0)
+    assert Plan.from_json(bare.to_json()) == bare
+    assert plan.placement("b.0", "nope") == "device"
+    assert plan.placement("b.0", "nope", default="recompute") == "recompute"
+    assert plan.placement("lm_head", "*") == plan.activation_placement["lm_head/*"]
+
+
+def test_summary_counts_and_bytes():
+    layers = [_hand_layer("b.0", 0), _hand_layer("b.1", 1)]
+    plan = Plan(HAND_PLACEMENT, 1.0, 0.5, 0.5, {}, {}, {}, [(0, 1.0)], 0, layers=layers)
+    rows = plan.summary()
+    assert [row["block"] for row in rows] == ["b.0", "b.1"]
+    assert rows[0]["ops"] == {"device": 1, "host": 1, "ssd": 0, "recompute": 1}
+    assert rows[0]["bytes"] == {"device": 200, "host": 100, "ssd": 0, "recompute": 300}
+    assert rows[0]["rerun"] == 2
+    bare = Plan(HAND_PLACEMENT, 1.0, 0.5, 0.5, {}, {}, {}, [(0, 1.0)], 0).summary()
+    assert [row["ops"]["recompute"] for row in bare] == [1, 1]
+
+
+def test_search_is_fast_on_a_large_model():
+    layers = []
+    for i in range(32):
+        ops = [OpProfile("input", 0.0, 0.0, 4 << 20)]
+        for k in range(39):
+            reads = [ops[-1].name] + ([ops[-3].name] if k % 5 == 0 and len(ops) > 2 else [])
+            saved = 0 if k % 7 == 3 else ((k * 37 + i * 11) % 13 + 1) << 20
+            ops.append(OpProfile(f"op{k}", ((k * 53 + i * 7) % 17 + 1) * 1e-4, 1e9, saved, reads))
+        layers.append(LayerProfile(f"model.layers.{i}", i, 0.02, 0.04, 200 << 20, 200 << 20, 1 << 20, ops))
+    hw = _hw(link=20e9, ssd=6e9, adam=2e9)
+    device_budget = _fixed_device(layers) + (600 << 20)
+    start = time.perf_counter()
+    plan = search(hw, layers, device_budget=device_budget, host_budget=3 << 30, store_budget=BIG)
+    elapsed = time.perf_counter() - start
+    assert elapsed < 1.0
+    assert len(plan.curve) > 1000
+    assert set(plan.activation_placement.values()) == {"device", "host", "ssd", "recompute"}
+    assert all(plan.memory[name] <= plan.budgets[name] for name in plan.memory)
+    assert math.isfinite(plan.predicted_iteration_time)
+    assert predict(hw, layers, plan.activation_placement).iteration_time == plan.predicted_iteration_time
+
+
+def test_free_device_memory_keeps_activations_when_time_is_flat():
+    """Backward bound by the optimizer states' SSD traffic: storing changes no time, yet device room is used."""
+    layers = [_chain(i, [1e-3] * 3, 1000, 1000) for i in range(2)]
+    for layer in layers:
+        layer.trainable_numel = 10**9
+    plan = search(_hw(), layers, device_budget=BIG, host_budget=BIG, store_budget=BIG)
+    assert len({seconds for _, seconds in plan.curve}) == 1
+    assert set(plan.activation_placement.values()) == {"device"}
+    assert plan.resource_times["backward"]["recompute"] == 0

@@ -1,0 +1,236 @@
+"""Op-level activation placement, partial recomputation, profiling and plan="auto" through RatelStrategy."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import os
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+
+from lightning_ratel import Plan, RatelConfigError, RatelPlanError, RatelProfiler, RatelStrategy
+from lightning_ratel.runtime import recompute
+from lightning_ratel.strategy import parse_bytes
+from tests.models import LM, final_state, max_rel_err, trainer
+
+
+def _plain(model: str = "llama", **kwargs: object) -> tuple[dict, dict]:
+    module = LM(model)
+    t = trainer("auto", **kwargs)
+    t.fit(module)
+    return final_state(module, t)
+
+
+def _close(ref: tuple[dict, dict], got: tuple[dict, dict], tol: float = 1e-5) -> None:
+    assert max_rel_err(ref[0], got[0]) <= tol
+    for i, entry in ref[1]["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            scale = entry[key].abs().max().clamp(min=1e-20)
+            assert ((entry[key] - got[1]["state"][i][key]).abs().max() / scale).item() <= tol
+
+
+def _profiler(t: L.Trainer) -> RatelProfiler:
+    return next(c for c in t.callbacks if isinstance(c, RatelProfiler))
+
+
+@pytest.fixture(scope="module")
+def auto_run(tmp_path_factory):
+    """One plan="auto" fit of the tiny Llama, with a logger so the report is written."""
+    root = tmp_path_factory.mktemp("auto")
+    module = LM("llama")
+    t = trainer(RatelStrategy(ssd_paths=[str(root)]), logger=CSVLogger(str(root / "logs")))
+    t.fit(module)
+    return t, final_state(module, t)
+
+
+def test_auto_plan_matches_plain_training(auto_run):
+    t, got = auto_run
+    _close(_plain(), got)
+    plan = _profiler(t).plan
+    assert plan is not None and plan.layers
+    # Every block's ops were named at op level (the Llama layers have their projections and norms).
+    names = {key.split("/", 1)[1] for key in plan.activation_placement if "layers.0/" in key}
+    for op in ("self_attn.q_proj:mm", "self_attn.k_proj:mm", "self_attn.v_proj:mm", "self_attn.o_proj:mm",
+               "mlp.gate_proj:mm", "mlp.up_proj:mm", "mlp.act_fn:silu", "mlp.down_proj:mm", "input"):
+        assert op in names, op
+    assert any(n.startswith("input_layernorm:") for n in names)
+    assert any("scaled_dot_product" in n for n in names)
+
+
+def test_auto_plan_writes_report_and_plan(auto_run):
+    t, _ = auto_run
+    files = os.listdir(t.log_dir)
+    assert {"ratel_report.png", "ratel_plan.json", "ratel_steps.json"} <= set(files)
+    with open(os.path.join(t.log_dir, "ratel_report.png"), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    steps = json.load(open(os.path.join(t.log_dir, "ratel_steps.json")))
+    assert len(steps) == 4 and all(s["wall"] > 0 and s["compute"] > 0 for s in steps)
+    assert Plan.load(os.path.join(t.log_dir, "ratel_plan.json")).activation_placement == _profiler(t).plan.activation_placement
+
+
+def _mixed(plan: Plan) -> Plan:
+    """Every tier inside every block: ops take device, host, ssd and recompute in turn."""
+    tiers = itertools.cycle(["recompute", "host", "ssd", "device"])
+    placement = {}
+    for key in plan.activation_placement:
+        op = key.rsplit("/", 1)[1]
+        placement[key] = "host" if op in ("input", "*") else next(tiers)
+    return dataclasses.replace(plan, activation_placement=placement)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+@pytest.mark.parametrize("model", ["llama", "gpt2", "mlp"])
+def test_mixed_op_level_plan_from_file_matches(tmp_path, auto_run, model, precision):
+    if model == "llama":
+        plan = _profiler(auto_run[0]).plan
+    else:
+        t = trainer(RatelStrategy(ssd_paths=[str(tmp_path)]), max_steps=2)
+        t.fit(LM(model))
+        plan = _profiler(t).plan
+    path = tmp_path / "plan.json"
+    _mixed(plan).save(path)
+    module = LM(model)
+    t = trainer(RatelStrategy(ssd_paths=[str(tmp_path)], plan=str(path)), precision=precision)
+    t.fit(module)
+    _close(_plain(model, precision=precision), final_state(module, t))
+    # A pinned plan is used as it is: nothing is profiled.
+    assert _profiler(t).plan is None
+
+
+def test_partial_recompute_runs_only_what_was_discarded(tmp_path, auto_run, monkeypatch):
+    plan = _profiler(auto_run[0]).plan
+    placement = {k: ("recompute" if k.endswith("mlp.act_fn:silu") else "host") for k in plan.activation_placement}
+    runs: list[tuple[int, int]] = []
+    original = recompute.ForwardRecord.replay
+
+    def counting(self, unpack, restore):
+        fresh = self.outputs is None
+        original(self, unpack, restore)
+        if fresh:
+            runs.append((len(self.needed()[0]), len(self.ops)))
+
+    monkeypatch.setattr(recompute.ForwardRecord, "replay", counting)
+    module = LM("llama")
+    t = trainer(RatelStrategy(ssd_paths=[str(tmp_path)], plan=dataclasses.replace(plan, activation_placement=placement)))
+    t.fit(module)
+    _close(_plain(), final_state(module, t))
+    # One replay per layer per step, each running only the SiLU (its input, the gate projection, was stored).
+    assert len(runs) == 3 * 4
+    assert all(executed == 1 and total > 40 for executed, total in runs)
+
+
+def test_whole_block_recompute_replays_from_the_inputs(tmp_path, monkeypatch):
+    runs: list[int] = []
+    original = recompute.ForwardRecord.replay
+
+    def counting(self, unpack, restore):
+        fresh = self.outputs is None
+        original(self, unpack, restore)
+        if fresh:
+            runs.append(len(self.needed()[0]))
+
+    monkeypatch.setattr(recompute.ForwardRecord, "replay", counting)
+    module = LM("llama")
+    t = trainer(RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy={"*layers.*": "recompute", "*": "host"}))
+    t.fit(module)
+    _close(_plain(), final_state(module, t))
+    assert len(runs) == 3 * 4 and min(runs) > 20
+
+
+class _TightHost(L.Callback):
+    """Caps host memory at ``headroom`` bytes beyond what the engine itself holds (measured once it exists)."""
+
+    def __init__(self, headroom: int) -> None:
+        self.headroom = headroom
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        # Runs before the strategy's own profiler, which plans at the end of its last profiled batch.
+        engine = trainer.strategy.engine
+        engine.config.host_memory_limit = engine.byte_placement()["host"] + self.headroom
+
+
+def test_small_host_limit_spills_to_ssd_and_still_matches(tmp_path, auto_run):
+    # Room for the paging buffers and working set, and for only half the activations the unconstrained plan keeps.
+    unconstrained = _profiler(auto_run[0]).plan
+    saved = sum(layer.saved_bytes for layer in unconstrained.layers)
+    headroom = unconstrained.memory["host"] - unconstrained.budgets["host_static"] - saved // 2
+    module = LM("llama")
+    t = trainer(RatelStrategy(ssd_paths=[str(tmp_path)]), callbacks=[_TightHost(headroom)])
+    t.fit(module)
+    plan = _profiler(t).plan
+    assert plan.memory["host"] <= plan.budgets["host"]
+    tiers = set(plan.activation_placement.values())
+    # Whatever does not fit in RAM is spilled to disk or recomputed, as the cost model prefers on this machine.
+    assert tiers & {"ssd", "recompute"}
+    _close(_plain(), final_state(module, t))
+
+
+def test_plan_that_cannot_fit_says_which_budget(tmp_path):
+    t = trainer(RatelStrategy(ssd_paths=[str(tmp_path)]), callbacks=[_TightHost(-(1 << 20))])
+    with pytest.raises(RatelPlanError, match="host"):
+        t.fit(LM("llama"))
+    assert os.listdir(tmp_path) == []
+
+
+def test_resume_keeps_the_plan_without_profiling(tmp_path, monkeypatch):
+    ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True)
+    t = trainer(RatelStrategy(ssd_paths=[str(tmp_path)]), enable_checkpointing=True, callbacks=[ckpt], max_steps=3)
+    t.fit(LM("llama"))
+    first = _profiler(t).plan
+    calls = []
+    from lightning_ratel.engine import RatelEngine
+
+    original = RatelEngine.measure_hardware
+    monkeypatch.setattr(RatelEngine, "measure_hardware", lambda self: calls.append(1) or original(self))
+    t2 = trainer(RatelStrategy(ssd_paths=[str(tmp_path)]), enable_checkpointing=True,
+                 callbacks=[ModelCheckpoint(dirpath=str(tmp_path / "ckpt2"))], max_steps=5)
+    t2.fit(LM("llama"), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    assert calls == []
+    assert _profiler(t2).plan.activation_placement == first.activation_placement
+    # Asked to, it measures again.
+    t3 = trainer(RatelStrategy(ssd_paths=[str(tmp_path)]), callbacks=[RatelProfiler(reprofile=True)], max_steps=5)
+    t3.fit(LM("llama"), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    assert calls == [1]
+
+
+def test_chrome_trace_on_request(tmp_path):
+    t = trainer(RatelStrategy(ssd_paths=[str(tmp_path)]),
+                callbacks=[RatelProfiler(trace_step=3, output_dir=str(tmp_path / "out"))])
+    t.fit(LM("llama"))
+    trace = json.load(open(tmp_path / "out" / "ratel_trace_step3.json"))
+    assert trace["traceEvents"]
+
+
+def test_activation_policy_turns_planning_off(tmp_path):
+    t = trainer(RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy="host"))
+    t.fit(LM("llama"))
+    assert _profiler(t).plan is None
+    assert not t.strategy.plans_automatically
+
+
+@pytest.mark.parametrize(("value", "expected"), [("24GiB", 24 << 30), ("1.5 GB", 1_500_000_000), (4096, 4096),
+                                                 ("512MiB", 512 << 20), (None, None)])
+def test_parse_bytes(value, expected):
+    assert parse_bytes(value, "x") == expected
+
+
+@pytest.mark.parametrize("value", ["lots", "-1GiB", 0, "3 parsecs"])
+def test_parse_bytes_rejects(value):
+    with pytest.raises(RatelConfigError):
+        parse_bytes(value, "x")
+
+
+def test_missing_plan_file_is_a_config_error(tmp_path):
+    with pytest.raises(RatelConfigError, match="plan"):
+        RatelStrategy(ssd_paths=[str(tmp_path)], plan=str(tmp_path / "nope.json"))
+
+
+def test_device_memory_limit_needs_no_gpu_to_parse(tmp_path):
+    strategy = RatelStrategy(ssd_paths=[str(tmp_path)], device_memory_limit="24GiB", host_memory_limit="2GiB")
+    assert strategy.device_memory_limit == 24 << 30 and strategy.host_memory_limit == 2 << 30
+    assert torch.device("cpu") == strategy.root_device
