@@ -311,13 +311,14 @@ class RatelEngine:
         if requested != "auto":
             return requested
         cache_bytes = sum(u.nbytes for u in self.units.values())
-        available = available_host_memory()
-        choice = "ssd" if available and cache_bytes > available // 2 else "host"
+        limit = self.config.host_memory_limit
+        budget = limit if limit is not None else available_host_memory()
+        choice = "ssd" if budget and cache_bytes > budget // 2 else "host"
         if choice == "ssd":
+            what = "host_memory_limit" if limit is not None else "the available host memory"
             rank_zero_info(
                 f"RatelStrategy: the compute copies of the parameters ({_gib(cache_bytes)}) would take more than half "
-                f"of the available host memory ({_gib(available)}); they are read from the swap files on every use "
-                "(param_cache='ssd')."
+                f"of {what} ({_gib(budget)}); they are read from the swap files on every use (param_cache='ssd')."
             )
         return choice
 

@@ -93,8 +93,8 @@ class RatelStrategy(SingleDeviceStrategy):
         param_cache: where the compute copies of the parameters live between uses: ``"host"`` (a host-memory cache,
             2 or 4 bytes per parameter), ``"ssd"`` (read from the swap files on every use, so host memory holds only
             the blocks in flight; costs one read of the model per forward and per backward) or ``"auto"`` (``"ssd"``
-            when the cache would take more than half of the available host memory). Fitting only; evaluation runs
-            keep them in host memory.
+            when the cache would take more than half of ``host_memory_limit``, or of the available host memory).
+            Fitting only; evaluation runs keep them in host memory.
         param_init_fn: initializes one module whose parameters or buffers were on the meta device; called with the
             module after its tensors got (uninitialized) host memory. ``None`` calls ``module.reset_parameters()``.
             Build the model under ``torch.device("meta")`` to train a model larger than host memory: each block is

@@ -128,6 +128,15 @@ def test_auto_reads_from_ssd_and_leaves_placeholders_when_memory_is_short(
     assert os.listdir(tmp_path) == []
 
 
+def test_auto_follows_host_memory_limit(tmp_path: Path) -> None:
+    inspect = _Inspect()
+    strategy = RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy="host", host_memory_limit=64 * 1024)
+    ref = _fit("auto", LM("llama"))
+    got = _fit(strategy, LM("llama"), callbacks=[inspect])
+    _compare(ref, got, 1e-5)
+    assert inspect.seen["param_cache"] == "ssd"
+
+
 def test_checkpointing_refused_before_training_when_states_do_not_fit(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -153,7 +162,7 @@ def test_checkpointing_refused_before_training_when_states_do_not_fit(
 def test_gradient_buffers_follow_the_shards_in_flight(tmp_path: Path) -> None:
     inspect = _Inspect()
     ref = _fit("auto", LM("llama16"))
-    got = _fit(RatelStrategy(ssd_paths=[str(tmp_path)]), LM("llama16"), callbacks=[inspect])
+    got = _fit(RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy="host"), LM("llama16"), callbacks=[inspect])
     _compare(ref, got, 1e-5)
     # Updates overlap backward, so buffers are given back and reused: a few shards' worth, not the model's.
     shard_bytes = inspect.seen["shard_bytes"]
