@@ -2,6 +2,11 @@
 
 The Lightning adapters call into this class at a handful of points (setup, start of a micro-batch, the boundary
 optimizer step, backward, checkpointing, teardown); everything that moves data lives in :mod:`lightning_ratel.runtime`.
+
+Host memory is bounded by blocks, not by the model, wherever the model's states may exceed it: parameters on the meta
+device are materialized and initialized one block at a time and go straight to the swap store, compute copies can be
+read from the store on every use instead of a host cache (``param_cache="ssd"``), gradient buffers come from a pool
+sized by the shards in flight, and nothing larger than comfortably fits is gathered back into host memory.
 """
 
 from __future__ import annotations
@@ -11,14 +16,14 @@ import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
-from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_ratel.blocks import Block, BlockSpec, discover_blocks
-from lightning_ratel.errors import RatelConfigError
+from lightning_ratel.errors import RatelConfigError, RatelPlanError
 from lightning_ratel.plan.profile import HardwareProfile, LayerProfile, OpProfile
 from lightning_ratel.plan.search import Plan, search
 from lightning_ratel.runtime import gds
@@ -28,12 +33,18 @@ from lightning_ratel.runtime.optimizer import CpuAdam, GroupHyper, Shard, ShardP
 from lightning_ratel.runtime.probe import available_host_memory, measure_hardware
 from lightning_ratel.runtime.pager import ParameterPager, ParamSlot, Unit
 from lightning_ratel.runtime.recompute import INPUT, ForwardRecord, OpTracker
-from lightning_ratel.runtime.storage import TensorStore, aligned_empty
+from lightning_ratel.runtime.storage import ALIGNMENT, TensorStore, aligned_empty
 
 ActivationPolicy = str | dict[str, str]
+ParamInitFn = Callable[[nn.Module], None]
 SUPPORTED_OPTIMIZERS = (torch.optim.AdamW, torch.optim.Adam)
 # Block-level policy names a user may give; "keep" is the older name of "device".
 POLICIES = ("keep", *TIERS)
+ParamCache = Literal["auto", "host", "ssd"]
+PARAM_CACHES: tuple[ParamCache, ...] = ("auto", "host", "ssd")
+# Gradient bytes backward may hold, in largest-shard buffers, before it waits for pending updates to free some: the
+# shard being updated, one waiting for its turn, and the ones backward is filling.
+GRAD_BUDGET_SHARDS = 4
 
 
 @dataclass
@@ -48,6 +59,8 @@ class EngineConfig:
     name: str = "ratel"
     host_memory_limit: int | None = None
     device_memory_limit: int | None = None
+    param_cache: ParamCache = "auto"
+    param_init_fn: ParamInitFn | None = None
 
 
 def resolve_policies(blocks: Sequence[Block], policy: ActivationPolicy) -> list[Placement]:
@@ -140,8 +153,17 @@ class RatelEngine:
         self._orig_dtype = {id(p): p.dtype for _, p in module.named_parameters()}
         groups = self._optimizer_groups(optimizer)
         self.units, block_units = self._build_units(groups)
+        # Parameters still on the meta device: materialized and initialized block by block while loading.
+        self._meta = {id(p) for unit in self.units.values() for p in (s.param for s in unit.slots) if p.is_meta}
+        self._was_meta = set(self._meta)
+        self._check_materializable()
+        self.param_cache = self._resolve_param_cache(config.param_cache, optimizer is not None)
+        if self.param_cache == "host":
+            for unit in self.units.values():
+                unit.host = {d: self.device.host_empty(n, d) for d, n in unit.numels.items()}
         self.shards: list[Shard] = []
         self.frozen_shards: list[Shard] = []
+        self._unit_shards: dict[int, list[Shard]] = {}
         self.store: TensorStore | None = None
         self.adam: CpuAdam | None = None
         self._originals: dict[int, torch.Tensor] = {}
@@ -150,13 +172,22 @@ class RatelEngine:
             self._build_shards(groups)
             self.store = TensorStore(config.ssd_paths, name=config.name, keep_files=config.keep_swap_files)
             try:
-                self._write_masters()
-                self.adam = CpuAdam(self.shards, self.store, clock=time.perf_counter)
+                self._load_units()
+                largest = max((s.numel for s in self.shards), default=0)
+                self.adam = CpuAdam(self.shards, self.store, clock=time.perf_counter,
+                                    compute_on_store=self.param_cache == "ssd",
+                                    grad_budget_bytes=GRAD_BUDGET_SHARDS * largest * 4)
                 self.adam.timeline = self.timeline
             except BaseException:
+                self._unmaterialize()
                 self.store.close()
                 raise
         else:
+            try:
+                self._load_units()
+            except BaseException:
+                self._unmaterialize()
+                raise
             # Evaluation only: the original tensors are the masters, kept in host memory to restore at teardown.
             self._originals = {id(p): p.data for unit in self.units.values() for p in (s.param for s in unit.slots)}
         self.pager = ParameterPager(
@@ -165,6 +196,7 @@ class RatelEngine:
             block_units,
             wait_ready=self._wait_unit,
             is_ready=self.adam.unit_ready if self.adam else (lambda u: True),
+            read_unit=self._read_unit if self.param_cache == "ssd" else None,
         )
         self.cache = ActivationCache(self.device, self.pager, self.placements, self._activation_store,
                                      self._enter_backward)
@@ -249,24 +281,51 @@ class RatelEngine:
             )
             offsets: dict[torch.dtype, int] = {}
             slots = []
+            run = None
             for i in order:
                 p = params[i]
                 d = dtypes[id(p)]
-                slots.append(ParamSlot(self._names[id(p)], p, d, offsets.get(d, 0), p.numel(), p.shape))
-                offsets[d] = offsets.get(d, 0) + p.numel()
-            host = {d: self.device.host_empty(n, d) for d, n in offsets.items()}
-            for slot in slots:
-                host[slot.dtype][slot.offset : slot.offset + slot.numel].copy_(slot.param.data.reshape(-1))
-            units[b] = Unit(b, slots, host)
+                start = offsets.get(d, 0)
+                if (d, self._group_of(p, groups)) != run:
+                    # Each shard starts on a 4096-byte boundary, so the store reads it straight into the flat buffer.
+                    run = (d, self._group_of(p, groups))
+                    start = -(-start * d.itemsize // ALIGNMENT) * ALIGNMENT // d.itemsize
+                slots.append(ParamSlot(self._names[id(p)], p, d, start, p.numel(), p.shape))
+                offsets[d] = start + p.numel()
+            units[b] = Unit(b, slots, offsets)
         block_units = [sorted({owner[id(p)] for p in block.uses}) for block in self.blocks]
         return units, block_units
+
+    @staticmethod
+    def _group_of(p: nn.Parameter, groups: dict[int, tuple[int, int]]) -> int:
+        """The parameter's optimizer group, -1 when the optimizer does not hold it."""
+        return groups[id(p)][0] if id(p) in groups else -1
+
+    def _resolve_param_cache(self, requested: ParamCache, fitting: bool) -> ParamCache:
+        """``"host"`` or ``"ssd"``: where the compute copies live between uses."""
+        if requested not in PARAM_CACHES:
+            raise RatelConfigError(f"param_cache must be one of {', '.join(PARAM_CACHES)}, got {requested!r}")
+        if not fitting:
+            # Without an optimizer there is no swap store; the original tensors are the values.
+            return "host"
+        if requested != "auto":
+            return requested
+        cache_bytes = sum(u.nbytes for u in self.units.values())
+        available = available_host_memory()
+        choice = "ssd" if available and cache_bytes > available // 2 else "host"
+        if choice == "ssd":
+            rank_zero_info(
+                f"RatelStrategy: the compute copies of the parameters ({_gib(cache_bytes)}) would take more than half "
+                f"of the available host memory ({_gib(available)}); they are read from the swap files on every use "
+                "(param_cache='ssd')."
+            )
+        return choice
 
     def _build_shards(self, groups: dict[int, tuple[int, int]]) -> None:
         for unit in self.units.values():
             runs: dict[tuple[torch.dtype, int], list[ParamSlot]] = {}
             for slot in unit.slots:
-                g = groups[id(slot.param)][0] if id(slot.param) in groups else -1
-                runs.setdefault((slot.dtype, g), []).append(slot)
+                runs.setdefault((slot.dtype, self._group_of(slot.param, groups)), []).append(slot)
             for (dtype, g), slots in runs.items():
                 params = []
                 offset = 0
@@ -276,35 +335,98 @@ class RatelEngine:
                     offset += slot.numel
                 shard = Shard(len(self.shards) + len(self.frozen_shards), unit, g, dtype, slots[0].offset, params,
                               offset)
-                if g >= 0:
-                    shard.grad = torch.zeros(offset, dtype=torch.float32)
-                    self.shards.append(shard)
-                else:
-                    self.frozen_shards.append(shard)
+                (self.shards if g >= 0 else self.frozen_shards).append(shard)
+                self._unit_shards.setdefault(unit.index, []).append(shard)
 
-    def _write_masters(self) -> None:
-        """Put every parameter's fp32 master into the store; moments start as zeros without a write."""
+    def _check_materializable(self) -> None:
+        """Fail before anything is allocated if parameters on the meta device cannot be initialized block by block."""
+        if not self._meta:
+            return
+        unit_of = {id(s.param): u.index for u in self.units.values() for s in u.slots}
+        for name, m in self.module.named_modules():
+            direct = [p for p in m.parameters(recurse=False)]
+            if not any(id(p) in self._meta for p in direct) and not any(b.is_meta for b in m.buffers(recurse=False)):
+                continue
+            if self.config.param_init_fn is None and not callable(getattr(m, "reset_parameters", None)):
+                raise RatelConfigError(
+                    f"the model is on the meta device and module {name!r} ({type(m).__name__}) has no "
+                    "reset_parameters(); pass RatelStrategy(param_init_fn=...) to initialize each module"
+                )
+            if len({unit_of[id(p)] for p in direct}) > 1:
+                raise RatelConfigError(
+                    f"module {name!r} is on the meta device and holds parameters owned by different blocks (tied "
+                    "weights); it cannot be initialized one block at a time. Build it off the meta device."
+                )
+
+    def _materialize(self, modules: Sequence[nn.Module]) -> None:
+        """Give the meta parameters and buffers of ``modules`` host memory and initialize them, module by module."""
+        init = self.config.param_init_fn or _reset_parameters
+        for m in modules:
+            params = [p for p in m.parameters(recurse=False) if id(p) in self._meta]
+            buffers = [n for n, b in m.named_buffers(recurse=False) if b.is_meta]
+            if not params and not buffers:
+                continue
+            for p in params:
+                # Swapped in place, so the optimizer's and the blocks' references stay the same objects.
+                torch.utils.swap_tensors(p, nn.Parameter(torch.empty(p.shape, dtype=p.dtype), p.requires_grad))
+                self._meta.discard(id(p))
+            for n in buffers:
+                m._buffers[n] = torch.empty_like(m._buffers[n], device="cpu")
+            init(m)
+            for n in buffers:
+                m._buffers[n] = m._buffers[n].to(self.device.device)
+
+    def _load_units(self) -> None:
+        """Materialize meta parameters, fill the host cache and write masters (and stored compute copies).
+
+        Block by block: a parameter that was on the meta device holds host memory only until its unit is written,
+        so the whole model never has to fit in host memory. Moments start as zeros without a write.
+        """
+        store = self.store
+        if store is not None:
+            for shard in self.shards:
+                for what in ("master", "exp_avg", "exp_avg_sq"):
+                    store.reserve(shard.key(what), shard.numel * 4)
+            for shard in self.shards + self.frozen_shards:
+                store.reserve(shard.key("master"), shard.numel * 4)
+                if self.param_cache == "ssd" and shard.dtype != torch.float32:
+                    store.reserve(shard.compute_key, shard.numel * shard.dtype.itemsize)
+            store.preallocate()
+        writer = _ShardWriter(store, self.shards + self.frozen_shards, self.param_cache == "ssd")
+        try:
+            for block in self.blocks:
+                materialized = set(self._meta)
+                self._materialize([block.module] if block.direct_only else list(block.module.modules()))
+                unit = self.units.get(block.index)
+                if unit is None:
+                    continue
+                if unit.host:
+                    for slot in unit.slots:
+                        unit.host[slot.dtype][slot.offset : slot.offset + slot.numel].copy_(slot.param.data.reshape(-1))
+                for shard in self._unit_shards.get(unit.index, ()):
+                    writer.write(shard)
+                if store is not None:
+                    for slot in unit.slots:
+                        if id(slot.param) in materialized:
+                            slot.param.data = _nan_placeholder(slot.param)
+            # Buffers of modules outside every block (rotary tables, masks).
+            self._materialize(list(self.module.modules()))
+        finally:
+            writer.finish()
+
+    def _unmaterialize(self) -> None:
+        """Put parameters that came on the meta device back there after a failed setup, so a retry initializes them
+        again instead of training from whatever they hold."""
+        for unit in self.units.values():
+            for slot in unit.slots:
+                p = slot.param
+                if id(p) in self._was_meta and not p.is_meta:
+                    torch.utils.swap_tensors(
+                        p, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), p.requires_grad))
+
+    def _read_unit(self, unit: Unit, flats: dict[torch.dtype, torch.Tensor]) -> list[Any]:
         assert self.store is not None
-        for shard in self.shards:
-            for what in ("master", "exp_avg", "exp_avg_sq"):
-                self.store.reserve(shard.key(what), shard.numel * 4)
-        for shard in self.frozen_shards:
-            self.store.reserve(shard.key("master"), shard.numel * 4)
-        self.store.preallocate()
-        largest = max(s.numel for s in self.shards + self.frozen_shards)
-        staging = [aligned_empty(largest, torch.float32) for _ in range(2)]
-        pending: list[Any] = [None, None]
-        for i, shard in enumerate(self.shards + self.frozen_shards):
-            k = i % 2
-            if pending[k] is not None:
-                pending[k].result()
-            buf = staging[k][: shard.numel]
-            for sp in shard.params:
-                buf[sp.offset : sp.offset + sp.numel].copy_(sp.param.data.reshape(-1))
-            pending[k] = self.store.write(shard.key("master"), buf)
-        for f in pending:
-            if f is not None:
-                f.result()
+        return [self.store.read(s.compute_key, s.compute_view(flats[s.dtype])) for s in self._unit_shards[unit.index]]
 
     def _activation_store(self) -> TensorStore:
         """The swap store for ``ssd``-tier activations: device-direct through kvikio where it is installed, works
@@ -532,9 +654,7 @@ class RatelEngine:
         if not plan.overlap:
             self.adam.barrier()
             if loss_scale is not None and not self._unscale(shards, loss_scale):
-                for shard in shards:
-                    for sp in shard.params:
-                        sp.has_grad = False
+                self.adam.discard(shards)
                 return False
             self._apply_clip(shards)
         self.adam.expect(shards)
@@ -549,7 +669,8 @@ class RatelEngine:
     def _unscale(self, shards: list[Shard], loss_scale: torch.Tensor) -> bool:
         found_inf = torch.zeros(1)
         inv_scale = loss_scale.double().reciprocal().float()
-        torch._amp_foreach_non_finite_check_and_unscale_([s.grad for s in shards], found_inf, inv_scale)
+        # Only the gradients that arrived: the rest of a pooled buffer holds whatever its last user left there.
+        torch._amp_foreach_non_finite_check_and_unscale_(self._ordered_grads(shards), found_inf, inv_scale)
         return found_inf.item() == 0
 
     def _apply_clip(self, shards: list[Shard]) -> None:
@@ -724,8 +845,27 @@ class RatelEngine:
                 values[id(sp.param)] = sp.grad_view(flat).to(self._orig_dtype[id(sp.param)]).clone()
         return values
 
+    @property
+    def param_nbytes(self) -> int:
+        """Bytes of every parameter in its original dtype: what the module's full state takes in host memory."""
+        return sum(s.numel * self._orig_dtype[id(s.param)].itemsize for u in self.units.values() for s in u.slots)
+
+    def _ensure_fits(self, nbytes: int, what: str) -> None:
+        available = available_host_memory()
+        if self.adam is not None and available and nbytes > available:
+            raise RatelPlanError(
+                f"RatelStrategy: {what} needs {_gib(nbytes)} of host memory and only {_gib(available)} is available. "
+                "A model whose states exceed host memory can be trained but not gathered: train without checkpoints "
+                "(Trainer(enable_checkpointing=False)) or on a machine with more memory."
+            )
+
     def state_dict(self) -> dict[str, Any]:
-        """The module's state_dict with full-precision parameter values (as plain training would save)."""
+        """The module's state_dict with full-precision parameter values (as plain training would save).
+
+        Raises:
+            RatelPlanError: the parameters do not fit in the host memory available now.
+        """
+        self._ensure_fits(self.param_nbytes, "gathering the parameters")
         masters = self._masters()
         state = self.module.state_dict()
         for name, p in self.module.named_parameters(remove_duplicate=False):
@@ -734,8 +874,13 @@ class RatelEngine:
         return state
 
     def optimizer_state_dict(self) -> dict[str, Any]:
-        """The optimizer's state in ``torch.optim.AdamW``'s own format, so a plain run can load it."""
+        """The optimizer's state in ``torch.optim.AdamW``'s own format, so a plain run can load it.
+
+        Raises:
+            RatelPlanError: the Adam moments do not fit in the host memory available now.
+        """
         assert self.optimizer is not None
+        self._ensure_fits(sum(s.numel for s in self.shards if s.moments_on_store) * 8, "gathering the Adam moments")
         self.synchronize()
         result = self.optimizer.state_dict()
         state: dict[int, dict[str, torch.Tensor]] = {}
@@ -778,8 +923,10 @@ class RatelEngine:
 
     def byte_placement(self) -> dict[str, int]:
         """Bytes the engine holds right now on the device, in host memory and on disk."""
-        host = sum(u.nbytes for u in self.units.values()) + self.cache.host_bytes_in_use
-        host += sum(s.grad.numel() * 4 for s in self.shards)
+        host = sum(u.host_nbytes for u in self.units.values()) + self.cache.host_bytes_in_use
+        pool = self.pager.pool
+        # On CPU the pool's buffers in use are the resident compute copies, counted as the device's.
+        host += pool.nbytes if self.device.is_cuda else pool.nbytes - pool.nbytes_in_use
         if self.adam is not None:
             host += self.adam.host_buffer_bytes
         host += sum(t.numel() * t.element_size() for t in self._originals.values())
@@ -826,23 +973,45 @@ class RatelEngine:
 
     def _unplace_leftovers(self) -> None:
         """Give each parameter that still holds a paging placeholder (restore skipped or failed) an ordinary tensor:
-        its last compute copy from the host cache. Its value may be mid-step, but the module can load a checkpoint."""
+        its last compute copy from the host cache. Its value may be mid-step, but the module can load a checkpoint.
+        Without a host cache it gets a host-memory NaN placeholder, which costs no memory."""
         placeholders = {t.data_ptr() for t in self.pager._placeholders.values()}
         for unit in self.units.values():
             for slot in unit.slots:
-                if slot.param.data_ptr() in placeholders:
+                if slot.param.data_ptr() not in placeholders:
+                    continue
+                if unit.host:
                     copy = unit.host[slot.dtype][slot.offset : slot.offset + slot.numel].view(slot.shape)
                     slot.param.data = copy.to(self._orig_dtype[id(slot.param)]).clone()
+                else:
+                    slot.param.data = _nan_placeholder(slot.param, self._orig_dtype[id(slot.param)])
 
     def _restore(self) -> None:
-        masters = self._masters()
-        for unit in self.units.values():
-            for slot in unit.slots:
-                slot.param.data = masters[id(slot.param)].view(slot.shape)
-        if self.optimizer is None:
+        if self.adam is None:
+            for unit in self.units.values():
+                for slot in unit.slots:
+                    slot.param.data = self._originals[id(slot.param)].view(slot.shape)
             return
+        if not _fits_comfortably(self.param_nbytes):
+            rank_zero_warn(
+                f"RatelStrategy: the trained parameters ({_gib(self.param_nbytes)}) are not copied back into the "
+                "module after training because they would not fit comfortably in host memory; its parameters are "
+                "NaN placeholders now. Checkpoints saved during training hold the values."
+            )
+            for unit in self.units.values():
+                for slot in unit.slots:
+                    slot.param.data = _nan_placeholder(slot.param, self._orig_dtype[id(slot.param)])
+            return
+        # Training is over: the buffers for paging and updates are not needed for what comes next.
+        self.adam.release_memory()
+        self.pager.pool.clear()
+        # Shard by shard, so host memory holds the parameters plus one shard, not two copies of the model.
+        for shard in self.shards + self.frozen_shards:
+            flat = self._read_flat(shard, "master")
+            for sp in shard.params:
+                sp.param.data = sp.grad_view(flat).to(self._orig_dtype[id(sp.param)]).clone()
         needed = sum(s.numel for s in self.shards) * 8
-        if needed > available_host_memory() // 2:
+        if not _fits_comfortably(needed):
             rank_zero_warn(
                 f"RatelStrategy: the optimizer state ({needed / 2**30:.1f} GiB) is not copied back into the optimizer "
                 "after training because it would not fit comfortably in host memory; the last checkpoint holds it."
@@ -881,4 +1050,91 @@ def _disable_kv_cache(module: nn.Module) -> list[Any]:
     return changed
 
 
+def _fits_comfortably(nbytes: int) -> bool:
+    """Whether ``nbytes`` take at most half of the available host memory (assumed when it is unknown)."""
+    available = available_host_memory()
+    return not available or nbytes <= available // 2
 
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.1f} GiB"
+
+
+def _reset_parameters(module: nn.Module) -> None:
+    """Lightning's convention for materializing a module from the meta device."""
+    module.reset_parameters()  # type: ignore[operator]
+
+
+def _nan_placeholder(param: nn.Parameter, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A host tensor of ``param``'s shape that costs no memory (one NaN, expanded) and reads as NaN if used."""
+    return torch.full((), float("nan"), dtype=dtype or param.dtype).expand(param.shape)
+
+
+def ensure_checkpoint_fits(module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse a run whose checkpoints cannot be gathered in host memory.
+
+    A checkpoint holds every parameter in its dtype and two fp32 Adam moments per parameter the optimizer holds, all
+    in host memory at once (Lightning's checkpoint format).
+
+    Raises:
+        RatelPlanError: that is more than the host memory available now.
+    """
+    params = sum(p.numel() * p.dtype.itemsize for p in module.parameters())
+    needed = params + 8 * sum(p.numel() for g in optimizer.param_groups for p in g["params"])
+    available = available_host_memory()
+    if available and needed > available:
+        raise RatelPlanError(
+            f"RatelStrategy: a checkpoint of this model gathers its parameters and Adam moments in host memory "
+            f"({_gib(needed)}), more than the {_gib(available)} available. Train without checkpoints "
+            "(Trainer(enable_checkpointing=False)) or on a machine with more memory."
+        )
+
+
+class _ShardWriter:
+    """Writes shards' fp32 masters (and, when the pager reads them from the store, 16-bit compute copies) from the
+    parameters' current values, through two staging buffer sets so one fills while the other is written.
+
+    Args:
+        store: the swap store; ``None`` writes nothing.
+        shards: every shard that will be written (sizes the staging buffers).
+        compute_copies: also write each 16-bit shard's compute copy.
+    """
+
+    def __init__(self, store: TensorStore | None, shards: list[Shard], compute_copies: bool) -> None:
+        self.store = store
+        self.compute_copies = compute_copies
+        largest = max((s.numel for s in shards), default=0) if store is not None else 0
+        half = max((s.numel * s.dtype.itemsize for s in shards if s.dtype != torch.float32), default=0)
+        half = -(-half // ALIGNMENT) * ALIGNMENT if compute_copies and store is not None else 0
+        self._staging = [
+            (aligned_empty(largest, torch.float32), aligned_empty(half, torch.uint8) if half else None)
+            for _ in range(2 if store is not None else 0)
+        ]
+        self._pending: list[list[Any]] = [[], []]
+        self._count = 0
+
+    def write(self, shard: Shard) -> None:
+        if self.store is None:
+            return
+        k = self._count % 2
+        self._count += 1
+        for future in self._pending[k]:
+            future.result()
+        master_buf, half_buf = self._staging[k]
+        buf = master_buf[: shard.numel]
+        for sp in shard.params:
+            buf[sp.offset : sp.offset + sp.numel].copy_(sp.param.data.reshape(-1))
+        futures = [self.store.write(shard.key("master"), buf)]
+        if self.compute_copies and shard.dtype != torch.float32:
+            assert half_buf is not None
+            copy = half_buf.view(shard.dtype)[: shard.numel]
+            copy.copy_(buf)
+            futures.append(self.store.write(shard.compute_key, copy))
+        self._pending[k] = futures
+
+    def finish(self) -> None:
+        """Wait for every write (raising the first error)."""
+        pending, self._pending = self._pending, [[], []]
+        for futures in pending:
+            for future in futures:
+                future.result()

@@ -6,6 +6,7 @@ fit/validate/test/predict run, and forwards Lightning's events to it. It never m
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -24,8 +25,17 @@ from torch import nn
 from typing_extensions import override
 
 import lightning.pytorch as pl
-from lightning_ratel.engine import POLICIES, ActivationPolicy, EngineConfig, RatelEngine
 from lightning_ratel.callbacks import RatelProfiler
+from lightning_ratel.engine import (
+    PARAM_CACHES,
+    POLICIES,
+    ActivationPolicy,
+    EngineConfig,
+    ParamCache,
+    ParamInitFn,
+    RatelEngine,
+    ensure_checkpoint_fits,
+)
 from lightning_ratel.errors import RatelConfigError
 from lightning_ratel.plan.search import Plan
 from lightning_ratel.precision import RatelPrecision
@@ -80,6 +90,15 @@ class RatelStrategy(SingleDeviceStrategy):
             ``None`` detects them (a transformers model's decoder layers, or the largest ``nn.ModuleList``).
         accelerator: the accelerator; normally set by the Trainer.
         checkpoint_io: how checkpoints are written; normally set by the Trainer.
+        param_cache: where the compute copies of the parameters live between uses: ``"host"`` (a host-memory cache,
+            2 or 4 bytes per parameter), ``"ssd"`` (read from the swap files on every use, so host memory holds only
+            the blocks in flight; costs one read of the model per forward and per backward) or ``"auto"`` (``"ssd"``
+            when the cache would take more than half of the available host memory). Fitting only; evaluation runs
+            keep them in host memory.
+        param_init_fn: initializes one module whose parameters or buffers were on the meta device; called with the
+            module after its tensors got (uninitialized) host memory. ``None`` calls ``module.reset_parameters()``.
+            Build the model under ``torch.device("meta")`` to train a model larger than host memory: each block is
+            materialized, initialized and written to the swap files in turn.
     """
 
     strategy_name = "ratel"
@@ -96,6 +115,8 @@ class RatelStrategy(SingleDeviceStrategy):
         blocks: list[str] | Callable[[nn.Module], list[str]] | None = None,
         accelerator: Accelerator | None = None,
         checkpoint_io: CheckpointIO | None = None,
+        param_cache: ParamCache = "auto",
+        param_init_fn: ParamInitFn | None = None,
     ) -> None:
         super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io)
         if isinstance(ssd_paths, (str, os.PathLike)):
@@ -117,11 +138,17 @@ class RatelStrategy(SingleDeviceStrategy):
         self.plan = plan
         self.host_memory_limit = parse_bytes(host_memory_limit, "host_memory_limit")
         self.device_memory_limit = parse_bytes(device_memory_limit, "device_memory_limit")
+        if param_cache not in PARAM_CACHES:
+            raise RatelConfigError(f"`param_cache` must be one of {PARAM_CACHES}, got {param_cache!r}")
+        if param_init_fn is not None and not callable(param_init_fn):
+            raise RatelConfigError(f"`param_init_fn` must be callable, got {type(param_init_fn).__name__}")
         self.ssd_paths = [os.fspath(p) for p in ssd_paths] if ssd_paths is not None else None
         self.prefetch_depth = prefetch_depth
         self.keep_swap_files = keep_swap_files
         self.activation_policy: ActivationPolicy | None = activation_policy
         self.blocks = blocks
+        self.param_cache: ParamCache = param_cache
+        self.param_init_fn = param_init_fn
         self._engine: RatelEngine | None = None
         self._exception: BaseException | None = None
         self._failure: BaseException | None = None
@@ -171,11 +198,12 @@ class RatelStrategy(SingleDeviceStrategy):
 
     @override
     def model_to_device(self) -> None:
-        # Parameters are paged by the engine; only buffers (masks, rotary tables) live on the device for good.
+        # Parameters are paged by the engine; only buffers (masks, rotary tables) live on the device for good. Buffers
+        # on the meta device are the engine's to materialize.
         assert self.model is not None
         for module in self.model.modules():
             for name, buf in module._buffers.items():
-                if buf is not None:
+                if buf is not None and not buf.is_meta:
                     module._buffers[name] = buf.to(self.root_device)
         self.lightning_module._device = self.root_device  # type: ignore[union-attr]
 
@@ -192,6 +220,9 @@ class RatelStrategy(SingleDeviceStrategy):
             if len(self.optimizers) != 1:
                 raise RatelConfigError(f"RatelStrategy supports one optimizer, got {len(self.optimizers)}")
             optimizer = self.optimizers[0]
+            if trainer.checkpoint_callbacks:
+                # Refused now rather than at the first save, after hours of training.
+                ensure_checkpoint_fits(module, optimizer)
         self.model_to_device()
         ssd_paths = self.ssd_paths
         if ssd_paths is None:
@@ -206,6 +237,8 @@ class RatelStrategy(SingleDeviceStrategy):
             blocks=self.blocks,
             host_memory_limit=self.host_memory_limit,
             device_memory_limit=self.device_memory_limit,
+            param_cache=self.param_cache,
+            param_init_fn=self.param_init_fn,
         )
         if self.device_memory_limit is not None and self.root_device.type == "cuda":
             total = torch.cuda.get_device_properties(self.root_device).total_memory
@@ -299,7 +332,18 @@ class RatelStrategy(SingleDeviceStrategy):
                     raise
                 # Do not hide the error that stopped training; the last checkpoint holds the state.
                 rank_zero_warn(f"RatelStrategy could not restore the parameters after {self._exception!r}: {err!r}")
-        super().teardown()
+        module = self.lightning_module
+        if module is None or not any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers())):
+            super().teardown()
+            return
+        # Setup failed before the model left the meta device. Lightning's teardown moves the module to the CPU, which
+        # a meta tensor cannot do: move the rest here and let it tear down everything else.
+        module._apply(lambda t: t if t.is_meta else t.cpu())
+        self._lightning_module = None
+        try:
+            super().teardown()
+        finally:
+            self._lightning_module = module
 
     @classmethod
     @override

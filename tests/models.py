@@ -44,7 +44,8 @@ class MLP(nn.Module):
         return type("Out", (), {"loss": loss})()
 
 
-MODELS = {"llama": tiny_llama, "llama8": lambda: tiny_llama(8), "gpt2": tiny_gpt2, "mlp": MLP}
+MODELS = {"llama": tiny_llama, "llama8": lambda: tiny_llama(8), "llama16": lambda: tiny_llama(16), "gpt2": tiny_gpt2,
+          "mlp": MLP}
 
 
 class LM(L.LightningModule):

@@ -66,6 +66,8 @@ def store_opens(directory: Path) -> bool:
         ({"prefetch_depth": 1.5}, "prefetch_depth"),
         ({"activation_policy": "disk"}, "activation_policy"),
         ({"activation_policy": {"*layers.0": "ssd", "*": "gpu"}}, "activation_policy"),
+        ({"param_cache": "disk"}, "param_cache"),
+        ({"param_init_fn": "normal"}, "param_init_fn"),
     ],
 )
 def test_bad_settings_rejected_at_construction(kwargs: dict[str, Any], words: str) -> None:

@@ -1,14 +1,18 @@
 """The out-of-core CPU AdamW pipeline.
 
 Optimizer state is kept per *shard*: the parameters of one unit (block) that share a parameter group and a compute
-dtype, so a shard's 16-bit copies are one contiguous range of the unit's host cache and its fp32 master, ``exp_avg``
-and ``exp_avg_sq`` are three flat tensors in the swap store.
+dtype, so a shard's 16-bit copies are one contiguous range of the unit's compute copies and its fp32 master,
+``exp_avg`` and ``exp_avg_sq`` are three flat tensors in the swap store.
 
-Gradients reach a single worker thread in the order backward produces them. The worker accumulates them into the
-shard's host fp32 buffer; when a shard's last gradient of the boundary micro-batch arrives (and nothing global such
-as a norm is still unknown) it runs the shard's update: read master and moments from the store (issued ahead while
-the previous shard computes), AdamW in place, write the new compute copy into the host cache (the next forward may
-page the block in from then on), write master and moments back (finishing while the next shard computes).
+Gradients reach a single worker thread in the order backward produces them. The worker accumulates them into a host
+fp32 buffer that the shard takes from a pool with its first gradient and gives back after its update, so gradient
+memory follows the shards in flight rather than the model. When a shard's last gradient of the boundary micro-batch
+arrives (and nothing global such as a norm is still unknown) it runs the shard's update: read master and moments
+from the store (issued ahead while the previous shard computes), AdamW in place, write the new compute copy where the
+pager reads it (the host cache, or the store; the next forward may page the block in from then on), write master and
+moments back (finishing while the next shard computes). While the gradients held exceed a budget and the worker has
+work that will release some, the thread handing gradients over waits, so backward cannot run arbitrarily far ahead
+of the optimizer.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ from torch import nn
 
 from lightning_ratel import ops
 from lightning_ratel.runtime.pager import Unit
-from lightning_ratel.runtime.storage import TensorStore, aligned_empty
+from lightning_ratel.runtime.pool import BufferPool
+from lightning_ratel.runtime.storage import ALIGNMENT, TensorStore, aligned_empty
 
 
 @dataclass
@@ -59,7 +64,8 @@ class Shard:
     host_offset: int
     params: list[ShardParam]
     numel: int
-    grad: torch.Tensor = field(repr=False, default=None)  # type: ignore[assignment]
+    # Taken from the optimizer's gradient pool with the first gradient of a window, given back after the update.
+    grad: torch.Tensor | None = field(repr=False, default=None)
     arrived: int = 0
     scheduled: bool = False
     # Updates asked for by the training thread vs. finished by the worker; the unit is current when they match.
@@ -72,8 +78,13 @@ class Shard:
         return f"shard{self.index}.{what}"
 
     @property
-    def host_copy(self) -> torch.Tensor:
-        return self.unit.host[self.dtype][self.host_offset : self.host_offset + self.numel]
+    def compute_key(self) -> str:
+        """The store key of the compute copy when it is read from the store: the fp32 master is its own copy."""
+        return self.key("master") if self.dtype == torch.float32 else self.key("compute")
+
+    def compute_view(self, flat: torch.Tensor) -> torch.Tensor:
+        """This shard's range of a flat tensor laid out like its unit's compute copies."""
+        return flat[self.host_offset : self.host_offset + self.numel]
 
 
 @dataclass(frozen=True)
@@ -100,10 +111,18 @@ class StepPlan:
 
 
 class _Buffers:
-    def __init__(self, numel: int) -> None:
+    def __init__(self, numel: int, compute_bytes: int) -> None:
         self.master = aligned_empty(numel, torch.float32)
         self.exp_avg = aligned_empty(numel, torch.float32)
         self.exp_avg_sq = aligned_empty(numel, torch.float32)
+        # The new 16-bit compute copy on its way to the store (only when the pager reads compute copies from there).
+        # Whole pages, so any compute dtype can view it.
+        pages = -(-compute_bytes // ALIGNMENT) * ALIGNMENT
+        self.compute = aligned_empty(pages, torch.uint8) if compute_bytes else None
+
+    @property
+    def nbytes(self) -> int:
+        return 3 * self.master.numel() * 4 + (self.compute.numel() if self.compute is not None else 0)
 
 
 class CpuAdam:
@@ -114,15 +133,28 @@ class CpuAdam:
         store: the swap store holding masters and moments.
         depth: buffer sets in flight (one reading, one computing, one writing back).
         clock: the time source for the recorded timeline.
+        compute_on_store: the pager reads compute copies from the store, so an update writes the new compute copy
+            there (the fp32 master itself for fp32 shards) and a unit is ready only once those writes have landed.
+        grad_budget_bytes: gradient bytes (pooled buffers plus gradients handed over but not yet taken in) above
+            which :meth:`gradient` waits for the worker to release some; ``None`` never waits.
     """
 
     def __init__(self, shards: list[Shard], store: TensorStore, depth: int = 3,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter, compute_on_store: bool = False,
+                 grad_budget_bytes: int | None = None) -> None:
         self.shards = shards
         self.store = store
         self.clock = clock
+        self.compute_on_store = compute_on_store
+        self.grad_budget_bytes = grad_budget_bytes
         largest = max((s.numel for s in shards), default=1)
-        self._free = [_Buffers(largest) for _ in range(depth)]
+        compute_bytes = max(
+            (s.numel * s.dtype.itemsize for s in shards if compute_on_store and s.dtype != torch.float32), default=0)
+        self._free = [_Buffers(largest, compute_bytes) for _ in range(depth)]
+        self._buffer_bytes = sum(b.nbytes for b in self._free)
+        self.grads = BufferPool()
+        self._queued_grad_bytes = 0
+        self._pending_updates = 0
         self._jobs: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._ready: deque[tuple[Shard, StepPlan]] = deque()
         self._inflight: deque[tuple[Shard, StepPlan, _Buffers, list[Future]]] = deque()
@@ -140,11 +172,24 @@ class CpuAdam:
 
     @property
     def host_buffer_bytes(self) -> int:
-        return sum(3 * b.master.numel() * 4 for b in self._free)
+        """Host bytes of the state buffer sets and the gradient pool."""
+        return self._buffer_bytes + self.grads.nbytes
 
     # Called from the autograd thread.
     def gradient(self, shard: Shard, sp: ShardParam, grad: torch.Tensor, event: Any) -> None:
-        """Hand over one parameter's gradient, already on (or travelling to) host memory."""
+        """Hand over one parameter's gradient, already on (or travelling to) host memory.
+
+        Waits first while the gradients held exceed the budget and the worker has something that may release some:
+        pending updates, or gradients not taken in yet (which may complete a shard). Once neither is left nothing would
+        release memory (deferred updates, accumulation), so it goes on over budget rather than wait forever.
+        """
+        nbytes = grad.numel() * grad.element_size()
+        with self._cond:
+            if self.grad_budget_bytes is not None:
+                while ((self._pending_updates or self._queued_grad_bytes) and self._error is None
+                       and self._queued_grad_bytes + self.grads.nbytes_in_use + nbytes > self.grad_budget_bytes):
+                    self._cond.wait()
+            self._queued_grad_bytes += nbytes
         self._jobs.put(("grad", shard, sp, grad, event))
 
     # Called from the training thread.
@@ -155,6 +200,10 @@ class CpuAdam:
     def schedule(self, plan: StepPlan, shards: list[Shard]) -> None:
         """Update ``shards`` under ``plan`` (the ones whose update was not started during backward)."""
         self._jobs.put(("schedule", plan, shards))
+
+    def discard(self, shards: list[Shard]) -> None:
+        """Drop the gradients ``shards`` hold without updating them (a skipped step)."""
+        self._jobs.put(("discard", shards))
 
     def barrier(self, include_writes: bool = False) -> None:
         """Wait until all work handed over so far is done (and, optionally, written back); re-raise its error."""
@@ -172,6 +221,14 @@ class CpuAdam:
         self._jobs.put(("stop",))
         self._worker.join()
 
+    def release_memory(self) -> None:
+        """Free the state buffers and pooled gradient buffers once no more updates will run (before teardown gathers
+        state into host memory). Waits for pending work first."""
+        self.barrier(include_writes=True)
+        self._free.clear()
+        self._buffer_bytes = 0
+        self.grads.clear()
+
     def check(self) -> None:
         if self._error is not None:
             raise self._error
@@ -182,15 +239,26 @@ class CpuAdam:
             for shard in shards:
                 shard.expected += 1
 
-    def unit_ready(self, unit: int) -> bool:
+    def _updated(self, unit: int) -> bool:
         return all(s.done >= s.expected for s in self._unit_shards.get(unit, ()))
+
+    def unit_ready(self, unit: int) -> bool:
+        """Whether every update of ``unit`` asked for so far has put its new compute copy where the pager reads it."""
+        if not self._updated(unit):
+            return False
+        return not self.compute_on_store or all(
+            s.last_write is None or s.last_write.done() for s in self._unit_shards.get(unit, ()))
 
     def wait_unit(self, unit: int) -> None:
         """Block until every update of ``unit`` asked for so far has written its new compute copy."""
         with self._cond:
-            while not self.unit_ready(unit) and self._error is None:
+            while not self._updated(unit) and self._error is None:
                 self._cond.wait()
         self.check()
+        if self.compute_on_store:
+            for shard in self._unit_shards.get(unit, ()):
+                if shard.last_write is not None:
+                    shard.last_write.result()
 
     def _run(self) -> None:
         while True:
@@ -200,6 +268,8 @@ class CpuAdam:
                 return
             try:
                 self._handle(job)
+                # A gradient must not stay alive through the updates below, or while waiting for the next job.
+                del job
                 self._advance()
                 self._resolve_barriers()
             except BaseException as err:  # noqa: BLE001 - handed to the training thread through barrier/check
@@ -221,6 +291,9 @@ class CpuAdam:
         kind = job[0]
         if kind == "grad":
             _, shard, sp, grad, event = job
+            with self._cond:
+                self._queued_grad_bytes -= grad.numel() * grad.element_size()
+                self._cond.notify_all()
             if self._error is not None:
                 return
             event.synchronize()
@@ -230,6 +303,8 @@ class CpuAdam:
                     f"a gradient of {sp.name} arrived after its shard was updated; RatelStrategy expects each "
                     "parameter's gradient once per backward pass"
                 )
+            if shard.grad is None:
+                shard.grad = self.grads.take(shard.numel, torch.float32)
             view = sp.grad_view(shard.grad)
             if sp.has_grad:
                 view.add_(grad)
@@ -253,6 +328,11 @@ class CpuAdam:
             for shard in shards:
                 if not shard.scheduled:
                     self._enqueue(shard, plan)
+        elif kind == "discard":
+            for shard in job[1]:
+                for sp in shard.params:
+                    sp.has_grad = False
+                self._release_grad(shard)
         elif kind == "freed":
             self._free.append(job[1])
             self._writes_pending -= 1
@@ -263,6 +343,13 @@ class CpuAdam:
         shard.scheduled = True
         if any(sp.has_grad for sp in shard.params):
             self._ready.append((shard, plan))
+            with self._cond:
+                self._pending_updates += 1
+
+    def _release_grad(self, shard: Shard) -> None:
+        if shard.grad is not None:
+            self.grads.give(shard.grad)
+            shard.grad = None
 
     def _advance(self) -> None:
         while True:
@@ -296,15 +383,19 @@ class CpuAdam:
             exp_avg.zero_()
             exp_avg_sq.zero_()
         grad = shard.grad
+        assert grad is not None
         if plan.clip_value is not None:
             grad.clamp_(min=-plan.clip_value, max=plan.clip_value)
         hyper = plan.hyper[shard.group]
-        out = shard.host_copy
+        out = self._compute_out(shard, b)
         with_grad = [sp for sp in shard.params if sp.has_grad]
         if len(with_grad) == len(shard.params) and len({sp.step for sp in with_grad}) == 1:
             step = with_grad[0].step + 1
             self._adamw(master, grad, exp_avg, exp_avg_sq, out, hyper, step)
         else:
+            if out is not None and self.compute_on_store:
+                # The whole staging buffer goes to the store: parameters without a gradient keep their copies.
+                out.copy_(master)
             for sp in with_grad:
                 sl = slice(sp.offset, sp.offset + sp.numel)
                 self._adamw(master[sl], grad[sl], exp_avg[sl], exp_avg_sq[sl], out[sl], hyper, sp.step + 1)
@@ -312,15 +403,15 @@ class CpuAdam:
             sp.step += 1
             sp.has_grad = False
         shard.moments_on_store = True
-        with self._cond:
-            shard.done += 1
-            self._cond.notify_all()
+        self._release_grad(shard)
         self.timeline.append((f"update_end:{shard.index}", self.clock()))
         writes = [
             self.store.write(shard.key("master"), master),
             self.store.write(shard.key("exp_avg"), exp_avg),
             self.store.write(shard.key("exp_avg_sq"), exp_avg_sq),
         ]
+        if out is not None and self.compute_on_store:
+            writes.append(self.store.write(shard.compute_key, out))
         self._writes_pending += 1
         done: Future = Future()
         shard.last_write = done
@@ -341,6 +432,21 @@ class CpuAdam:
 
         for w in writes:
             w.add_done_callback(finished)
+        # Only now: a pager reading compute copies from the store waits for ``last_write``, which must be this one.
+        with self._cond:
+            shard.done += 1
+            self._pending_updates -= 1
+            self._cond.notify_all()
+
+    def _compute_out(self, shard: Shard, b: _Buffers) -> torch.Tensor | None:
+        """Where the update writes the shard's new compute copy: the host cache, a staging buffer bound for the
+        store, or nowhere when the pager reads the fp32 master itself."""
+        if not self.compute_on_store:
+            return shard.compute_view(shard.unit.host[shard.dtype])
+        if shard.dtype == torch.float32:
+            return None
+        assert b.compute is not None
+        return b.compute.view(shard.dtype)[: shard.numel]
 
     @staticmethod
     def _adamw(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,

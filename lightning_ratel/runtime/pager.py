@@ -1,8 +1,10 @@
 """Parameter paging: each block's compute copies live in a host cache and visit the device only while used.
 
-A *unit* is the set of parameters owned by one block, laid out as one flat host tensor per compute dtype (pinned on
-CUDA) so a page-in is one copy per dtype. A block may also use parameters owned by another block (tied weights);
-paging it in takes a reference on every unit it uses, so a shared parameter stays resident while any user needs it.
+A *unit* is the set of parameters owned by one block, laid out as one flat tensor per compute dtype so a page-in is
+one copy (or one set of reads) per dtype. The compute copies live either in a host cache (one flat host tensor per
+dtype, pinned on CUDA) or in the swap store, from which every page-in reads them. A block may also use parameters
+owned by another block (tied weights); paging it in takes a reference on every unit it uses, so a shared parameter
+stays resident while any user needs it.
 
 Between uses a parameter's ``.data`` is a zero-stride NaN placeholder of the right shape, dtype and device: shape-
 reading code (model summaries) still works, and any use outside the paged window shows up as NaN at once.
@@ -11,12 +13,17 @@ reading code (model summaries) still works, and any use outside the paged window
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from concurrent.futures import Future, wait
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from lightning_ratel.runtime.device import Device
+from lightning_ratel.runtime.pool import BufferPool
+
+UnitReader = Callable[["Unit", dict[torch.dtype, torch.Tensor]], list[Future]]
+"""Starts reading a unit's compute copies from the swap store into one flat host tensor per dtype."""
 
 
 @dataclass
@@ -33,17 +40,33 @@ class ParamSlot:
 
 @dataclass
 class Unit:
-    """The parameters owned by one block."""
+    """The parameters owned by one block.
+
+    Attributes:
+        numels: elements of the flat tensor of each compute dtype (slots plus alignment padding).
+        host: the host cache, one flat tensor per dtype; empty when the compute copies are read from the store.
+        staging: host buffers a store read fills, held while the unit is resident.
+        reads: store reads still filling ``staging``.
+    """
 
     index: int
     slots: list[ParamSlot]
-    host: dict[torch.dtype, torch.Tensor]
+    numels: dict[torch.dtype, int]
+    host: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
     device_flats: dict[torch.dtype, torch.Tensor] | None = None
+    staging: dict[torch.dtype, torch.Tensor] | None = None
+    reads: list[Future] = field(default_factory=list)
     event: object = None
     refs: int = 0
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the unit's compute copies (what a page-in brings to the device)."""
+        return sum(n * d.itemsize for d, n in self.numels.items())
+
+    @property
+    def host_nbytes(self) -> int:
+        """Bytes of the unit's host cache."""
         return sum(t.numel() * t.element_size() for t in self.host.values())
 
 
@@ -54,8 +77,10 @@ class ParameterPager:
         device: the compute device.
         units: every unit, indexed by owner block.
         block_units: for each block, the indices of the units its forward uses.
-        wait_ready: blocks until a unit's pending optimizer updates are done (its host copy is current).
+        wait_ready: blocks until a unit's pending optimizer updates are done (its compute copy is current where the
+            pager reads it).
         is_ready: whether a unit has no pending optimizer update.
+        read_unit: reads a unit's compute copies from the swap store; ``None`` pages in from the units' host cache.
     """
 
     def __init__(
@@ -65,12 +90,17 @@ class ParameterPager:
         block_units: list[list[int]],
         wait_ready: Callable[[int], None] = lambda unit: None,
         is_ready: Callable[[int], bool] = lambda unit: True,
+        read_unit: UnitReader | None = None,
     ) -> None:
         self.device = device
         self.units = units
         self.block_units = block_units
         self._wait_ready = wait_ready
         self._is_ready = is_ready
+        self._read_unit = read_unit
+        # Store reads land in these (pinned on CUDA); on CPU they also hold the host-cache page-ins, which are the
+        # compute copies there. Reusing them keeps page-ins off freshly mapped memory.
+        self.pool = BufferPool(pin=device.is_cuda)
         self._prefetched: set[int] = set()
         self._acquired: dict[int, int] = {}
         self._storage_to_unit: dict[int, tuple[int, torch.dtype]] = {}
@@ -90,30 +120,69 @@ class ParameterPager:
 
     def _page_in(self, unit: Unit) -> None:
         self._wait_ready(unit.index)
+        if self._read_unit is None:
+            self._upload(unit, unit.host)
+        else:
+            unit.staging = {dtype: self.pool.take(n, dtype) for dtype, n in unit.numels.items()}
+            unit.reads = self._read_unit(unit, unit.staging)
+            if not self.device.is_cuda:
+                # On CPU the staging buffers are the compute copies; their data is complete once acquire returns.
+                self._bind(unit, unit.staging)
+        self.resident_bytes += unit.nbytes
+        self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes)
+
+    def _upload(self, unit: Unit, host: dict[torch.dtype, torch.Tensor]) -> None:
         flats: dict[torch.dtype, torch.Tensor] = {}
         event = None
-        for dtype, host in unit.host.items():
-            out = None if self.device.is_cuda else torch.empty_like(host)
-            flats[dtype], event = self.device.to_device(host, out=out)
-        unit.device_flats = flats
+        for dtype, flat in host.items():
+            out = None if self.device.is_cuda else self.pool.take(flat.numel(), dtype)
+            flats[dtype], event = self.device.to_device(flat, out=out)
+        self._bind(unit, flats)
         unit.event = event
+
+    def _bind(self, unit: Unit, flats: dict[torch.dtype, torch.Tensor]) -> None:
+        unit.device_flats = flats
         for slot in unit.slots:
             flat = flats[slot.dtype]
             slot.param.data = flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
         for dtype, flat in flats.items():
             self._storage_to_unit[flat.untyped_storage().data_ptr()] = (unit.index, dtype)
-        self.resident_bytes += unit.nbytes
-        self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes)
+
+    def _complete(self, unit: Unit) -> None:
+        """Wait for the unit's store reads (raising their errors) and, on CUDA, start its upload."""
+        if not unit.reads:
+            return
+        reads, unit.reads = unit.reads, []
+        for read in reads:
+            read.result()
+        if self.device.is_cuda:
+            assert unit.staging is not None
+            self._upload(unit, unit.staging)
 
     def _page_out(self, unit: Unit) -> None:
-        assert unit.device_flats is not None
-        for flat in unit.device_flats.values():
+        if unit.reads:
+            # A prefetch nobody used: its buffers go back to the pool only once the reads stop writing them. A read
+            # error does not matter here because the data is never used.
+            wait(unit.reads)
+            unit.reads = []
+        flats = unit.device_flats or {}
+        for flat in flats.values():
             self._storage_to_unit.pop(flat.untyped_storage().data_ptr(), None)
             # Freed on the compute stream: the allocator must not hand this memory out while kernels queued on the
             # compute stream may still read it.
             self.device.keep_alive(flat)
         for slot in unit.slots:
             slot.param.data = self._placeholder(slot)
+        if unit.staging is not None:
+            if unit.event is not None:
+                # The upload may still be reading the staging buffers; the next read into them must not overtake it.
+                unit.event.synchronize()
+            pooled = list(unit.staging.values())
+        else:
+            pooled = [] if self.device.is_cuda else list(flats.values())
+        for buffer in pooled:
+            self.pool.give(buffer)
+        unit.staging = None
         unit.device_flats = None
         unit.event = None
         self.resident_bytes -= unit.nbytes
@@ -153,6 +222,7 @@ class ParameterPager:
         self._acquired[block] = self._acquired.get(block, 0) + 1
         for u in self.block_units[block]:
             unit = self.units[u]
+            self._complete(unit)
             if unit.event is not None:
                 self.device.wait(unit.event)
                 for flat in unit.device_flats.values():

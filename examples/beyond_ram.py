@@ -1,0 +1,233 @@
+"""Fine-tune a Llama whose model states are more than twice this machine's RAM, with RatelStrategy.
+
+Mixed-precision Adam training keeps 16 bytes per parameter (fp32 master, two fp32 moments, a compute copy and a
+gradient). The default model here has 3.37B parameters, 53.9 GB of model states, and trains on a 24 GiB machine:
+
+- the model is built on the meta device, so it never exists in host memory as a whole; RatelStrategy initializes it
+  one block at a time (`param_init_fn`, here the model's own Llama initialization) and writes each block's fp32
+  masters straight to the swap files;
+- `param_cache="ssd"`: the compute copies are read from the swap files whenever a block runs (in fp32 training the
+  fp32 master is the compute copy, so this costs no extra disk), instead of being cached in host memory;
+- gradients go into a few pooled shard buffers that the CPU AdamW gives back after each block's update, while
+  backward still runs; Adam moments stay on disk;
+- `activation_policy="recompute"`: only each block's input is kept between forward and backward;
+- no checkpoint is written (it would gather 12 bytes per parameter in host memory), and the trained parameters are
+  not copied back into the module at the end (RatelStrategy warns and leaves NaN placeholders).
+
+To show learning within a few steps, every step trains on the same short window of text (Genesis, from
+`examples/data`) with a fairly high learning rate: the loss going down means the model memorizes that window, nothing
+more. On a CPU a step takes on the order of a minute: fp32 compute on a few cores, 12 bytes per parameter of
+optimizer state read and written per step, and the model's compute copies read twice (forward and backward).
+
+Run from the repository root:
+
+    .venv/bin/python examples/beyond_ram.py --swap-dir /mnt/nvme0/ratel-swap
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from lightning_ratel import RatelStrategy
+from text_data import TextDataModule
+
+GIB = 2**30
+DEFAULT_SWAP = Path("outputs") / "beyond-ram-swap"
+
+
+class RepeatedWindowLM(L.LightningModule):
+    """A causal LM trained with plain AdamW; nothing in it knows about Ratel."""
+
+    def __init__(self, config: LlamaConfig, lr: float) -> None:
+        super().__init__()
+        self.model = LlamaForCausalLM(config)
+        self.lr = lr
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self.model(input_ids=batch, labels=batch).loss
+        self.log("train_loss", loss, batch_size=batch.shape[0])
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.0)
+
+
+class MemoryWatch:
+    """Samples the resident set size (VmRSS) of this process in a background thread and keeps the maximum."""
+
+    def __init__(self, interval: float = 0.2) -> None:
+        self.interval = interval
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rss-watch", daemon=True)
+
+    @staticmethod
+    def current() -> int:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        return 0
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.current())
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> MemoryWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+class StepReport(L.Callback):
+    """Prints each step's loss, wall time, resident memory and swap-store traffic, and keeps them for the summary."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, float]] = []
+        self._started = 0.0
+        self._io = (0, 0)
+        self.disk_bytes = 0
+
+    def _store_io(self, trainer: L.Trainer) -> tuple[int, int]:
+        store = trainer.strategy.engine.store
+        return store.bytes_read, store.bytes_written
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self._started = time.perf_counter()
+        self._io = self._store_io(trainer)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any) -> None:
+        loss = float(outputs["loss"])
+        seconds = time.perf_counter() - self._started
+        read, written = (now - before for now, before in zip(self._store_io(trainer), self._io))
+        row = {"loss": loss, "seconds": seconds, "rss": MemoryWatch.current(), "read": read, "written": written}
+        self.rows.append(row)
+        print(
+            f"step {len(self.rows)}  loss {loss:.4f}  {seconds:6.1f} s  RSS {row['rss'] / GIB:5.2f} GiB  "
+            f"store read {read / GIB:5.1f} GiB, written {written / GIB:5.1f} GiB",
+            flush=True,
+        )
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Read before teardown removes the swap files.
+        self.disk_bytes = trainer.strategy.byte_placement()["disk"]
+
+
+def memory_total() -> int:
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no MemTotal in /proc/meminfo")
+
+
+def training_window(seq_len: int) -> torch.Tensor:
+    """The first window of seq_len + 1 tokens of Genesis (the model shifts labels itself)."""
+    data = TextDataModule(seq_len=seq_len, batch_size=1)
+    data.prepare_data()
+    data.setup()
+    assert data.train_set is not None
+    return data.train_set[0]["input_ids"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--swap-dir", type=Path, default=DEFAULT_SWAP, help="directory for the swap files")
+    parser.add_argument("--layers", type=int, default=28)
+    parser.add_argument("--hidden", type=int, default=3072)
+    parser.add_argument("--intermediate", type=int, default=8192)
+    parser.add_argument("--heads", type=int, default=24)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=3e-5)
+    parser.add_argument("--activation-policy", default="recompute", choices=["keep", "host", "ssd", "recompute"])
+    args = parser.parse_args()
+
+    config = LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.heads,
+        max_position_embeddings=max(args.seq_len + 1, 128),
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
+    # On the meta device the model takes no memory; RatelStrategy materializes it block by block.
+    with torch.device("meta"):
+        module = RepeatedWindowLM(config, args.lr)
+    params = sum(p.numel() for p in module.parameters())
+    ram = memory_total()
+    print(f"Llama: {params:,} parameters; model states 16 B x P = {16 * params / 1e9:.1f} GB = "
+          f"{16 * params / ram:.2f} x this machine's RAM ({ram / GIB:.1f} GiB)")
+
+    created = not args.swap_dir.exists()
+    args.swap_dir.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(args.swap_dir).free
+    print(f"swap files in {args.swap_dir} (fp32 master and two Adam moments: {12 * params / 1e9:.1f} GB; "
+          f"{free / 1e9:.1f} GB free there)")
+
+    window = training_window(args.seq_len)
+    # Every step sees the same window: repeated memorization shows learning within a handful of steps.
+    loader = DataLoader([window] * args.steps, batch_size=1)
+    on_gpu = torch.cuda.is_available()
+    strategy = RatelStrategy(
+        ssd_paths=[str(args.swap_dir)],
+        activation_policy=args.activation_policy,
+        param_cache="ssd",
+        param_init_fn=module.model._init_weights,
+    )
+    report = StepReport()
+    trainer = L.Trainer(
+        accelerator="gpu" if on_gpu else "cpu",
+        devices=1,
+        strategy=strategy,
+        precision="bf16-mixed" if on_gpu else "32-true",
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[report],
+    )
+    started = time.perf_counter()
+    try:
+        with MemoryWatch() as watch:
+            trainer.fit(module, train_dataloaders=loader)
+    finally:
+        if created and args.swap_dir.exists() and not any(args.swap_dir.iterdir()):
+            args.swap_dir.rmdir()
+    total = time.perf_counter() - started
+    peak_rusage = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    losses = [row["loss"] for row in report.rows]
+    steady = [row["seconds"] for row in report.rows[1:]] or [report.rows[0]["seconds"]]
+
+    print()
+    print(f"losses: {', '.join(f'{x:.4f}' for x in losses)}")
+    print(f"peak RSS: {peak_rusage / GIB:.2f} GiB (getrusage), {watch.peak / GIB:.2f} GiB (sampled VmRSS)")
+    print(f"wall time per step: first {report.rows[0]['seconds']:.1f} s, then {sum(steady) / len(steady):.1f} s "
+          f"on average; {total:.0f} s for the whole run including setup")
+    print(f"disk: {report.disk_bytes:,} bytes in swap files during training; swap files left: "
+          f"{sorted(os.listdir(args.swap_dir)) if args.swap_dir.exists() else 'none (directory removed)'}")
+
+
+if __name__ == "__main__":
+    main()
