@@ -54,8 +54,8 @@ def _filled(numel: int, dtype: torch.dtype, generator: torch.Generator) -> torch
     return torch.randn(numel, generator=generator).to(dtype)
 
 
-def fused_step(grad: torch.Tensor, threads: int, sqrt_address: int) -> Step:
-    """The whole job as one ``fused_adamw_`` call, the kernel taking its sqrt from ``sqrt_address`` (0: IEEE)."""
+def fused_step(grad: torch.Tensor, threads: int, ieee_sqrt: bool) -> Step:
+    """The whole job as one ``fused_adamw_`` call, with torch's sqrt or (``ieee_sqrt``) the IEEE instruction."""
     param = _filled(grad.numel(), torch.float32, torch.Generator().manual_seed(1))
     exp_avg, exp_avg_sq = torch.zeros_like(param), torch.zeros_like(param)
     out = torch.zeros_like(grad)
@@ -64,7 +64,7 @@ def fused_step(grad: torch.Tensor, threads: int, sqrt_address: int) -> Step:
     def run() -> None:
         nonlocal step
         step += 1
-        ops._C.set_sqrt(sqrt_address, ops.VML_SQRT_MODE)
+        ops.set_native_sqrt(ieee_sqrt)
         ops.fused_adamw_(
             param, grad, exp_avg, exp_avg_sq, out, lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS,
             weight_decay=WEIGHT_DECAY, step=step, num_threads=threads,
@@ -126,7 +126,7 @@ def main() -> None:
     if not ops.NATIVE_AVAILABLE:
         parser.error("lightning_ratel._C is not built; run `python setup.py build_ext --inplace` first")
     exact = ops.native_matches_torch()
-    torch_sqrt = ops.torch_vml_sqrt()
+    torch_sqrt = bool(ops.torch_vml_sqrt()[0])
     names = [
         f"lightning_ratel fused_adamw_ ({ops.isa()}, torch's sqrt)",
         "torch AdamW(fused=True) + casts",
@@ -140,7 +140,7 @@ def main() -> None:
         "",
     ]
     steps: list[Step | None] = [
-        fused_step(grad, args.threads, torch_sqrt),
+        fused_step(grad, args.threads, ieee_sqrt=False),
         optimizer_step(grad, torch_adamw(fused=True)),
         optimizer_step(grad, torch_adamw(foreach=False)),
         None,
@@ -154,7 +154,7 @@ def main() -> None:
     if torch_sqrt:
         names.append(f"lightning_ratel fused_adamw_ ({ops.isa()}, IEEE sqrt)")
         notes.append("one pass; not torch's numbers here")
-        steps.append(fused_step(grad, args.threads, 0))
+        steps.append(fused_step(grad, args.threads, ieee_sqrt=True))
 
     # Contenders take turns within each round, so drifting machine load (other tenants, memory bandwidth) hits
     # them alike instead of whichever happened to run during a slow spell.
@@ -190,7 +190,7 @@ def main() -> None:
     Console().print(table)
     if torch_sqrt and seconds[0] and seconds[-1]:
         print(f"torch's sqrt per chunk vs IEEE sqrt in one pass: {seconds[0] / seconds[-1]:.2f}x the time per step")
-    ops._C.set_sqrt(torch_sqrt, ops.VML_SQRT_MODE)
+    ops.set_native_sqrt()
 
 
 if __name__ == "__main__":
