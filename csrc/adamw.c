@@ -46,6 +46,11 @@ enum { STAGE_FUSED = 0, STAGE_MOMENTS = 1, STAGE_APPLY = 2 };
  * count as 64 bits is read correctly either way. */
 typedef void (*vector_sqrt_fn)(int64_t n, const float *a, float *r, int64_t mode);
 
+/* MKL's mkl_set_num_threads_local(n), which returns the calling thread's previous setting (0: the global one).
+ * Once torch has set MKL's global thread count, MKL opens a parallel region of its own for every vmsSqrt called
+ * from a thread outside torch's OpenMP team, however short the array; a local count of 1 keeps it on the caller. */
+typedef int (*threads_local_fn)(int n);
+
 /* Below this many elements per thread, waking the thread team costs more than it saves. */
 #define MIN_PER_THREAD 32768
 /* Thread ranges are multiples of this, so only the last range has a partial vector. */
@@ -83,6 +88,8 @@ typedef struct {
     /* NULL: inline IEEE sqrt. */
     vector_sqrt_fn vector_sqrt;
     int64_t vector_sqrt_mode;
+    /* NULL where the sqrt has no such setting. */
+    threads_local_fn threads_local;
 } adam_job;
 
 /* One stage over [begin, end); root holds the roots of that range for STAGE_APPLY, else NULL. */
@@ -493,6 +500,7 @@ static const isa_entry *best_isa(void) {
 /* The external sqrt torch uses (set_sqrt), or NULL for the IEEE instruction. Read once per call. */
 static vector_sqrt_fn vector_sqrt = NULL;
 static int64_t vector_sqrt_mode = 0;
+static threads_local_fn threads_local = NULL;
 
 /* One thread's share of the step. */
 static void run_range(range_fn fn, const adam_job *job, int64_t begin, int64_t end) {
@@ -501,12 +509,15 @@ static void run_range(range_fn fn, const adam_job *job, int64_t begin, int64_t e
         return;
     }
     float root[SQRT_CHUNK] __attribute__((aligned(64)));
+    /* Restored afterwards: thread 0 is the caller's own thread, which may go on to run torch (and MKL) code. */
+    const int previous = job->threads_local ? job->threads_local(1) : 0;
     for (int64_t chunk = begin; chunk < end; chunk += SQRT_CHUNK) {
         const int64_t stop = chunk + SQRT_CHUNK < end ? chunk + SQRT_CHUNK : end;
         fn(job, STAGE_MOMENTS, chunk, stop, NULL);
         job->vector_sqrt(stop - chunk, job->exp_avg_sq + chunk, root, job->vector_sqrt_mode);
         fn(job, STAGE_APPLY, chunk, stop, root);
     }
+    if (job->threads_local) job->threads_local(previous);
 }
 
 static void run_job(range_fn fn, const adam_job *job, int num_threads) {
@@ -590,6 +601,7 @@ static PyObject *py_adamw(PyObject *self, PyObject *args, PyObject *kwargs) {
     job.lerp_small = fabsf(job.lerp_weight) < 0.5f;
     job.vector_sqrt = vector_sqrt;
     job.vector_sqrt_mode = vector_sqrt_mode;
+    job.threads_local = threads_local;
 
     const range_fn fn = active_isa->fn;
     Py_BEGIN_ALLOW_THREADS
@@ -621,12 +633,13 @@ static PyObject *py_isa(PyObject *self, PyObject *unused) {
 }
 
 static PyObject *py_set_sqrt(PyObject *self, PyObject *args) {
-    unsigned long long address;
+    unsigned long long address, threads_address = 0;
     long long mode;
     (void)self;
-    if (!PyArg_ParseTuple(args, "KL:set_sqrt", &address, &mode)) return NULL;
+    if (!PyArg_ParseTuple(args, "KL|K:set_sqrt", &address, &mode, &threads_address)) return NULL;
     vector_sqrt = (vector_sqrt_fn)(uintptr_t)address;
     vector_sqrt_mode = mode;
+    threads_local = address ? (threads_local_fn)(uintptr_t)threads_address : NULL;
     Py_RETURN_NONE;
 }
 
@@ -641,6 +654,7 @@ static PyObject *py_sqrt(PyObject *self, PyObject *args) {
     }
     const float *a = (const float *)(uintptr_t)src;
     float *r = (float *)(uintptr_t)dst;
+    const int previous = threads_local ? threads_local(1) : 0;
     /* Same chunking as the step, so the check exercises exactly the calls the step makes. */
     for (int64_t i = 0; i < n; i += SQRT_CHUNK) {
         const int64_t len = n - i < SQRT_CHUNK ? n - i : SQRT_CHUNK;
@@ -650,6 +664,7 @@ static PyObject *py_sqrt(PyObject *self, PyObject *args) {
             for (int64_t k = i; k < i + len; ++k) r[k] = sqrtf(a[k]);
         }
     }
+    if (threads_local) threads_local(previous);
     Py_RETURN_NONE;
 }
 
@@ -663,8 +678,9 @@ static PyMethodDef methods[] = {
      "set_isa(name)\n--\n\nUse 'avx512', 'avx2' or 'scalar'; returns False, changing nothing, if this CPU lacks it."},
     {"isa", py_isa, METH_NOARGS, "isa()\n--\n\nName of the code path in use."},
     {"set_sqrt", py_set_sqrt, METH_VARARGS,
-     "set_sqrt(address, mode)\n--\n\nTake float32 square roots with the MKL-style vmsSqrt(n, a, r, mode) at address "
-     "(0: the IEEE instruction, the default)."},
+     "set_sqrt(address, mode, threads_local=0)\n--\n\nTake float32 square roots with the MKL-style "
+     "vmsSqrt(n, a, r, mode) at address (0: the IEEE instruction, the default). threads_local is the address of "
+     "MKL's mkl_set_num_threads_local, used to keep each call on its own thread (0: not available)."},
     {"sqrt", py_sqrt, METH_VARARGS,
      "sqrt(src, dst, n)\n--\n\nThe square roots the step would take of n floats at src, written to dst."},
     {NULL, NULL, 0, NULL},

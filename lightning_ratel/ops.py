@@ -44,30 +44,47 @@ _fallback_warned = False
 VML_SQRT_MODE = 0x2 | 0x140000 | 0x100
 
 
-def torch_vml_sqrt() -> int:
+def torch_vml_sqrt() -> tuple[int, int]:
     """Finds the MKL ``vmsSqrt`` that torch's float32 CPU ``sqrt`` calls.
 
     Returns:
-        Its address in torch's CPU library, or 0 where torch has no MKL vector math (macOS, builds without MKL) or
-        the library or symbol cannot be found.
+        ``(sqrt, threads_local)``: the address of ``vmsSqrt`` in torch's CPU library, or 0 where torch has no MKL
+        vector math (macOS, builds without MKL) or the library or symbol cannot be found; and the address of the
+        C ``mkl_set_num_threads_local`` beside it (``MKL_Set_Num_Threads_Local``; the lower-case symbol is the
+        Fortran one, which takes a pointer), or 0.
     """
     if sys.platform == "darwin" or not torch.backends.mkl.is_available():
-        return 0
+        return 0, 0
     try:
         # Already loaded by ``import torch``; this only returns its handle.
         library = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
-        return ctypes.cast(library.vmsSqrt, ctypes.c_void_p).value or 0
+        sqrt = ctypes.cast(library.vmsSqrt, ctypes.c_void_p).value or 0
     except (OSError, AttributeError):
-        return 0
+        return 0, 0
+    try:
+        threads_local = ctypes.cast(library.MKL_Set_Num_Threads_Local, ctypes.c_void_p).value or 0
+    except AttributeError:
+        threads_local = 0
+    return sqrt, threads_local
 
 
-_torch_sqrt = torch_vml_sqrt()
-if _C is not None:
-    _C.set_sqrt(_torch_sqrt, VML_SQRT_MODE)
-    if torch.backends.cpu.get_cpu_capability() == "DEFAULT":
-        # torch's DEFAULT kernels never fuse a multiply with an add; the SIMD paths do, like torch's AVX2/AVX-512
-        # kernels. Following torch keeps the results bitwise equal to its optimizers in this process.
-        _C.set_isa("scalar")
+def set_native_sqrt(ieee: bool = False) -> None:
+    """Chooses the square root the native kernel takes.
+
+    Args:
+        ieee: ``False`` for torch's own float32 ``sqrt`` (MKL's ``vmsSqrt`` where torch has it, else the IEEE
+            instruction), as set at import; ``True`` for the correctly rounded instruction in a single fused pass.
+    """
+    if _C is not None:
+        _C.set_sqrt(0 if ieee else _torch_sqrt, VML_SQRT_MODE, _mkl_threads_local)
+
+
+_torch_sqrt, _mkl_threads_local = torch_vml_sqrt()
+set_native_sqrt()
+if _C is not None and torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+    # torch's DEFAULT kernels never fuse a multiply with an add; the SIMD paths do, like torch's AVX2/AVX-512
+    # kernels. Following torch keeps the results bitwise equal to its optimizers in this process.
+    _C.set_isa("scalar")
 
 
 def isa() -> str:
@@ -206,11 +223,11 @@ def native_matches_torch() -> bool:
     """
     if _C is None:
         return False
-    for address in dict.fromkeys((_torch_sqrt, 0)):
-        _C.set_sqrt(address, VML_SQRT_MODE)
+    for ieee in (False, True) if _torch_sqrt else (True,):
+        set_native_sqrt(ieee)
         if _sqrt_matches_torch() and _steps_match_torch():
             return True
-    _C.set_sqrt(_torch_sqrt, VML_SQRT_MODE)
+    set_native_sqrt()
     rank_zero_warn(
         f"lightning_ratel: the native AdamW kernel ({isa()}) does not reproduce torch.optim.AdamW bit for bit "
         "on this CPU; the CPU optimizer uses torch's own AdamW instead."

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import inspect
 import os
@@ -125,9 +126,9 @@ def native_sqrt(request):
     the test; yields whether the reference must use ``torch.sqrt``."""
     if ops._C is None:
         pytest.skip("lightning_ratel._C is not built")
-    ops._C.set_sqrt(ops.torch_vml_sqrt() if request.param == "torch" else 0, ops.VML_SQRT_MODE)
+    ops.set_native_sqrt(ieee=request.param == "ieee")
     yield request.param == "torch"
-    ops._C.set_sqrt(ops._torch_sqrt, ops.VML_SQRT_MODE)
+    ops.set_native_sqrt()
 
 
 def _uses_torch_fma(isa: str) -> bool:
@@ -256,7 +257,7 @@ def test_native_check_rejects_a_different_sqrt(monkeypatch):
     leave the kernel configured with torch's sqrt."""
     if ops._C is None:
         pytest.skip("lightning_ratel._C is not built")
-    if not ops.torch_vml_sqrt():
+    if not ops.torch_vml_sqrt()[0]:
         pytest.skip("torch has no MKL vmsSqrt here")
     monkeypatch.setattr(ops, "_torch_sqrt", 0)
     ops.native_matches_torch.cache_clear()
@@ -265,9 +266,28 @@ def test_native_check_rejects_a_different_sqrt(monkeypatch):
             assert ops.native_matches_torch() is False
     finally:
         monkeypatch.undo()
-        ops._C.set_sqrt(ops._torch_sqrt, ops.VML_SQRT_MODE)
+        ops.set_native_sqrt()
         ops.native_matches_torch.cache_clear()
     assert ops.native_matches_torch() is True
+
+
+def test_kernel_restores_mkl_thread_setting():
+    """The kernel keeps MKL's vmsSqrt on each calling thread and then gives the caller's thread its own setting back,
+    so torch's MKL calls on that thread afterwards are threaded as before."""
+    if ops._C is None:
+        pytest.skip("lightning_ratel._C is not built")
+    sqrt, threads_local = ops.torch_vml_sqrt()
+    if not (sqrt and threads_local):
+        pytest.skip("torch has no MKL vmsSqrt and mkl_set_num_threads_local here")
+    set_local = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int)(threads_local)
+    before = set_local(3)
+    try:
+        param, exp_avg, exp_avg_sq, grads = _state(4099, torch.float32, 0, seed=4, fresh_moments=True)
+        _fused(param, grads[0], exp_avg, exp_avg_sq, None, lr=1e-3, step=1, decoupled=True, num_threads=1)
+        roots = torch.empty(300)
+        ops._C.sqrt(exp_avg_sq.data_ptr(), roots.data_ptr(), 300)
+    finally:
+        assert set_local(before) == 3
 
 
 @pytest.mark.parametrize("n", [0, 1, 255, 256, 257, 70_001])
@@ -382,7 +402,7 @@ def test_scalar_path_matches_torch_default_kernels():
         assert torch.backends.cpu.get_cpu_capability() == "DEFAULT"
         assert _C.set_isa("scalar")
         # torch's DEFAULT build still takes its sqrt from MKL where it has it.
-        _C.set_sqrt(torch_vml_sqrt(), {ops.VML_SQRT_MODE})
+        _C.set_sqrt(torch_vml_sqrt()[0], {ops.VML_SQRT_MODE}, torch_vml_sqrt()[1])
         """
     ) + textwrap.dedent(
         """
