@@ -158,7 +158,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--lr", type=float, default=3e-5)
     parser.add_argument("--activation-policy", default="recompute", choices=["keep", "host", "ssd", "recompute"])
+    parser.add_argument("--seed", type=int, default=0, help="seeds the initialization, which happens during fit")
     args = parser.parse_args()
+    L.seed_everything(args.seed)
 
     config = LlamaConfig(
         vocab_size=args.vocab,
