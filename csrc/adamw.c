@@ -47,8 +47,8 @@ enum { STAGE_FUSED = 0, STAGE_MOMENTS = 1, STAGE_APPLY = 2 };
 typedef void (*vector_sqrt_fn)(int64_t n, const float *a, float *r, int64_t mode);
 
 /* MKL's mkl_set_num_threads_local(n), which returns the calling thread's previous setting (0: the global one).
- * Once torch has set MKL's global thread count, MKL opens a parallel region of its own for every vmsSqrt called
- * from a thread outside torch's OpenMP team, however short the array; a local count of 1 keeps it on the caller. */
+ * Once torch has set MKL's global thread count, MKL starts OpenMP teams of its own even for the short vmsSqrt calls
+ * made here from threads outside torch's OpenMP team; a local count of 1 keeps each call on its caller. */
 typedef int (*threads_local_fn)(int n);
 
 /* Below this many elements per thread, waking the thread team costs more than it saves. */
@@ -56,8 +56,7 @@ typedef int (*threads_local_fn)(int n);
 /* Thread ranges are multiples of this, so only the last range has a partial vector. */
 #define SPLIT_ALIGN 64
 /* Elements per chunk with an external sqrt: small enough that a chunk's moments, weights and roots stay in L1
- * between the passes and that MKL does not start threads of its own for the call; a multiple of SPLIT_ALIGN, so
- * every chunk starts on a vector boundary. */
+ * between the passes; a multiple of SPLIT_ALIGN, so every chunk starts on a vector boundary. */
 #define SQRT_CHUNK 256
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import NoReturn
 
@@ -378,20 +378,19 @@ def search(
     _check_fixed_memory(walk, unified)
     _place_required(walk, unified)
 
-    candidates = []
+    candidates: dict[str, tuple[int, OpProfile]] = {}
     for i, layer in enumerate(model.layers):
-        for position, op in enumerate(layer.ops):
+        for op in layer.ops:
             key = placement_key(layer.name, op.name)
             if key in walk.placement:
                 continue
             if op.saved_bytes > 0:
                 walk.placement[key] = "recompute"
                 walk.layer_bytes[i]["recompute"] += op.saved_bytes
-                # Most recompute seconds saved per stored byte first; on ties the ops backward reaches first.
-                candidates.append(((-op.forward_time / op.saved_bytes, -layer.index, -position), i, op))
+                candidates[key] = (i, op)
             else:
                 walk.placement[key] = "device"
-    order = [(i, op) for _, i, op in sorted(candidates, key=lambda candidate: candidate[0])]
+    order = [candidates[key] for key in candidate_order(model.layers) if key in candidates]
 
     # Filling host memory first can leave no room for the staging buffers SSD traffic needs, and then nothing
     # spills; a second walk keeps staging for a whole block free from the start. The faster one wins.
@@ -417,3 +416,95 @@ def search(
         layers=list(layers),
     )
 
+
+def candidate_order(layers: Sequence[LayerProfile]) -> list[str]:
+    """Keys of the ops :func:`search` chooses between storing and recomputing, in the order it tries to store them.
+
+    These are the ops of blocks profiled op by op that save bytes, ``"input"`` excluded: most recompute seconds
+    saved per stored byte first; on ties the ops backward reaches first.
+    """
+    candidates = []
+    for layer in layers:
+        if not layer.op_level:
+            continue
+        for position, op in enumerate(layer.ops):
+            if op.name != INPUT_OP and op.saved_bytes > 0:
+                rank = (-op.forward_time / op.saved_bytes, -layer.index, -position)
+                candidates.append((rank, placement_key(layer.name, op.name)))
+    return [key for _, key in sorted(candidates)]
+
+
+def storing(
+    hw: HardwareProfile,
+    layers: Sequence[LayerProfile],
+    stored: Collection[str],
+    *,
+    device_budget: int,
+    host_budget: int,
+    store_budget: int,
+    prefetch_depth: int = 1,
+    host_static_bytes: int = 0,
+    tiers: Sequence[str] = STORED_TIERS,
+    keep_staging: bool = False,
+) -> dict[str, str]:
+    """The placement that stores the candidate ops ``stored`` and recomputes the other candidates.
+
+    Block inputs and blocks profiled as a whole are placed as :func:`search` places them. Then each op of
+    ``stored``, in :func:`candidate_order`, goes on the first of ``tiers`` that keeps every budget; one that fits
+    none stays recomputed, as in the search. This is one point of the search's walk chosen by hand, for measuring
+    the cost model away from the point the search picks.
+
+    Args:
+        hw: the machine.
+        layers: the profiled blocks.
+        stored: keys (``"<block>/<op>"``) of candidate ops to store.
+        device_budget: bytes of device memory (ignored on unified memory, as in :func:`search`).
+        host_budget: bytes of host memory.
+        store_budget: bytes the swap directories may hold for activations.
+        prefetch_depth: blocks paged in ahead of the one computing.
+        host_static_bytes: host memory the rest of the run holds.
+        tiers: where stored ops may go, tried in this order; a subset of ``("device", "host", "ssd")``.
+        keep_staging: keep host room for one block's SSD staging from the start, as the search's second walk
+            does, so that ops can still spill to the SSDs once the faster tiers are full.
+
+    Returns:
+        ``"<block>/<op>"`` -> tier for every op of every block.
+
+    Raises:
+        RatelConfigError: a key of ``stored`` is not a candidate, ``tiers`` names something else than a storing
+            tier, or the profiles are inconsistent.
+        RatelPlanError: the budgets do not hold what cannot be recomputed.
+    """
+    bad_tiers = [tier for tier in tiers if tier not in STORED_TIERS]
+    if bad_tiers or not tiers:
+        raise RatelConfigError(f"tiers must be a non-empty subset of {STORED_TIERS}, got {list(tiers)}")
+    order = candidate_order(layers)
+    unknown = set(stored) - set(order)
+    if unknown:
+        raise RatelConfigError(f"{sorted(unknown)} are not ops that can be either stored or recomputed")
+    model = CostModel(hw, layers, prefetch_depth=prefetch_depth, host_static_bytes=host_static_bytes)
+    unified = hw.unified_memory
+    budgets = {"device": host_budget if unified else device_budget, "host": host_budget, "ssd": store_budget}
+    walk = _Walk(model, budgets)
+    _check_fixed_memory(walk, unified)
+    _place_required(walk, unified)
+    where = {}
+    for i, layer in enumerate(model.layers):
+        for op in layer.ops:
+            key = placement_key(layer.name, op.name)
+            if key in walk.placement:
+                continue
+            if op.saved_bytes > 0:
+                walk.placement[key] = "recompute"
+                walk.layer_bytes[i]["recompute"] += op.saved_bytes
+                where[key] = (i, op)
+            else:
+                walk.placement[key] = "device"
+    reserve = model.buffers * max((layer.saved_bytes for layer in model.layers), default=0)
+    if keep_staging and reserve and walk.copy(reserve).fits():
+        walk = walk.copy(reserve)
+    for key in order:
+        if key in stored:
+            i, op = where[key]
+            walk.move(i, op, "recompute", tiers)
+    return walk.placement

@@ -89,8 +89,16 @@ class _Counters:
     by_policy: dict[str, int] = field(default_factory=dict)
 
 
+@dataclass
+class _Alias:
+    """A tensor stored by another block, saved again by ``block``."""
+
+    block: int
+    target: _HostRef | _SsdRef
+
+
 def _is_ref(x: Any) -> bool:
-    return isinstance(x, (_HostRef, _SsdRef, _RecomputeRef))
+    return isinstance(x, (_HostRef, _SsdRef, _RecomputeRef, _Alias))
 
 
 class ActivationCache:
@@ -224,7 +232,12 @@ class ActivationCache:
         known = self._dedup.get(id(t))
         if known is not None and known[0]() is t:
             self.stats.deduplicated += 1
-            return known[1]
+            ref = known[1]
+            if isinstance(ref, (_HostRef, _SsdRef)) and ref.block != block:
+                # Saved by another block too (rotary tables, a shared mask): unpacking it in this block's backward
+                # must page this block, not send backward back to the block that first stored it.
+                return _Alias(block, ref)
+            return ref
         self.saved_by_block[block] = self.saved_by_block.get(block, 0) + nbytes
         if tier == "device":
             self._dedup[id(t)] = (weakref.ref(t), t)
@@ -289,6 +302,8 @@ class ActivationCache:
         if isinstance(ref, torch.Tensor):
             return ref
         self._on_unpack(ref.block)
+        if isinstance(ref, _Alias):
+            ref = ref.target
         if isinstance(ref, _ParamRef):
             flat = self.pager.device_flat(ref.unit, ref.dtype)
             return flat.as_strided(ref.size, ref.stride, ref.offset)
