@@ -124,6 +124,27 @@ def test_partial_recompute_runs_only_what_was_discarded(tmp_path, auto_run, monk
     assert all(executed == 1 and total > 40 for executed, total in runs)
 
 
+def test_replay_keeps_the_strides_of_stored_outputs(tmp_path, auto_run):
+    # The rotary outputs (strided like the transposed projections) go to disk and come back contiguous; attention
+    # and what follows are recomputed from them. The replay must restore the forward's strides, or attention's
+    # output layout changes and `.contiguous()` in the model takes another path.
+    plan = _profiler(auto_run[0]).plan
+    placement = {}
+    for key in plan.activation_placement:
+        op = key.rsplit("/", 1)[1]
+        if op.startswith(("self_attn:add", "self_attn:mul")):
+            placement[key] = "ssd"
+        elif op.startswith("self_attn") and not op.startswith(("self_attn.q_proj", "self_attn.k_proj",
+                                                                  "self_attn.v_proj")):
+            placement[key] = "recompute"
+        else:
+            placement[key] = "host"
+    module = LM("llama")
+    t = trainer(RatelStrategy(ssd_paths=[str(tmp_path)], plan=dataclasses.replace(plan, activation_placement=placement)))
+    t.fit(module)
+    _close(_plain(), final_state(module, t))
+
+
 def test_whole_block_recompute_replays_from_the_inputs(tmp_path, monkeypatch):
     runs: list[int] = []
     original = recompute.ForwardRecord.replay

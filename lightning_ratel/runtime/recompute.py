@@ -179,6 +179,10 @@ class _Replayer(TorchDispatchMode):
             out = func(*args, **(kwargs or {}))
         elif k in self.record.stored:
             out = self.unpack(self.record.stored[k])
+            shape, stride, dtype, device = ops[k].out_meta[0]
+            if tuple(out.stride()) != stride:
+                # Stored copies come back contiguous; the forward may branch on strides (``.contiguous()``).
+                out = torch.empty_strided(shape, stride, dtype=dtype, device=device).copy_(out)
         else:
             out = ops[k].dummy()
         if k in self.record.targets:
