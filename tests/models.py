@@ -121,3 +121,16 @@ def max_rel_err(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float
         scale = a[k].abs().max().clamp(min=1e-12)
         worst = max(worst, ((a[k].float() - b[k].float()).abs().max() / scale).item())
     return worst
+
+
+def compare_states(ref: tuple[dict, dict], got: tuple[dict, dict], tol: float) -> None:
+    """Parameters, Adam moments, step counts and param groups of two runs agree within ``tol`` (relative)."""
+    assert max_rel_err(ref[0], got[0]) <= tol
+    ref_state, got_state = ref[1]["state"], got[1]["state"]
+    assert ref_state.keys() == got_state.keys()
+    for i in ref_state:
+        assert got_state[i]["step"].item() == ref_state[i]["step"].item()
+        for key in ("exp_avg", "exp_avg_sq"):
+            scale = ref_state[i][key].abs().max().clamp(min=1e-20)
+            assert ((ref_state[i][key] - got_state[i][key]).abs().max() / scale).item() <= tol, (i, key)
+    assert got[1]["param_groups"] == ref[1]["param_groups"]

@@ -21,17 +21,7 @@ from torch import nn
 from lightning_ratel import RatelConfigError, RatelPlanError, RatelPrecision, RatelStrategy, engine
 from lightning_ratel.runtime.pool import BufferPool
 from tests.models import LM, final_state, max_rel_err, trainer
-
-
-def _compare(ref: tuple[dict, dict], got: tuple[dict, dict], tol: float) -> None:
-    assert max_rel_err(ref[0], got[0]) <= tol
-    ref_state, got_state = ref[1]["state"], got[1]["state"]
-    assert ref_state.keys() == got_state.keys()
-    for i in ref_state:
-        assert got_state[i]["step"].item() == ref_state[i]["step"].item()
-        for key in ("exp_avg", "exp_avg_sq"):
-            scale = ref_state[i][key].abs().max().clamp(min=1e-20)
-            assert ((ref_state[i][key] - got_state[i][key]).abs().max() / scale).item() <= tol, (i, key)
+from tests.models import compare_states as _compare
 
 
 class _Inspect(Callback):

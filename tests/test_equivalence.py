@@ -11,6 +11,7 @@ import torch
 
 from lightning_ratel import RatelPrecision, RatelStrategy, ops
 from tests.models import LM, final_state, max_rel_err, trainer
+from tests.models import compare_states as _compare
 
 # Every tier at once: a block's activations on disk, one recomputed, the rest in host memory.
 MIXED_POLICY = {"*layers.0": "ssd", "*.h.0": "ssd", "*layers.1": "recompute", "*.h.1": "recompute", "*": "host"}
@@ -21,18 +22,6 @@ def _fit(strategy: object, model: str, **kwargs: object) -> tuple[dict, dict]:
     t = trainer(strategy, **kwargs)
     t.fit(module)
     return final_state(module, t)
-
-
-def _compare(ref: tuple[dict, dict], got: tuple[dict, dict], tol: float) -> None:
-    assert max_rel_err(ref[0], got[0]) <= tol
-    ref_state, got_state = ref[1]["state"], got[1]["state"]
-    assert ref_state.keys() == got_state.keys()
-    for i in ref_state:
-        assert got_state[i]["step"].item() == ref_state[i]["step"].item()
-        for key in ("exp_avg", "exp_avg_sq"):
-            scale = ref_state[i][key].abs().max().clamp(min=1e-20)
-            assert ((ref_state[i][key] - got_state[i][key]).abs().max() / scale).item() <= tol, (i, key)
-    assert got[1]["param_groups"] == ref[1]["param_groups"]
 
 
 @pytest.mark.parametrize("placement", ["mixed", "planned"])

@@ -23,7 +23,6 @@ import errno
 import functools
 import os
 import tempfile
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from types import ModuleType
@@ -32,6 +31,7 @@ from typing import Any
 import torch
 
 from lightning_ratel.errors import RatelConfigError, RatelStoreError
+from lightning_ratel.runtime.probe import best_time
 from lightning_ratel.runtime.storage import (
     ALIGNMENT,
     TensorStore,
@@ -371,15 +371,6 @@ class DeviceSsdBandwidth:
         return asdict(self)
 
 
-def _best_seconds(run: Callable[[], object], repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def measure(
     paths: Sequence[str | os.PathLike[str]],
     device: str | torch.device = "cuda",
@@ -420,8 +411,8 @@ def measure(
         store.preallocate()
         store.write("probe", buffer).result()
         gds = store.gds
-        kvikio_write = _best_seconds(lambda: store.write("probe", buffer).result(), repeats)
-        kvikio_read = _best_seconds(lambda: store.read("probe", buffer).result(), repeats)
+        kvikio_write = best_time(lambda: store.write("probe", buffer).result(), repeats)
+        kvikio_read = best_time(lambda: store.read("probe", buffer).result(), repeats)
 
     staging = aligned_empty(nbytes, torch.uint8, pin=device.type == "cuda")
 
@@ -440,8 +431,8 @@ def measure(
         host_store.reserve("probe", nbytes)
         host_store.preallocate()
         host_write()
-        write = _best_seconds(host_write, repeats)
-        read = _best_seconds(host_read, repeats)
+        write = best_time(host_write, repeats)
+        read = best_time(host_read, repeats)
     return DeviceSsdBandwidth(
         kvikio_read=nbytes / kvikio_read,
         kvikio_write=nbytes / kvikio_write,

@@ -31,7 +31,8 @@ def available_host_memory() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def _best_time(run: Callable[[], None], repeats: int) -> float:
+def best_time(run: Callable[[], object], repeats: int) -> float:
+    """The least wall time of ``repeats`` calls of ``run``."""
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
@@ -59,7 +60,7 @@ def link_bandwidth(device: Device, nbytes: int = 64 << 20, repeats: int = 3) -> 
             # first touch of new pages is part of every device->host copy it makes: measure that, not a warm memcpy.
             aligned_empty(nbytes, torch.uint8).copy_(target)
 
-    return nbytes / _best_time(h2d, repeats), nbytes / _best_time(d2h, repeats)
+    return nbytes / best_time(h2d, repeats), nbytes / best_time(d2h, repeats)
 
 
 def disk_bandwidth(paths: Sequence[str], nbytes: int = 64 << 20, name: str = "ratel-probe") -> tuple[float, float]:
@@ -69,8 +70,8 @@ def disk_bandwidth(paths: Sequence[str], nbytes: int = 64 << 20, name: str = "ra
         store.reserve("probe", nbytes)
         store.preallocate()
         store.write("probe", buf).result()
-        write = _best_time(lambda: store.write("probe", buf).result(), 2)
-        read = _best_time(lambda: store.read("probe", buf).result(), 2)
+        write = best_time(lambda: store.write("probe", buf).result(), 2)
+        read = best_time(lambda: store.read("probe", buf).result(), 2)
     return nbytes / read, nbytes / write
 
 
@@ -85,7 +86,7 @@ def adam_throughput(step: Callable[..., None], numel: int = 1 << 22, repeats: in
         step(master, grad, m, v, None, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=1)
 
     run()
-    return numel / _best_time(run, repeats)
+    return numel / best_time(run, repeats)
 
 
 def measure_hardware(
