@@ -269,33 +269,22 @@ class GdsStore(TensorStore):
     def _submit(
         self, key: str, tensor: torch.Tensor, *, is_write: bool, ready: Any = None
     ) -> concurrent.futures.Future:
-        if tensor.device.type != self._device_type:
-            raise ValueError(f"GdsStore moves {self._device_type} tensors; key {key!r} got one on {tensor.device}")
-        if not tensor.is_contiguous():
-            raise ValueError(f"GdsStore needs a contiguous tensor for key {key!r}")
-        nbytes = tensor.numel() * tensor.element_size()
+        self._check_tensor(key, tensor)
         if ready is None and tensor.is_cuda:
             # Recording an event does not block the host; the I/O thread waits for it instead.
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(tensor.device))
-        with self._lock:
-            self._check_open()
-            if is_write:
-                extent = self._reserve_locked(key, nbytes)
-            else:
-                extent = self._extents.get(key)
-                if extent is None:
-                    raise KeyError(f"Key {key!r} was never reserved or written")
-                if extent.nbytes != nbytes:
-                    raise ValueError(
-                        f"Key {key!r} holds {extent.nbytes} bytes but the output tensor has {nbytes} bytes"
-                    )
-            gather = _Gather(len(extent.chunks), None if is_write else tensor)
-            request = _DeviceRequest(key, is_write, tensor, ready, gather)
-            # Submitting under the lock keeps close() from shutting the pool down halfway through a request.
-            for chunk in extent.chunks:
-                self._pool.submit(self._run_chunk, request, chunk)
-        return gather.future
+        return super()._submit(key, tensor, is_write=is_write, ready=ready)
+
+    def _check_tensor(self, key: str, tensor: torch.Tensor) -> None:
+        if tensor.device.type != self._device_type:
+            raise ValueError(f"GdsStore moves {self._device_type} tensors; key {key!r} got one on {tensor.device}")
+        if not tensor.is_contiguous():
+            raise ValueError(f"GdsStore needs a contiguous tensor for key {key!r}")
+
+    def _request(self, key: str, is_write: bool, tensor: torch.Tensor, nbytes: int, gather: _Gather,
+                 ready: Any = None) -> Any:
+        return _DeviceRequest(key, is_write, tensor, ready, gather)
 
     def _transfer_chunk(self, request: _DeviceRequest, chunk: _Chunk) -> None:  # type: ignore[override]
         if request.ready is not None:

@@ -636,11 +636,21 @@ class TensorStore:
         self._nbytes_reserved += nbytes
         return extent
 
-    def _submit(self, key: str, tensor: torch.Tensor, *, is_write: bool) -> concurrent.futures.Future:
+    def _check_tensor(self, key: str, tensor: torch.Tensor) -> None:
+        """Raise ``ValueError`` for a tensor this store cannot move."""
         if tensor.device.type != "cpu":
             raise ValueError(f"TensorStore needs a CPU tensor for key {key!r}, got one on {tensor.device}")
         if not tensor.is_contiguous():
             raise ValueError(f"TensorStore needs a contiguous tensor for key {key!r}")
+
+    def _request(self, key: str, is_write: bool, tensor: torch.Tensor, nbytes: int, gather: _Gather,
+                 **extra: Any) -> Any:
+        """The in-flight record of one read or write, which the chunk transfers work from (``extra``: what a
+        subclass's requests carry besides)."""
+        return _Request(key, is_write, tensor, nbytes, gather)
+
+    def _submit(self, key: str, tensor: torch.Tensor, *, is_write: bool, **extra: Any) -> concurrent.futures.Future:
+        self._check_tensor(key, tensor)
         nbytes = tensor.numel() * tensor.element_size()
         with self._lock:
             self._check_open()
@@ -655,7 +665,7 @@ class TensorStore:
                         f"Key {key!r} holds {extent.nbytes} bytes but the output tensor has {nbytes} bytes"
                     )
             gather = _Gather(len(extent.chunks), None if is_write else tensor)
-            request = _Request(key, is_write, tensor, nbytes, gather)
+            request = self._request(key, is_write, tensor, nbytes, gather, **extra)
             # Submitting under the lock keeps close() from shutting the pool down halfway through a request.
             for chunk in extent.chunks:
                 self._pool.submit(self._run_chunk, request, chunk)
