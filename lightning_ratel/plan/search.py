@@ -336,6 +336,36 @@ def _raise_required(walk: _Walk, required: list[OpProfile], left: list[OpProfile
         f"length.")
 
 
+def _start(model: CostModel, device_budget: int, host_budget: int,
+           store_budget: int) -> tuple[_Walk, dict[str, tuple[int, OpProfile]]]:
+    """The safe minimum every search point starts from: budgets checked, what cannot be recomputed stored, every
+    other op that saves bytes recomputed (returned by key with its layer index), ops that save nothing on the device.
+    """
+    unified = model.hw.unified_memory
+    budgets = {"device": host_budget if unified else device_budget, "host": host_budget, "ssd": store_budget}
+    walk = _Walk(model, budgets)
+    _check_fixed_memory(walk, unified)
+    _place_required(walk, unified)
+    candidates: dict[str, tuple[int, OpProfile]] = {}
+    for i, layer in enumerate(model.layers):
+        for op in layer.ops:
+            key = placement_key(layer.name, op.name)
+            if key in walk.placement:
+                continue
+            if op.saved_bytes > 0:
+                walk.placement[key] = "recompute"
+                walk.layer_bytes[i]["recompute"] += op.saved_bytes
+                candidates[key] = (i, op)
+            else:
+                walk.placement[key] = "device"
+    return walk, candidates
+
+
+def _staging_reserve(model: CostModel) -> int:
+    """Host bytes that SSD staging for whole blocks needs (the second walk keeps them free from the start)."""
+    return model.buffers * max((layer.saved_bytes for layer in model.layers), default=0)
+
+
 def search(
     hw: HardwareProfile,
     layers: Sequence[LayerProfile],
@@ -372,30 +402,13 @@ def search(
     """
     model = CostModel(hw, layers, prefetch_depth=prefetch_depth, state_read_bytes_per_param=state_read_bytes_per_param,
                       state_write_bytes_per_param=state_write_bytes_per_param, host_static_bytes=host_static_bytes)
-    unified = hw.unified_memory
-    budgets = {"device": host_budget if unified else device_budget, "host": host_budget, "ssd": store_budget}
-    walk = _Walk(model, budgets)
-    _check_fixed_memory(walk, unified)
-    _place_required(walk, unified)
-
-    candidates: dict[str, tuple[int, OpProfile]] = {}
-    for i, layer in enumerate(model.layers):
-        for op in layer.ops:
-            key = placement_key(layer.name, op.name)
-            if key in walk.placement:
-                continue
-            if op.saved_bytes > 0:
-                walk.placement[key] = "recompute"
-                walk.layer_bytes[i]["recompute"] += op.saved_bytes
-                candidates[key] = (i, op)
-            else:
-                walk.placement[key] = "device"
+    walk, candidates = _start(model, device_budget, host_budget, store_budget)
     order = [candidates[key] for key in candidate_order(model.layers) if key in candidates]
 
     # Filling host memory first can leave no room for the staging buffers SSD traffic needs, and then nothing
     # spills; a second walk keeps staging for a whole block free from the start. The faster one wins.
     descents = [_descend(walk.copy(0), order)]
-    reserve = model.buffers * max((layer.saved_bytes for layer in model.layers), default=0)
+    reserve = _staging_reserve(model)
     reserved = walk.copy(reserve)
     if reserve and reserved.fits():
         descents.append(_descend(reserved, order))
@@ -408,7 +421,7 @@ def search(
         predicted_backward_time=prediction.backward_time,
         resource_times={"forward": prediction.forward, "backward": prediction.backward},
         memory=prediction.memory,
-        budgets=budgets,
+        budgets=dict(walk.budgets),
         curve=best.curve,
         chosen=best.chosen,
         prefetch_depth=prefetch_depth,
@@ -483,24 +496,8 @@ def storing(
     if unknown:
         raise RatelConfigError(f"{sorted(unknown)} are not ops that can be either stored or recomputed")
     model = CostModel(hw, layers, prefetch_depth=prefetch_depth, host_static_bytes=host_static_bytes)
-    unified = hw.unified_memory
-    budgets = {"device": host_budget if unified else device_budget, "host": host_budget, "ssd": store_budget}
-    walk = _Walk(model, budgets)
-    _check_fixed_memory(walk, unified)
-    _place_required(walk, unified)
-    where = {}
-    for i, layer in enumerate(model.layers):
-        for op in layer.ops:
-            key = placement_key(layer.name, op.name)
-            if key in walk.placement:
-                continue
-            if op.saved_bytes > 0:
-                walk.placement[key] = "recompute"
-                walk.layer_bytes[i]["recompute"] += op.saved_bytes
-                where[key] = (i, op)
-            else:
-                walk.placement[key] = "device"
-    reserve = model.buffers * max((layer.saved_bytes for layer in model.layers), default=0)
+    walk, where = _start(model, device_budget, host_budget, store_budget)
+    reserve = _staging_reserve(model)
     if keep_staging and reserve and walk.copy(reserve).fits():
         walk = walk.copy(reserve)
     for key in order:
