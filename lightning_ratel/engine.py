@@ -22,6 +22,7 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
+from lightning_ratel import ops
 from lightning_ratel.blocks import Block, BlockSpec, discover_blocks
 from lightning_ratel.errors import RatelConfigError, RatelPlanError
 from lightning_ratel.plan.profile import HardwareProfile, LayerProfile, OpProfile
@@ -697,15 +698,9 @@ class RatelEngine:
         self.adam.wait_unit(unit)
         self.stall_seconds += time.perf_counter() - start
 
-    def adam_step(self) -> Callable[..., None]:
-        """The AdamW step function the CPU optimizer runs."""
-        from lightning_ratel import ops
-
-        return ops.fused_adamw_ if ops.native_matches_torch() else ops.torch_adamw_
-
     def measure_hardware(self) -> HardwareProfile:
         """Measure links, swap directories, CPU AdamW and free memory (see :mod:`lightning_ratel.runtime.probe`)."""
-        return measure_hardware(self.device, self.config.ssd_paths, self.adam_step())
+        return measure_hardware(self.device, self.config.ssd_paths, ops.adamw_step())
 
     def begin_profile(self) -> None:
         """Run the next pass under the safe default (block inputs swapped to host, everything else recomputed),

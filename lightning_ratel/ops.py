@@ -19,6 +19,7 @@ import functools
 import numbers
 import os
 import sys
+from collections.abc import Callable
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
@@ -209,6 +210,14 @@ def torch_adamw_(
         param, grad, exp_avg, exp_avg_sq, param_out, lr, beta1, beta2, eps, weight_decay, step, decoupled,
         1.0 / grad_scale,
     )
+
+
+def adamw_step() -> Callable[..., None]:
+    """The AdamW step the CPU optimizer runs: the native kernel where it reproduces torch exactly, else torch's.
+
+    Plain training's numbers are the contract, so the fast kernel is used only where the check passes.
+    """
+    return fused_adamw_ if native_matches_torch() else torch_adamw_
 
 
 @functools.cache

@@ -451,10 +451,9 @@ class CpuAdam:
     @staticmethod
     def _adamw(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                out: torch.Tensor, h: GroupHyper, step: int) -> None:
-        # Plain training's numbers are the contract: the fast kernel only where it reproduces torch exactly.
-        adam_step = ops.fused_adamw_ if ops.native_matches_torch() else ops.torch_adamw_
-        adam_step(master, grad, exp_avg, exp_avg_sq, out, lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
-                  weight_decay=h.weight_decay, step=step, decoupled=h.decoupled)
+        step_fn = ops.adamw_step()
+        step_fn(master, grad, exp_avg, exp_avg_sq, out, lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
+                weight_decay=h.weight_decay, step=step, decoupled=h.decoupled)
 
     def _resolve_barriers(self) -> None:
         if not self._barriers:
