@@ -201,16 +201,15 @@ class ActivationCache:
             record.paused = False
 
     def _place(self, block: int, record: ForwardRecord | None, t: torch.Tensor) -> Any:
-        located = self.pager.param_view(t.untyped_storage().data_ptr())
+        storage = t.untyped_storage().data_ptr()
+        located = self.pager.param_view(storage)
         if located is not None:
             return _ParamRef(block, located[0], located[1], t.storage_offset(), tuple(t.size()), tuple(t.stride()))
         produced = record.producer(t) if record is not None else None
         tier = self._tier(block, record.ops[produced[0]].name if produced is not None else None)
-        if record is not None and t.numel() * t.element_size() >= self.min_bytes:
-            key = produced[0] if produced is not None else -1
-            if (t.untyped_storage().data_ptr(), key) not in record.counted:
-                record.counted.add((t.untyped_storage().data_ptr(), key))
-                record.saved[key] = record.saved.get(key, 0) + t.numel() * t.element_size()
+        nbytes = t.numel() * t.element_size()
+        if record is not None and nbytes >= self.min_bytes:
+            record.count_saved(storage, produced[0] if produced is not None else -1, nbytes)
         if tier == "recompute" and produced is not None:
             assert record is not None
             record.targets.add(produced[0])

@@ -74,7 +74,6 @@ class ForwardRecord:
     # saved-activation bytes by producing op (-1: the block's inputs), each storage counted once
     saved: dict[int, int] = field(default_factory=dict)
     counted: set[tuple[int, int]] = field(default_factory=set)
-    forward_time: float = 0.0
     args: Any = None
     kwargs: Any = None
     forward: Callable[..., Any] | None = None
@@ -91,6 +90,12 @@ class ForwardRecord:
         if t.numel() == 0:
             return None
         return self.owner.get(t.untyped_storage().data_ptr())
+
+    def count_saved(self, storage: int, op: int, nbytes: int) -> None:
+        """Add ``nbytes`` saved from ``op``'s output (-1: the inputs), once per storage."""
+        if (storage, op) not in self.counted:
+            self.counted.add((storage, op))
+            self.saved[op] = self.saved.get(op, 0) + nbytes
 
     def direct_op(self, t: torch.Tensor) -> int | None:
         entry = self.direct.get(id(t))
