@@ -35,6 +35,7 @@ from lightning_ratel.runtime.probe import available_host_memory, measure_hardwar
 from lightning_ratel.runtime.pager import ParameterPager, ParamSlot, Unit
 from lightning_ratel.runtime.recompute import INPUT, ForwardRecord, OpTracker
 from lightning_ratel.runtime.storage import ALIGNMENT, TensorStore, aligned_empty
+from lightning_ratel.runtime.timeline import Timeline
 
 ActivationPolicy = str | dict[str, str]
 ParamInitFn = Callable[[nn.Module], None]
@@ -90,7 +91,8 @@ def plan_placements(blocks: Sequence[Block], placement: dict[str, str]) -> list[
     """Per-block placements from a plan's ``"<block>/<op>" -> tier`` mapping.
 
     A container block (one that holds other blocks) cannot be tracked op by op; its ``"<block>/*"`` entry (or
-    ``device``) applies to everything it saves. Ops the plan does not name stay on the device.
+    ``device``) applies to everything it saves. Ops the plan does not name stay on the device, and a block whose
+    ops all stay is not tracked.
     """
     by_block: dict[str, dict[str, str]] = {}
     for key, tier in placement.items():
@@ -104,6 +106,9 @@ def plan_placements(blocks: Sequence[Block], placement: dict[str, str]) -> list[
         if block.direct_only or not ops:
             tier = ops.get("*", "device")
             resolved.append("host" if tier == "recompute" else tier)
+        elif set(ops.values()) == {"device"}:
+            # Everything stays: no op needs to be told apart, so the forward runs without op tracking.
+            resolved.append("device")
         else:
             resolved.append(ops)
     return resolved
@@ -145,7 +150,7 @@ class RatelEngine:
         self.device = Device(device)
         self.half_dtype = half_dtype
         self.optimizer = optimizer
-        self.timeline: list[tuple[str, float]] = []
+        self.timeline = Timeline()
         self.blocks = discover_blocks(module, config.blocks)
         if not self.blocks:
             raise RatelConfigError("the model has no parameters to manage")
@@ -175,10 +180,9 @@ class RatelEngine:
             try:
                 self._load_units()
                 largest = max((s.numel for s in self.shards), default=0)
-                self.adam = CpuAdam(self.shards, self.store, clock=time.perf_counter,
+                self.adam = CpuAdam(self.shards, self.store, timeline=self.timeline,
                                     compute_on_store=self.param_cache == "ssd",
                                     grad_budget_bytes=GRAD_BUDGET_SHARDS * largest * 4)
-                self.adam.timeline = self.timeline
             except BaseException:
                 self._unmaterialize()
                 self.store.close()
@@ -336,7 +340,7 @@ class RatelEngine:
                     params.append(ShardParam(slot.name, slot.param, index, offset, slot.numel, slot.shape))
                     offset += slot.numel
                 shard = Shard(len(self.shards) + len(self.frozen_shards), unit, g, dtype, slots[0].offset, params,
-                              offset)
+                              offset, master_in_host=self.param_cache == "host" and dtype == torch.float32)
                 (self.shards if g >= 0 else self.frozen_shards).append(shard)
                 self._unit_shards.setdefault(unit.index, []).append(shard)
 
@@ -387,10 +391,11 @@ class RatelEngine:
         store = self.store
         if store is not None:
             for shard in self.shards:
-                for what in ("master", "exp_avg", "exp_avg_sq"):
+                for what in ("exp_avg", "exp_avg_sq"):
                     store.reserve(shard.key(what), shard.numel * 4)
             for shard in self.shards + self.frozen_shards:
-                store.reserve(shard.key("master"), shard.numel * 4)
+                if not shard.master_in_host:
+                    store.reserve(shard.key("master"), shard.numel * 4)
                 if self.param_cache == "ssd" and shard.dtype != torch.float32:
                     store.reserve(shard.compute_key, shard.numel * shard.dtype.itemsize)
             store.preallocate()
@@ -612,7 +617,7 @@ class RatelEngine:
         self._clip = (float(clip_val), algorithm)
 
     def pre_backward(self) -> None:
-        self.timeline.append(("backward_start", time.perf_counter()))
+        self.timeline.record("backward_start")
         self._bw_entered = time.perf_counter()
 
     def post_backward(self) -> None:
@@ -622,7 +627,7 @@ class RatelEngine:
             for b in range(len(self.blocks)):
                 self._profiled.setdefault(b, []).extend(self.cache.records(b))
                 self._profiled_times.setdefault(b, []).append(self.block_times.pop(b, {}))
-        self.timeline.append(("backward_end", time.perf_counter()))
+        self.timeline.record("backward_end")
         for held in self._bw_held:
             self.pager.release(held)
         self._bw_held.clear()
@@ -774,8 +779,16 @@ class RatelEngine:
         if hardware.unified_memory:
             device_budget = host_budget
         store_budget = int(hardware.ssd_free * 0.95)
+        # Moments always go through the store; masters unless the host cache holds them, and 16-bit compute copies
+        # when the pager reads them from there.
+        trainable = sum(s.numel for s in self.shards) or 1
+        masters = sum(s.numel * 4 for s in self.shards if not s.master_in_host)
+        copies = sum(s.numel * s.dtype.itemsize for s in self.shards
+                     if self.param_cache == "ssd" and s.dtype != torch.float32)
         plan = search(hardware, layers, device_budget=device_budget, host_budget=host_budget,
-                      store_budget=store_budget, prefetch_depth=self.config.prefetch_depth, host_static_bytes=static)
+                      store_budget=store_budget, prefetch_depth=self.config.prefetch_depth, host_static_bytes=static,
+                      state_read_bytes_per_param=round(8 + masters / trainable),
+                      state_write_bytes_per_param=round(8 + (masters + copies) / trainable))
         plan.budgets["host_static"] = static
         return plan
 
@@ -799,8 +812,7 @@ class RatelEngine:
                 busy.extend(store.take_busy_intervals())
         updates: list[tuple[float, float]] = []
         opened: dict[str, float] = {}
-        events = self.timeline[self._timeline_cursor :]
-        self._timeline_cursor = len(self.timeline)
+        events, self._timeline_cursor = self.timeline.since(self._timeline_cursor)
         for name, t in events:
             kind, _, shard = name.partition(":")
             if kind == "update_start":
@@ -828,6 +840,10 @@ class RatelEngine:
             self.adam.barrier(include_writes=True)
 
     def _read_flat(self, shard: Shard, what: str) -> torch.Tensor:
+        """One of a shard's flat fp32 states (``master``, ``exp_avg``, ``exp_avg_sq``); a master kept in the host
+        cache is returned as that view, so callers copy what they keep."""
+        if what == "master" and shard.master_in_host:
+            return shard.host_master()
         assert self.store is not None
         out = aligned_empty(shard.numel, torch.float32)[: shard.numel]
         self.store.read(shard.key(what), out).result()
@@ -1091,8 +1107,8 @@ def ensure_checkpoint_fits(module: nn.Module, optimizer: torch.optim.Optimizer) 
 
 
 class _ShardWriter:
-    """Writes shards' fp32 masters (and, when the pager reads them from the store, 16-bit compute copies) from the
-    parameters' current values, through two staging buffer sets so one fills while the other is written.
+    """Writes shards' fp32 masters (but not those the host cache holds; and, when the pager reads them from the store,
+    16-bit compute copies) from the parameters' current values, through two staging buffer sets so one fills while the other is written.
 
     Args:
         store: the swap store; ``None`` writes nothing.
@@ -1114,7 +1130,7 @@ class _ShardWriter:
         self._count = 0
 
     def write(self, shard: Shard) -> None:
-        if self.store is None:
+        if self.store is None or shard.master_in_host:
             return
         k = self._count % 2
         self._count += 1

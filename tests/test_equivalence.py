@@ -178,3 +178,51 @@ def test_fp16_matches_gradscaler_loop(tmp_path):
         sched.step()
         opt.zero_grad()
     assert max_rel_err(reference.state_dict(), module.state_dict()) <= 1e-5
+
+
+class _HostCacheProbe(L.Callback):
+    """Records, inside a forward, whether a block's weight is a view of its unit's host cache."""
+
+    def __init__(self) -> None:
+        self.in_host_cache: list[bool] = []
+        self.reserved = 0
+        self.engine = None
+
+    def on_train_start(self, trainer, pl_module):
+        self.engine = trainer.strategy.engine
+        self.reserved = self.engine.store.nbytes_reserved
+        pl_module.model.model.layers[1].mlp.up_proj.register_forward_hook(self._check)
+
+    def _check(self, module, args, output):
+        ptr = module.weight.data_ptr()
+        self.in_host_cache.append(any(
+            flat.data_ptr() <= ptr < flat.data_ptr() + flat.numel() * flat.element_size()
+            for unit in self.engine.units.values() for flat in unit.host.values()))
+
+
+def test_fp32_masters_live_in_the_host_cache(tmp_path):
+    """In fp32 with the host cache, the compute copies are the masters: only the moments go to the swap files, the
+    CPU forward computes on the host cache itself, and training still ends on plain numbers."""
+    ref = _fit("auto", "llama")
+    probe = _HostCacheProbe()
+    module = LM("llama")
+    t = trainer(RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy="host", param_cache="host"),
+                callbacks=[probe])
+    t.fit(module)
+    _compare(ref, final_state(module, t), 1e-5)
+    assert probe.in_host_cache and all(probe.in_host_cache)
+    assert all(s.master_in_host for s in probe.engine.shards)
+    params = sum(p.numel() for p in module.parameters())
+    # Two fp32 moments per parameter (plus each key's alignment to 4096 bytes), no masters.
+    assert 8 * params <= probe.reserved < 8 * params + 2 * 4096 * len(probe.engine.shards)
+
+
+def test_mixed_precision_masters_stay_on_disk(tmp_path):
+    probe = _HostCacheProbe()
+    trainer(RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy="host"), precision="bf16-mixed",
+            max_steps=1, callbacks=[probe]).fit(LM("llama"))
+    half = [s for s in probe.engine.shards if s.dtype == torch.bfloat16]
+    # Shards computed in bf16 keep their fp32 masters on disk; those computed in fp32 (norms) keep them in the cache.
+    assert half and not any(s.master_in_host for s in half)
+    assert all(s.master_in_host for s in probe.engine.shards if s.dtype == torch.float32)
+    assert probe.reserved >= 12 * sum(s.numel for s in half)

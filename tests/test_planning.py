@@ -14,6 +14,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_ratel import Plan, RatelConfigError, RatelPlanError, RatelProfiler, RatelStrategy
+from lightning_ratel.blocks import discover_blocks
+from lightning_ratel.engine import plan_placements
 from lightning_ratel.runtime import recompute
 from lightning_ratel.strategy import parse_bytes
 from tests.models import LM, final_state, max_rel_err, trainer
@@ -60,6 +62,40 @@ def test_auto_plan_matches_plain_training(auto_run):
         assert op in names, op
     assert any(n.startswith("input_layernorm:") for n in names)
     assert any("scaled_dot_product" in n for n in names)
+
+
+class _RngAtFirstBatch(L.Callback):
+    def __init__(self) -> None:
+        self.state: torch.Tensor | None = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.state is None:
+            self.state = torch.get_rng_state()
+
+
+def test_hardware_probe_leaves_the_global_rng_alone(tmp_path):
+    """The probe at the start of training must not draw from torch's global generator, which also shuffles the
+    user's data and draws dropout masks."""
+    seen = []
+    for strategy in ("auto", RatelStrategy(ssd_paths=[str(tmp_path)])):
+        record = _RngAtFirstBatch()
+        torch.manual_seed(123)
+        trainer(strategy, max_steps=1, callbacks=[record]).fit(LM("llama"))
+        seen.append(record.state)
+    assert torch.equal(seen[0], seen[1])
+
+
+def test_blocks_planned_all_on_device_are_not_tracked():
+    """A block whose every op stays on the device runs its forward without op tracking; a block with one op
+    elsewhere keeps its op-level placement."""
+    blocks = discover_blocks(LM("llama"))
+    name = next(b.name for b in blocks if b.name.endswith("layers.0"))
+    all_device = {f"{name}/input": "device", f"{name}/mlp.act_fn:silu": "device"}
+    placements = plan_placements(blocks, all_device)
+    assert all(p == "device" for p in placements)
+    one_off = {**all_device, f"{name}/mlp.act_fn:silu": "recompute"}
+    placed = plan_placements(blocks, one_off)
+    assert [p for p in placed if isinstance(p, dict)] == [{"input": "device", "mlp.act_fn:silu": "recompute"}]
 
 
 def test_auto_plan_writes_report_and_plan(auto_run):

@@ -8,9 +8,12 @@ Gradients reach a single worker thread in the order backward produces them. The 
 fp32 buffer that the shard takes from a pool with its first gradient and gives back after its update, so gradient
 memory follows the shards in flight rather than the model. When a shard's last gradient of the boundary micro-batch
 arrives (and nothing global such as a norm is still unknown) it runs the shard's update: read master and moments
-from the store (issued ahead while the previous shard computes), AdamW in place, write the new compute copy where the
-pager reads it (the host cache, or the store; the next forward may page the block in from then on), write master and
-moments back (finishing while the next shard computes). While the gradients held exceed a budget and the worker has
+from the store, AdamW in place, write the new compute copy where the pager reads it (the host cache, or the store; the
+next forward may page the block in from then on), write master and moments back (finishing while the next shard
+computes). The reads do not wait for the gradient: during the boundary micro-batch, every free buffer set is filled
+ahead with the states of the shards expected next, in the order the previous step's updates ran, so an update starts
+as soon as its last gradient is in. Without that, the shards backward finishes last (the first block and the
+embedding, which the next forward needs first) would each wait for a disk read after backward. While the gradients held exceed a budget and the worker has
 work that will release some, the thread handing gradients over waits, so backward cannot run arbitrarily far ahead
 of the optimizer.
 """
@@ -19,9 +22,7 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from collections import deque
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +34,7 @@ from lightning_ratel import ops
 from lightning_ratel.runtime.pager import Unit
 from lightning_ratel.runtime.pool import BufferPool
 from lightning_ratel.runtime.storage import ALIGNMENT, TensorStore, aligned_empty
+from lightning_ratel.runtime.timeline import Timeline
 
 
 @dataclass
@@ -73,6 +75,9 @@ class Shard:
     done: int = 0
     moments_on_store: bool = False
     last_write: Future | None = None
+    # An fp32 shard whose compute copy stays in the unit's host cache: that copy is the master itself, updated there in
+    # place and never kept on the store.
+    master_in_host: bool = False
 
     def key(self, what: str) -> str:
         return f"shard{self.index}.{what}"
@@ -85,6 +90,10 @@ class Shard:
     def compute_view(self, flat: torch.Tensor) -> torch.Tensor:
         """This shard's range of a flat tensor laid out like its unit's compute copies."""
         return flat[self.host_offset : self.host_offset + self.numel]
+
+    def host_master(self) -> torch.Tensor:
+        """The master of a ``master_in_host`` shard: its range of the unit's fp32 host cache."""
+        return self.compute_view(self.unit.host[torch.float32])
 
 
 @dataclass(frozen=True)
@@ -111,8 +120,8 @@ class StepPlan:
 
 
 class _Buffers:
-    def __init__(self, numel: int, compute_bytes: int) -> None:
-        self.master = aligned_empty(numel, torch.float32)
+    def __init__(self, numel: int, master_numel: int, compute_bytes: int) -> None:
+        self.master = aligned_empty(master_numel, torch.float32)
         self.exp_avg = aligned_empty(numel, torch.float32)
         self.exp_avg_sq = aligned_empty(numel, torch.float32)
         # The new 16-bit compute copy on its way to the store (only when the pager reads compute copies from there).
@@ -129,10 +138,10 @@ class CpuAdam:
     """Consumes gradients as backward produces them and updates shards on the CPU, overlapped with backward.
 
     Args:
-        shards: every shard, in any order.
+        shards: every shard, in the order of their units' forward.
         store: the swap store holding masters and moments.
-        depth: buffer sets in flight (one reading, one computing, one writing back).
-        clock: the time source for the recorded timeline.
+        depth: buffer sets in flight (reading ahead, computing, writing back).
+        timeline: where updates and reads ahead are recorded; a new one by default.
         compute_on_store: the pager reads compute copies from the store, so an update writes the new compute copy
             there (the fp32 master itself for fp32 shards) and a unit is ready only once those writes have landed.
         grad_budget_bytes: gradient bytes (pooled buffers plus gradients handed over but not yet taken in) above
@@ -140,17 +149,17 @@ class CpuAdam:
     """
 
     def __init__(self, shards: list[Shard], store: TensorStore, depth: int = 3,
-                 clock: Callable[[], float] = time.perf_counter, compute_on_store: bool = False,
+                 timeline: Timeline | None = None, compute_on_store: bool = False,
                  grad_budget_bytes: int | None = None) -> None:
         self.shards = shards
         self.store = store
-        self.clock = clock
         self.compute_on_store = compute_on_store
         self.grad_budget_bytes = grad_budget_bytes
         largest = max((s.numel for s in shards), default=1)
+        largest_master = max((s.numel for s in shards if not s.master_in_host), default=0)
         compute_bytes = max(
             (s.numel * s.dtype.itemsize for s in shards if compute_on_store and s.dtype != torch.float32), default=0)
-        self._free = [_Buffers(largest, compute_bytes) for _ in range(depth)]
+        self._free = [_Buffers(largest, largest_master, compute_bytes) for _ in range(depth)]
         self._buffer_bytes = sum(b.nbytes for b in self._free)
         self.grads = BufferPool()
         self._queued_grad_bytes = 0
@@ -158,6 +167,13 @@ class CpuAdam:
         self._jobs: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._ready: deque[tuple[Shard, StepPlan]] = deque()
         self._inflight: deque[tuple[Shard, StepPlan, _Buffers, list[Future]]] = deque()
+        # Read-ahead: states read before the shard's gradient is complete, by shard index; only between the start of
+        # a boundary micro-batch and its schedule, so nothing else writes those states meanwhile.
+        self._ahead: dict[int, tuple[_Buffers, list[Future]]] = {}
+        self._reading_ahead = False
+        # The order the last step's updates ran in (backward's order), and this step's so far.
+        self._order: list[Shard] = list(reversed(shards))
+        self._ran: list[Shard] = []
         self._writes_pending = 0
         self._barriers: list[Future] = []
         self._error: BaseException | None = None
@@ -166,7 +182,7 @@ class CpuAdam:
         self._unit_shards: dict[int, list[Shard]] = {}
         for shard in shards:
             self._unit_shards.setdefault(shard.unit.index, []).append(shard)
-        self.timeline: list[tuple[str, float]] = []
+        self.timeline = timeline if timeline is not None else Timeline()
         self._worker = threading.Thread(target=self._run, name="ratel-cpu-adam", daemon=True)
         self._worker.start()
 
@@ -318,6 +334,12 @@ class CpuAdam:
                 self._enqueue(shard, plan)
         elif kind == "begin":
             self._plan = job[1]
+            self._drop_ahead()
+            self._reading_ahead = self._plan is not None
+            if self._reading_ahead and self._ran:
+                ran = {s.index for s in self._ran}
+                self._order = self._ran + [s for s in self._order if s.index not in ran]
+                self._ran = []
             for shard in self.shards:
                 shard.arrived = 0
                 shard.scheduled = False
@@ -328,11 +350,16 @@ class CpuAdam:
             for shard in shards:
                 if not shard.scheduled:
                     self._enqueue(shard, plan)
+            # Every update of the step is queued: states read ahead for shards without one are dropped.
+            self._reading_ahead = False
+            self._drop_ahead()
         elif kind == "discard":
             for shard in job[1]:
                 for sp in shard.params:
                     sp.has_grad = False
                 self._release_grad(shard)
+            self._reading_ahead = False
+            self._drop_ahead()
         elif kind == "freed":
             self._free.append(job[1])
             self._writes_pending -= 1
@@ -343,6 +370,7 @@ class CpuAdam:
         shard.scheduled = True
         if any(sp.has_grad for sp in shard.params):
             self._ready.append((shard, plan))
+            self._ran.append(shard)
             with self._cond:
                 self._pending_updates += 1
 
@@ -353,21 +381,67 @@ class CpuAdam:
 
     def _advance(self) -> None:
         while True:
-            while self._ready and self._free and self._error is None:
-                shard, plan = self._ready.popleft()
-                buffers = self._free.pop()
-                self._inflight.append((shard, plan, buffers, self._read(shard, buffers)))
+            while self._ready and self._error is None:
+                shard, plan = self._ready[0]
+                ahead = self._ahead.pop(shard.index, None)
+                if ahead is None:
+                    if not self._free and not self._evict_ahead():
+                        break
+                    buffers = self._free.pop()
+                    ahead = (buffers, self._read(shard, buffers))
+                self._ready.popleft()
+                self._inflight.append((shard, plan, *ahead))
+            if self._reading_ahead and self._error is None:
+                self._read_ahead()
             # Gradients are cheap to take in and unblock backward's memory; updates wait for an empty queue.
             if not self._inflight or not self._jobs.empty() or self._error is not None:
                 return
             shard, plan, buffers, reads = self._inflight.popleft()
             self._update(shard, plan, buffers, reads)
 
+    def _read_ahead(self) -> None:
+        """Fill free buffer sets with the states of the shards expected next, in last step's order."""
+        if not self._free:
+            return
+        for shard in self._order:
+            if shard.scheduled or shard.index in self._ahead:
+                continue
+            if shard.last_write is not None and not shard.last_write.done():
+                # Its previous write-back is still landing; later shards must not take the buffer it will need.
+                return
+            buffers = self._free.pop()
+            self.timeline.record(f"read_ahead:{shard.index}")
+            self._ahead[shard.index] = (buffers, self._read(shard, buffers))
+            if not self._free:
+                return
+
+    def _evict_ahead(self) -> bool:
+        """A ready shard needs a buffer set and none will come back from a write: free the read-ahead expected
+        last. Returns whether one was freed."""
+        if self._writes_pending or not self._ahead:
+            return False
+        position = {s.index: i for i, s in enumerate(self._order)}
+        index = max(self._ahead, key=lambda i: position.get(i, len(position)))
+        self._release_ahead(index)
+        return True
+
+    def _drop_ahead(self) -> None:
+        for index in list(self._ahead):
+            self._release_ahead(index)
+
+    def _release_ahead(self, index: int) -> None:
+        buffers, reads = self._ahead.pop(index)
+        # The buffers are reused only once the reads stop writing them; a read error does not matter, the data is
+        # never used.
+        for read in reads:
+            read.exception()
+        self._free.append(buffers)
+
     def _read(self, shard: Shard, b: _Buffers) -> list[Future]:
         if shard.last_write is not None:
             shard.last_write.result()
         n = shard.numel
-        reads = [self.store.read(shard.key("master"), b.master[:n])]
+        reads = [] if shard.master_in_host else [self.store.read(shard.key("master"), b.master[:n])]
         if shard.moments_on_store:
             reads.append(self.store.read(shard.key("exp_avg"), b.exp_avg[:n]))
             reads.append(self.store.read(shard.key("exp_avg_sq"), b.exp_avg_sq[:n]))
@@ -376,9 +450,10 @@ class CpuAdam:
     def _update(self, shard: Shard, plan: StepPlan, b: _Buffers, reads: list[Future]) -> None:
         for r in reads:
             r.result()
-        self.timeline.append((f"update_start:{shard.index}", self.clock()))
+        self.timeline.record(f"update_start:{shard.index}")
         n = shard.numel
-        master, exp_avg, exp_avg_sq = b.master[:n], b.exp_avg[:n], b.exp_avg_sq[:n]
+        master = shard.host_master() if shard.master_in_host else b.master[:n]
+        exp_avg, exp_avg_sq = b.exp_avg[:n], b.exp_avg_sq[:n]
         if not shard.moments_on_store:
             exp_avg.zero_()
             exp_avg_sq.zero_()
@@ -398,18 +473,17 @@ class CpuAdam:
                 out.copy_(master)
             for sp in with_grad:
                 sl = slice(sp.offset, sp.offset + sp.numel)
-                self._adamw(master[sl], grad[sl], exp_avg[sl], exp_avg_sq[sl], out[sl], hyper, sp.step + 1)
+                self._adamw(master[sl], grad[sl], exp_avg[sl], exp_avg_sq[sl], out[sl] if out is not None else None,
+                            hyper, sp.step + 1)
         for sp in with_grad:
             sp.step += 1
             sp.has_grad = False
         shard.moments_on_store = True
         self._release_grad(shard)
-        self.timeline.append((f"update_end:{shard.index}", self.clock()))
-        writes = [
-            self.store.write(shard.key("master"), master),
-            self.store.write(shard.key("exp_avg"), exp_avg),
-            self.store.write(shard.key("exp_avg_sq"), exp_avg_sq),
-        ]
+        self.timeline.record(f"update_end:{shard.index}")
+        writes = [self.store.write(shard.key("exp_avg"), exp_avg), self.store.write(shard.key("exp_avg_sq"), exp_avg_sq)]
+        if not shard.master_in_host:
+            writes.append(self.store.write(shard.key("master"), master))
         if out is not None and self.compute_on_store:
             writes.append(self.store.write(shard.compute_key, out))
         self._writes_pending += 1
@@ -440,7 +514,9 @@ class CpuAdam:
 
     def _compute_out(self, shard: Shard, b: _Buffers) -> torch.Tensor | None:
         """Where the update writes the shard's new compute copy: the host cache, a staging buffer bound for the
-        store, or nowhere when the pager reads the fp32 master itself."""
+        store, or nowhere when the master itself is the compute copy."""
+        if shard.master_in_host:
+            return None
         if not self.compute_on_store:
             return shard.compute_view(shard.unit.host[shard.dtype])
         if shard.dtype == torch.float32:
@@ -453,7 +529,7 @@ class CpuAdam:
                out: torch.Tensor, h: GroupHyper, step: int) -> None:
         step_fn = ops.adamw_step()
         step_fn(master, grad, exp_avg, exp_avg_sq, out, lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
-                weight_decay=h.weight_decay, step=step, decoupled=h.decoupled)
+                weight_decay=h.weight_decay, step=step, decoupled=h.decoupled, num_threads=1)
 
     def _resolve_barriers(self) -> None:
         if not self._barriers:

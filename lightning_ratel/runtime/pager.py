@@ -98,8 +98,7 @@ class ParameterPager:
         self._wait_ready = wait_ready
         self._is_ready = is_ready
         self._read_unit = read_unit
-        # Store reads land in these (pinned on CUDA); on CPU they also hold the host-cache page-ins, which are the
-        # compute copies there. Reusing them keeps page-ins off freshly mapped memory.
+        # Store reads land in these (pinned on CUDA); reusing them keeps page-ins off freshly mapped memory.
         self.pool = BufferPool(pin=device.is_cuda)
         self._prefetched: set[int] = set()
         self._acquired: dict[int, int] = {}
@@ -132,11 +131,15 @@ class ParameterPager:
         self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes)
 
     def _upload(self, unit: Unit, host: dict[torch.dtype, torch.Tensor]) -> None:
+        if not self.device.is_cuda:
+            # The host cache already is the compute device's memory: compute on it rather than on a copy. The
+            # optimizer rewrites it only once every gradient of the unit is in, when nothing reads it any more.
+            self._bind(unit, dict(host))
+            return
         flats: dict[torch.dtype, torch.Tensor] = {}
         event = None
         for dtype, flat in host.items():
-            out = None if self.device.is_cuda else self.pool.take(flat.numel(), dtype)
-            flats[dtype], event = self.device.to_device(flat, out=out)
+            flats[dtype], event = self.device.to_device(flat)
         self._bind(unit, flats)
         unit.event = event
 
@@ -177,11 +180,8 @@ class ParameterPager:
             if unit.event is not None:
                 # The upload may still be reading the staging buffers; the next read into them must not overtake it.
                 unit.event.synchronize()
-            pooled = list(unit.staging.values())
-        else:
-            pooled = [] if self.device.is_cuda else list(flats.values())
-        for buffer in pooled:
-            self.pool.give(buffer)
+            for buffer in unit.staging.values():
+                self.pool.give(buffer)
         unit.staging = None
         unit.device_flats = None
         unit.event = None

@@ -77,8 +77,10 @@ def disk_bandwidth(paths: Sequence[str], nbytes: int = 64 << 20, name: str = "ra
 
 def adam_throughput(step: Callable[..., None], numel: int = 1 << 22, repeats: int = 3) -> float:
     """Parameters per second of ``step`` (an AdamW step with the optimizer's signature) on fp32 states."""
-    master = torch.randn(numel)
-    grad = torch.randn(numel)
+    # A generator of its own: drawing from the global one would change the user's data order and dropout masks.
+    generator = torch.Generator().manual_seed(0)
+    master = torch.randn(numel, generator=generator)
+    grad = torch.randn(numel, generator=generator)
     m = torch.zeros(numel)
     v = torch.zeros(numel)
 

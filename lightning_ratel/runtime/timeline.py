@@ -1,0 +1,45 @@
+"""A bounded, thread-safe record of named events and their times (backward, optimizer updates, reads ahead)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from itertools import islice
+
+
+class Timeline:
+    """Events ``(name, time)`` in the order they were recorded; past ``capacity`` the oldest are dropped, so a long
+    run keeps a constant amount of memory.
+
+    Args:
+        capacity: events kept.
+        clock: the time source.
+    """
+
+    def __init__(self, capacity: int = 1 << 16, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
+        self._events: deque[tuple[str, float]] = deque(maxlen=capacity)
+        self._recorded = 0
+        self._lock = threading.Lock()
+
+    def record(self, name: str) -> None:
+        """Add the event ``name`` at the current time."""
+        with self._lock:
+            self._events.append((name, self.clock()))
+            self._recorded += 1
+
+    def since(self, cursor: int) -> tuple[list[tuple[str, float]], int]:
+        """The events recorded after the first ``cursor`` (those still kept) and the cursor for the next call."""
+        with self._lock:
+            new = min(self._recorded - cursor, len(self._events))
+            events = list(islice(self._events, len(self._events) - new, None)) if new > 0 else []
+            return events, self._recorded
+
+    def __iter__(self) -> Iterator[tuple[str, float]]:
+        with self._lock:
+            return iter(list(self._events))
+
+    def __len__(self) -> int:
+        return len(self._events)
