@@ -2,9 +2,11 @@
 
 Both runs train the demo's Llama (``examples/lm_module.py``) on the shipped Genesis text (``examples/text_data.py``)
 from the same initial weights and the same batches, in ``32-true`` precision with torch.optim.AdamW. The baseline is
-Lightning's default strategy with everything in memory; the contender is ``RatelStrategy`` with its master weights
-and Adam moments in swap files under ``--swap-dir``, parameters paged per block and activations placed as the
-``--ratel-config`` says. Runs take turns (plain, Ratel, plain, ...) so that changing machine load hits both alike.
+Lightning's default strategy with everything in memory; the contender is ``RatelStrategy`` with its Adam moments in
+swap files under ``--swap-dir`` (fp32 masters stay in the host cache, where they are the compute copies), parameters
+paged per block and activations placed as ``--ratel-config`` says (by default planned by the profiler, as a user gets
+it; its two profiled steps fall in the warm-up). Runs take turns (plain, Ratel, plain, ...) so that changing machine
+load hits both alike.
 
 The clock starts when the batch after the ``--warmup`` untimed steps starts and stops when the batch after the timed
 ``--steps`` starts, so every timed step is a whole step, Ratel's optimizer work that overlaps the next forward
@@ -85,8 +87,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="clip by norm in both runs (Ratel then starts its updates after backward)")
     parser.add_argument("--swap-dir", type=Path, default=Path("outputs") / "step_overhead-swap",
                         help="directory for Ratel's swap files (created if missing; emptied by Ratel at the end)")
-    parser.add_argument("--ratel-config", type=json.loads, default={"activation_policy": "host"},
-                        help="JSON object of RatelStrategy keyword arguments other than ssd_paths")
+    parser.add_argument("--ratel-config", type=json.loads, default={},
+                        help="JSON object of RatelStrategy keyword arguments other than ssd_paths (default: none, so "
+                             "activations are placed by the profiler's plan)")
     return parser.parse_args(argv)
 
 

@@ -182,7 +182,9 @@ class RatelEngine:
                 largest = max((s.numel for s in self.shards), default=0)
                 self.adam = CpuAdam(self.shards, self.store, timeline=self.timeline,
                                     compute_on_store=self.param_cache == "ssd",
-                                    grad_budget_bytes=GRAD_BUDGET_SHARDS * largest * 4)
+                                    grad_budget_bytes=GRAD_BUDGET_SHARDS * largest * 4,
+                                    # On the CPU the compute's own thread team already fills every core.
+                                    threads=None if self.device.is_cuda else 1)
             except BaseException:
                 self._unmaterialize()
                 self.store.close()
@@ -705,7 +707,9 @@ class RatelEngine:
 
     def measure_hardware(self) -> HardwareProfile:
         """Measure links, swap directories, CPU AdamW and free memory (see :mod:`lightning_ratel.runtime.probe`)."""
-        return measure_hardware(self.device, self.config.ssd_paths, ops.adamw_step())
+        threads = self.adam.threads if self.adam is not None else torch.get_num_threads()
+        return measure_hardware(self.device, self.config.ssd_paths,
+                                functools.partial(ops.adamw_step(), num_threads=threads))
 
     def begin_profile(self) -> None:
         """Run the next pass under the safe default (block inputs swapped to host, everything else recomputed),

@@ -105,3 +105,17 @@ def test_states_are_read_ahead_in_last_steps_order(tmp_path: Path) -> None:
     finally:
         adam.close()
         store.close()
+
+
+def test_worker_thread_count_stays_its_own(tmp_path: Path) -> None:
+    """The worker sets its OpenMP thread count for itself only: the training thread keeps its own."""
+    before = torch.get_num_threads()
+    store = TensorStore([tmp_path])
+    adam = CpuAdam([], store, threads=1)
+    try:
+        adam.barrier()
+        assert adam.threads == 1
+        assert torch.get_num_threads() == before
+    finally:
+        adam.close()
+        store.close()

@@ -146,12 +146,17 @@ class CpuAdam:
             there (the fp32 master itself for fp32 shards) and a unit is ready only once those writes have landed.
         grad_budget_bytes: gradient bytes (pooled buffers plus gradients handed over but not yet taken in) above
             which :meth:`gradient` waits for the worker to release some; ``None`` never waits.
+        threads: OpenMP threads of the worker (the AdamW kernel and its torch operations); defaults to
+            ``torch.get_num_threads()``. Training on the CPU itself wants 1: a second thread team on cores the
+            compute team already fills makes OpenMP stop spinning between parallel regions in both teams, and every
+            region of the forward and backward then waits for sleeping threads to wake.
     """
 
     def __init__(self, shards: list[Shard], store: TensorStore, depth: int = 3,
                  timeline: Timeline | None = None, compute_on_store: bool = False,
-                 grad_budget_bytes: int | None = None) -> None:
+                 grad_budget_bytes: int | None = None, threads: int | None = None) -> None:
         self.shards = shards
+        self.threads = threads if threads is not None else torch.get_num_threads()
         self.store = store
         self.compute_on_store = compute_on_store
         self.grad_budget_bytes = grad_budget_bytes
@@ -277,6 +282,8 @@ class CpuAdam:
                     shard.last_write.result()
 
     def _run(self) -> None:
+        # Per thread: the training thread keeps its own thread count.
+        torch.set_num_threads(self.threads)
         while True:
             job = self._jobs.get()
             kind = job[0]
@@ -524,12 +531,11 @@ class CpuAdam:
         assert b.compute is not None
         return b.compute.view(shard.dtype)[: shard.numel]
 
-    @staticmethod
-    def _adamw(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-               out: torch.Tensor, h: GroupHyper, step: int) -> None:
+    def _adamw(self, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+               out: torch.Tensor | None, h: GroupHyper, step: int) -> None:
         step_fn = ops.adamw_step()
         step_fn(master, grad, exp_avg, exp_avg_sq, out, lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
-                weight_decay=h.weight_decay, step=step, decoupled=h.decoupled, num_threads=1)
+                weight_decay=h.weight_decay, step=step, decoupled=h.decoupled, num_threads=self.threads)
 
     def _resolve_barriers(self) -> None:
         if not self._barriers:
