@@ -1112,7 +1112,8 @@ def ensure_checkpoint_fits(module: nn.Module, optimizer: torch.optim.Optimizer) 
 
 class _ShardWriter:
     """Writes shards' fp32 masters (but not those the host cache holds; and, when the pager reads them from the store,
-    16-bit compute copies) from the parameters' current values, through two staging buffer sets so one fills while the other is written.
+    16-bit compute copies) from the parameters' current values, through two staging buffer sets so one fills while
+    the other is written.
 
     Args:
         store: the swap store; ``None`` writes nothing.

@@ -2,20 +2,21 @@
 
 Optimizer state is kept per *shard*: the parameters of one unit (block) that share a parameter group and a compute
 dtype, so a shard's 16-bit copies are one contiguous range of the unit's compute copies and its fp32 master,
-``exp_avg`` and ``exp_avg_sq`` are three flat tensors in the swap store.
+``exp_avg`` and ``exp_avg_sq`` are three flat tensors in the swap store. An fp32 shard whose compute copy lives in the
+host cache has no master on the store: that copy is the master.
 
 Gradients reach a single worker thread in the order backward produces them. The worker accumulates them into a host
 fp32 buffer that the shard takes from a pool with its first gradient and gives back after its update, so gradient
 memory follows the shards in flight rather than the model. When a shard's last gradient of the boundary micro-batch
-arrives (and nothing global such as a norm is still unknown) it runs the shard's update: read master and moments
-from the store, AdamW in place, write the new compute copy where the pager reads it (the host cache, or the store; the
+arrives (and nothing global such as a norm is still unknown) it runs the shard's update: read master and moments from
+the store, AdamW in place, write the new compute copy where the pager reads it (the host cache, or the store; the
 next forward may page the block in from then on), write master and moments back (finishing while the next shard
 computes). The reads do not wait for the gradient: during the boundary micro-batch, every free buffer set is filled
 ahead with the states of the shards expected next, in the order the previous step's updates ran, so an update starts
 as soon as its last gradient is in. Without that, the shards backward finishes last (the first block and the
-embedding, which the next forward needs first) would each wait for a disk read after backward. While the gradients held exceed a budget and the worker has
-work that will release some, the thread handing gradients over waits, so backward cannot run arbitrarily far ahead
-of the optimizer.
+embedding, which the next forward needs first) would each wait for a disk read after backward. While the gradients
+held exceed a budget and the worker has work that will release some, the thread handing gradients over waits, so
+backward cannot run arbitrarily far ahead of the optimizer.
 """
 
 from __future__ import annotations
@@ -488,7 +489,8 @@ class CpuAdam:
         shard.moments_on_store = True
         self._release_grad(shard)
         self.timeline.record(f"update_end:{shard.index}")
-        writes = [self.store.write(shard.key("exp_avg"), exp_avg), self.store.write(shard.key("exp_avg_sq"), exp_avg_sq)]
+        writes = [self.store.write(shard.key("exp_avg"), exp_avg),
+                  self.store.write(shard.key("exp_avg_sq"), exp_avg_sq)]
         if not shard.master_in_host:
             writes.append(self.store.write(shard.key("master"), master))
         if out is not None and self.compute_on_store:
