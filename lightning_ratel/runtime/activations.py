@@ -261,9 +261,10 @@ class ActivationCache:
             ref = _SsdRef(block, key, tuple(t.shape), t.dtype, None, device=flat)
             ref.write = store.write(key, flat)
         else:
-            # Flattened contiguous staging copy: the store reads raw bytes.
-            # Page-aligned so the store's direct I/O goes straight from this buffer.
-            staging = aligned_empty(t.numel(), t.dtype, pin=self.device.is_cuda)
+            # The store reads raw bytes of a contiguous tensor. On CUDA they are staged into page-aligned pinned host
+            # memory, so the store's direct I/O goes straight from it; on the CPU the tensor already is host memory
+            # and is written as it is (kept alive until the write lands; the store bounces unaligned blocks).
+            staging = aligned_empty(t.numel(), t.dtype, pin=True) if self.device.is_cuda else None
             staged, event = self.device.to_host(t.reshape(-1), out=staging)
             ref = _SsdRef(block, key, tuple(t.shape), t.dtype, staged)
 
