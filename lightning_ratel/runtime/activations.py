@@ -261,10 +261,11 @@ class ActivationCache:
             ref = _SsdRef(block, key, tuple(t.shape), t.dtype, None, device=flat)
             ref.write = store.write(key, flat)
         else:
-            # The store reads raw bytes of a contiguous tensor. On CUDA they are staged into page-aligned pinned host
-            # memory, so the store's direct I/O goes straight from it; on the CPU the tensor already is host memory
-            # and is written as it is (kept alive until the write lands; the store bounces unaligned blocks).
-            staging = aligned_empty(t.numel(), t.dtype, pin=True) if self.device.is_cuda else None
+            # The store reads raw bytes of a contiguous tensor. On CUDA they are staged into pinned host memory from
+            # torch's caching host allocator (pinning a fresh buffer per tensor and step costs more than the copy);
+            # on the CPU the tensor already is host memory and is written as it is (kept alive until the write
+            # lands). The store bounces blocks that are not page-aligned.
+            staging = self.device.host_empty(t.numel(), t.dtype) if self.device.is_cuda else None
             staged, event = self.device.to_host(t.reshape(-1), out=staging)
             ref = _SsdRef(block, key, tuple(t.shape), t.dtype, staged)
 
@@ -294,8 +295,11 @@ class ActivationCache:
                 numel = int(torch.Size(ref.shape).numel())
                 if self.device_direct:
                     ref.read_buffer = torch.empty(numel, dtype=ref.dtype, device=self.device.device)
+                elif self.device.is_cuda:
+                    ref.read_buffer = self.device.host_empty(numel, ref.dtype)
                 else:
-                    ref.read_buffer = aligned_empty(numel, ref.dtype, pin=self.device.is_cuda)
+                    # Page-aligned, so the read lands without a bounce; on the CPU the buffer becomes the tensor.
+                    ref.read_buffer = aligned_empty(numel, ref.dtype)
                 ref.read = self.store.read(ref.key, ref.read_buffer)
 
     def _unpack(self, ref: Any) -> torch.Tensor:
