@@ -119,3 +119,18 @@ def test_worker_thread_count_stays_its_own(tmp_path: Path) -> None:
     finally:
         adam.close()
         store.close()
+
+
+def test_release_memory_drops_states_read_ahead(tmp_path: Path) -> None:
+    """A run stopped inside a boundary micro-batch (an exception in training_step) still frees every buffer set."""
+    adam, shards, _, store = _pipeline(tmp_path, depth=3)
+    try:
+        _step(adam, shards, [torch.ones(n) for n in SIZES], list(range(len(SIZES))))
+        adam.begin(StepPlan([HYPER], overlap=True))
+        adam.barrier()
+        assert adam._ahead
+        adam.release_memory()
+        assert not adam._ahead and not adam._free
+    finally:
+        adam.close()
+        store.close()

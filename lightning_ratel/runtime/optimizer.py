@@ -224,7 +224,7 @@ class CpuAdam:
         self._jobs.put(("schedule", plan, shards))
 
     def discard(self, shards: list[Shard]) -> None:
-        """Drop the gradients ``shards`` hold without updating them (a skipped step)."""
+        """Drop the gradients ``shards`` hold without updating them (a skipped step), and any states read ahead."""
         self._jobs.put(("discard", shards))
 
     def barrier(self, include_writes: bool = False) -> None:
@@ -246,6 +246,8 @@ class CpuAdam:
     def release_memory(self) -> None:
         """Free the state buffers and pooled gradient buffers once no more updates will run (before teardown gathers
         state into host memory). Waits for pending work first."""
+        # A run stopped inside a boundary micro-batch may still hold states read ahead.
+        self.discard([])
         self.barrier(include_writes=True)
         self._free.clear()
         self._buffer_bytes = 0
