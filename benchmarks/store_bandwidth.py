@@ -66,7 +66,8 @@ def make_shards(total_bytes: int, shard_bytes: int) -> list[torch.Tensor]:
     shards = []
     for index, offset in enumerate(range(0, total_bytes, shard_bytes)):
         numel = min(shard_bytes, total_bytes - offset) // 4
-        shard = aligned_empty(numel, torch.float32)
+        # Huge pages, as the engine's long-lived state buffers have.
+        shard = aligned_empty(numel, torch.float32, huge=True)
         shard.fill_(float(index))
         shards.append(shard)
     return shards

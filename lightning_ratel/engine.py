@@ -1128,7 +1128,8 @@ class _ShardWriter:
         half = max((s.numel * s.dtype.itemsize for s in shards if s.dtype != torch.float32), default=0)
         half = -(-half // ALIGNMENT) * ALIGNMENT if compute_copies and store is not None else 0
         self._staging = [
-            (aligned_empty(largest, torch.float32), aligned_empty(half, torch.uint8) if half else None)
+            (aligned_empty(largest, torch.float32, huge=True),
+             aligned_empty(half, torch.uint8, huge=True) if half else None)
             for _ in range(2 if store is not None else 0)
         ]
         self._pending: list[list[Any]] = [[], []]

@@ -184,9 +184,9 @@ def test_aligned_buffers_need_no_bounce_buffer(ssd: Path, monkeypatch: pytest.Mo
     calls = []
     real = storage.aligned_empty
 
-    def counting(numel: int, dtype: torch.dtype, *, pin: bool = False) -> torch.Tensor:
+    def counting(numel: int, dtype: torch.dtype, *, pin: bool = False, huge: bool = False) -> torch.Tensor:
         calls.append(numel)
-        return real(numel, dtype, pin=pin)
+        return real(numel, dtype, pin=pin, huge=huge)
 
     monkeypatch.setattr(storage, "aligned_empty", counting)
     with TensorStore([ssd], stripe_bytes=STRIPE, io_threads_per_path=2) as store:
@@ -562,10 +562,11 @@ def test_empty_tensor(ssd: Path) -> None:
         assert store.read("empty", out).result() is out
 
 
+@pytest.mark.parametrize("huge", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8, torch.float64])
-@pytest.mark.parametrize("numel", [0, 1, 1023, 1024, 5000])
-def test_aligned_empty(dtype: torch.dtype, numel: int) -> None:
-    tensor = aligned_empty(numel, dtype, pin=True)  # pin is ignored without CUDA
+@pytest.mark.parametrize("numel", [0, 1, 1023, 1024, 5000, 3 << 20])
+def test_aligned_empty(dtype: torch.dtype, numel: int, huge: bool) -> None:
+    tensor = aligned_empty(numel, dtype, pin=True, huge=huge)  # pin is ignored without CUDA
     assert tensor.shape == (numel,)
     assert tensor.dtype == dtype
     assert tensor.device.type == "cpu"

@@ -122,13 +122,13 @@ class StepPlan:
 
 class _Buffers:
     def __init__(self, numel: int, master_numel: int, compute_bytes: int) -> None:
-        self.master = aligned_empty(master_numel, torch.float32)
-        self.exp_avg = aligned_empty(numel, torch.float32)
-        self.exp_avg_sq = aligned_empty(numel, torch.float32)
+        self.master = aligned_empty(master_numel, torch.float32, huge=True)
+        self.exp_avg = aligned_empty(numel, torch.float32, huge=True)
+        self.exp_avg_sq = aligned_empty(numel, torch.float32, huge=True)
         # The new 16-bit compute copy on its way to the store (only when the pager reads compute copies from there).
         # Whole pages, so any compute dtype can view it.
         pages = -(-compute_bytes // ALIGNMENT) * ALIGNMENT
-        self.compute = aligned_empty(pages, torch.uint8) if compute_bytes else None
+        self.compute = aligned_empty(pages, torch.uint8, huge=True) if compute_bytes else None
 
     @property
     def nbytes(self) -> int:

@@ -42,7 +42,7 @@ class BufferPool:
             if fitting:
                 raw = self._free.pop(min(fitting, key=lambda i: self._free[i].numel()))
             else:
-                raw = aligned_empty(need, torch.uint8, pin=self.pin)
+                raw = aligned_empty(need, torch.uint8, pin=self.pin, huge=True)
                 self.nbytes += raw.numel()
             view = raw.view(dtype)[:numel]
             self._lent[view.data_ptr()] = raw
