@@ -435,7 +435,9 @@ class RatelEngine:
 
     def _read_unit(self, unit: Unit, flats: dict[torch.dtype, torch.Tensor]) -> list[Any]:
         assert self.store is not None
-        return [self.store.read(s.compute_key, s.compute_view(flats[s.dtype])) for s in self._unit_shards[unit.index]]
+        # A page-in: the forward or backward of this block will wait for it.
+        return [self.store.read(s.compute_key, s.compute_view(flats[s.dtype]), urgent=True)
+                for s in self._unit_shards[unit.index]]
 
     def _activation_store(self) -> TensorStore:
         """The swap store for ``ssd``-tier activations: device-direct through kvikio where it is installed, works

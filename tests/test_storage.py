@@ -598,3 +598,30 @@ def test_io_runs_on_the_pool(ssd: Path, monkeypatch: pytest.MonkeyPatch) -> None
         store.write("w", _random(3 * STRIPE, torch.float32)).result()
     assert threads and all(name.startswith("ratel-io-pool") for name in threads)
     assert len(threads) <= 3
+
+
+def test_urgent_requests_overtake_queued_ones(ssd: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A page-in marked urgent runs before background requests queued earlier; each priority keeps its order."""
+    started = threading.Event()
+    release = threading.Event()
+    order: list[str] = []
+    real = TensorStore._transfer_chunk
+
+    def gated(self: TensorStore, request: object, chunk: object) -> None:
+        order.append(request.key)
+        if request.key == "first":
+            started.set()
+            release.wait(10)
+        real(self, request, chunk)
+
+    monkeypatch.setattr(TensorStore, "_transfer_chunk", gated)
+    with TensorStore([ssd], io_threads_per_path=1) as store:
+        data = torch.ones(1024)
+        futures = [store.write("first", data)]
+        assert started.wait(10)
+        futures += [store.write(f"background{i}", data) for i in range(3)]
+        futures.append(store.write("urgent", data, urgent=True))
+        release.set()
+        for future in futures:
+            future.result()
+    assert order == ["first", "urgent", "background0", "background1", "background2"]

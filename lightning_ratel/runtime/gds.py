@@ -227,7 +227,8 @@ class GdsStore(TensorStore):
         """Whether data goes between the drive and device memory without passing through host memory (:attr:`gds`)."""
         return self._gds
 
-    def write(self, key: str, tensor: torch.Tensor, *, ready: Any = None) -> concurrent.futures.Future[None]:
+    def write(self, key: str, tensor: torch.Tensor, *, ready: Any = None, urgent: bool = False
+              ) -> concurrent.futures.Future[None]:
         """Start writing the device tensor ``tensor`` as ``key``; an unknown key is reserved with its size.
 
         Args:
@@ -235,6 +236,7 @@ class GdsStore(TensorStore):
             tensor: A contiguous tensor on the store's device; keep it alive and unchanged until the future is done.
             ready: A CUDA event after which ``tensor`` holds the value to store. ``None``: everything queued so far on
                 the current stream of ``tensor``'s device.
+            urgent: Run before every request that is not.
 
         Returns:
             A future that resolves to ``None`` once every byte is written, or raises :class:`RatelStoreError`.
@@ -244,9 +246,10 @@ class GdsStore(TensorStore):
                 key's.
             RuntimeError: If the store is closed.
         """
-        return self._submit(key, tensor, is_write=True, ready=ready)
+        return self._submit(key, tensor, is_write=True, ready=ready, urgent=urgent)
 
-    def read(self, key: str, out: torch.Tensor, *, ready: Any = None) -> concurrent.futures.Future[torch.Tensor]:
+    def read(self, key: str, out: torch.Tensor, *, ready: Any = None, urgent: bool = False
+             ) -> concurrent.futures.Future[torch.Tensor]:
         """Start reading ``key`` into the device tensor ``out``.
 
         Args:
@@ -255,6 +258,7 @@ class GdsStore(TensorStore):
                 future is done.
             ready: A CUDA event after which nothing uses ``out``'s memory any more. ``None``: everything queued so far
                 on the current stream of ``out``'s device.
+            urgent: Run before every request that is not.
 
         Returns:
             A future that resolves to ``out`` once it is filled, or raises :class:`RatelStoreError`.
@@ -264,17 +268,17 @@ class GdsStore(TensorStore):
             ValueError: If ``out`` is not a contiguous tensor on the store's device, or its size differs from the key's.
             RuntimeError: If the store is closed.
         """
-        return self._submit(key, out, is_write=False, ready=ready)
+        return self._submit(key, out, is_write=False, ready=ready, urgent=urgent)
 
     def _submit(
-        self, key: str, tensor: torch.Tensor, *, is_write: bool, ready: Any = None
+        self, key: str, tensor: torch.Tensor, *, is_write: bool, ready: Any = None, urgent: bool = False
     ) -> concurrent.futures.Future:
         self._check_tensor(key, tensor)
         if ready is None and tensor.is_cuda:
             # Recording an event does not block the host; the I/O thread waits for it instead.
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(tensor.device))
-        return super()._submit(key, tensor, is_write=is_write, ready=ready)
+        return super()._submit(key, tensor, is_write=is_write, ready=ready, urgent=urgent)
 
     def _check_tensor(self, key: str, tensor: torch.Tensor) -> None:
         if tensor.device.type != self._device_type:

@@ -13,17 +13,20 @@ import concurrent.futures
 import ctypes
 import errno
 import fcntl
+import itertools
 import mmap
 import os
+import queue
 import secrets
 import shutil
 import stat
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info
@@ -345,6 +348,39 @@ def _open_swap(path: Path, direct: bool | None) -> _SwapFile:
     return _SwapFile(path, _prepare_swap(_open(str(path), flags), probe_direct=False), False)
 
 
+class _PriorityPool:
+    """Worker threads running queued calls, urgent ones first and in submission order within a priority.
+
+    A page-in that the computation is about to wait for must not queue behind write-backs and reads ahead of the
+    optimizer, which have the rest of the step to finish.
+    """
+
+    def __init__(self, workers: int, name: str) -> None:
+        self._queue: queue.PriorityQueue[tuple[int, int, Callable[..., None] | None, tuple[Any, ...]]] = (
+            queue.PriorityQueue())
+        self._order = itertools.count()
+        self._threads = [threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True) for i in range(workers)]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, urgent: bool, call: Callable[..., None], *args: Any) -> None:
+        self._queue.put((0 if urgent else 1, next(self._order), call, args))
+
+    def shutdown(self) -> None:
+        """Run everything queued, then stop the threads."""
+        for _ in self._threads:
+            self._queue.put((2, next(self._order), None, ()))
+        for thread in self._threads:
+            thread.join()
+
+    def _work(self) -> None:
+        while True:
+            _, _, call, args = self._queue.get()
+            if call is None:
+                return
+            call(*args)
+
+
 class TensorStore:
     """Named tensors striped over swap files on one or more SSD directories, with asynchronous I/O.
 
@@ -413,7 +449,7 @@ class TensorStore:
         self._bytes_written = 0
         self._locks: list[tuple[Path, int]] = []
         self._files: list[_SwapFile] = []
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pool: _PriorityPool | None = None
         self._direct = False
         self._local = threading.local()
         self._closed = False
@@ -441,9 +477,7 @@ class TensorStore:
                     f"lightning_ratel: direct I/O (O_DIRECT) is not supported in {', '.join(buffered)}; the swap "
                     "store uses buffered I/O there, which goes through the page cache."
                 )
-            self._pool = concurrent.futures.ThreadPoolExecutor(
-                max_workers=io_threads_per_path * len(directories), thread_name_prefix=f"ratel-io-{name}"
-            )
+            self._pool = _PriorityPool(io_threads_per_path * len(directories), f"ratel-io-{name}")
         except BaseException as error:
             self._closed = True
             try:
@@ -555,7 +589,7 @@ class TensorStore:
                         exc.errno, f"preallocate of {size} bytes failed for {swap.path}: {exc.strerror}", str(swap.path)
                     ) from exc
 
-    def write(self, key: str, tensor: torch.Tensor) -> concurrent.futures.Future[None]:
+    def write(self, key: str, tensor: torch.Tensor, *, urgent: bool = False) -> concurrent.futures.Future[None]:
         """Start writing ``tensor`` as ``key``; an unknown key is reserved with the tensor's size.
 
         Keep ``tensor`` alive and unchanged until the returned future is done.
@@ -563,6 +597,7 @@ class TensorStore:
         Args:
             key: Name of the tensor.
             tensor: A contiguous CPU tensor whose size in bytes matches the key's.
+            urgent: Run before every request that is not (something will soon wait for it).
 
         Returns:
             A future that resolves to ``None`` once every byte is written, or raises :class:`RatelStoreError`.
@@ -571,9 +606,9 @@ class TensorStore:
             ValueError: If ``tensor`` is not a contiguous CPU tensor or its size differs from the key's.
             RuntimeError: If the store is closed.
         """
-        return self._submit(key, tensor, is_write=True)
+        return self._submit(key, tensor, is_write=True, urgent=urgent)
 
-    def read(self, key: str, out: torch.Tensor) -> concurrent.futures.Future[torch.Tensor]:
+    def read(self, key: str, out: torch.Tensor, *, urgent: bool = False) -> concurrent.futures.Future[torch.Tensor]:
         """Start reading ``key`` into ``out``.
 
         Keep ``out`` alive and do not use its contents until the returned future is done.
@@ -581,6 +616,7 @@ class TensorStore:
         Args:
             key: Name of a reserved tensor.
             out: A contiguous CPU tensor whose size in bytes matches the key's.
+            urgent: Run before every request that is not (something will soon wait for it).
 
         Returns:
             A future that resolves to ``out`` once it is filled, or raises :class:`RatelStoreError`.
@@ -590,7 +626,7 @@ class TensorStore:
             ValueError: If ``out`` is not a contiguous CPU tensor or its size differs from the key's.
             RuntimeError: If the store is closed.
         """
-        return self._submit(key, out, is_write=False)
+        return self._submit(key, out, is_write=False, urgent=urgent)
 
     def close(self) -> None:
         """Wait for I/O in flight, then close and remove the swap files (unless kept) and the lock files.
@@ -656,7 +692,8 @@ class TensorStore:
         subclass's requests carry besides)."""
         return _Request(key, is_write, tensor, nbytes, gather)
 
-    def _submit(self, key: str, tensor: torch.Tensor, *, is_write: bool, **extra: Any) -> concurrent.futures.Future:
+    def _submit(self, key: str, tensor: torch.Tensor, *, is_write: bool, urgent: bool = False,
+                **extra: Any) -> concurrent.futures.Future:
         self._check_tensor(key, tensor)
         nbytes = tensor.numel() * tensor.element_size()
         with self._lock:
@@ -675,7 +712,7 @@ class TensorStore:
             request = self._request(key, is_write, tensor, nbytes, gather, **extra)
             # Submitting under the lock keeps close() from shutting the pool down halfway through a request.
             for chunk in extent.chunks:
-                self._pool.submit(self._run_chunk, request, chunk)
+                self._pool.submit(urgent, self._run_chunk, request, chunk)
         return gather.future
 
     def _run_chunk(self, request: _Request, chunk: _Chunk) -> None:
@@ -759,7 +796,7 @@ class TensorStore:
 
     def _release(self) -> None:
         if self._pool is not None:
-            self._pool.shutdown(wait=True)
+            self._pool.shutdown()
         failures: list[tuple[OSError, Path, str]] = []
         for swap in self._files:
             try:
