@@ -38,6 +38,9 @@ from lightning_ratel.runtime.storage import ALIGNMENT, TensorStore, aligned_empt
 from lightning_ratel.runtime.timeline import Timeline
 
 
+_OPENMP_BACKEND = "parallel backend: OpenMP" in torch.__config__.parallel_info()
+
+
 @dataclass
 class ShardParam:
     """One parameter's place in a shard; ``step`` mirrors ``torch.optim.AdamW``'s per-parameter step."""
@@ -285,8 +288,10 @@ class CpuAdam:
                     shard.last_write.result()
 
     def _run(self) -> None:
-        # Per thread: the training thread keeps its own thread count.
-        torch.set_num_threads(self.threads)
+        if _OPENMP_BACKEND:
+            # With OpenMP the count is per thread: the training thread keeps its own. (torch's native thread pool is
+            # one pool for all threads, so there it is left alone.)
+            torch.set_num_threads(self.threads)
         while True:
             job = self._jobs.get()
             kind = job[0]
