@@ -202,9 +202,11 @@ def torch_adamw_(
     step: int,
     decoupled: bool = True,
     grad_scale: float = 1.0,
+    num_threads: int | None = None,
 ) -> None:
     """The step of :func:`fused_adamw_` done by torch's own single-tensor Adam(W), bit for bit what
-    ``torch.optim.AdamW`` computes on CPU; same arguments."""
+    ``torch.optim.AdamW`` computes on CPU; same arguments (``num_threads`` is accepted and ignored: torch's own
+    thread pool runs it, sized by the calling thread's ``torch.set_num_threads``)."""
     _validate(param, grad, exp_avg, exp_avg_sq, param_out, lr, beta1, beta2, eps, weight_decay, step, grad_scale)
     _torch_step(
         param, grad, exp_avg, exp_avg_sq, param_out, lr, beta1, beta2, eps, weight_decay, step, decoupled,

@@ -75,6 +75,15 @@ def test_engine_uses_native_kernel_when_exact(tmp_path, monkeypatch):
     assert sum(updated) == steps * sum(p.numel() for p in module.parameters())
 
 
+def test_engine_falls_back_to_torch_adamw(tmp_path, monkeypatch):
+    """Where the native kernel is not exact, the optimizer and the planner's probe run torch's step, with the same
+    keyword arguments (the worker's thread count included), and training still ends on plain numbers."""
+    monkeypatch.setattr(ops, "native_matches_torch", lambda: False)
+    ref = _fit("auto", "llama")
+    got = _fit(RatelStrategy(ssd_paths=[str(tmp_path)]), "llama")
+    _compare(ref, got, 1e-5)
+
+
 def test_clip_by_value_matches(tmp_path):
     kwargs = dict(gradient_clip_val=0.01, gradient_clip_algorithm="value")
     ref = _fit("auto", "mlp", **kwargs)
