@@ -134,3 +134,24 @@ def compare_states(ref: tuple[dict, dict], got: tuple[dict, dict], tol: float) -
             scale = ref_state[i][key].abs().max().clamp(min=1e-20)
             assert ((ref_state[i][key] - got_state[i][key]).abs().max() / scale).item() <= tol, (i, key)
     assert got[1]["param_groups"] == ref[1]["param_groups"]
+
+
+def gradscaler_reference(model: str, steps: int, overflow_step: int | None = None) -> dict[str, torch.Tensor]:
+    """The parameters after ``steps`` fp16 AMP steps written by hand with torch's GradScaler, as plain fp16 training
+    does them; the loss of ``overflow_step`` is blown up so that step overflows and is skipped."""
+    reference = LM(model)
+    config = reference.configure_optimizers()
+    opt, sched = config["optimizer"], config["lr_scheduler"]["scheduler"]
+    scaler = torch.amp.GradScaler("cpu")
+    for step, batch in enumerate(reference.train_dataloader()):
+        if step == steps:
+            break
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = reference.model(input_ids=batch, labels=batch).loss
+        scaler.scale(loss * 1e30 if step == overflow_step else loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        # Lightning steps the scheduler after a skipped step too.
+        sched.step()
+        opt.zero_grad()
+    return reference.state_dict()

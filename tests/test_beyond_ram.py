@@ -20,7 +20,7 @@ from torch import nn
 
 from lightning_ratel import RatelConfigError, RatelPlanError, RatelPrecision, RatelStrategy, engine
 from lightning_ratel.runtime.pool import BufferPool
-from tests.models import LM, final_state, max_rel_err, trainer
+from tests.models import LM, final_state, gradscaler_reference, max_rel_err, trainer
 from tests.models import compare_states as _compare
 
 
@@ -82,23 +82,7 @@ def test_ssd_param_cache_fp16_overflow_skip_matches_gradscaler(tmp_path: Path) -
                   enable_progress_bar=False, enable_model_summary=False)
     t.fit(module)
     assert precision.steps_skipped == 1
-
-    reference = LM("mlp")
-    config = reference.configure_optimizers()
-    opt, sched = config["optimizer"], config["lr_scheduler"]["scheduler"]
-    scaler = torch.amp.GradScaler("cpu")
-    for step, batch in enumerate(reference.train_dataloader()):
-        if step == 3:
-            break
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = reference.model(input_ids=batch, labels=batch).loss
-        scaler.scale(loss * 1e30 if step == 1 else loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        # Lightning steps the scheduler after a skipped step too.
-        sched.step()
-        opt.zero_grad()
-    assert max_rel_err(reference.state_dict(), module.state_dict()) <= 1e-5
+    assert max_rel_err(gradscaler_reference("mlp", 3, overflow_step=1), module.state_dict()) <= 1e-5
 
 
 def test_auto_reads_from_ssd_and_leaves_placeholders_when_memory_is_short(

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_ratel import RatelPrecision, RatelStrategy, ops
-from tests.models import LM, final_state, max_rel_err, trainer
+from tests.models import LM, final_state, gradscaler_reference, max_rel_err, trainer
 from tests.models import compare_states as _compare
 
 # Every tier at once: a block's activations on disk, one recomputed, the rest in host memory.
@@ -172,21 +172,7 @@ def test_fp16_matches_gradscaler_loop(tmp_path):
     t.fit(module)
 
     # The same steps written by hand with torch's GradScaler, as plain fp16 AMP training does them.
-    reference = LM("mlp")
-    config = reference.configure_optimizers()
-    opt, sched = config["optimizer"], config["lr_scheduler"]["scheduler"]
-    scaler = torch.amp.GradScaler("cpu")
-    for step, batch in enumerate(reference.train_dataloader()):
-        if step == 3:
-            break
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = reference.model(input_ids=batch, labels=batch).loss
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        sched.step()
-        opt.zero_grad()
-    assert max_rel_err(reference.state_dict(), module.state_dict()) <= 1e-5
+    assert max_rel_err(gradscaler_reference("mlp", 3), module.state_dict()) <= 1e-5
 
 
 class _HostCacheProbe(L.Callback):
