@@ -215,6 +215,25 @@ class FailFrom(Callback):
             self.state["armed"] = True
 
 
+def inject_io_fault(monkeypatch: pytest.MonkeyPatch, call: str, code: int, state: dict[str, bool]) -> list[int]:
+    """Make ``storage.<call>`` (``_pwrite`` or ``_pread``) fail with ``code`` while ``state['armed']``.
+
+    Returns:
+        The file offsets of the calls that failed, filled as they happen.
+    """
+    real = getattr(storage, call)
+    failures: list[int] = []
+
+    def faulty(fd: int, buf: memoryview, offset: int) -> int:
+        if state["armed"]:
+            failures.append(offset)
+            raise OSError(code, os.strerror(code))
+        return real(fd, buf, offset)
+
+    monkeypatch.setattr(storage, call, faulty)
+    return failures
+
+
 def plain_params(steps: int) -> dict[str, torch.Tensor]:
     lm = LM(n_batches=2)
     t = trainer("auto", max_steps=steps)
@@ -229,15 +248,7 @@ def test_io_error_during_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     ckpt_dir = tmp_path / "ckpt"
     state = {"armed": False}
     real = getattr(storage, call)
-    failures = []
-
-    def faulty(fd: int, buf: memoryview, offset: int) -> int:
-        if state["armed"]:
-            failures.append(offset)
-            raise OSError(code, os.strerror(code))
-        return real(fd, buf, offset)
-
-    monkeypatch.setattr(storage, call, faulty)
+    failures = inject_io_fault(monkeypatch, call, code, state)
     lm = CountingLM(n_batches=2)
     t = trainer(
         RatelStrategy(ssd_paths=[str(ssd)]),
@@ -301,13 +312,7 @@ def test_io_error_with_on_exception_checkpoint(tmp_path: Path, monkeypatch: pyte
     exc_dir = tmp_path / "on_exception"
     state = {"armed": False}
     real = storage._pwrite
-
-    def faulty(fd: int, buf: memoryview, offset: int) -> int:
-        if state["armed"]:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real(fd, buf, offset)
-
-    monkeypatch.setattr(storage, "_pwrite", faulty)
+    inject_io_fault(monkeypatch, "_pwrite", errno.ENOSPC, state)
     lm = LM(n_batches=2)
     t = trainer(
         RatelStrategy(ssd_paths=[str(ssd)]),
@@ -337,13 +342,7 @@ def test_same_module_resumes_after_io_error(tmp_path: Path, monkeypatch: pytest.
     ckpt_dir = tmp_path / "ckpt"
     state = {"armed": False}
     real = storage._pwrite
-
-    def faulty(fd: int, buf: memoryview, offset: int) -> int:
-        if state["armed"]:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real(fd, buf, offset)
-
-    monkeypatch.setattr(storage, "_pwrite", faulty)
+    inject_io_fault(monkeypatch, "_pwrite", errno.ENOSPC, state)
     lm = LM(n_batches=2)
     t = trainer(
         RatelStrategy(ssd_paths=[str(ssd)]),
