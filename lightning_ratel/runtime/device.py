@@ -114,22 +114,16 @@ class Device:
             event = self.record(self.d2h_stream)
         return out, event
 
-    def to_device(self, host: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, object]:
-        """Copy a host tensor to the device on the host->device stream.
+    def to_device(self, host: torch.Tensor) -> tuple[torch.Tensor, object]:
+        """Copy a host tensor to a new device tensor on the host->device stream.
 
-        ``out`` is filled when given; otherwise a new device tensor is allocated on the transfer stream. The
-        caller makes the compute stream :meth:`wait` for the returned event before using the result.
+        On CPU the tensor already is the device's memory and is returned as it is, so no copy is made. The caller
+        makes the compute stream :meth:`wait` for the returned event before using the result.
         """
         if not self.is_cuda:
-            if out is None:
-                return host, _DoneEvent()
-            start = time.perf_counter()
-            out.copy_(host)
-            self._copy_seconds["h2d"] += time.perf_counter() - start
-            return out, _DoneEvent()
+            return host, _DoneEvent()
         with self.on(self.h2d_stream):
-            if out is None:
-                out = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+            out = torch.empty(host.shape, dtype=host.dtype, device=self.device)
             with self._timed("h2d"):
                 out.copy_(host, non_blocking=True)
             event = self.record(self.h2d_stream)

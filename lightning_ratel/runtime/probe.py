@@ -56,8 +56,9 @@ def link_bandwidth(device: Device, nbytes: int = 64 << 20, repeats: int = 3) -> 
             host.copy_(target, non_blocking=True)
             torch.cuda.synchronize(device.device)
         else:
-            # On CPU the activation cache copies each swapped tensor into a freshly allocated aligned buffer, so the
-            # first touch of new pages is part of every device->host copy it makes: measure that, not a warm memcpy.
+            # A copy into a freshly allocated aligned buffer, first touch included. The activation cache no longer
+            # makes this copy on CPU (host-tier tensors stay where they are, ssd-tier ones are written from their own
+            # memory), so on CPU this over-prices those tiers; the cost model still charges it.
             aligned_empty(nbytes, torch.uint8).copy_(target)
 
     return nbytes / best_time(h2d, repeats), nbytes / best_time(d2h, repeats)
