@@ -693,7 +693,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"gpu_throughput measures training on a CUDA GPU, and torch {torch.__version__} sees none here "
             "(torch.cuda.is_available() is False). Nothing was measured."
         )
-    from lightning_ratel.strategy import parse_bytes
+    from lightning_ratel.sizes import parse_bytes
 
     for path in args.ssd:
         if not path.is_dir():

@@ -53,11 +53,11 @@ from rich.table import Table
 from examples.lm_module import CausalLMModule
 from examples.text_data import TextDataModule
 from lightning_ratel import Plan, RatelProfiler, RatelStrategy
+from lightning_ratel.placement import TIERS
 from lightning_ratel.plan.cost import CostModel, Prediction, predict
-from lightning_ratel.plan.profile import TIERS
-from lightning_ratel.plan.search import candidate_order, format_bytes, storing
+from lightning_ratel.plan.search import candidate_order, storing
 from lightning_ratel.report import plan_table
-from lightning_ratel.strategy import parse_bytes
+from lightning_ratel.sizes import format_bytes, parse_bytes
 
 MIB = 1 << 20
 VARIANTS = {"tiered": ("device", "host", "ssd"), "ssd": ("ssd",)}

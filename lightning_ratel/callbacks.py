@@ -10,15 +10,29 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
+import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-import lightning.pytorch as pl
 from lightning_ratel.plan.search import Plan
+from lightning_ratel.planner import Planner
+
+
+@runtime_checkable
+class PlanningStrategy(Protocol):
+    """What the profiler needs from the strategy: the run's planner (``None`` outside a run)."""
+
+    @property
+    def planner(self) -> Planner | None: ...
+
+
+def _planner(trainer: pl.Trainer) -> Planner | None:
+    strategy = trainer.strategy
+    return strategy.planner if isinstance(strategy, PlanningStrategy) else None
 
 
 class RatelProfiler(Callback):
@@ -52,44 +66,20 @@ class RatelProfiler(Callback):
         self.reprofile = reprofile
         self.plan: Plan | None = None
         self.steps: list[dict[str, float]] = []
-        self._profiling = False
-        self._profiled = 0
-        self._hardware: Any = None
         self._step_start = 0.0
         self._trace: torch.profiler.profile | None = None
 
-    @staticmethod
-    def _strategy(trainer: pl.Trainer) -> Any:
-        from lightning_ratel.strategy import RatelStrategy
-
-        strategy = trainer.strategy
-        return strategy if isinstance(strategy, RatelStrategy) and strategy.engine is not None else None
-
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        strategy = self._strategy(trainer)
-        if strategy is None:
+        planner = _planner(trainer)
+        if planner is None:
             return
-        engine = strategy.engine
-        if not strategy.plans_automatically:
-            return
-        if self.plan is not None and not self.reprofile:
-            engine.apply_plan(self.plan)
-            rank_zero_info("RatelProfiler: using the plan from the checkpoint (reprofile=True to measure again)")
-            return
-        start = time.perf_counter()
-        self._hardware = engine.measure_hardware()
-        engine.begin_profile()
-        self._profiling = True
-        self._profiled = 0
-        rank_zero_info(
-            f"RatelProfiler: hardware measured in {time.perf_counter() - start:.2f} s; profiling the first step"
-        )
+        planner.start(self.profile_steps, restored=self.plan, reprofile=self.reprofile)
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        if self._strategy(trainer) is None:
+        if _planner(trainer) is None:
             return
         if self.trace_step is not None and trainer.global_step == self.trace_step and self._trace is None:
             activities = [torch.profiler.ProfilerActivity.CPU]
@@ -102,14 +92,12 @@ class RatelProfiler(Callback):
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        strategy = self._strategy(trainer)
-        if strategy is None:
+        planner = _planner(trainer)
+        if planner is None:
             return
-        engine = strategy.engine
-        end = time.perf_counter()
-        breakdown = engine.take_breakdown(self._step_start, end)
+        breakdown = planner.breakdown.take(self._step_start, time.perf_counter())
         breakdown["step"] = float(trainer.global_step)
-        breakdown["profiling"] = float(self._profiling)
+        breakdown["profiling"] = float(planner.profiling)
         self.steps.append(breakdown)
         if self._trace is not None:
             self._trace.__exit__(None, None, None)
@@ -119,15 +107,9 @@ class RatelProfiler(Callback):
             self._trace.export_chrome_trace(path)
             self._trace = None
             rank_zero_info(f"RatelProfiler: Chrome trace of step {self.trace_step} written to {path}")
-        if self._profiling:
-            self._profiled += 1
-        if self._profiling and self._profiled >= self.profile_steps:
-            self._profiling = False
-            layers = engine.end_profile()
-            start = time.perf_counter()
-            self.plan = engine.make_plan(self._hardware, layers)
-            engine.apply_plan(self.plan)
-            strategy.show_plan(self.plan, planning_seconds=time.perf_counter() - start)
+        plan = planner.micro_batch_done()
+        if plan is not None:
+            self.plan = plan
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -11,13 +11,13 @@ import contextlib
 from collections.abc import Callable, Generator
 from typing import Any, Literal
 
+import lightning.pytorch as pl
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import Tensor
 from typing_extensions import override
 
-import lightning.pytorch as pl
 from lightning_ratel.errors import RatelConfigError
 
 _PRECISION_INPUT = Literal["32-true", "bf16-mixed", "16-mixed"]
@@ -136,7 +136,7 @@ class RatelPrecision(Precision):
                           deferred)
         closure_result = closure()
         self._after_closure(model, optimizer)
-        taken = engine.finish_step(not deferred, self._scale)
+        taken = engine.finish_step(self._scale)
         if taken:
             # LR schedulers count optimizer.step() calls to warn about a wrong call order; the engine's update is
             # that step.

@@ -7,10 +7,12 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only
+from rich.console import Console
 from rich.table import Table
 
+from lightning_ratel.placement import TIERS
 from lightning_ratel.plan.cost import bottleneck
-from lightning_ratel.plan.profile import TIERS
 from lightning_ratel.plan.search import Plan
 
 STEP_KEYS = ("wall", "compute", "h2d", "d2h", "ssd", "cpu_optimizer", "idle")
@@ -60,6 +62,14 @@ def plan_table(plan: Plan) -> Table:
     table.add_row("total", *[f"{total_ops[tier]} · {total_bytes[tier] / _MIB:.1f}" for tier in TIERS],
                   str(sum(row["rerun"] for row in rows)))
     return table
+
+
+@rank_zero_only
+def show_plan(plan: Plan, planning_seconds: float | None = None) -> None:
+    """Print the plan as a table, with the search time and the predicted step time (rank zero)."""
+    Console().print(plan_table(plan))
+    took = f" (search {planning_seconds * 1000:.0f} ms)" if planning_seconds is not None else ""
+    rank_zero_info(f"RatelStrategy: plan applied{took}; predicted {plan.predicted_iteration_time:.3f} s/step")
 
 
 def write_report(path: str | os.PathLike[str], plan: Plan, steps: Sequence[dict[str, float]]) -> None:

@@ -1,6 +1,6 @@
 """RatelStrategy: the Lightning entry point.
 
-A thin adapter: it validates the configuration, builds a :class:`~lightning_ratel.engine.RatelEngine` for each
+A thin adapter: it checks the settings (:class:`~lightning_ratel.config.RatelConfig`), builds a :class:`~lightning_ratel.engine.RatelEngine` for each
 fit/validate/test/predict run, and forwards Lightning's events to it. It never moves data itself.
 """
 
@@ -11,6 +11,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -20,47 +21,19 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
-from rich.console import Console
 from torch import nn
 from typing_extensions import override
 
-import lightning.pytorch as pl
 from lightning_ratel.callbacks import RatelProfiler
-from lightning_ratel.engine import (
-    PARAM_CACHES,
-    POLICIES,
-    ActivationPolicy,
-    EngineConfig,
-    ParamCache,
-    ParamInitFn,
-    RatelEngine,
-    ensure_checkpoint_fits,
-)
+from lightning_ratel.checkpoint import ensure_checkpoint_fits
+from lightning_ratel.config import ActivationPolicy, ParamCache, ParamInitFn, RatelConfig
+from lightning_ratel.engine import RatelEngine
 from lightning_ratel.errors import RatelConfigError
 from lightning_ratel.plan.search import Plan
+from lightning_ratel.planner import Planner
 from lightning_ratel.precision import RatelPrecision
-from lightning_ratel.report import plan_table
-
-
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def parse_bytes(value: int | str | None, name: str) -> int | None:
-    """``None``, a byte count, or a string such as ``"24GiB"`` / ``"1.5 GB"`` -> bytes."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        text = value.strip().upper().replace(" ", "")
-        number = text.rstrip("KMGTIB")
-        unit = text[len(number):]
-        try:
-            value = int(float(number) * _UNITS[unit])
-        except (ValueError, KeyError):
-            raise RatelConfigError(f"`{name}` must be a byte count or a size like '24GiB', got {value!r}") from None
-    if not isinstance(value, int) or value <= 0:
-        raise RatelConfigError(f"`{name}` must be a positive byte count, got {value!r}")
-    return value
+from lightning_ratel.report import show_plan
+from lightning_ratel.sizes import format_bytes
 
 
 class RatelStrategy(SingleDeviceStrategy):
@@ -119,39 +92,51 @@ class RatelStrategy(SingleDeviceStrategy):
         param_init_fn: ParamInitFn | None = None,
     ) -> None:
         super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io)
-        if isinstance(ssd_paths, (str, os.PathLike)):
-            ssd_paths = [os.fspath(ssd_paths)]
-        if ssd_paths is not None and not ssd_paths:
-            raise RatelConfigError("`ssd_paths` is empty: give at least one directory, or None for the default")
-        if not isinstance(prefetch_depth, int) or prefetch_depth < 0:
-            raise RatelConfigError(f"`prefetch_depth` must be an integer >= 0, got {prefetch_depth!r}")
-        if activation_policy is not None:
-            policies = [activation_policy] if isinstance(activation_policy, str) else list(activation_policy.values())
-            bad = [p for p in policies if p not in POLICIES]
-            if bad:
-                raise RatelConfigError(f"`activation_policy` values must be one of {POLICIES}, got {bad}")
-            plan = None
-        if isinstance(plan, (str, os.PathLike)) and plan != "auto":
-            if not os.path.isfile(plan):
-                raise RatelConfigError(f"`plan` must be 'auto', a Plan or a plan JSON file; {plan!r} is not a file")
-            plan = Plan.load(plan)
-        self.plan = plan
-        self.host_memory_limit = parse_bytes(host_memory_limit, "host_memory_limit")
-        self.device_memory_limit = parse_bytes(device_memory_limit, "device_memory_limit")
-        if param_cache not in PARAM_CACHES:
-            raise RatelConfigError(f"`param_cache` must be one of {PARAM_CACHES}, got {param_cache!r}")
-        if param_init_fn is not None and not callable(param_init_fn):
-            raise RatelConfigError(f"`param_init_fn` must be callable, got {type(param_init_fn).__name__}")
-        self.ssd_paths = [os.fspath(p) for p in ssd_paths] if ssd_paths is not None else None
-        self.prefetch_depth = prefetch_depth
-        self.keep_swap_files = keep_swap_files
-        self.activation_policy: ActivationPolicy | None = activation_policy
-        self.blocks = blocks
-        self.param_cache: ParamCache = param_cache
-        self.param_init_fn = param_init_fn
+        self.config = RatelConfig(
+            ssd_paths=ssd_paths,
+            prefetch_depth=prefetch_depth,
+            keep_swap_files=keep_swap_files,
+            activation_policy=activation_policy,
+            plan=plan,
+            host_memory_limit=host_memory_limit,
+            device_memory_limit=device_memory_limit,
+            blocks=blocks,
+            param_cache=param_cache,
+            param_init_fn=param_init_fn,
+        )
         self._engine: RatelEngine | None = None
         self._exception: BaseException | None = None
         self._failure: BaseException | None = None
+
+    @property
+    def ssd_paths(self) -> list[str] | None:
+        """The swap directories asked for (``None``: the Trainer's default)."""
+        return self.config.ssd_paths
+
+    @property
+    def prefetch_depth(self) -> int:
+        """Blocks whose parameters (and, in backward, swapped activations) are fetched ahead."""
+        return self.config.prefetch_depth
+
+    @property
+    def activation_policy(self) -> ActivationPolicy | None:
+        """The fixed placement asked for (``None``: planning decides)."""
+        return self.config.activation_policy
+
+    @property
+    def plan(self) -> str | Plan | None:
+        """``"auto"``, the plan given (a file is loaded at construction), or ``None`` under a fixed policy."""
+        return self.config.plan
+
+    @property
+    def host_memory_limit(self) -> int | None:
+        """The host memory budget in bytes (``None``: what is available)."""
+        return self.config.host_memory_limit
+
+    @property
+    def device_memory_limit(self) -> int | None:
+        """The device memory budget in bytes (``None``: what is free)."""
+        return self.config.device_memory_limit
 
     @property
     @override
@@ -174,7 +159,7 @@ class RatelStrategy(SingleDeviceStrategy):
     @property
     def plans_automatically(self) -> bool:
         """Whether the first training step is profiled and a plan made from it (``plan="auto"``)."""
-        return self.activation_policy is None and self.plan == "auto"
+        return self.config.plans_automatically
 
     @override
     def connect(self, model: nn.Module) -> None:
@@ -183,18 +168,15 @@ class RatelStrategy(SingleDeviceStrategy):
         if trainer is not None and not any(isinstance(c, RatelProfiler) for c in trainer.callbacks):
             trainer.callbacks.append(RatelProfiler())
 
-    def show_plan(self, plan: Plan, planning_seconds: float | None = None) -> None:
-        """Print the plan as a table (rank zero)."""
-        if self.global_rank != 0:
-            return
-        Console().print(plan_table(plan))
-        took = f" (search {planning_seconds * 1000:.0f} ms)" if planning_seconds is not None else ""
-        rank_zero_info(f"RatelStrategy: plan applied{took}; predicted {plan.predicted_iteration_time:.3f} s/step")
-
     @property
     def engine(self) -> RatelEngine | None:
         """The engine of the current run (``None`` outside one)."""
         return self._engine
+
+    @property
+    def planner(self) -> Planner | None:
+        """The planner of the current run (``None`` outside one)."""
+        return self._engine.planner if self._engine is not None else None
 
     @override
     def model_to_device(self) -> None:
@@ -224,44 +206,42 @@ class RatelStrategy(SingleDeviceStrategy):
                 # Refused now rather than at the first save, after hours of training.
                 ensure_checkpoint_fits(module, optimizer)
         self.model_to_device()
-        ssd_paths = self.ssd_paths
-        if ssd_paths is None:
+        config = self.config
+        if config.ssd_paths is None:
             default = os.path.join(trainer.default_root_dir, "ratel_swap")
             os.makedirs(default, exist_ok=True)
-            ssd_paths = [default]
-        config = EngineConfig(
-            ssd_paths=ssd_paths,
-            prefetch_depth=self.prefetch_depth,
-            keep_swap_files=self.keep_swap_files,
-            activation_policy=self.activation_policy or "host",
-            blocks=self.blocks,
-            host_memory_limit=self.host_memory_limit,
-            device_memory_limit=self.device_memory_limit,
-            param_cache=self.param_cache,
-            param_init_fn=self.param_init_fn,
-        )
-        if self.device_memory_limit is not None and self.root_device.type == "cuda":
-            total = torch.cuda.get_device_properties(self.root_device).total_memory
-            if self.device_memory_limit > total:
-                raise RatelConfigError(
-                    f"`device_memory_limit` ({self.device_memory_limit / 2**30:.1f} GiB) exceeds the device's "
-                    f"{total / 2**30:.1f} GiB"
-                )
-            torch.cuda.set_per_process_memory_fraction(self.device_memory_limit / total, self.root_device)
+            config = config.with_ssd_paths([default])
+        self._limit_device_memory()
         precision = self.precision_plugin
         self._exception = None
         self._failure = None
         self._engine = RatelEngine(module, self.root_device, config, precision.half_dtype, optimizer)
         precision.bind(self._engine, self.root_device.type)
-        if isinstance(self.plan, Plan):
-            self._engine.apply_plan(self.plan)
-            self.show_plan(self.plan)
+        if isinstance(config.plan, Plan):
+            self._engine.planner.apply_plan(config.plan)
+            show_plan(config.plan)
         self.setup_precision_plugin()
         placement = self._engine.byte_placement()
         rank_zero_info(
             f"RatelStrategy: {len(self._engine.blocks)} blocks on {self.root_device}; "
-            + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in placement.items())
+            + ", ".join(f"{k} {format_bytes(v)}" for k, v in placement.items())
         )
+
+    def _limit_device_memory(self) -> None:
+        """Cap the CUDA caching allocator at ``device_memory_limit`` (a warning on the CPU, where it means nothing)."""
+        limit = self.config.device_memory_limit
+        if limit is None:
+            return
+        if self.root_device.type != "cuda":
+            rank_zero_warn("RatelStrategy: `device_memory_limit` is ignored when training on the CPU; "
+                           "`host_memory_limit` bounds what the run uses there.")
+            return
+        total = torch.cuda.get_device_properties(self.root_device).total_memory
+        if limit > total:
+            raise RatelConfigError(
+                f"`device_memory_limit` ({format_bytes(limit)}) exceeds the device's {format_bytes(total)}"
+            )
+        torch.cuda.set_per_process_memory_fraction(limit / total, self.root_device)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -279,7 +259,7 @@ class RatelStrategy(SingleDeviceStrategy):
             raise self._failure
         if self._engine is None:
             return super().lightning_module_state_dict()
-        return self._from_engine(self._engine.state_dict)
+        return self._from_engine(self._engine.state.state_dict)
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -288,7 +268,7 @@ class RatelStrategy(SingleDeviceStrategy):
         if self._failure is not None:
             raise self._failure
         if self._engine is not None and optimizer is self._engine.optimizer:
-            return self._from_engine(self._engine.optimizer_state_dict)
+            return self._from_engine(self._engine.state.optimizer_state_dict)
         return super().optimizer_state(optimizer)
 
     def _from_engine(self, read: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -315,7 +295,7 @@ class RatelStrategy(SingleDeviceStrategy):
         if self._engine is None or self._engine.optimizer is None:
             super().load_optimizer_state_dict(checkpoint)
             return
-        self._engine.load_optimizer_state_dict(checkpoint["optimizer_states"][0])
+        self._engine.state.load_optimizer_state_dict(checkpoint["optimizer_states"][0])
 
     @override
     def on_exception(self, exception: BaseException) -> None:

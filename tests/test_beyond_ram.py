@@ -18,7 +18,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
-from lightning_ratel import RatelConfigError, RatelPlanError, RatelPrecision, RatelStrategy, engine
+from lightning_ratel import RatelConfigError, RatelPlanError, RatelPrecision, RatelStrategy, checkpoint, engine, layout
 from lightning_ratel.runtime.pool import BufferPool
 from tests.models import LM, final_state, gradscaler_reference, max_rel_err, trainer
 from tests.models import compare_states as _compare
@@ -32,10 +32,10 @@ class _Inspect(Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         eng = trainer.strategy.engine
-        self.seen["param_cache"] = eng.param_cache
-        self.seen["host_cache_bytes"] = sum(u.host_nbytes for u in eng.units.values())
+        self.seen["param_cache"] = eng.layout.param_cache
+        self.seen["host_cache_bytes"] = sum(u.host_nbytes for u in eng.layout.units.values())
         self.seen["grad_pool_bytes"] = eng.adam.grads.nbytes
-        self.seen["shard_bytes"] = [s.numel * 4 for s in eng.shards]
+        self.seen["shard_bytes"] = [s.numel * 4 for s in eng.layout.shards]
         self.seen["placement"] = eng.byte_placement()
 
 
@@ -89,7 +89,8 @@ def test_auto_reads_from_ssd_and_leaves_placeholders_when_memory_is_short(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Host memory smaller than the model: the compute copies must not be cached, the result not gathered back.
-    monkeypatch.setattr(engine, "available_host_memory", lambda: 64 * 1024)
+    for decides in (layout, checkpoint):
+        monkeypatch.setattr(decides, "available_host_memory", lambda: 64 * 1024)
     inspect = _Inspect()
     module = LM("llama")
     with pytest.warns(UserWarning, match="not copied back"):
@@ -114,7 +115,8 @@ def test_auto_follows_host_memory_limit(tmp_path: Path) -> None:
 def test_checkpointing_refused_before_training_when_states_do_not_fit(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(engine, "available_host_memory", lambda: 64 * 1024)
+    for decides in (layout, checkpoint):
+        monkeypatch.setattr(decides, "available_host_memory", lambda: 64 * 1024)
     steps = []
 
     class Counting(LM):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import os
 
 import lightning as L
@@ -102,13 +101,13 @@ class _Record(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         engine = trainer.strategy.engine
         if self.keep_states:
-            self.states.append((engine.state_dict(), engine.optimizer_state_dict()))
+            self.states.append((engine.state.state_dict(), engine.state.optimizer_state_dict()))
         self.peak = max(self.peak, engine.pager.peak_resident_bytes)
 
     def on_train_end(self, trainer, pl_module):
         engine = trainer.strategy.engine
         self.timeline = list(engine.timeline)
-        self.unit_bytes = [u.nbytes for u in engine.units.values()]
+        self.unit_bytes = [u.nbytes for u in engine.layout.units.values()]
 
 
 def test_updates_start_while_backward_runs(tmp_path):
@@ -192,7 +191,7 @@ class _HostCacheProbe(L.Callback):
         ptr = module.weight.data_ptr()
         self.in_host_cache.append(any(
             flat.data_ptr() <= ptr < flat.data_ptr() + flat.numel() * flat.element_size()
-            for unit in self.engine.units.values() for flat in unit.host.values()))
+            for unit in self.engine.layout.units.values() for flat in unit.host.values()))
 
 
 def test_fp32_masters_live_in_the_host_cache(tmp_path):
@@ -206,18 +205,18 @@ def test_fp32_masters_live_in_the_host_cache(tmp_path):
     t.fit(module)
     _compare(ref, final_state(module, t), 1e-5)
     assert probe.in_host_cache and all(probe.in_host_cache)
-    assert all(s.master_in_host for s in probe.engine.shards)
+    assert all(s.master_in_host for s in probe.engine.layout.shards)
     params = sum(p.numel() for p in module.parameters())
     # Two fp32 moments per parameter (plus each key's alignment to 4096 bytes), no masters.
-    assert 8 * params <= probe.reserved < 8 * params + 2 * 4096 * len(probe.engine.shards)
+    assert 8 * params <= probe.reserved < 8 * params + 2 * 4096 * len(probe.engine.layout.shards)
 
 
 def test_mixed_precision_masters_stay_on_disk(tmp_path):
     probe = _HostCacheProbe()
     trainer(RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy="host"), precision="bf16-mixed",
             max_steps=1, callbacks=[probe]).fit(LM("llama"))
-    half = [s for s in probe.engine.shards if s.dtype == torch.bfloat16]
+    half = [s for s in probe.engine.layout.shards if s.dtype == torch.bfloat16]
     # Shards computed in bf16 keep their fp32 masters on disk; those computed in fp32 (norms) keep them in the cache.
     assert half and not any(s.master_in_host for s in half)
-    assert all(s.master_in_host for s in probe.engine.shards if s.dtype == torch.float32)
+    assert all(s.master_in_host for s in probe.engine.layout.shards if s.dtype == torch.float32)
     assert probe.reserved >= 12 * sum(s.numel for s in half)

@@ -182,8 +182,8 @@ def test_lightning_cli_yaml_config(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
             engine = trainer.strategy.engine
             seen["depth"] = engine.config.prefetch_depth
-            seen["policies"] = set(engine.placements)
-            seen["ssd_bytes"] = engine.cache.stats.ssd_bytes
+            seen["policies"] = set(engine.cache.placements)
+            seen["ssd_bytes"] = engine.cache.ssd_bytes
 
     cli.trainer.callbacks.append(Spy())
     cli.trainer.fit(cli.model)

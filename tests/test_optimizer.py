@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_ratel.runtime.optimizer import CpuAdam, GroupHyper, Shard, ShardParam, StepPlan
-from lightning_ratel.runtime.pager import Unit
+from lightning_ratel.runtime.optimizer import CpuAdam, GroupHyper, StepPlan
 from lightning_ratel.runtime.storage import TensorStore
+from lightning_ratel.runtime.units import Shard, ShardParam, Unit
 
 HYPER = GroupHyper(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=True)
 SIZES = [1000, 37, 4099, 1, 513, 2048]
@@ -31,8 +31,8 @@ def _pipeline(tmp_path: Path, depth: int) -> tuple[CpuAdam, list[Shard], list[nn
     for i, n in enumerate(SIZES):
         value = torch.randn(n)
         param = nn.Parameter(value.clone())
-        unit = Unit(i, [], {torch.float32: n}, host={torch.float32: torch.zeros(n)})
-        shard = Shard(i, unit, 0, torch.float32, 0, [ShardParam(f"p{i}", param, i, 0, n, value.shape)], n)
+        unit = Unit(i, (), {torch.float32: n}, host={torch.float32: torch.zeros(n)})
+        shard = Shard(i, unit, 0, torch.float32, 0, (ShardParam(f"p{i}", param, i, 0, n, value.shape),), n)
         for what in ("master", "exp_avg", "exp_avg_sq"):
             store.reserve(shard.key(what), n * 4)
         store.write(shard.key("master"), value).result()
@@ -50,10 +50,9 @@ def _step(adam: CpuAdam, shards: list[Shard], grads: list[torch.Tensor], order: 
     # Everything handed over so far is handled, so the reads ahead of this step have been issued.
     adam.barrier()
     for i in order:
-        adam.gradient(shards[i], shards[i].params[0], grads[i], _Landed())
+        adam.gradient(shards[i], 0, grads[i], _Landed())
         if spaced:
             adam.barrier(include_writes=True)
-    adam.expect(shards)
     adam.schedule(plan, shards)
     adam.barrier(include_writes=True)
 

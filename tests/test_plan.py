@@ -16,7 +16,6 @@ from lightning_ratel.plan import (
     fixed,
     predict,
     recompute_ops,
-    safe_default,
     search,
 )
 
@@ -241,10 +240,8 @@ def test_inputs_start_on_ssd_so_staging_fits():
     assert {plan.placement(layer.name, "input") for layer in layers} == {"ssd"}
 
 
-def test_safe_default_and_fixed():
+def test_fixed():
     layers = [_hand_layer("b.0", 0), _container(1, 50)]
-    assert safe_default(layers) == {"b.0/input": "host", "b.0/a": "recompute", "b.0/b": "device",
-                                    "b.0/c": "recompute", "lm_head/*": "host"}
     assert fixed(layers, "recompute") == {"b.0/input": "host", "b.0/a": "recompute", "b.0/b": "recompute",
                                           "b.0/c": "recompute", "lm_head/*": "host"}
     assert set(fixed(layers, "ssd").values()) == {"ssd"}

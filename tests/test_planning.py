@@ -15,9 +15,9 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lightning_ratel import Plan, RatelConfigError, RatelPlanError, RatelProfiler, RatelStrategy
 from lightning_ratel.blocks import discover_blocks
-from lightning_ratel.engine import plan_placements
+from lightning_ratel.placement import plan_placements
 from lightning_ratel.runtime import recompute
-from lightning_ratel.strategy import parse_bytes
+from lightning_ratel.sizes import parse_bytes
 from tests.models import LM, final_state, max_rel_err, trainer
 
 
@@ -240,10 +240,10 @@ def test_resume_keeps_the_plan_without_profiling(tmp_path, monkeypatch):
     t.fit(LM("llama"))
     first = _profiler(t).plan
     calls = []
-    from lightning_ratel.engine import RatelEngine
+    from lightning_ratel.planner import Planner
 
-    original = RatelEngine.measure_hardware
-    monkeypatch.setattr(RatelEngine, "measure_hardware", lambda self: calls.append(1) or original(self))
+    original = Planner.measure_hardware
+    monkeypatch.setattr(Planner, "measure_hardware", lambda self: calls.append(1) or original(self))
     t2 = trainer(RatelStrategy(ssd_paths=[str(tmp_path)]), enable_checkpointing=True,
                  callbacks=[ModelCheckpoint(dirpath=str(tmp_path / "ckpt2"))], max_steps=5)
     t2.fit(LM("llama"), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))

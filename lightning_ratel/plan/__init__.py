@@ -1,8 +1,9 @@
 """Activation-placement planning: hardware and block profiles, the cost model and the search (pure Python)."""
 
+from lightning_ratel.placement import TIERS
 from lightning_ratel.plan.cost import Prediction, predict, recompute_ops
-from lightning_ratel.plan.profile import TIERS, HardwareProfile, LayerProfile, OpProfile
-from lightning_ratel.plan.search import Plan, fixed, safe_default, search
+from lightning_ratel.plan.profile import HardwareProfile, LayerProfile, OpProfile
+from lightning_ratel.plan.search import Plan, fixed, search
 
 __all__ = [
     "TIERS",
@@ -14,6 +15,5 @@ __all__ = [
     "fixed",
     "predict",
     "recompute_ops",
-    "safe_default",
     "search",
 ]

@@ -13,18 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from lightning_ratel.errors import RatelConfigError
-from lightning_ratel.plan.profile import (
-    INPUT_OP,
-    STORED_TIERS,
-    TIERS,
-    HardwareProfile,
-    LayerProfile,
-    placement_key,
-    validate_layers,
-)
-
-DEFAULT_TIER = "device"
-"""The placement of an op a placement does not mention (what the activation cache does without a rule: keep)."""
+from lightning_ratel.placement import DEFAULT_TIER, INPUT_OP, STORED_TIERS, TIERS, placement_key
+from lightning_ratel.plan.profile import HardwareProfile, LayerProfile, validate_layers
 
 
 @dataclass

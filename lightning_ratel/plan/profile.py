@@ -10,20 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from lightning_ratel.errors import RatelConfigError
-
-TIERS = ("device", "host", "ssd", "recompute")
-"""Where a saved activation can live between forward and backward."""
-STORED_TIERS = ("device", "host", "ssd")
-"""The tiers that keep an op's output (everything except ``"recompute"``)."""
-INPUT_OP = "input"
-"""The op standing for a block's inputs: its checkpoint, which can never be recomputed."""
-CONTAINER_OP = "*"
-"""The only op of a block profiled as a whole (``op_level=False``)."""
-
-
-def placement_key(block: str, op: str) -> str:
-    """The key of ``op`` of ``block`` in an activation placement."""
-    return f"{block}/{op}"
+from lightning_ratel.placement import CONTAINER_OP, INPUT_OP, placement_key
 
 
 @dataclass

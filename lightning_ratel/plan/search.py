@@ -15,16 +15,10 @@ from dataclasses import asdict, dataclass, field
 from typing import NoReturn
 
 from lightning_ratel.errors import RatelConfigError, RatelPlanError
+from lightning_ratel.placement import INPUT_OP, STORED_TIERS, TIERS, placement_key
 from lightning_ratel.plan.cost import CostModel, Prediction, layer_cost, recompute_ops
-from lightning_ratel.plan.profile import (
-    INPUT_OP,
-    STORED_TIERS,
-    TIERS,
-    HardwareProfile,
-    LayerProfile,
-    OpProfile,
-    placement_key,
-)
+from lightning_ratel.plan.profile import HardwareProfile, LayerProfile, OpProfile
+from lightning_ratel.sizes import format_bytes
 
 
 @dataclass
@@ -124,23 +118,6 @@ class Plan:
         return rows_in_order
 
 
-def safe_default(layers: Sequence[LayerProfile]) -> dict[str, str]:
-    """The placement to profile under: least device memory without SSD traffic.
-
-    Every ``"input"`` and every block profiled as a whole goes to ``"host"``, every other op with saved bytes is
-    recomputed, and ops that save nothing are ``"device"``.
-    """
-    placement = {}
-    for layer in layers:
-        for op in layer.ops:
-            if not layer.op_level or op.name == INPUT_OP:
-                tier = "host"
-            else:
-                tier = "recompute" if op.saved_bytes > 0 else "device"
-            placement[placement_key(layer.name, op.name)] = tier
-    return placement
-
-
 def fixed(layers: Sequence[LayerProfile], tier: str) -> dict[str, str]:
     """Every op on ``tier``; where ``tier`` is ``"recompute"`` the ops that must be stored go to ``"host"``.
 
@@ -155,14 +132,6 @@ def fixed(layers: Sequence[LayerProfile], tier: str) -> dict[str, str]:
             must_store = op.name == INPUT_OP or not layer.op_level
             placement[placement_key(layer.name, op.name)] = "host" if tier == "recompute" and must_store else tier
     return placement
-
-
-def format_bytes(n: float) -> str:
-    """``n`` bytes in the largest binary unit that keeps the number at least 1."""
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 class _Walk:

@@ -21,20 +21,17 @@ import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-
 from torch.utils._pytree import tree_map
 
+from lightning_ratel.placement import Placement, tier_of
 from lightning_ratel.runtime.device import Device
 from lightning_ratel.runtime.pager import ParameterPager
-from lightning_ratel.runtime.recompute import INPUT, ForwardRecord
-from lightning_ratel.runtime.storage import aligned_empty
-
-TIERS = ("device", "host", "ssd", "recompute")
-Placement = str | dict[str, str]
+from lightning_ratel.runtime.recompute import ForwardRecord
+from lightning_ratel.runtime.storage import TensorStore, aligned_empty
 
 
 @dataclass
@@ -80,36 +77,22 @@ class _RecomputeRef:
     offset: int
 
 
-@dataclass
-class _Counters:
-    host_bytes: int = 0
-    ssd_bytes: int = 0
-    forwarded: int = 0
-    deduplicated: int = 0
-    by_policy: dict[str, int] = field(default_factory=dict)
-
-
-@dataclass
-class _Alias:
-    """A tensor stored by another block, saved again by ``block``."""
-
-    block: int
-    target: _HostRef | _SsdRef
-
-
 def _is_ref(x: Any) -> bool:
-    return isinstance(x, (_HostRef, _SsdRef, _RecomputeRef, _Alias))
+    return isinstance(x, (_ParamRef, _HostRef, _SsdRef, _RecomputeRef))
 
 
 class ActivationCache:
     """Packs and unpacks saved tensors according to each block's placement.
 
+    Backward's position is not this class's business: whoever tracks it calls :meth:`prefetch_block` for the blocks
+    backward reaches next and :meth:`done_with` for the ones it has left. Unpacking only rebuilds tensors.
+
     Args:
         device: the compute device.
-        pager: the parameter pager, to recognise parameter views.
+        pager: the parameter pager, to recognise parameter views and rebuild them in backward.
         placements: placement per block index (a tier, or op name -> tier).
-        store: the swap store for the ``ssd`` tier, created on first use.
-        on_unpack: called with the block index before a tensor of that block is unpacked (drives backward paging).
+        store: creates the swap store for the ``ssd`` tier on first use; a store whose ``device_tensors`` is true
+            reads and writes device memory itself (kvikio), so nothing is staged in host memory.
         min_bytes: tensors smaller than this stay on the device; moving them costs more than it saves.
     """
 
@@ -118,16 +101,14 @@ class ActivationCache:
         device: Device,
         pager: ParameterPager,
         placements: list[Placement],
-        store: Callable[[], Any],
-        on_unpack: Callable[[int], None],
+        store: Callable[[], TensorStore],
         min_bytes: int = 1024,
     ) -> None:
         self.device = device
         self.pager = pager
-        self.placements = placements
+        self.placements = list(placements)
         self._store_factory = store
-        self._store: Any = None
-        self._on_unpack = on_unpack
+        self._store: TensorStore | None = None
         self.min_bytes = min_bytes
         self._io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ratel-act")
         self._by_block: dict[int, list[_SsdRef]] = {}
@@ -137,16 +118,19 @@ class ActivationCache:
         self._dedup: dict[int, tuple[weakref.ref, Any]] = {}
         self._counter = 0
         self._pending_writes: list[Future] = []
-        self.stats = _Counters()
+        # Bytes written to the ssd tier so far.
+        self.ssd_bytes = 0
         # bytes packed off the device (or kept) per block, for the profile of blocks that are not tracked op by op
         self.saved_by_block: dict[int, int] = {}
         self._stall = 0.0
-        # Set by the store factory when the store reads and writes device memory itself (no host staging).
-        self.device_direct = False
 
     def hooks(self, block: int) -> torch.autograd.graph.saved_tensors_hooks:
         """The saved-tensor hooks context for one forward pass of ``block``."""
         return torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(block, t), self._unpack)
+
+    def set_placements(self, placements: list[Placement]) -> None:
+        """Place activations differently from the next forward pass on (a new plan)."""
+        self.placements = list(placements)
 
     def tracked(self, block: int) -> bool:
         """Whether ``block``'s placement depends on which op produced a tensor (its forward must be tracked)."""
@@ -159,7 +143,9 @@ class ActivationCache:
         self._records.setdefault(record.block, []).append(record)
 
         def keep(t: Any) -> Any:
-            return self._pack_as(record.block, t, self._tier(record.block, None)) if isinstance(t, torch.Tensor) else t
+            if not isinstance(t, torch.Tensor):
+                return t
+            return self._pack_as(record.block, t, tier_of(self.placements[record.block], None))
 
         record.args = tree_map(keep, args)
         record.kwargs = tree_map(keep, kwargs)
@@ -176,19 +162,14 @@ class ActivationCache:
         return self._records.get(block, [])
 
     @property
-    def store(self) -> Any:
+    def store(self) -> TensorStore:
         if self._store is None:
             self._store = self._store_factory()
         return self._store
 
-    def _tier(self, block: int, name: str | None) -> str:
-        placement = self.placements[block]
-        if isinstance(placement, str):
-            return placement
-        if name is None:
-            tier = placement.get(INPUT, "host")
-            return "host" if tier == "recompute" else tier
-        return placement.get(name, placement.get("*", "device"))
+    @property
+    def _device_direct(self) -> bool:
+        return self._store is not None and self._store.device_tensors
 
     def _pack(self, block: int, t: torch.Tensor) -> Any:
         record = self._open.get(block)
@@ -206,7 +187,7 @@ class ActivationCache:
         if located is not None:
             return _ParamRef(block, located[0], located[1], t.storage_offset(), tuple(t.size()), tuple(t.stride()))
         produced = record.producer(t) if record is not None else None
-        tier = self._tier(block, record.ops[produced[0]].name if produced is not None else None)
+        tier = tier_of(self.placements[block], record.ops[produced[0]].name if produced is not None else None)
         nbytes = t.numel() * t.element_size()
         if record is not None and nbytes >= self.min_bytes:
             record.count_saved(storage, produced[0] if produced is not None else -1, nbytes)
@@ -230,13 +211,7 @@ class ActivationCache:
             return t
         known = self._dedup.get(id(t))
         if known is not None and known[0]() is t:
-            self.stats.deduplicated += 1
-            ref = known[1]
-            if isinstance(ref, (_HostRef, _SsdRef)) and ref.block != block:
-                # Saved by another block too (rotary tables, a shared mask): unpacking it in this block's backward
-                # must page this block, not send backward back to the block that first stored it.
-                return _Alias(block, ref)
-            return ref
+            return known[1]
         self.saved_by_block[block] = self.saved_by_block.get(block, 0) + nbytes
         if tier == "device":
             self._dedup[id(t)] = (weakref.ref(t), t)
@@ -244,10 +219,8 @@ class ActivationCache:
         if tier == "host":
             host, event = self.device.to_host(t.detach())
             ref: Any = _HostRef(block, host, event)
-            self.stats.host_bytes += nbytes
         else:
             ref = self._pack_ssd(block, t.detach(), nbytes)
-        self.stats.by_policy[tier] = self.stats.by_policy.get(tier, 0) + nbytes
         self._dedup[id(t)] = (weakref.ref(t), ref)
         return ref
 
@@ -255,7 +228,7 @@ class ActivationCache:
         key = f"act{block}.{self._counter}.{nbytes}"
         self._counter += 1
         store = self.store
-        if self.device_direct:
+        if self._device_direct:
             # The store orders its transfer after the work queued on this stream, so it is submitted from here.
             flat = t.reshape(-1)
             ref = _SsdRef(block, key, tuple(t.shape), t.dtype, None, device=flat)
@@ -277,7 +250,7 @@ class ActivationCache:
         ref.write.add_done_callback(lambda f, r=ref: self._written(r, f))
         self._pending_writes.append(ref.write)
         self._by_block.setdefault(block, []).append(ref)
-        self.stats.ssd_bytes += nbytes
+        self.ssd_bytes += nbytes
         return ref
 
     @staticmethod
@@ -291,27 +264,35 @@ class ActivationCache:
     def prefetch_block(self, block: int) -> None:
         """Start reading ``block``'s swapped tensors back from the store (called one block ahead in backward)."""
         for ref in self._by_block.get(block, ()):
-            if ref.read is None and ref.host is None and ref.device is None:
-                numel = int(torch.Size(ref.shape).numel())
-                if self.device_direct:
-                    ref.read_buffer = torch.empty(numel, dtype=ref.dtype, device=self.device.device)
-                elif self.device.is_cuda:
-                    ref.read_buffer = self.device.host_empty(numel, ref.dtype)
-                else:
-                    # Page-aligned, so the read lands without a bounce; on the CPU the buffer becomes the tensor.
-                    # Huge pages measured ~3% faster on the demo even though the buffer is new every step.
-                    ref.read_buffer = aligned_empty(numel, ref.dtype, huge=True)
-                # Backward reaches this block next and waits for these reads.
-                ref.read = self.store.read(ref.key, ref.read_buffer, urgent=True)
+            self._read_back(ref)
+
+    def _read_back(self, ref: _SsdRef) -> None:
+        """Start reading ``ref`` back from the store unless its data is in memory or on its way."""
+        if ref.read is not None or ref.host is not None or ref.device is not None:
+            return
+        numel = int(torch.Size(ref.shape).numel())
+        if self._device_direct:
+            ref.read_buffer = torch.empty(numel, dtype=ref.dtype, device=self.device.device)
+        elif self.device.is_cuda:
+            ref.read_buffer = self.device.host_empty(numel, ref.dtype)
+        else:
+            # Page-aligned, so the read lands without a bounce; on the CPU the buffer becomes the tensor.
+            # Huge pages measured ~3% faster on the demo even though the buffer is new every step.
+            ref.read_buffer = aligned_empty(numel, ref.dtype, huge=True)
+        # Backward reaches this block next and waits for these reads.
+        ref.read = self.store.read(ref.key, ref.read_buffer, urgent=True)
 
     def _unpack(self, ref: Any) -> torch.Tensor:
         if isinstance(ref, torch.Tensor):
             return ref
-        self._on_unpack(ref.block)
-        if isinstance(ref, _Alias):
-            ref = ref.target
         if isinstance(ref, _ParamRef):
             flat = self.pager.device_flat(ref.unit, ref.dtype)
+            if flat is None:
+                raise RuntimeError(
+                    f"RatelStrategy: backward needs a parameter of block {ref.block} whose unit {ref.unit} is not "
+                    "resident; backward reached the block without passing through its outputs. Name the modules to "
+                    "page together with `RatelStrategy(blocks=[...])`."
+                )
             return flat.as_strided(ref.size, ref.stride, ref.offset)
         if isinstance(ref, _RecomputeRef):
             ref.record.replay(self._unpack, self._restore)
@@ -323,17 +304,14 @@ class ActivationCache:
         # Taken once: the write's completion callback may clear them meanwhile.
         host, on_device = ref.host, ref.device
         if on_device is not None:
-            self.stats.forwarded += 1
             return on_device.view(ref.shape)
-        if host is not None:
-            self.stats.forwarded += 1
-        else:
-            if ref.read is None:
-                self.prefetch_block(ref.block)
+        if host is None:
+            self._read_back(ref)
+            assert ref.read is not None
             start = time.perf_counter()
             host = ref.read.result()
             self._stall += time.perf_counter() - start
-            if self.device_direct:
+            if self._device_direct:
                 return host.view(ref.shape)
         out, event = self.device.to_device(host.view(ref.shape))
         self.device.wait(event)
@@ -341,6 +319,10 @@ class ActivationCache:
 
     def _restore(self, tree: Any) -> Any:
         return tree_map(lambda x: x if isinstance(x, torch.Tensor) or not _is_ref(x) else self._unpack(x), tree)
+
+    def take_busy_intervals(self) -> list[tuple[float, float]]:
+        """``time.perf_counter`` intervals during which the ssd tier's store moved data, since the last call."""
+        return self._store.take_busy_intervals() if self._store is not None else []
 
     def take_stall_seconds(self) -> float:
         """Seconds backward waited for swapped activations to come back from disk, since the last call."""

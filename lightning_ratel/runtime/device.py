@@ -149,7 +149,3 @@ class Device:
         self._copy_events = pending
         taken, self._copy_seconds = self._copy_seconds, {"h2d": 0.0, "d2h": 0.0}
         return taken
-
-    def in_backward(self) -> bool:
-        """Whether the calling thread is running an autograd backward pass."""
-        return torch._C._current_graph_task_id() != -1

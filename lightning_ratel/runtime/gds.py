@@ -165,6 +165,8 @@ class GdsStore(TensorStore):
             :class:`~lightning_ratel.runtime.storage.TensorStore` gives. Nothing is left behind in that case.
     """
 
+    device_tensors = True
+
     def __init__(
         self,
         paths: Sequence[str | os.PathLike[str]],

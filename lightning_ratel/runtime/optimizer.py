@@ -1,22 +1,27 @@
 """The out-of-core CPU AdamW pipeline.
 
-Optimizer state is kept per *shard*: the parameters of one unit (block) that share a parameter group and a compute
-dtype, so a shard's 16-bit copies are one contiguous range of the unit's compute copies and its fp32 master,
-``exp_avg`` and ``exp_avg_sq`` are three flat tensors in the swap store. An fp32 shard whose compute copy lives in the
-host cache has no master on the store: that copy is the master.
+Optimizer state is kept per shard (see :mod:`lightning_ratel.runtime.units`): a shard's fp32 master, ``exp_avg`` and
+``exp_avg_sq`` are three flat tensors in the swap store. An fp32 shard whose compute copy lives in the host cache has
+no master on the store: that copy is the master.
 
 Gradients reach a single worker thread in the order backward produces them. The worker accumulates them into a host
 fp32 buffer that the shard takes from a pool with its first gradient and gives back after its update, so gradient
 memory follows the shards in flight rather than the model. When a shard's last gradient of the boundary micro-batch
 arrives (and nothing global such as a norm is still unknown) it runs the shard's update: read master and moments from
-the store, AdamW in place, write the new compute copy where the pager reads it (the host cache, or the store; the
-next forward may page the block in from then on), write master and moments back (finishing while the next shard
-computes). The reads do not wait for the gradient: during the boundary micro-batch, every free buffer set is filled
-ahead with the states of the shards expected next, in the order the previous step's updates ran, so an update starts
-as soon as its last gradient is in. Without that, the shards backward finishes last (the first block and the
-embedding, which the next forward needs first) would each wait for a disk read after backward. While the gradients
-held exceed a budget and the worker has work that will release some, the thread handing gradients over waits, so
-backward cannot run arbitrarily far ahead of the optimizer.
+the store, AdamW in place, write the new compute copy where the pager reads it (the host cache, or the store), tell
+the unit's :class:`~lightning_ratel.runtime.units.UnitReady`, and write master and moments back (finishing while the
+next shard computes). The reads do not wait for the gradient: during the boundary micro-batch, every free buffer set
+is filled ahead with the states of the shards expected next, in the order the previous step's updates ran, so an
+update starts as soon as its last gradient is in. Without that, the shards backward finishes last (the first block
+and the embedding, which the next forward needs first) would each wait for a disk read after backward. While the
+gradients held exceed a budget and the worker has work that will release some, the thread handing gradients over
+waits, so backward cannot run arbitrarily far ahead of the optimizer.
+
+Threads. Jobs reach the worker as typed records through one queue. ``_ShardState`` (per-shard gradient, arrival and
+step counts), the buffer sets and the reads ahead belong to the worker thread. The training thread touches shard
+states only while the worker is idle: :meth:`CpuAdam.unscale_`, :meth:`CpuAdam.clip_`, :meth:`CpuAdam.param_steps`,
+:meth:`CpuAdam.load_state` and :meth:`CpuAdam.moments_on_store` first wait for everything handed over so far. The
+byte counters of the gradient budget are shared under ``_cond``.
 """
 
 from __future__ import annotations
@@ -24,80 +29,21 @@ from __future__ import annotations
 import queue
 import threading
 from collections import deque
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 
 from lightning_ratel import ops
-from lightning_ratel.runtime.pager import Unit
 from lightning_ratel.runtime.pool import BufferPool
 from lightning_ratel.runtime.storage import ALIGNMENT, TensorStore, aligned_empty
 from lightning_ratel.runtime.timeline import Timeline
-
+from lightning_ratel.runtime.units import Shard
+from lightning_ratel.sizes import round_up
 
 _OPENMP_BACKEND = "parallel backend: OpenMP" in torch.__config__.parallel_info()
-
-
-@dataclass
-class ShardParam:
-    """One parameter's place in a shard; ``step`` mirrors ``torch.optim.AdamW``'s per-parameter step."""
-
-    name: str
-    param: nn.Parameter
-    index: int
-    offset: int
-    numel: int
-    shape: torch.Size
-    step: int = 0
-    has_grad: bool = False
-    seen: bool = False
-
-    def grad_view(self, flat: torch.Tensor) -> torch.Tensor:
-        return flat[self.offset : self.offset + self.numel].view(self.shape)
-
-
-@dataclass
-class Shard:
-    """Parameters of one unit, one parameter group and one compute dtype."""
-
-    index: int
-    unit: Unit
-    group: int
-    dtype: torch.dtype
-    host_offset: int
-    params: list[ShardParam]
-    numel: int
-    # Taken from the optimizer's gradient pool with the first gradient of a window, given back after the update.
-    grad: torch.Tensor | None = field(repr=False, default=None)
-    arrived: int = 0
-    scheduled: bool = False
-    # Updates asked for by the training thread vs. finished by the worker; the unit is current when they match.
-    expected: int = 0
-    done: int = 0
-    moments_on_store: bool = False
-    last_write: Future | None = None
-    # An fp32 shard whose compute copy stays in the unit's host cache: that copy is the master itself, updated there in
-    # place and never kept on the store.
-    master_in_host: bool = False
-
-    def key(self, what: str) -> str:
-        return f"shard{self.index}.{what}"
-
-    @property
-    def compute_key(self) -> str:
-        """The store key of the compute copy when it is read from the store: the fp32 master is its own copy."""
-        return self.key("master") if self.dtype == torch.float32 else self.key("compute")
-
-    def compute_view(self, flat: torch.Tensor) -> torch.Tensor:
-        """This shard's range of a flat tensor laid out like its unit's compute copies."""
-        return flat[self.host_offset : self.host_offset + self.numel]
-
-    def host_master(self) -> torch.Tensor:
-        """The master of a ``master_in_host`` shard: its range of the unit's fp32 host cache."""
-        return self.compute_view(self.unit.host[torch.float32])
 
 
 @dataclass(frozen=True)
@@ -111,16 +57,91 @@ class GroupHyper:
     weight_decay: float
     decoupled: bool
 
+    @classmethod
+    def of(cls, optimizer: torch.optim.Optimizer) -> list[GroupHyper]:
+        """The current hyperparameters of every group of a ``torch.optim.AdamW`` or ``torch.optim.Adam``."""
+        decoupled_default = isinstance(optimizer, torch.optim.AdamW)
+        hyper = []
+        for group in optimizer.param_groups:
+            beta1, beta2 = group["betas"]
+            hyper.append(cls(
+                lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+                weight_decay=float(group["weight_decay"]),
+                decoupled=bool(group.get("decoupled_weight_decay", decoupled_default)),
+            ))
+        return hyper
 
-@dataclass
+
+@dataclass(frozen=True)
 class StepPlan:
     """How this optimizer step's updates run: hyperparameters per group, whether they start during backward, and
     the element-wise clip each shard applies to its own gradients first (global transforms such as norm clipping and
-    loss unscaling are applied by the engine before it schedules the updates)."""
+    loss unscaling are applied through :meth:`CpuAdam.unscale_` and :meth:`CpuAdam.clip_` before the updates are
+    scheduled)."""
 
     hyper: list[GroupHyper]
     overlap: bool
     clip_value: float | None = None
+
+
+@dataclass
+class _ShardState:
+    """What the worker knows about one shard between steps (worker thread only; see the module docstring)."""
+
+    # Taken from the gradient pool with the first gradient of a window, given back after the update.
+    grad: torch.Tensor | None = None
+    arrived: int = 0
+    scheduled: bool = False
+    moments_on_store: bool = False
+    last_write: Future | None = None
+    # Per parameter: torch.optim.AdamW's step count, whether a gradient is accumulated in ``grad`` this window, and
+    # whether one arrived in the current micro-batch.
+    steps: list[int] = field(default_factory=list)
+    has_grad: list[bool] = field(default_factory=list)
+    seen: list[bool] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _Gradient:
+    shard: Shard
+    position: int
+    grad: torch.Tensor
+    event: Any
+
+
+@dataclass(frozen=True)
+class _Begin:
+    plan: StepPlan | None
+
+
+@dataclass(frozen=True)
+class _Schedule:
+    plan: StepPlan
+    shards: tuple[Shard, ...]
+
+
+@dataclass(frozen=True)
+class _Discard:
+    shards: tuple[Shard, ...]
+
+
+@dataclass(frozen=True)
+class _Freed:
+    buffers: _Buffers
+
+
+@dataclass(frozen=True)
+class _Barrier:
+    future: Future
+    include_writes: bool
+
+
+@dataclass(frozen=True)
+class _Stop:
+    pass
+
+
+_Job = _Gradient | _Begin | _Schedule | _Discard | _Freed | _Barrier | _Stop
 
 
 class _Buffers:
@@ -130,7 +151,7 @@ class _Buffers:
         self.exp_avg_sq = aligned_empty(numel, torch.float32, huge=True)
         # The new 16-bit compute copy on its way to the store (only when the pager reads compute copies from there).
         # Whole pages, so any compute dtype can view it.
-        pages = -(-compute_bytes // ALIGNMENT) * ALIGNMENT
+        pages = round_up(compute_bytes, ALIGNMENT)
         self.compute = aligned_empty(pages, torch.uint8, huge=True) if compute_bytes else None
 
     @property
@@ -142,7 +163,7 @@ class CpuAdam:
     """Consumes gradients as backward produces them and updates shards on the CPU, overlapped with backward.
 
     Args:
-        shards: every shard, in the order of their units' forward.
+        shards: every shard the optimizer holds, in the order of their units' forward.
         store: the swap store holding masters and moments.
         depth: buffer sets in flight (reading ahead, computing, writing back).
         timeline: where updates and reads ahead are recorded; a new one by default.
@@ -156,24 +177,29 @@ class CpuAdam:
             region of the forward and backward then waits for sleeping threads to wake.
     """
 
-    def __init__(self, shards: list[Shard], store: TensorStore, depth: int = 3,
+    def __init__(self, shards: Sequence[Shard], store: TensorStore, depth: int = 3,
                  timeline: Timeline | None = None, compute_on_store: bool = False,
                  grad_budget_bytes: int | None = None, threads: int | None = None) -> None:
-        self.shards = shards
+        self.shards = list(shards)
         self.threads = threads if threads is not None else torch.get_num_threads()
         self.store = store
         self.compute_on_store = compute_on_store
         self.grad_budget_bytes = grad_budget_bytes
-        largest = max((s.numel for s in shards), default=1)
-        largest_master = max((s.numel for s in shards if not s.master_in_host), default=0)
-        compute_bytes = max(
-            (s.numel * s.dtype.itemsize for s in shards if compute_on_store and s.dtype != torch.float32), default=0)
+        self._state = {
+            s.index: _ShardState(steps=[0] * len(s.params), has_grad=[False] * len(s.params),
+                                 seen=[False] * len(s.params))
+            for s in self.shards
+        }
+        largest = max((s.numel for s in self.shards), default=1)
+        largest_master = max((s.numel for s in self.shards if not s.master_in_host), default=0)
+        compute_bytes = max((s.numel * s.dtype.itemsize for s in self.shards
+                             if compute_on_store and s.dtype != torch.float32), default=0)
         self._free = [_Buffers(largest, largest_master, compute_bytes) for _ in range(depth)]
         self._buffer_bytes = sum(b.nbytes for b in self._free)
         self.grads = BufferPool()
         self._queued_grad_bytes = 0
         self._pending_updates = 0
-        self._jobs: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         self._ready: deque[tuple[Shard, StepPlan]] = deque()
         self._inflight: deque[tuple[Shard, StepPlan, _Buffers, list[Future]]] = deque()
         # Read-ahead: states read before the shard's gradient is complete, by shard index; only between the start of
@@ -181,16 +207,13 @@ class CpuAdam:
         self._ahead: dict[int, tuple[_Buffers, list[Future]]] = {}
         self._reading_ahead = False
         # The order the last step's updates ran in (backward's order), and this step's so far.
-        self._order: list[Shard] = list(reversed(shards))
+        self._order: list[Shard] = list(reversed(self.shards))
         self._ran: list[Shard] = []
         self._writes_pending = 0
-        self._barriers: list[Future] = []
+        self._barriers: list[_Barrier] = []
         self._error: BaseException | None = None
         self._plan: StepPlan | None = None
         self._cond = threading.Condition()
-        self._unit_shards: dict[int, list[Shard]] = {}
-        for shard in shards:
-            self._unit_shards.setdefault(shard.unit.index, []).append(shard)
         self.timeline = timeline if timeline is not None else Timeline()
         self._worker = threading.Thread(target=self._run, name="ratel-cpu-adam", daemon=True)
         self._worker.start()
@@ -200,9 +223,10 @@ class CpuAdam:
         """Host bytes of the state buffer sets and the gradient pool."""
         return self._buffer_bytes + self.grads.nbytes
 
-    # Called from the autograd thread.
-    def gradient(self, shard: Shard, sp: ShardParam, grad: torch.Tensor, event: Any) -> None:
-        """Hand over one parameter's gradient, already on (or travelling to) host memory.
+    # ------------------------------------------------------------------ autograd thread
+
+    def gradient(self, shard: Shard, position: int, grad: torch.Tensor, event: Any) -> None:
+        """Hand over the gradient of ``shard.params[position]``, already on (or travelling to) host memory.
 
         Waits first while the gradients held exceed the budget and the worker has something that may release some:
         pending updates, or gradients not taken in yet (which may complete a shard). Once neither is left nothing would
@@ -215,25 +239,68 @@ class CpuAdam:
                        and self._queued_grad_bytes + self.grads.nbytes_in_use + nbytes > self.grad_budget_bytes):
                     self._cond.wait()
             self._queued_grad_bytes += nbytes
-        self._jobs.put(("grad", shard, sp, grad, event))
+        self._jobs.put(_Gradient(shard, position, grad, event))
 
-    # Called from the training thread.
+    # ------------------------------------------------------------------ training thread
+
     def begin(self, plan: StepPlan | None) -> None:
         """Start a micro-batch; ``plan`` is set on the boundary micro-batch of an accumulation window."""
-        self._jobs.put(("begin", plan))
+        self._jobs.put(_Begin(plan))
 
-    def schedule(self, plan: StepPlan, shards: list[Shard]) -> None:
-        """Update ``shards`` under ``plan`` (the ones whose update was not started during backward)."""
-        self._jobs.put(("schedule", plan, shards))
+    def schedule(self, plan: StepPlan, shards: Sequence[Shard]) -> None:
+        """Finish the step: update ``shards`` under ``plan`` (those not already updated during backward).
 
-    def discard(self, shards: list[Shard]) -> None:
+        Each shard's unit stops being ready now, on the calling thread, so that a forward paging it in after this call
+        waits for the update (which may also have run already).
+        """
+        for shard in shards:
+            shard.unit.ready.expect()
+        self._jobs.put(_Schedule(plan, tuple(shards)))
+
+    def discard(self, shards: Sequence[Shard]) -> None:
         """Drop the gradients ``shards`` hold without updating them (a skipped step), and any states read ahead."""
-        self._jobs.put(("discard", shards))
+        self._jobs.put(_Discard(tuple(shards)))
+
+    def unscale_(self, shards: Sequence[Shard], loss_scale: torch.Tensor) -> bool:
+        """Divide the gradients of ``shards`` by the fp16 loss scale and check them for inf/NaN.
+
+        Returns:
+            Whether every gradient is finite (``torch.amp.GradScaler``'s test for taking the step).
+        """
+        grads = self._ordered_grads(shards)
+        found_inf = torch.zeros(1)
+        inv_scale = loss_scale.double().reciprocal().float()
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+        return found_inf.item() == 0
+
+    def clip_(self, shards: Sequence[Shard], value: float, algorithm: str) -> None:
+        """Clip the gradients of ``shards`` as ``torch.nn.utils.clip_grad_norm_`` (``"norm"``, the same reductions
+        and the same clamped coefficient) or ``clip_grad_value_`` (``"value"``) would."""
+        grads = self._ordered_grads(shards)
+        if algorithm == "norm":
+            total_norm = torch.nn.utils.get_total_norm(grads, 2.0)
+            coef = torch.clamp(value / (total_norm + 1e-6), max=1.0)
+            torch._foreach_mul_(grads, coef)
+        else:
+            for g in grads:
+                g.clamp_(min=-value, max=value)
+
+    def _ordered_grads(self, shards: Sequence[Shard]) -> list[torch.Tensor]:
+        """After every gradient is taken in: the views of the gradients that arrived, in the optimizer's parameter
+        order, as torch's clipping and unscaling see them (the rest of a pooled buffer holds whatever its last user
+        left there)."""
+        self.barrier()
+        views = []
+        for shard in shards:
+            state = self._state[shard.index]
+            assert state.grad is not None
+            views.extend((sp.index, sp.view(state.grad)) for sp, has in zip(shard.params, state.has_grad) if has)
+        return [v for _, v in sorted(views, key=lambda t: t[0])]
 
     def barrier(self, include_writes: bool = False) -> None:
         """Wait until all work handed over so far is done (and, optionally, written back); re-raise its error."""
         future: Future = Future()
-        self._jobs.put(("barrier", future, include_writes))
+        self._jobs.put(_Barrier(future, include_writes))
         while True:
             try:
                 future.result(timeout=1.0)
@@ -243,7 +310,7 @@ class CpuAdam:
                     raise RuntimeError(f"the CPU optimizer worker stopped: {self._error!r}") from self._error
 
     def close(self) -> None:
-        self._jobs.put(("stop",))
+        self._jobs.put(_Stop())
         self._worker.join()
 
     def release_memory(self) -> None:
@@ -257,35 +324,30 @@ class CpuAdam:
         self.grads.clear()
 
     def check(self) -> None:
+        """Raise the worker's error, if it had one."""
         if self._error is not None:
             raise self._error
 
-    def expect(self, shards: list[Shard]) -> None:
-        """Record that ``shards`` will be updated in this step, before any forward may page their units in."""
-        with self._cond:
-            for shard in shards:
-                shard.expected += 1
+    def param_steps(self, shard: Shard) -> list[int]:
+        """``torch.optim.AdamW``'s step count of each parameter of ``shard`` (0: never updated)."""
+        self.barrier(include_writes=True)
+        return list(self._state[shard.index].steps)
 
-    def _updated(self, unit: int) -> bool:
-        return all(s.done >= s.expected for s in self._unit_shards.get(unit, ()))
+    def moments_on_store(self, shard: Shard) -> bool:
+        """Whether ``shard``'s moments were ever written (otherwise they are zeros)."""
+        self.barrier(include_writes=True)
+        return self._state[shard.index].moments_on_store
 
-    def unit_ready(self, unit: int) -> bool:
-        """Whether every update of ``unit`` asked for so far has put its new compute copy where the pager reads it."""
-        if not self._updated(unit):
-            return False
-        return not self.compute_on_store or all(
-            s.last_write is None or s.last_write.done() for s in self._unit_shards.get(unit, ()))
+    def load_state(self, shard: Shard, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, steps: Sequence[int]) -> None:
+        """Replace ``shard``'s moments and step counts (from a checkpoint)."""
+        self.barrier(include_writes=True)
+        self.store.write(shard.key("exp_avg"), exp_avg).result()
+        self.store.write(shard.key("exp_avg_sq"), exp_avg_sq).result()
+        state = self._state[shard.index]
+        state.steps = list(steps)
+        state.moments_on_store = True
 
-    def wait_unit(self, unit: int) -> None:
-        """Block until every update of ``unit`` asked for so far has written its new compute copy."""
-        with self._cond:
-            while not self._updated(unit) and self._error is None:
-                self._cond.wait()
-        self.check()
-        if self.compute_on_store:
-            for shard in self._unit_shards.get(unit, ()):
-                if shard.last_write is not None:
-                    shard.last_write.result()
+    # ------------------------------------------------------------------ worker thread
 
     def _run(self) -> None:
         if _OPENMP_BACKEND:
@@ -294,8 +356,7 @@ class CpuAdam:
             torch.set_num_threads(self.threads)
         while True:
             job = self._jobs.get()
-            kind = job[0]
-            if kind == "stop":
+            if isinstance(job, _Stop):
                 return
             try:
                 self._handle(job)
@@ -305,9 +366,9 @@ class CpuAdam:
                 self._resolve_barriers()
             except BaseException as err:  # noqa: BLE001 - handed to the training thread through barrier/check
                 self._fail(err)
-                for future, _ in self._barriers:
-                    if not future.done():
-                        future.set_exception(err)
+                for barrier in self._barriers:
+                    if not barrier.future.done():
+                        barrier.future.set_exception(err)
                 self._barriers = []
 
     def _fail(self, err: BaseException) -> None:
@@ -316,83 +377,88 @@ class CpuAdam:
                 self._error = err
             # Nobody may wait forever for an update that will not come.
             self._cond.notify_all()
+        for shard in self.shards:
+            shard.unit.ready.fail(err)
         self._ready.clear()
 
-    def _handle(self, job: tuple[Any, ...]) -> None:
-        kind = job[0]
-        if kind == "grad":
-            _, shard, sp, grad, event = job
-            with self._cond:
-                self._queued_grad_bytes -= grad.numel() * grad.element_size()
-                self._cond.notify_all()
-            if self._error is not None:
-                return
-            event.synchronize()
-            plan = self._plan
-            if shard.scheduled and plan is not None and plan.overlap:
-                raise RuntimeError(
-                    f"a gradient of {sp.name} arrived after its shard was updated; RatelStrategy expects each "
-                    "parameter's gradient once per backward pass"
-                )
-            if shard.grad is None:
-                shard.grad = self.grads.take(shard.numel, torch.float32)
-            view = sp.grad_view(shard.grad)
-            if sp.has_grad:
-                view.add_(grad)
-            else:
-                view.copy_(grad)
-                sp.has_grad = True
-            if not sp.seen:
-                sp.seen = True
-                shard.arrived += 1
-            if plan is not None and plan.overlap and shard.arrived == len(shard.params) and not shard.scheduled:
-                self._enqueue(shard, plan)
-        elif kind == "begin":
-            self._plan = job[1]
+    def _handle(self, job: _Job) -> None:
+        if isinstance(job, _Gradient):
+            self._take_gradient(job)
+        elif isinstance(job, _Begin):
+            self._plan = job.plan
             self._drop_ahead()
             self._reading_ahead = self._plan is not None
             if self._reading_ahead and self._ran:
                 ran = {s.index for s in self._ran}
                 self._order = self._ran + [s for s in self._order if s.index not in ran]
                 self._ran = []
-            for shard in self.shards:
-                shard.arrived = 0
-                shard.scheduled = False
-                for sp in shard.params:
-                    sp.seen = False
-        elif kind == "schedule":
-            _, plan, shards = job
-            for shard in shards:
-                if not shard.scheduled:
-                    self._enqueue(shard, plan)
+            for state in self._state.values():
+                state.arrived = 0
+                state.scheduled = False
+                state.seen = [False] * len(state.seen)
+        elif isinstance(job, _Schedule):
+            for shard in job.shards:
+                if not self._state[shard.index].scheduled:
+                    self._enqueue(shard, job.plan)
             # Every update of the step is queued: states read ahead for shards without one are dropped.
             self._reading_ahead = False
             self._drop_ahead()
-        elif kind == "discard":
-            for shard in job[1]:
-                for sp in shard.params:
-                    sp.has_grad = False
+        elif isinstance(job, _Discard):
+            for shard in job.shards:
+                state = self._state[shard.index]
+                state.has_grad = [False] * len(state.has_grad)
                 self._release_grad(shard)
             self._reading_ahead = False
             self._drop_ahead()
-        elif kind == "freed":
-            self._free.append(job[1])
+        elif isinstance(job, _Freed):
+            self._free.append(job.buffers)
             self._writes_pending -= 1
-        elif kind == "barrier":
-            self._barriers.append((job[1], job[2]))
+        elif isinstance(job, _Barrier):
+            self._barriers.append(job)
+
+    def _take_gradient(self, job: _Gradient) -> None:
+        shard, position, grad = job.shard, job.position, job.grad
+        with self._cond:
+            self._queued_grad_bytes -= grad.numel() * grad.element_size()
+            self._cond.notify_all()
+        if self._error is not None:
+            return
+        job.event.synchronize()
+        state = self._state[shard.index]
+        plan = self._plan
+        if state.scheduled and plan is not None and plan.overlap:
+            raise RuntimeError(
+                f"a gradient of {shard.params[position].name} arrived after its shard was updated; RatelStrategy "
+                "expects each parameter's gradient once per backward pass"
+            )
+        if state.grad is None:
+            state.grad = self.grads.take(shard.numel, torch.float32)
+        view = shard.params[position].view(state.grad)
+        if state.has_grad[position]:
+            view.add_(grad)
+        else:
+            view.copy_(grad)
+            state.has_grad[position] = True
+        if not state.seen[position]:
+            state.seen[position] = True
+            state.arrived += 1
+        if plan is not None and plan.overlap and state.arrived == len(shard.params) and not state.scheduled:
+            self._enqueue(shard, plan)
 
     def _enqueue(self, shard: Shard, plan: StepPlan) -> None:
-        shard.scheduled = True
-        if any(sp.has_grad for sp in shard.params):
+        state = self._state[shard.index]
+        state.scheduled = True
+        if any(state.has_grad):
             self._ready.append((shard, plan))
             self._ran.append(shard)
             with self._cond:
                 self._pending_updates += 1
 
     def _release_grad(self, shard: Shard) -> None:
-        if shard.grad is not None:
-            self.grads.give(shard.grad)
-            shard.grad = None
+        state = self._state[shard.index]
+        if state.grad is not None:
+            self.grads.give(state.grad)
+            state.grad = None
 
     def _advance(self) -> None:
         while True:
@@ -419,9 +485,10 @@ class CpuAdam:
         if not self._free:
             return
         for shard in self._order:
-            if shard.scheduled or shard.index in self._ahead:
+            state = self._state[shard.index]
+            if state.scheduled or shard.index in self._ahead:
                 continue
-            if shard.last_write is not None and not shard.last_write.done():
+            if state.last_write is not None and not state.last_write.done():
                 # Its previous write-back is still landing; later shards must not take the buffer it will need.
                 return
             buffers = self._free.pop()
@@ -453,11 +520,12 @@ class CpuAdam:
         self._free.append(buffers)
 
     def _read(self, shard: Shard, b: _Buffers) -> list[Future]:
-        if shard.last_write is not None:
-            shard.last_write.result()
+        state = self._state[shard.index]
+        if state.last_write is not None:
+            state.last_write.result()
         n = shard.numel
         reads = [] if shard.master_in_host else [self.store.read(shard.key("master"), b.master[:n])]
-        if shard.moments_on_store:
+        if state.moments_on_store:
             reads.append(self.store.read(shard.key("exp_avg"), b.exp_avg[:n]))
             reads.append(self.store.read(shard.key("exp_avg_sq"), b.exp_avg_sq[:n]))
         return reads
@@ -466,34 +534,35 @@ class CpuAdam:
         for r in reads:
             r.result()
         self.timeline.record(f"update_start:{shard.index}")
+        state = self._state[shard.index]
         n = shard.numel
         master = shard.host_master() if shard.master_in_host else b.master[:n]
         exp_avg, exp_avg_sq = b.exp_avg[:n], b.exp_avg_sq[:n]
-        if not shard.moments_on_store:
+        if not state.moments_on_store:
             exp_avg.zero_()
             exp_avg_sq.zero_()
-        grad = shard.grad
+        grad = state.grad
         assert grad is not None
         if plan.clip_value is not None:
             grad.clamp_(min=-plan.clip_value, max=plan.clip_value)
         hyper = plan.hyper[shard.group]
         out = self._compute_out(shard, b)
-        with_grad = [sp for sp in shard.params if sp.has_grad]
-        if len(with_grad) == len(shard.params) and len({sp.step for sp in with_grad}) == 1:
-            step = with_grad[0].step + 1
-            self._adamw(master, grad, exp_avg, exp_avg_sq, out, hyper, step)
+        with_grad = [i for i, has in enumerate(state.has_grad) if has]
+        if len(with_grad) == len(shard.params) and len({state.steps[i] for i in with_grad}) == 1:
+            self._adamw(master, grad, exp_avg, exp_avg_sq, out, hyper, state.steps[0] + 1)
         else:
             if out is not None and self.compute_on_store:
                 # The whole staging buffer goes to the store: parameters without a gradient keep their copies.
                 out.copy_(master)
-            for sp in with_grad:
+            for i in with_grad:
+                sp = shard.params[i]
                 sl = slice(sp.offset, sp.offset + sp.numel)
                 self._adamw(master[sl], grad[sl], exp_avg[sl], exp_avg_sq[sl], out[sl] if out is not None else None,
-                            hyper, sp.step + 1)
-        for sp in with_grad:
-            sp.step += 1
-            sp.has_grad = False
-        shard.moments_on_store = True
+                            hyper, state.steps[i] + 1)
+        for i in with_grad:
+            state.steps[i] += 1
+            state.has_grad[i] = False
+        state.moments_on_store = True
         self._release_grad(shard)
         self.timeline.record(f"update_end:{shard.index}")
         writes = [self.store.write(shard.key("exp_avg"), exp_avg),
@@ -503,8 +572,17 @@ class CpuAdam:
         if out is not None and self.compute_on_store:
             writes.append(self.store.write(shard.compute_key, out))
         self._writes_pending += 1
+        done = self._joined(writes, b)
+        state.last_write = done
+        # Only now, with ``last_write`` set: a pager reading compute copies from the store waits for that write.
+        shard.unit.ready.complete(done if self.compute_on_store else None)
+        with self._cond:
+            self._pending_updates -= 1
+            self._cond.notify_all()
+
+    def _joined(self, writes: list[Future], buffers: _Buffers) -> Future:
+        """A future that completes when every write has (with the first error), handing ``buffers`` back then."""
         done: Future = Future()
-        shard.last_write = done
         remaining = [len(writes)]
         lock = threading.Lock()
 
@@ -514,19 +592,15 @@ class CpuAdam:
                 last = remaining[0] == 0
             if f.exception() is not None and not done.done():
                 done.set_exception(f.exception())
-                self._jobs.put(("freed", b))
+                self._jobs.put(_Freed(buffers))
                 return
             if last and not done.done():
                 done.set_result(None)
-                self._jobs.put(("freed", b))
+                self._jobs.put(_Freed(buffers))
 
         for w in writes:
             w.add_done_callback(finished)
-        # Only now: a pager reading compute copies from the store waits for ``last_write``, which must be this one.
-        with self._cond:
-            shard.done += 1
-            self._pending_updates -= 1
-            self._cond.notify_all()
+        return done
 
     def _compute_out(self, shard: Shard, b: _Buffers) -> torch.Tensor | None:
         """Where the update writes the shard's new compute copy: the host cache, a staging buffer bound for the
@@ -551,19 +625,19 @@ class CpuAdam:
             return
         busy = bool(self._ready or self._inflight) and self._error is None
         keep = []
-        for future, include_writes in self._barriers:
+        for barrier in self._barriers:
             if self._error is not None:
-                future.set_exception(self._error)
-            elif busy or not self._jobs.empty() or (include_writes and self._writes_pending):
-                keep.append((future, include_writes))
+                barrier.future.set_exception(self._error)
+            elif busy or not self._jobs.empty() or (barrier.include_writes and self._writes_pending):
+                keep.append(barrier)
             else:
-                for shard in self.shards:
-                    if shard.last_write is not None and shard.last_write.done():
-                        err = shard.last_write.exception()
+                for state in self._state.values():
+                    if state.last_write is not None and state.last_write.done():
+                        err = state.last_write.exception()
                         if err is not None:
                             self._fail(err)
-                            future.set_exception(err)
+                            barrier.future.set_exception(err)
                             break
                 else:
-                    future.set_result(None)
+                    barrier.future.set_result(None)
         self._barriers = keep

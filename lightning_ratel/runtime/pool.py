@@ -13,6 +13,7 @@ import threading
 import torch
 
 from lightning_ratel.runtime.storage import ALIGNMENT, aligned_empty
+from lightning_ratel.sizes import round_up
 
 
 class BufferPool:
@@ -36,7 +37,7 @@ class BufferPool:
 
     def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A 1-D tensor of ``numel`` elements on a 4096-byte boundary, with undefined contents."""
-        need = -(-max(numel * dtype.itemsize, 1) // ALIGNMENT) * ALIGNMENT
+        need = round_up(max(numel * dtype.itemsize, 1), ALIGNMENT)
         with self._lock:
             fitting = [i for i, b in enumerate(self._free) if need <= b.numel() <= 2 * need]
             if fitting:

@@ -25,8 +25,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.flop_counter import flop_registry
 
-INPUT = "input"
-
 # Aliasing no-ops that autograd itself issues in a forward with gradients (detaching saved outputs) and not in the
 # replay, which runs without them: they are not part of a block's op sequence.
 _IGNORED = {torch.ops.aten.detach.default, torch.ops.aten.lift_fresh.default}

@@ -407,6 +407,9 @@ class TensorStore:
             use by another store, or ``direct=True`` cannot be honoured. Nothing is left behind in that case.
     """
 
+    device_tensors = False
+    """Whether the tensors it reads and writes are device tensors (moved without host staging)."""
+
     def __init__(
         self,
         paths: Sequence[str | os.PathLike[str]],

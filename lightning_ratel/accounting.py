@@ -1,0 +1,128 @@
+"""Where a run's bytes are now, and where each training step's time went.
+
+:class:`ByteAccount` sums what every part of the engine holds on the device, in host memory and on disk (the planner
+starts its host budget from it). :class:`StepBreakdown` turns what the parts measured during one step (copy times,
+store transfer intervals, optimizer updates on the timeline, stalls) into the per-resource busy times the report
+draws against the plan's prediction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from lightning_ratel.checkpoint import ModelState
+from lightning_ratel.layout import Layout
+from lightning_ratel.runtime.activations import ActivationCache
+from lightning_ratel.runtime.device import Device
+from lightning_ratel.runtime.optimizer import CpuAdam
+from lightning_ratel.runtime.pager import ParameterPager
+from lightning_ratel.runtime.storage import TensorStore
+from lightning_ratel.runtime.timeline import Timeline
+
+
+class ByteAccount:
+    """Bytes held by one run's parts.
+
+    Args:
+        device: the compute device.
+        layout: units (host caches).
+        pager: resident parameters and page-in buffers.
+        cache: activations in host memory and on disk.
+        state: the originals an evaluation run keeps.
+        adam: the CPU optimizer's buffers (fitting only).
+        store: the model-state swap store (fitting only).
+    """
+
+    def __init__(self, device: Device, layout: Layout, pager: ParameterPager, cache: ActivationCache,
+                 state: ModelState, adam: CpuAdam | None, store: TensorStore | None) -> None:
+        self.device = device
+        self.layout = layout
+        self.pager = pager
+        self.cache = cache
+        self.state = state
+        self.adam = adam
+        self.store = store
+
+    def held(self) -> dict[str, int]:
+        """Bytes held right now on the device, in host memory and on disk."""
+        host = sum(u.host_nbytes for u in self.layout.units.values()) + self.cache.host_bytes_in_use
+        pool = self.pager.pool
+        # On CPU the pool's buffers in use are the resident compute copies, counted as the device's.
+        host += pool.nbytes if self.device.is_cuda else pool.nbytes - pool.nbytes_in_use
+        if self.adam is not None:
+            host += self.adam.host_buffer_bytes
+        host += self.state.originals_nbytes
+        disk = (self.store.nbytes_reserved if self.store is not None else 0) + self.cache.disk_bytes
+        device = self.pager.resident_bytes
+        if self.device.is_cuda:
+            device = torch.cuda.memory_allocated(self.device.device)
+        return {"device": device, "host": host, "disk": disk}
+
+
+def _union(intervals: Sequence[tuple[float, float]], start: float, end: float) -> float:
+    """Length of the union of ``intervals`` clipped to ``[start, end]``."""
+    total = 0.0
+    reach = start
+    for a, b in sorted(intervals):
+        a, b = max(a, reach), min(b, end)
+        if b > a:
+            total += b - a
+            reach = b
+    return total
+
+
+class StepBreakdown:
+    """Measured busy time per resource over an interval.
+
+    Args:
+        device: the compute device (link copy times).
+        timeline: optimizer updates (``update_start:<shard>`` / ``update_end:<shard>``).
+        pager: stalls waiting for updates.
+        cache: stalls waiting for swapped activations, and the activation store's transfers.
+        store: the model-state store's transfers (fitting only).
+    """
+
+    def __init__(self, device: Device, timeline: Timeline, pager: ParameterPager, cache: ActivationCache,
+                 store: TensorStore | None) -> None:
+        self.device = device
+        self.timeline = timeline
+        self.pager = pager
+        self.cache = cache
+        self.store = store
+        self._cursor = 0
+
+    def take(self, start: float, end: float) -> dict[str, float]:
+        """Where the time of ``[start, end]`` (a training step) went.
+
+        ``compute`` is the wall time the training thread did not spend stalled waiting for an update or a read;
+        ``h2d``/``d2h`` the busy time of each link direction; ``ssd`` the time any swap-file transfer ran;
+        ``cpu_optimizer`` the time any AdamW update ran; ``idle`` the training thread's stalls. Resources overlap,
+        so the parts do not add up to the wall time.
+        """
+        copies = self.device.take_copy_seconds()
+        busy = self.cache.take_busy_intervals()
+        if self.store is not None:
+            busy.extend(self.store.take_busy_intervals())
+        updates: list[tuple[float, float]] = []
+        opened: dict[str, float] = {}
+        events, self._cursor = self.timeline.since(self._cursor)
+        for name, t in events:
+            kind, _, shard = name.partition(":")
+            if kind == "update_start":
+                opened[shard] = t
+            elif kind == "update_end" and shard in opened:
+                updates.append((opened.pop(shard), t))
+        stall = self.pager.take_stall_seconds() + self.cache.take_stall_seconds()
+        wall = end - start
+        copy_time = copies["h2d"] + copies["d2h"] if not self.device.is_cuda else 0.0
+        return {
+            "wall": wall,
+            "compute": max(wall - stall - copy_time, 0.0),
+            "h2d": copies["h2d"],
+            "d2h": copies["d2h"],
+            "ssd": _union(busy, start, end),
+            "cpu_optimizer": _union(updates, start, end),
+            "idle": stall,
+        }

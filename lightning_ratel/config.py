@@ -1,0 +1,115 @@
+"""RatelStrategy's settings, checked in one place when the strategy is built, before anything is allocated."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from torch import nn
+
+from lightning_ratel.blocks import BlockSpec
+from lightning_ratel.errors import RatelConfigError
+from lightning_ratel.placement import check_policy
+from lightning_ratel.plan.search import Plan
+from lightning_ratel.sizes import parse_bytes
+
+ActivationPolicy = str | dict[str, str]
+ParamInitFn = Callable[[nn.Module], None]
+ParamCache = Literal["auto", "host", "ssd"]
+PARAM_CACHES: tuple[ParamCache, ...] = ("auto", "host", "ssd")
+
+
+@dataclass
+class RatelConfig:
+    """What :class:`~lightning_ratel.RatelStrategy` was asked for, validated and normalized.
+
+    See the strategy for the meaning of each field. Byte limits are byte counts here, ``plan`` is ``"auto"``, a
+    :class:`~lightning_ratel.plan.Plan` (a plan file is loaded when the config is made) or ``None`` when an
+    ``activation_policy`` replaces planning.
+
+    Raises:
+        RatelConfigError: any field has the wrong type or an unusable value.
+    """
+
+    ssd_paths: list[str] | None = None
+    prefetch_depth: int = 1
+    keep_swap_files: bool = False
+    activation_policy: ActivationPolicy | None = None
+    plan: str | Plan | None = "auto"
+    host_memory_limit: int | None = None
+    device_memory_limit: int | None = None
+    blocks: BlockSpec = None
+    param_cache: ParamCache = "auto"
+    param_init_fn: ParamInitFn | None = None
+    name: str = "ratel"
+
+    def __post_init__(self) -> None:
+        self.ssd_paths = _paths(self.ssd_paths)
+        if isinstance(self.prefetch_depth, bool) or not isinstance(self.prefetch_depth, int) or self.prefetch_depth < 0:
+            raise RatelConfigError(f"`prefetch_depth` must be an integer >= 0, got {self.prefetch_depth!r}")
+        if not isinstance(self.keep_swap_files, bool):
+            raise RatelConfigError(f"`keep_swap_files` must be True or False, got {self.keep_swap_files!r}")
+        if self.activation_policy is not None:
+            check_policy(self.activation_policy)
+            self.plan = None
+        self.plan = _plan(self.plan)
+        self.host_memory_limit = parse_bytes(self.host_memory_limit, "host_memory_limit")
+        self.device_memory_limit = parse_bytes(self.device_memory_limit, "device_memory_limit")
+        _check_blocks(self.blocks)
+        if self.param_cache not in PARAM_CACHES:
+            raise RatelConfigError(f"`param_cache` must be one of {PARAM_CACHES}, got {self.param_cache!r}")
+        if self.param_init_fn is not None and not callable(self.param_init_fn):
+            raise RatelConfigError(f"`param_init_fn` must be callable, got {type(self.param_init_fn).__name__}")
+
+    @property
+    def plans_automatically(self) -> bool:
+        """Whether the first training step is profiled and a plan made from it (``plan="auto"``)."""
+        return self.activation_policy is None and self.plan == "auto"
+
+    def with_ssd_paths(self, ssd_paths: Sequence[str]) -> RatelConfig:
+        """A copy whose swap directories are ``ssd_paths`` (the run's default when none were given)."""
+        return replace(self, ssd_paths=list(ssd_paths))
+
+
+def _paths(value: object) -> list[str] | None:
+    if value is None:
+        return None
+    if isinstance(value, (str, os.PathLike)):
+        value = [value]
+    if not isinstance(value, Sequence) or isinstance(value, (bytes, str)):
+        raise RatelConfigError(f"`ssd_paths` must be a list of directories, got {value!r}")
+    if not value:
+        raise RatelConfigError("`ssd_paths` is empty: give at least one directory, or None for the default")
+    bad = [p for p in value if not isinstance(p, (str, os.PathLike)) or not os.fspath(p)]
+    if bad:
+        raise RatelConfigError(f"`ssd_paths` must name directories (strings or paths), got {bad!r}")
+    return [os.fspath(p) for p in value]
+
+
+def _plan(value: object) -> str | Plan | None:
+    if value is None or value == "auto" or isinstance(value, Plan):
+        return value  # type: ignore[return-value]
+    if not isinstance(value, (str, os.PathLike)):
+        raise RatelConfigError(f"`plan` must be 'auto', a Plan or a plan JSON file, got {value!r}")
+    if not os.path.isfile(value):
+        raise RatelConfigError(f"`plan` must be 'auto', a Plan or a plan JSON file; {os.fspath(value)!r} is not a file")
+    try:
+        return Plan.load(value)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        reason = f"{type(err).__name__}: {err}" if not isinstance(err, json.JSONDecodeError) else f"invalid JSON: {err}"
+        raise RatelConfigError(f"`plan` file {os.fspath(value)!r} cannot be read as a plan ({reason})") from err
+
+
+def _check_blocks(blocks: object) -> None:
+    if blocks is None or callable(blocks):
+        return
+    if isinstance(blocks, (str, bytes)) or not isinstance(blocks, Sequence) or isinstance(blocks, Mapping):
+        raise RatelConfigError(
+            f"`blocks` must be a list of module names or a callable returning one, got {blocks!r}"
+            + (f" (did you mean [{blocks!r}]?)" if isinstance(blocks, str) else ""))
+    bad = [b for b in blocks if not isinstance(b, str)]
+    if bad:
+        raise RatelConfigError(f"`blocks` must hold module names (strings), got {bad!r}")

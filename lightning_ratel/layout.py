@@ -1,0 +1,241 @@
+"""How a model's parameters are laid out for paging and for the CPU optimizer: units, shards and the dtype policy.
+
+Each parameter belongs to the first block that uses it (tied weights are owned once, shared by reference). The
+parameters of one block form a *unit*, one flat tensor per compute dtype; the parameters of a unit that share an
+optimizer parameter group and a compute dtype form a *shard*, the grain of the optimizer's state I/O and updates
+(:mod:`lightning_ratel.runtime.units`).
+
+The compute dtype follows mixed precision: a parameter that autocast would cast to 16-bit anyway (a linear or
+convolution weight) is stored in 16-bit, bit-identical at half the bytes; everything else keeps its own dtype, so
+results match Lightning's own mixed precision exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_info
+from torch import nn
+
+from lightning_ratel.blocks import Block
+from lightning_ratel.config import ParamCache
+from lightning_ratel.errors import RatelConfigError
+from lightning_ratel.runtime.probe import available_host_memory
+from lightning_ratel.runtime.storage import ALIGNMENT
+from lightning_ratel.runtime.units import ParamSlot, Shard, ShardParam, Unit
+from lightning_ratel.sizes import format_bytes, round_up
+
+SUPPORTED_OPTIMIZERS = (torch.optim.AdamW, torch.optim.Adam)
+_UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "differentiable", "capturable")
+HostAllocator = Callable[[int, torch.dtype], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Units and shards of one model.
+
+    Attributes:
+        units: unit by owning block index.
+        block_units: for each block, the units its forward uses (its own and any it shares).
+        shards: the shards the optimizer updates, in block order.
+        frozen_shards: shards of parameters outside the optimizer (values kept, never updated).
+        param_cache: ``"host"`` (compute copies live in the units' host caches) or ``"ssd"`` (read from the swap
+            store on every page-in).
+        orig_dtype: each parameter's own dtype, by parameter id (what the module holds outside training).
+    """
+
+    units: dict[int, Unit]
+    block_units: list[list[int]]
+    shards: list[Shard]
+    frozen_shards: list[Shard]
+    param_cache: ParamCache
+    orig_dtype: dict[int, torch.dtype]
+
+    @property
+    def all_shards(self) -> list[Shard]:
+        """Trainable then frozen shards."""
+        return self.shards + self.frozen_shards
+
+    def unit_shards(self) -> dict[int, list[Shard]]:
+        """Every shard by unit index."""
+        by_unit: dict[int, list[Shard]] = {}
+        for shard in self.all_shards:
+            by_unit.setdefault(shard.unit.index, []).append(shard)
+        return by_unit
+
+    @property
+    def slots(self) -> list[ParamSlot]:
+        """Every parameter's slot, unit by unit."""
+        return [slot for unit in self.units.values() for slot in unit.slots]
+
+    @property
+    def param_nbytes(self) -> int:
+        """Bytes of every parameter in its own dtype: what the module's full state takes in host memory."""
+        return sum(s.numel * self.orig_dtype[id(s.param)].itemsize for s in self.slots)
+
+    @property
+    def compute_nbytes(self) -> int:
+        """Bytes of every unit's compute copies (what a host cache of all of them takes)."""
+        return sum(u.nbytes for u in self.units.values())
+
+
+def optimizer_groups(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[int, tuple[int, int]]:
+    """Map parameter id -> (group index, index in the optimizer's ``state_dict`` order).
+
+    Raises:
+        RatelConfigError: the optimizer is not AdamW/Adam, uses a flag the CPU AdamW does not implement, or holds a
+            parameter that is not the module's.
+    """
+    if optimizer is None:
+        return {}
+    if not isinstance(optimizer, SUPPORTED_OPTIMIZERS):
+        raise RatelConfigError(
+            f"RatelStrategy runs the optimizer itself and supports torch.optim.AdamW and torch.optim.Adam; "
+            f"`configure_optimizers` returned {type(optimizer).__name__}"
+        )
+    model_params = {id(p) for p in module.parameters()}
+    mapping: dict[int, tuple[int, int]] = {}
+    index = 0
+    for g, group in enumerate(optimizer.param_groups):
+        for flag in _UNSUPPORTED_FLAGS:
+            if group.get(flag):
+                raise RatelConfigError(f"RatelStrategy's CPU AdamW does not support `{flag}=True`")
+        for p in group["params"]:
+            if id(p) not in model_params:
+                raise RatelConfigError("the optimizer holds a parameter that is not part of the LightningModule")
+            mapping[id(p)] = (g, index)
+            index += 1
+    return mapping
+
+
+def _autocast_only(modules: list[nn.Module]) -> bool:
+    """Whether every module using a parameter feeds it only to ops that autocast runs in 16-bit."""
+    linear_like = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+    return bool(modules) and all(isinstance(m, linear_like) or type(m).__name__ == "Conv1D" for m in modules)
+
+
+def build_layout(
+    module: nn.Module,
+    blocks: Sequence[Block],
+    optimizer: torch.optim.Optimizer | None,
+    half_dtype: torch.dtype | None,
+    param_cache: ParamCache,
+    host_memory_limit: int | None,
+    host_empty: HostAllocator,
+) -> Layout:
+    """Lay out ``module``'s parameters.
+
+    Args:
+        module: the model.
+        blocks: its blocks, covering every parameter.
+        optimizer: the user's optimizer when fitting; ``None`` for evaluation (no shards, compute copies in host
+            memory).
+        half_dtype: the 16-bit dtype of mixed precision, ``None`` for fp32.
+        param_cache: the requested place of the compute copies (``"auto"`` resolved here).
+        host_memory_limit: the run's host memory budget, for ``"auto"``.
+        host_empty: allocates host-cache memory (pinned on CUDA).
+
+    Raises:
+        RatelConfigError: a parameter is not floating point, or the optimizer cannot be run (see
+            :func:`optimizer_groups`).
+    """
+    groups = optimizer_groups(module, optimizer)
+    names = {id(p): n for n, p in module.named_parameters()}
+    orig_dtype = {id(p): p.dtype for _, p in module.named_parameters()}
+    users: dict[int, list[nn.Module]] = {}
+    for m in module.modules():
+        for _, p in m.named_parameters(recurse=False, remove_duplicate=False):
+            users.setdefault(id(p), []).append(m)
+
+    def compute_dtype(p: nn.Parameter) -> torch.dtype:
+        if not p.is_floating_point():
+            raise RatelConfigError(f"parameter {names[id(p)]} is not floating point ({p.dtype})")
+        if half_dtype is not None and _autocast_only(users.get(id(p), [])):
+            return half_dtype
+        return p.dtype
+
+    def group_of(p: nn.Parameter) -> int:
+        return groups[id(p)][0] if id(p) in groups else -1
+
+    owner: dict[int, int] = {}
+    owned: dict[int, list[nn.Parameter]] = {}
+    for block in blocks:
+        for p in block.uses:
+            if id(p) not in owner:
+                owner[id(p)] = block.index
+                owned.setdefault(block.index, []).append(p)
+    dtype_rank: dict[torch.dtype, int] = {}
+    unit_slots: dict[int, tuple[list[ParamSlot], dict[torch.dtype, int]]] = {}
+    for b, params in owned.items():
+        dtypes = {id(p): compute_dtype(p) for p in params}
+        for d in dtypes.values():
+            dtype_rank.setdefault(d, len(dtype_rank))
+        # Sorted so that each (dtype, group) is one contiguous range: one shard, one kernel call, one output.
+        order = sorted(range(len(params)),
+                       key=lambda i: (dtype_rank[dtypes[id(params[i])]], groups.get(id(params[i]), (1 << 30, 0))[0], i))
+        offsets: dict[torch.dtype, int] = {}
+        slots = []
+        run = None
+        for i in order:
+            p = params[i]
+            d = dtypes[id(p)]
+            start = offsets.get(d, 0)
+            if (d, group_of(p)) != run:
+                # Each shard starts on a 4096-byte boundary, so the store reads it straight into the flat buffer.
+                run = (d, group_of(p))
+                start = round_up(start * d.itemsize, ALIGNMENT) // d.itemsize
+            slots.append(ParamSlot(names[id(p)], p, d, start, p.numel(), p.shape))
+            offsets[d] = start + p.numel()
+        unit_slots[b] = (slots, offsets)
+
+    compute_bytes = sum(n * d.itemsize for _, numels in unit_slots.values() for d, n in numels.items())
+    cache = resolve_param_cache(param_cache, optimizer is not None, compute_bytes, host_memory_limit)
+    units = {
+        b: Unit(b, tuple(slots), numels,
+                host={d: host_empty(n, d) for d, n in numels.items()} if cache == "host" else {})
+        for b, (slots, numels) in unit_slots.items()
+    }
+    shards: list[Shard] = []
+    frozen: list[Shard] = []
+    if optimizer is not None:
+        for unit in units.values():
+            runs: dict[tuple[torch.dtype, int], list[ParamSlot]] = {}
+            for slot in unit.slots:
+                runs.setdefault((slot.dtype, group_of(slot.param)), []).append(slot)
+            for (dtype, g), slots in runs.items():
+                params = []
+                offset = 0
+                for slot in slots:
+                    index = groups[id(slot.param)][1] if g >= 0 else -1
+                    params.append(ShardParam(slot.name, slot.param, index, offset, slot.numel, slot.shape))
+                    offset += slot.numel
+                shard = Shard(len(shards) + len(frozen), unit, g, dtype, slots[0].offset, tuple(params), offset,
+                              master_in_host=cache == "host" and dtype == torch.float32)
+                (shards if g >= 0 else frozen).append(shard)
+    block_units = [sorted({owner[id(p)] for p in block.uses}) for block in blocks]
+    return Layout(units, block_units, shards, frozen, cache, orig_dtype)
+
+
+def resolve_param_cache(requested: ParamCache, fitting: bool, compute_bytes: int,
+                        host_memory_limit: int | None) -> ParamCache:
+    """``"host"`` or ``"ssd"``: where the compute copies live between uses.
+
+    ``"auto"`` reads them from the store when a host cache would take more than half of the host memory budget.
+    Without an optimizer there is no swap store, so they stay in host memory.
+    """
+    if not fitting:
+        return "host"
+    if requested != "auto":
+        return requested
+    budget = host_memory_limit if host_memory_limit is not None else available_host_memory()
+    if budget and compute_bytes > budget // 2:
+        what = "host_memory_limit" if host_memory_limit is not None else "the available host memory"
+        rank_zero_info(
+            f"RatelStrategy: the compute copies of the parameters ({format_bytes(compute_bytes)}) would take more "
+            f"than half of {what} ({format_bytes(budget)}); they are read from the swap files on every use "
+            "(param_cache='ssd')."
+        )
+        return "ssd"
+    return "host"

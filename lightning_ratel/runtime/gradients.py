@@ -1,0 +1,70 @@
+"""Gradients leave the device as soon as autograd has accumulated them.
+
+A post-accumulate-grad hook on every trainable parameter copies its gradient to host memory on the device->host
+stream and hands it to the CPU optimizer, whose worker folds it into the shard's gradient buffer (and updates the
+shard once its last gradient is in). The parameter's ``.grad`` is cleared at once, so gradients never pile up on the
+device. Parameters outside the optimizer have no consumer for their gradient: it is dropped.
+
+Threads: the hooks run on autograd's thread; the window (shards that got a gradient since the last step) is read by
+the training thread once backward has finished.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+
+from lightning_ratel.runtime.device import Device
+from lightning_ratel.runtime.optimizer import CpuAdam
+from lightning_ratel.runtime.units import Shard
+
+
+class GradientOffload:
+    """Installs the gradient hooks and remembers which shards received gradients.
+
+    Args:
+        device: the compute device.
+        optimizer: the CPU optimizer that consumes the gradients.
+        shards: the shards the optimizer updates.
+        frozen: shards of parameters outside the optimizer.
+    """
+
+    def __init__(self, device: Device, optimizer: CpuAdam, shards: Sequence[Shard], frozen: Sequence[Shard]) -> None:
+        self.device = device
+        self.optimizer = optimizer
+        self._window: set[int] = set()
+        self._handles: list[Any] = []
+        for shard in shards:
+            for position, sp in enumerate(shard.params):
+                if sp.param.requires_grad:
+                    self._handles.append(sp.param.register_post_accumulate_grad_hook(
+                        functools.partial(self._offload, shard, position)))
+        for shard in frozen:
+            for sp in shard.params:
+                if sp.param.requires_grad:
+                    self._handles.append(sp.param.register_post_accumulate_grad_hook(_drop))
+
+    def _offload(self, shard: Shard, position: int, param: nn.Parameter) -> None:
+        grad = param.grad
+        param.grad = None
+        host, event = self.device.to_host(grad)
+        self._window.add(shard.index)
+        self.optimizer.gradient(shard, position, host, event)
+
+    def take_window(self, shards: Sequence[Shard]) -> list[Shard]:
+        """Those of ``shards`` that received a gradient since the last call, in the order given."""
+        window, self._window = self._window, set()
+        return [s for s in shards if s.index in window]
+
+    def remove(self) -> None:
+        """Remove every hook."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def _drop(param: nn.Parameter) -> None:
+    param.grad = None

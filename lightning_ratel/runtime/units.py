@@ -1,0 +1,192 @@
+"""The layout the runtime works on: units of parameters, their optimizer shards, and each unit's ready signal.
+
+A *unit* is the set of parameters owned by one block, laid out as one flat tensor per compute dtype, so a page-in is
+one copy (or one set of store reads) per dtype. A *shard* is the part of a unit that shares one optimizer parameter
+group and one compute dtype: one contiguous range of the unit's compute copies, and three flat fp32 tensors (master,
+``exp_avg``, ``exp_avg_sq``) in the swap store.
+
+Layouts are immutable once built (:mod:`lightning_ratel.layout` builds them). What changes while training lives with
+the part that owns it: the pager's residency, the optimizer worker's per-shard state, and :class:`UnitReady`, the
+one signal through which the optimizer tells the pager that a unit's compute copy is current.
+
+Threads: ``Unit.host`` (the host cache) is written by the optimizer worker while it updates a shard of the unit and
+read by the training thread while the unit is paged in; :class:`UnitReady` keeps the two apart (the pager pages a
+unit in only once every update asked for has landed, and an update of a unit runs only once backward has left it).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True, eq=False)
+class ParamSlot:
+    """Where one parameter's compute copy lives inside its unit."""
+
+    name: str
+    param: nn.Parameter
+    dtype: torch.dtype
+    offset: int
+    numel: int
+    shape: torch.Size
+
+    def view(self, flats: Mapping[torch.dtype, torch.Tensor]) -> torch.Tensor:
+        """This parameter's compute copy inside flat tensors laid out like its unit."""
+        return flats[self.dtype][self.offset : self.offset + self.numel].view(self.shape)
+
+
+class UnitReady:
+    """Whether a unit's compute copy is current where the pager reads it.
+
+    The training thread calls :meth:`expect` once for each update of the unit that belongs to the step it finishes;
+    the optimizer worker calls :meth:`complete` once for each update it has run (an overlapped update may complete
+    before the training thread expects it, since it runs during backward). The unit is ready when at least as many
+    updates completed as were expected and the last writes of its new compute copy to the store, if any, landed.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._expected = 0
+        self._done = 0
+        self._writes: list[Future] = []
+        self._error: BaseException | None = None
+
+    def expect(self) -> None:
+        """One more update of the unit belongs to the step being finished (training thread)."""
+        with self._cond:
+            self._expected += 1
+
+    def complete(self, write: Future | None = None) -> None:
+        """An update of the unit ran; ``write`` is the store write of its new compute copy, if it goes there."""
+        with self._cond:
+            self._done += 1
+            if write is not None:
+                self._writes = [w for w in self._writes if not w.done()]
+                self._writes.append(write)
+            self._cond.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        """No update will complete any more: waiters raise ``error``."""
+        with self._cond:
+            self._error = error
+            self._cond.notify_all()
+
+    def is_set(self) -> bool:
+        """Whether the unit can be paged in without waiting."""
+        with self._cond:
+            return self._done >= self._expected and all(w.done() for w in self._writes)
+
+    def wait(self) -> None:
+        """Block until the unit is ready; raise the error of a failed update or store write."""
+        with self._cond:
+            while self._done < self._expected and self._error is None:
+                self._cond.wait()
+            if self._error is not None:
+                raise self._error
+            writes = list(self._writes)
+        for write in writes:
+            write.result()
+
+
+@dataclass(frozen=True, eq=False)
+class Unit:
+    """The parameters owned by one block.
+
+    Attributes:
+        index: the owning block.
+        slots: where each parameter lives in the flat tensors.
+        numels: elements of the flat tensor of each compute dtype (slots plus alignment padding).
+        host: the host cache, one flat tensor per dtype (pinned on CUDA); empty when the compute copies are read from
+            the swap store on every page-in.
+        ready: set while no optimizer update of the unit is pending.
+    """
+
+    index: int
+    slots: tuple[ParamSlot, ...]
+    numels: Mapping[torch.dtype, int]
+    host: Mapping[torch.dtype, torch.Tensor] = field(default_factory=dict)
+    ready: UnitReady = field(default_factory=UnitReady, repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the unit's compute copies (what a page-in brings to the device)."""
+        return sum(n * d.itemsize for d, n in self.numels.items())
+
+    @property
+    def host_nbytes(self) -> int:
+        """Bytes of the unit's host cache."""
+        return sum(t.numel() * t.element_size() for t in self.host.values())
+
+
+@dataclass(frozen=True, eq=False)
+class ShardParam:
+    """One parameter's place in a shard.
+
+    Attributes:
+        name: the parameter's qualified name.
+        param: the parameter.
+        index: its position in the optimizer's ``state_dict`` order (-1 outside the optimizer).
+        offset: its first element in the shard's flat tensors.
+        numel: its number of elements.
+        shape: its shape.
+    """
+
+    name: str
+    param: nn.Parameter
+    index: int
+    offset: int
+    numel: int
+    shape: torch.Size
+
+    def view(self, flat: torch.Tensor) -> torch.Tensor:
+        """This parameter inside a flat tensor laid out like its shard (gradient, master, moments)."""
+        return flat[self.offset : self.offset + self.numel].view(self.shape)
+
+
+@dataclass(frozen=True, eq=False)
+class Shard:
+    """Parameters of one unit, one parameter group and one compute dtype.
+
+    Attributes:
+        index: position among every shard of the model; names its keys in the store.
+        unit: the unit it belongs to.
+        group: the optimizer parameter group (-1: not in the optimizer, a frozen shard).
+        dtype: the compute dtype.
+        host_offset: its first element in the unit's flat tensor of ``dtype``.
+        params: its parameters, contiguous from offset 0.
+        numel: elements of its flat tensors.
+        master_in_host: an fp32 shard whose compute copy stays in the unit's host cache: that copy is the master
+            itself, updated there in place and never kept on the store.
+    """
+
+    index: int
+    unit: Unit
+    group: int
+    dtype: torch.dtype
+    host_offset: int
+    params: tuple[ShardParam, ...]
+    numel: int
+    master_in_host: bool = False
+
+    def key(self, what: str) -> str:
+        """The store key of one of its flat fp32 states: ``master``, ``exp_avg`` or ``exp_avg_sq``."""
+        return f"shard{self.index}.{what}"
+
+    @property
+    def compute_key(self) -> str:
+        """The store key of the compute copy when it is read from the store: the fp32 master is its own copy."""
+        return self.key("master") if self.dtype == torch.float32 else self.key("compute")
+
+    def compute_view(self, flat: torch.Tensor) -> torch.Tensor:
+        """This shard's range of a flat tensor laid out like its unit's compute copies."""
+        return flat[self.host_offset : self.host_offset + self.numel]
+
+    def host_master(self) -> torch.Tensor:
+        """The master of a ``master_in_host`` shard: its range of the unit's fp32 host cache."""
+        return self.compute_view(self.unit.host[torch.float32])

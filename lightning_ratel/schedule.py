@@ -1,0 +1,234 @@
+"""Block scheduling: the model's own execution drives paging and activation placement.
+
+Forward: a pre-hook on each block pages its parameters in (and prefetches the blocks after it in execution order),
+opens the activation cache's saved-tensor hooks for it and, where its placement tells ops apart, an
+:class:`~lightning_ratel.runtime.recompute.OpTracker`; a post-hook closes them, releases the parameters and hooks the
+block's outputs for backward.
+
+Backward: backward reaches a block when the gradient of one of its outputs is computed. That hook is the one place
+that knows backward's position: it keeps the block's parameters resident, releases the blocks behind it (telling the
+activation cache it is done with them) and prefetches parameters and swapped activations for the blocks ahead. The
+pager and the cache are told; neither tracks the position itself.
+
+The first pass also teaches the real execution order (which may differ from the order blocks were registered in),
+used for prefetching from then on.
+
+Threads: forward hooks run on the training thread, backward hooks on autograd's thread; both drive the pager and the
+cache, which are touched by nothing else while a pass runs.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from lightning_ratel.blocks import Block
+from lightning_ratel.runtime.activations import ActivationCache
+from lightning_ratel.runtime.device import Device
+from lightning_ratel.runtime.pager import ParameterPager
+from lightning_ratel.runtime.recompute import ForwardRecord, OpTracker
+from lightning_ratel.runtime.timeline import Timeline
+
+
+class TrainingState(enum.Enum):
+    """Where the pass is, for the scheduler's bookkeeping."""
+
+    IDLE = "idle"
+    """Between passes: nothing is resident for a pass, nothing is held for backward."""
+    FORWARD = "forward"
+    """A forward with autograd recording has started and its backward has not."""
+    BACKWARD = "backward"
+    """Backward runs: blocks are acquired as backward reaches them."""
+
+
+class BlockScheduler:
+    """Installs the block hooks and keeps each pass's state.
+
+    Args:
+        blocks: the model's blocks.
+        pager: pages parameters in and out.
+        cache: places saved activations.
+        device: the compute device (for profiling's synchronisation).
+        prefetch_depth: blocks fetched ahead of the one computing.
+        timeline: where backward's start and end are recorded.
+        check: raises a pending failure of the optimizer before a block runs (an I/O error surfaces at once).
+    """
+
+    def __init__(self, blocks: Sequence[Block], pager: ParameterPager, cache: ActivationCache, device: Device,
+                 prefetch_depth: int, timeline: Timeline, check: Callable[[], None] = lambda: None) -> None:
+        self.blocks = blocks
+        self.pager = pager
+        self.cache = cache
+        self.device = device
+        self.prefetch_depth = prefetch_depth
+        self.timeline = timeline
+        self._check = check
+        self.state = TrainingState.IDLE
+        self.order = [b.index for b in blocks]
+        self._order_pass: list[int] = []
+        self._hook_stack: list[tuple[int, list[Any]]] = []
+        # The submodule path inside the block whose forward is running, for op names (tracked blocks only).
+        self._path_stack: list[str] = []
+        self._paths = {id(m): name for block in blocks if not block.direct_only
+                       for name, m in block.module.named_modules() if name}
+        self._held: list[int] = []
+        self._current: int | None = None
+        self.profiling = False
+        self.block_times: dict[int, dict[str, float]] = {}
+        self._entered: float | None = None
+        self._handles: list[Any] = []
+        for block in blocks:
+            b = block.index
+            self._handles.append(block.module.register_forward_pre_hook(
+                functools.partial(self._pre_forward, b), with_kwargs=True))
+            self._handles.append(
+                block.module.register_forward_hook(functools.partial(self._post_forward, b), always_call=True))
+            if not block.direct_only:
+                for name, sub in block.module.named_modules():
+                    if name:
+                        self._handles.append(sub.register_forward_pre_hook(self._enter_submodule))
+                        self._handles.append(sub.register_forward_hook(self._leave_submodule, always_call=True))
+
+    def position(self, block: int) -> int:
+        """``block``'s place in the execution order (past the end if it has not run)."""
+        try:
+            return self.order.index(block)
+        except ValueError:
+            return len(self.order)
+
+    # ------------------------------------------------------------------ forward
+
+    def _enter_submodule(self, module: nn.Module, args: Any) -> None:
+        self._path_stack.append(self._paths.get(id(module), ""))
+
+    def _leave_submodule(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._path_stack:
+            self._path_stack.pop()
+
+    def _op_path(self) -> str:
+        return self._path_stack[-1] if self._path_stack else ""
+
+    def _sync(self) -> None:
+        if self.device.is_cuda:
+            torch.cuda.synchronize(self.device.device)
+
+    def _pre_forward(self, b: int, module: nn.Module, args: Any, kwargs: Any) -> None:
+        self._check()
+        self.pager.acquire(b)
+        pos = self.position(b)
+        for nxt in self.order[pos + 1 : pos + 1 + self.prefetch_depth]:
+            self.pager.prefetch(nxt)
+        if not torch.is_grad_enabled():
+            return
+        self.state = TrainingState.FORWARD
+        self._order_pass.append(b)
+        contexts: list[Any] = [self.cache.hooks(b)]
+        if self.cache.tracked(b):
+            device_type = self.device.device.type
+            record = ForwardRecord(
+                b,
+                forward=module.forward,
+                rng_state=torch.get_rng_state(),
+                cuda_rng_state=torch.cuda.get_rng_state(self.device.device) if self.device.is_cuda else None,
+                autocast=(device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)),
+            )
+            self.cache.begin_record(record, args, kwargs)
+            self._path_stack.clear()
+            contexts.append(OpTracker(record, self._op_path, profile=self.profiling, synchronize=self._sync))
+        if self.profiling:
+            self._sync()
+            self.block_times.setdefault(b, {})["forward_start"] = time.perf_counter()
+        for context in contexts:
+            context.__enter__()
+        self._hook_stack.append((b, contexts))
+
+    def _post_forward(self, b: int, module: nn.Module, args: Any, output: Any) -> None:
+        if self._hook_stack and self._hook_stack[-1][0] == b:
+            for context in reversed(self._hook_stack.pop()[1]):
+                context.__exit__(None, None, None)
+            if self.profiling:
+                self._sync()
+                times = self.block_times.setdefault(b, {})
+                times["forward"] = times.get("forward", 0.0) + time.perf_counter() - times.pop("forward_start")
+            self.cache.end_record(b)
+            outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            if outputs:
+                torch.autograd.graph.register_multi_grad_hook(
+                    outputs, functools.partial(self._pre_backward, b), mode="any")
+        self.pager.release(b)
+
+    # ------------------------------------------------------------------ backward
+
+    def begin_backward(self) -> None:
+        """Backward of a micro-batch is about to run."""
+        self.timeline.record("backward_start")
+        self.state = TrainingState.BACKWARD
+        self._entered = time.perf_counter()
+
+    def _pre_backward(self, b: int, grad: torch.Tensor) -> None:
+        """Backward reached block ``b``: keep it resident, release the blocks behind it, prefetch the ones ahead."""
+        if self._current == b:
+            return
+        if self.profiling:
+            self._close_backward_interval()
+        self._current = b
+        if b not in self._held:
+            self.pager.acquire(b)
+            self._held.append(b)
+        pos = self.position(b)
+        for held in [h for h in self._held if self.position(h) > pos]:
+            self._held.remove(held)
+            self.pager.release(held)
+            self.cache.done_with(held)
+        ahead = self.order[max(0, pos - self.prefetch_depth) : pos]
+        for nxt in reversed(ahead):
+            self.pager.prefetch(nxt)
+            self.cache.prefetch_block(nxt)
+
+    def _close_backward_interval(self) -> None:
+        """Profiling: charge the time since backward last changed block to that block."""
+        self._sync()
+        now = time.perf_counter()
+        if self._current is not None and self._entered is not None:
+            times = self.block_times.setdefault(self._current, {})
+            times["backward"] = times.get("backward", 0.0) + now - self._entered
+        self._entered = now
+
+    def end_backward(self) -> None:
+        """Backward finished: release what it held and learn the execution order from the pass."""
+        if self.profiling:
+            self._close_backward_interval()
+        self.timeline.record("backward_end")
+        for held in self._held:
+            self.pager.release(held)
+        self._held.clear()
+        self._current = None
+        self.pager.release_all()
+        if self._order_pass:
+            order = list(dict.fromkeys(self._order_pass))
+            if len(order) == len(self.blocks) or len(order) > len(self.order):
+                self.order = order + [b for b in self.order if b not in order]
+            self._order_pass = []
+        self.state = TrainingState.IDLE
+
+    # ------------------------------------------------------------------ teardown
+
+    def close(self) -> None:
+        """Leave any forward still open (after an error), remove every hook and release every block."""
+        while self._hook_stack:
+            for context in reversed(self._hook_stack.pop()[1]):
+                context.__exit__(None, None, None)
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._held.clear()
+        self._current = None
+        self.pager.release_all()
+        self.state = TrainingState.IDLE
