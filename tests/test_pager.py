@@ -1,0 +1,143 @@
+"""The parameter pager on its own: residency by reference, prefetch, the ready signal, page-ins from the store."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_ratel.blocks import discover_blocks
+from lightning_ratel.layout import Layout, build_layout
+from lightning_ratel.materialize import Materializer
+from lightning_ratel.runtime.device import Device
+from lightning_ratel.runtime.pager import ParameterPager
+from lightning_ratel.runtime.storage import TensorStore
+
+
+class Tied(nn.Module):
+    """Three layers and a head that reuses the embedding (tied weights)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(10, 8)
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.head = nn.Linear(8, 10, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def _paged(module: nn.Module, optimizer: torch.optim.Optimizer | None = None, param_cache: str = "host",
+           store: TensorStore | None = None) -> tuple[Layout, ParameterPager, dict[str, torch.Tensor]]:
+    values = {n: p.detach().clone() for n, p in module.named_parameters()}
+    blocks = discover_blocks(module)
+    device = Device(torch.device("cpu"))
+    layout = build_layout(module, blocks, optimizer, None, param_cache, None, device.host_empty)
+    Materializer(module, blocks, layout, device.device, None).load(store)
+    pager = ParameterPager(device, layout.units, layout.block_units,
+                           store=store if param_cache == "ssd" else None, unit_shards=layout.unit_shards())
+    return layout, pager, values
+
+
+def _block(layout: Layout, module: nn.Module, name: str) -> int:
+    return next(b.index for b in discover_blocks(module) if b.name == name)
+
+
+def test_placeholders_until_acquired_then_the_values() -> None:
+    module = Tied()
+    layout, pager, values = _paged(module)
+    layer = _block(layout, module, "layers.1")
+    assert pager.holds_placeholder(module.layers[1].weight)
+    assert torch.isnan(module.layers[1].weight).all()
+    pager.acquire(layer)
+    assert torch.equal(module.layers[1].weight, values["layers.1.weight"])
+    assert pager.resident_bytes == layout.units[layer].nbytes
+    pager.release(layer)
+    assert pager.holds_placeholder(module.layers[1].weight)
+    assert pager.resident_bytes == 0
+    assert pager.device_flat(layer, torch.float32) is None
+
+
+def test_shared_unit_stays_resident_while_any_user_holds_it() -> None:
+    module = Tied()
+    layout, pager, values = _paged(module)
+    embed, head = _block(layout, module, "embed"), _block(layout, module, "head")
+    assert layout.block_units[head] == [embed]
+    pager.acquire(embed)
+    pager.acquire(head)
+    pager.release(embed)
+    # The head still uses the embedding's unit.
+    assert torch.equal(module.head.weight, values["embed.weight"])
+    pager.release(head)
+    assert pager.holds_placeholder(module.embed.weight)
+
+
+def test_prefetch_is_taken_over_by_acquire_and_undone_by_release_all() -> None:
+    module = Tied()
+    layout, pager, _ = _paged(module)
+    first, second = _block(layout, module, "layers.0"), _block(layout, module, "layers.1")
+    pager.prefetch(first)
+    assert pager.resident_bytes == layout.units[first].nbytes
+    pager.acquire(first)
+    pager.release(first)
+    assert pager.resident_bytes == 0
+    pager.prefetch(second)
+    pager.release_all()
+    assert pager.resident_bytes == 0 and pager.holds_placeholder(module.layers[1].weight)
+
+
+def test_page_in_waits_for_the_units_pending_update() -> None:
+    module = Tied()
+    layout, pager, _ = _paged(module)
+    layer = _block(layout, module, "layers.2")
+    unit = layout.units[layer]
+    unit.ready.expect()
+    # A unit with an update pending is not prefetched: that would block the caller.
+    pager.prefetch(layer)
+    assert pager.resident_bytes == 0
+    new = torch.full_like(unit.host[torch.float32], 7.0)
+
+    def update() -> None:
+        time.sleep(0.2)
+        unit.host[torch.float32].copy_(new)
+        unit.ready.complete()
+
+    worker = threading.Thread(target=update)
+    worker.start()
+    pager.acquire(layer)
+    worker.join()
+    # The forward saw the updated compute copy, never the old one.
+    assert torch.equal(module.layers[2].weight, torch.full((8, 8), 7.0))
+    assert pager.take_stall_seconds() >= 0.1
+    pager.release(layer)
+
+
+def test_failed_update_surfaces_at_page_in() -> None:
+    module = Tied()
+    layout, pager, _ = _paged(module)
+    layer = _block(layout, module, "layers.0")
+    layout.units[layer].ready.expect()
+    layout.units[layer].ready.fail(OSError(5, "disk gone"))
+    with pytest.raises(OSError, match="disk gone"):
+        pager.acquire(layer)
+
+
+def test_page_in_from_the_store(tmp_path: Path) -> None:
+    module = Tied()
+    optimizer = torch.optim.AdamW(module.parameters())
+    with TensorStore([tmp_path]) as store:
+        layout, pager, values = _paged(module, optimizer, "ssd", store)
+        assert all(not unit.host for unit in layout.units.values())
+        layer = _block(layout, module, "layers.0")
+        pager.acquire(layer)
+        assert torch.equal(module.layers[0].weight, values["layers.0.weight"])
+        assert torch.equal(module.layers[0].bias, values["layers.0.bias"])
+        pager.release(layer)
+        # Staging buffers go back to the pool and are reused by the next page-in.
+        pooled = pager.pool.nbytes
+        pager.acquire(layer)
+        assert pager.pool.nbytes == pooled
+        pager.release_all()
