@@ -3,13 +3,39 @@
 What one run measures, for GPT-style decoders (transformers GPT-2 blocks) at sequence length 1024:
 
 - per model and batch size (default 8, 16, 32): seconds per step, tokens/s, model TFLOPS and hardware TFLOPS of
-  RatelStrategy (``plan="auto"``), of DeepSpeed ZeRO-Infinity (stage 3, parameters and optimizer states on NVMe in the
-  same directory) and of DeepSpeed ZeRO-Offload (stage 2, optimizer states and step on the CPU), all through
-  Lightning, all in ``bf16-mixed``, all with the device capped to ``--device-memory`` (24 GiB: an RTX 4090);
+  RatelStrategy (``plan="auto"``), of DeepSpeed ZeRO-Infinity (stage 3, parameters and optimizer states on NVMe) and
+  of DeepSpeed ZeRO-Offload (stage 2, optimizer states and step on the CPU), all through Lightning, all in
+  ``bf16-mixed``, all with the device capped to ``--device-memory`` (24 GiB: an RTX 4090);
 - the in-GPU peak of one transformer block at the same batch size (forward and backward of one block with all of its
   data resident: Ratel's "green line") and each system's hardware TFLOPS as a fraction of it;
 - the largest model (layers of the same width) each system trains at batch size 1 under the same caps, found by a
   doubling-then-bisection search over the layer count.
+
+Model construction. Under RatelStrategy the model is built on the meta device and the strategy materializes it one
+block at a time (``param_init_fn``: GPT-2's own initialization, module by module), writing each block to the swap
+files before the next, so neither the module nor the search for the largest model depends on host memory holding the
+whole model. DeepSpeed builds it in ``configure_model``: inside ``deepspeed.zero.Init`` for stage 3, which partitions
+every parameter to NVMe as it is created; on the host for stage 2, which keeps the fp32 states there anyway.
+
+Swap directories. RatelStrategy stripes every swap file over all ``--ssd`` directories (1 MiB chunks, round-robin).
+DeepSpeed 0.19 takes one ``nvme_path`` per offload kind (``offload_param`` and ``offload_optimizer``) and stripes
+nothing itself; its own multi-drive figures (the DeepNVMe posts) use one RAID-0 volume over the drives. What it
+supports is used: with one directory, ZeRO-Infinity keeps parameters and optimizer states there; with two or more, its
+optimizer states and the fp32 gradients it swaps out (16 of its 18 bytes per parameter, and most of its traffic per
+step) go to the first directory and its 16-bit parameters to the second. A third directory or more is Ratel's alone,
+and the report says so. For a comparison with every drive behind both systems, combine the drives into one RAID-0
+volume and pass it as the single ``--ssd``.
+
+DeepSpeed's buffers (:func:`deepspeed_config`). ZeRO-3 cuts the parameters into sub-groups of consecutive parameters,
+closing one as soon as it holds ``sub_group_size`` elements or more, and its optimizer step swaps one sub-group in,
+updates it and swaps it out before the next. The swap buffers are pinned and sized by the largest sub-group (at most
+``sub_group_size`` plus the largest parameter): ``buffer_count`` (4) fp32 buffers for master, moments and gradient,
+and one 16-bit buffer for the updated parameters, about 18 bytes per element. Lightning's default (``1e12``) makes
+the whole model one sub-group, so those buffers are model-sized; :data:`DS_SUB_GROUP_SIZE` (``1e8``) bounds them
+while each state still moves in 400 MB transfers, hundreds of aio blocks, so the drives see the same large requests.
+aio (:data:`DS_AIO`): 1 MiB blocks (Ratel's stripe size, so both systems issue requests of one size), queue depth 32
+and 8 threads per request, the settings DeepSpeed's tuner (``ds_nvme_tune``) reports for one consumer NVMe drive in
+DeepSpeed's DeepNVMe tutorial; ``--ds-aio`` replaces any of them with what ``ds_nvme_tune`` finds on the machine.
 
 Every training run and every search attempt is its own subprocess, so an out-of-memory error, a DeepSpeed process
 group or a memory-fraction setting never leaks into the next. Results are printed as tables and written to
@@ -18,8 +44,9 @@ group or a memory-fraction setting never leaks into the next. Results are printe
 Model sizes. The evaluation of Ratel (and of its artifact, LoHan) uses GPT-3-style models whose rows keep heads equal
 to layers and hidden size 128 times layers (13B: 40 layers, 40 heads, hidden 5120; 175B: 96 layers, 96 heads, hidden
 12288). ``auto`` picks the largest model of that family whose states fit the machine for every system compared (free
-disk under ``--ssd``, available host memory, the device cap; see :data:`BYTES_PER_PARAM`); ``13B:5`` is the 13B row's
-width with 5 layers; ``LxHxD`` gives layers, heads and hidden size.
+disk under ``--ssd``, available host memory, the device cap; see :data:`BYTES_PER_PARAM` and
+:func:`disk_bytes_per_dir`); ``13B:5`` is the 13B row's width with 5 layers; ``LxHxD`` gives layers, heads and hidden
+size.
 
 FLOPs. Model FLOPs per step are ``tokens * (6 * N + 12 * layers * hidden * seq)``: ``N`` counts every weight a matmul
 multiplies (the blocks' 12 hidden^2 per layer and the LM head), the second term is attention scores and weighted sum
@@ -31,6 +58,7 @@ forward of every block.
 Run from the repository root on the GPU machine::
 
     python -m benchmarks.gpu_throughput --ssd /mnt/nvme0/bench --out results/
+    python -m benchmarks.gpu_throughput --ssd /mnt/nvme0/bench /mnt/nvme1/bench --out results/   # two drives
     python -m benchmarks.gpu_throughput --ssd /mnt/nvme0/bench --out results/ --quick   # a smoke run in ~10 min
 """
 
@@ -40,6 +68,7 @@ import argparse
 import importlib.metadata
 import importlib.util
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -66,20 +95,37 @@ HEAD_DIM = 128
 """Hidden size per layer (and per head) of that family: hidden = 128 * layers, heads = layers."""
 
 BYTES_PER_PARAM = {
-    "ratel": {"disk": 12, "host": 12, "device": 0},
-    "zero-infinity": {"disk": 14, "host": 6, "device": 0},
+    "ratel": {"disk": 14, "host": 0, "device": 0},
+    "zero-infinity": {"disk": 18, "host": 2, "device": 0},
     "zero-offload": {"disk": 0, "host": 18, "device": 4},
 }
-"""Bytes each system keeps per parameter on the swap disk, in host memory and on the device, for sizing only.
+"""Bytes each system keeps per parameter on its swap disks (in all), in host memory and on the device, for sizing only.
 
-Ratel: fp32 master and Adam moments on disk (12); in host memory the module's own fp32 copy (4), the 16-bit compute
-copies (2), fp32 gradient accumulators (4) and staging. ZeRO-Infinity: 16-bit parameters and fp32 master and moments
-on NVMe (14); fp32 gradient partitions and swap buffers in host memory. ZeRO-Offload: fp32 master, moments and
-gradients in host memory plus a pinned 16-bit copy (18); 16-bit parameters and gradients on the device (4).
+Ratel: fp32 master and Adam moments (12) and, when the compute copies are not cached in host memory
+(``param_cache="ssd"``), the 16-bit compute copies (2) on disk, striped over every directory. Nothing in host memory
+grows with the model: it starts on the meta device and each block is materialized, written to the swap files and
+released in turn, so the module holds no copy; the host cache of 16-bit compute copies (2 per parameter) is used only
+where ``param_cache="auto"`` finds that it takes at most half the host memory, and otherwise the copies are read from
+disk; gradient buffers come from a pool bounded by the shards in flight (``GRAD_BUDGET_SHARDS`` of the largest), not
+by the model. ZeRO-Infinity: 16-bit parameters (2), fp32 master and moments (12) and the fp32 gradients it swaps out
+at the accumulation boundary (4) on NVMe; in host memory the pinned 16-bit gradient partitions of every parameter
+(2), plus buffers bounded by ``sub_group_size``, the parameter buffers and ``max_in_cpu``. ZeRO-Offload: fp32 master,
+moments and gradients in host memory plus a pinned 16-bit copy (18); 16-bit parameters and gradients on the device
+(4).
 """
+
+DS_PARAM_DISK = 2
+"""Of ZeRO-Infinity's disk bytes per parameter, those in its parameter directory (the 16-bit parameters)."""
 
 SIZING_FRACTION = {"disk": 0.7, "host": 0.7, "device": 0.5}
 """Share of each resource sizing may plan for: the rest is swap buffers, activations, the CUDA context, the OS."""
+
+DS_SUB_GROUP_SIZE = 100_000_000
+"""ZeRO-3 ``sub_group_size``: elements per optimizer sub-group, the unit its step swaps in and out (see above)."""
+
+DS_AIO = {"block_size": 1 << 20, "queue_depth": 32, "intra_op_parallelism": 8, "single_submit": False,
+          "overlap_events": True, "use_gds": False}
+"""DeepSpeed's ``aio`` settings (the keys deepspeed 0.19 reads); ``--ds-aio`` overrides any of them."""
 
 
 @dataclass(frozen=True)
@@ -160,14 +206,35 @@ def plan_recompute_flops(plan: Any) -> float:
     return total
 
 
-def params_that_fit(budgets: dict[str, float], systems: Sequence[str]) -> int:
-    """The most parameters every one of ``systems`` can hold within ``budgets`` (bytes per resource)."""
-    limits = [
-        budgets[resource] / per_param
-        for system in systems
-        for resource, per_param in BYTES_PER_PARAM[system].items()
-        if per_param
-    ]
+def disk_bytes_per_dir(system: str, dirs: int) -> float:
+    """Bytes per parameter ``system`` puts on the fullest of the ``dirs`` swap directories it is given.
+
+    Ratel stripes its swap files evenly over all of them. ZeRO-Infinity uses at most two (see the module docstring):
+    with one, all of its bytes are there; with more, its optimizer directory is the fuller one.
+    """
+    total = BYTES_PER_PARAM[system]["disk"]
+    if system == "ratel":
+        return total / dirs
+    if system == "zero-infinity" and dirs > 1:
+        return total - DS_PARAM_DISK
+    return total
+
+
+def params_that_fit(budgets: dict[str, float], systems: Sequence[str], dirs: int = 1) -> int:
+    """The most parameters every one of ``systems`` can hold within ``budgets``.
+
+    Args:
+        budgets: bytes per resource; ``"disk"`` is what each of the ``dirs`` swap directories may take.
+        systems: the systems that must all fit.
+        dirs: how many swap directories (``--ssd``) the systems are given.
+    """
+    limits = []
+    for system in systems:
+        for resource, per_param in BYTES_PER_PARAM[system].items():
+            if resource == "disk":
+                per_param = disk_bytes_per_dir(system, dirs)
+            if per_param:
+                limits.append(budgets[resource] / per_param)
     return int(min(limits)) if limits else 0
 
 
@@ -225,6 +292,31 @@ def _gpt2_config(shape: ModelShape) -> Any:
     )
 
 
+def gpt2_initializer(model: torch.nn.Module) -> Callable[[torch.nn.Module], None]:
+    """GPT-2's initialization of one module at a time, for ``RatelStrategy(param_init_fn=...)`` on a meta model.
+
+    transformers' ``_init_weights`` sets each linear, embedding and norm; GPT-2 scales the projections onto the
+    residual stream (``c_proj``) by ``1 / sqrt(2 * layers)`` from the attention or MLP module, whose parameters the
+    strategy materializes one submodule at a time, so that scaling is applied to the projection itself here.
+    """
+    config = model.config
+    residual = {id(m) for name, m in model.named_modules() if name.endswith(("attn.c_proj", "mlp.c_proj"))}
+    residual_std = config.initializer_range / math.sqrt(2 * config.n_layer)
+
+    def init(module: torch.nn.Module) -> None:
+        with torch.no_grad():
+            model._init_weights(module)
+            if id(module) in residual:
+                module.weight.normal_(0.0, residual_std)
+            # transformers 4.x registers a causal mask and its fill value on each attention module (5.x has none).
+            if "bias" in module._buffers:
+                module.bias.copy_(torch.ones_like(module.bias).tril())
+            if "masked_bias" in module._buffers:
+                module.masked_bias.fill_(-1e4)
+
+    return init
+
+
 def _cap_device_memory(cap: int) -> None:
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total))
@@ -239,9 +331,12 @@ def _bench_module(shape: ModelShape, batch: int, steps: int, deepspeed: bool, ch
 
         def __init__(self) -> None:
             super().__init__()
-            # Under RatelStrategy the model is built here, on the host; DeepSpeed builds it in configure_model, inside
-            # deepspeed.zero.Init for stage 3, so it never exists whole.
-            self.model = None if deepspeed else GPT2LMHeadModel(_gpt2_config(shape))
+            self.model: GPT2LMHeadModel | None = None
+            if not deepspeed:
+                # No host memory: RatelStrategy materializes and initializes it block by block (gpt2_initializer).
+                # DeepSpeed builds it in configure_model, inside deepspeed.zero.Init for stage 3.
+                with torch.device("meta"):
+                    self.model = GPT2LMHeadModel(_gpt2_config(shape))
 
         def configure_model(self) -> None:
             if self.model is None:
@@ -303,24 +398,70 @@ def _step_timer(skip: int, last: int, drain: Callable[[Any], None]) -> Any:
     return StepTimer()
 
 
-def _strategy(system: str, shape: ModelShape, swap_dirs: list[str], cap: int) -> Any:
+def deepspeed_nvme_dirs(swap_dirs: Sequence[str]) -> tuple[str, str]:
+    """ZeRO-Infinity's (optimizer directory, parameter directory): the first two swap directories, or the one."""
+    return swap_dirs[0], swap_dirs[1] if len(swap_dirs) > 1 else swap_dirs[0]
+
+
+def deepspeed_layout_note(swap_dirs: Sequence[Path]) -> str:
+    """A line for the report saying which swap directories ZeRO-Infinity used, and which it could not."""
+    optimizer, params = deepspeed_nvme_dirs([str(d) for d in swap_dirs])
+    if optimizer == params:
+        return f"zero-infinity: parameters and optimizer states in {optimizer} (one swap directory)."
+    note = (f"zero-infinity: optimizer states and swapped fp32 gradients in {optimizer}, 16-bit parameters in "
+            f"{params} (DeepSpeed takes one nvme_path per offload kind)")
+    unused = [str(d) for d in swap_dirs[2:]]
+    if unused:
+        note += (f"; only Ratel uses {', '.join(unused)}. Combine the drives into one RAID-0 volume and pass it as "
+                 "the single --ssd to put every drive behind both systems")
+    return note + "."
+
+
+def deepspeed_config(system: str, shape: ModelShape, swap_dirs: Sequence[str],
+                     aio: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The DeepSpeed config of ``system`` for ``shape``; Lightning adds precision, batch size and clipping.
+
+    Args:
+        system: ``"zero-infinity"`` or ``"zero-offload"``.
+        shape: the model, for the size of its largest parameter.
+        swap_dirs: the run's swap directories (see :func:`deepspeed_nvme_dirs`).
+        aio: settings that replace those of :data:`DS_AIO`.
+
+    Raises:
+        ValueError: If ``system`` is not a DeepSpeed system.
+    """
+    zero: dict[str, Any] = {"contiguous_gradients": True, "overlap_comm": True, "reduce_scatter": True,
+                            "reduce_bucket_size": 200_000_000, "allgather_bucket_size": 200_000_000}
+    if system == "zero-offload":
+        zero.update(stage=2, offload_optimizer={"device": "cpu", "pin_memory": True})
+        return {"zero_allow_untested_optimizer": True, "zero_optimization": zero}
+    if system != "zero-infinity":
+        raise ValueError(f"unknown DeepSpeed system {system!r}")
+    optimizer_dir, param_dir = deepspeed_nvme_dirs(swap_dirs)
+    # Each NVMe parameter buffer must hold the largest parameter (the embedding or the MLP's up matrix).
+    largest = max(shape.vocab * shape.hidden, 4 * shape.hidden**2)
+    zero.update(
+        stage=3,
+        sub_group_size=DS_SUB_GROUP_SIZE,
+        offload_param={"device": "nvme", "nvme_path": param_dir, "pin_memory": True, "buffer_count": 5,
+                       "buffer_size": max(100_000_000, largest), "max_in_cpu": 1_000_000_000},
+        offload_optimizer={"device": "nvme", "nvme_path": optimizer_dir, "pin_memory": True, "buffer_count": 4},
+    )
+    return {"zero_allow_untested_optimizer": True, "zero_optimization": zero, "aio": {**DS_AIO, **(aio or {})}}
+
+
+def _strategy(system: str, module: Any, shape: ModelShape, swap_dirs: list[str], cap: int,
+              aio: dict[str, Any] | None = None) -> Any:
     if system == "ratel":
         from lightning_ratel import RatelStrategy
 
-        return RatelStrategy(ssd_paths=swap_dirs, device_memory_limit=cap)
+        return RatelStrategy(ssd_paths=swap_dirs, device_memory_limit=cap,
+                             param_init_fn=gpt2_initializer(module.model))
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
-    # DeepSpeed's NVMe parameter buffers must each hold the largest parameter (the embedding or the MLP's up matrix).
-    largest = max(shape.vocab * shape.hidden, 4 * shape.hidden**2)
-    if system == "zero-infinity":
-        return DeepSpeedStrategy(
-            stage=3, offload_optimizer=True, offload_parameters=True, offload_optimizer_device="nvme",
-            offload_params_device="nvme", nvme_path=swap_dirs[0], remote_device="nvme", pin_memory=True,
-            params_buffer_size=max(100_000_000, largest), max_in_cpu=max(1_000_000_000, largest),
-        )
-    if system == "zero-offload":
-        return DeepSpeedStrategy(stage=2, offload_optimizer=True, offload_optimizer_device="cpu", pin_memory=True)
-    raise ValueError(f"unknown system {system!r}")
+    config = deepspeed_config(system, shape, swap_dirs, aio)
+    # zero.Init creates each stage-3 parameter straight in its NVMe partition.
+    return DeepSpeedStrategy(config=config, remote_device="nvme" if system == "zero-infinity" else None)
 
 
 def _drain(trainer: Any) -> None:
@@ -343,7 +484,8 @@ def train_worker(spec: dict[str, Any]) -> dict[str, Any]:
     module = _bench_module(shape, spec["batch"], steps, deepspeed, deepspeed and spec["ds_checkpointing"])
     timer = _step_timer(spec["warmup"], steps - 1, _drain)
     trainer = L.Trainer(
-        accelerator="gpu", devices=1, strategy=_strategy(system, shape, spec["swap_dirs"], cap),
+        accelerator="gpu", devices=1,
+        strategy=_strategy(system, module, shape, spec["swap_dirs"], cap, spec.get("ds_aio")),
         precision="bf16-mixed", max_steps=steps, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, callbacks=[timer],
     )
@@ -549,10 +691,32 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
             row["ratel_speedup"] = base["tokens_per_s"] / row["tokens_per_s"]
 
 
+def parse_ds_aio(text: str) -> dict[str, Any]:
+    """DeepSpeed aio settings from JSON: a flat object, or ``{"aio": {...}}`` as ``ds_nvme_tune`` prints it (which
+    writes booleans as the strings ``"true"`` and ``"false"``).
+
+    Raises:
+        argparse.ArgumentTypeError: If it is not such an object or names a key :data:`DS_AIO` does not have.
+    """
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if isinstance(value, dict) and set(value) == {"aio"}:
+        value = value["aio"]
+    if not isinstance(value, dict) or set(value) - set(DS_AIO):
+        raise argparse.ArgumentTypeError(f"need a JSON object with keys among {', '.join(DS_AIO)}, got {text!r}")
+    return {k: v.lower() == "true" if isinstance(v, str) and v.lower() in ("true", "false") else v
+            for k, v in value.items()}
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ssd", nargs="+", type=Path,
-                        help="swap directories on the NVMe drive(s); DeepSpeed uses the first")
+                        help="swap directories, one per NVMe drive. Ratel stripes over all of them; ZeRO-Infinity "
+                             "takes one path per offload kind: optimizer states in the first, parameters in the "
+                             "second (both in the first if alone) and no others. For every drive behind both, pass "
+                             "one RAID-0 volume over the drives")
     parser.add_argument("--out", type=Path, help="directory for gpu_throughput.json")
     parser.add_argument("--models", nargs="+", default=["auto"],
                         help="'auto', a Table IV row (13B, 175B), ROW:LAYERS or LxHxD (default: auto)")
@@ -564,6 +728,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3,
                         help="untimed steps first; RatelStrategy profiles 2 and plans before the 3rd (default 3)")
     parser.add_argument("--steps", type=int, default=4, help="timed steps per run (default 4)")
+    parser.add_argument("--ds-aio", type=parse_ds_aio, default={},
+                        help="JSON object replacing DeepSpeed aio settings, e.g. '{\"queue_depth\": 64}' or what "
+                             f"ds_nvme_tune prints; keys: {', '.join(DS_AIO)}")
     parser.add_argument("--ds-checkpointing", action=argparse.BooleanOptionalAction, default=True,
                         help="activation checkpointing in the DeepSpeed runs (default on)")
     parser.add_argument("--search", action=argparse.BooleanOptionalAction, default=True,
@@ -600,23 +767,25 @@ def _available_host_memory() -> int:
 
 
 def auto_models(specs: Sequence[str], budgets: dict[str, float], systems: Sequence[str], vocab: int,
-                seq: int) -> tuple[list[ModelShape], list[str]]:
-    """The models to run and, for ``auto``, a line saying how the size was chosen."""
+                seq: int, dirs: int = 1) -> tuple[list[ModelShape], list[str]]:
+    """The models to run and, for ``auto``, a line saying how the size was chosen (``dirs``: swap directories)."""
     models, notes = [], []
     for spec in specs:
         if spec != "auto":
             models.append(parse_model(spec, vocab, seq))
             continue
-        limit = params_that_fit(budgets, systems)
+        limit = params_that_fit(budgets, systems, dirs)
         layers = largest_layers(lambda n: proportional(n, vocab, seq), limit)
         if layers == 0:
             raise SystemExit(f"gpu_throughput: not even a 1-layer model fits every system in {budgets}")
         shape = proportional(layers, vocab, seq)
         models.append(shape)
-        held = ", ".join(f"{k} {v / GIB:.0f} GiB" for k, v in budgets.items())
+        held = [f"{k} {v / GIB:.0f} GiB" for k, v in budgets.items()]
+        if dirs > 1:
+            held = [f"{h} in each of {dirs} swap directories" if h.startswith("disk") else h for h in held]
         notes.append(f"auto: {shape.name} ({shape.params() / 1e9:.2f} B parameters), the largest of the Table IV "
                      f"family (heads = layers, hidden = 128 x layers) within {limit / 1e9:.2f} B parameters that "
-                     f"{', '.join(systems)} all hold in {held}")
+                     f"{', '.join(systems)} all hold in {', '.join(held)}")
     return models, notes
 
 
@@ -700,14 +869,17 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise SystemExit(f"gpu_throughput: --ssd {path} is not a directory")
     cap = parse_bytes(args.device_memory, "--device-memory")
     budgets = {
+        # Per swap directory: the least free space, which sizing multiplies out per system (disk_bytes_per_dir).
         "disk": SIZING_FRACTION["disk"] * min(shutil.disk_usage(p).free for p in args.ssd),
         "host": SIZING_FRACTION["host"] * _available_host_memory(),
         "device": SIZING_FRACTION["device"] * cap,
     }
     deepspeed = _deepspeed_installed()
-    models, notes = auto_models(args.models, budgets, args.systems, args.vocab, args.seq)
+    models, notes = auto_models(args.models, budgets, args.systems, args.vocab, args.seq, len(args.ssd))
     if not deepspeed:
         notes.append("DeepSpeed is not installed here: its rows say so and nothing of it was measured.")
+    elif "zero-infinity" in args.systems:
+        notes.append(deepspeed_layout_note(args.ssd))
     report: dict[str, Any] = {
         "machine": machine_info(args.ssd, cap),
         "config": {**{k: v for k, v in vars(args).items() if k not in ("worker", "ssd", "out")},
@@ -726,7 +898,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "notes": notes,
     }
     run = Runner(args.ssd, Budget(args.max_seconds, args.run_timeout))
-    base = {"device_memory": cap, "ds_checkpointing": args.ds_checkpointing}
+    base = {"device_memory": cap, "ds_checkpointing": args.ds_checkpointing, "ds_aio": args.ds_aio}
     try:
         report["io"] = run({**base, "kind": "io"})
         _write(report, args.out)
@@ -766,12 +938,12 @@ def _search_largest(args: argparse.Namespace, width: ModelShape, budgets: dict[s
             entry["note"] = "DeepSpeed is not installed"
             continue
         try:
-            _search_system(system, args.search_max_layers, width, budgets, run, base, entry)
+            _search_system(system, args.search_max_layers, width, budgets, len(args.ssd), run, base, entry)
         finally:
             _write(report, args.out)
 
 
-def _search_system(system: str, max_layers: int | None, width: ModelShape, budgets: dict[str, float],
+def _search_system(system: str, max_layers: int | None, width: ModelShape, budgets: dict[str, float], dirs: int,
                    run: Callable[[dict[str, Any]], dict[str, Any]], base: dict[str, Any],
                    entry: dict[str, Any]) -> None:
     """Fill ``entry`` with the attempts and the most layers ``system`` trains; re-raises :class:`OutOfTime`."""
@@ -781,7 +953,7 @@ def _search_system(system: str, max_layers: int | None, width: ModelShape, budge
 
     # Beyond what the whole free space could hold an attempt must fail; no need to run it.
     whole = {k: v / SIZING_FRACTION[k] for k, v in budgets.items()}
-    limit = max(1, max_layers or largest_layers(make, params_that_fit(whole, [system]), cap=4096))
+    limit = max(1, max_layers or largest_layers(make, params_that_fit(whole, [system], dirs), cap=4096))
 
     def trial(layers: int) -> bool:
         # Three steps: RatelStrategy profiles two, then runs one under its plan (which must fit the budgets).

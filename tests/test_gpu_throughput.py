@@ -72,11 +72,18 @@ def test_table_iv_rows_and_family():
 
 
 def test_sizing():
-    budgets = {"disk": 120e9, "host": 180e9, "device": 40e9}
+    budgets = {"disk": 140e9, "host": 180e9, "device": 40e9}
     assert params_that_fit(budgets, ["ratel"]) == 10_000_000_000
     assert params_that_fit(budgets, ["ratel", "zero-offload"]) == 10_000_000_000
     assert params_that_fit({**budgets, "device": 4e9}, ["ratel", "zero-offload"]) == 1_000_000_000
-    assert params_that_fit(budgets, ["zero-infinity"]) == int(120e9 / 14)
+    assert params_that_fit(budgets, ["zero-infinity"]) == int(140e9 / 18)
+    # The disk budget is per swap directory: Ratel stripes over all of them, ZeRO-Infinity's optimizer directory holds
+    # all but its 16-bit parameters.
+    assert params_that_fit(budgets, ["ratel"], dirs=2) == 20_000_000_000
+    assert params_that_fit(budgets, ["zero-infinity"], dirs=2) == int(140e9 / 16)
+    assert params_that_fit(budgets, ["zero-infinity"], dirs=3) == int(140e9 / 16)
+    # The model starts on the meta device and nothing per parameter is held in host memory: only the disk bounds it.
+    assert params_that_fit({**budgets, "host": 1.0}, ["ratel"]) == 10_000_000_000
     layers = largest_layers(proportional, 2_000_000_000)
     assert proportional(layers).params() <= 2e9 < proportional(layers + 1).params()
     assert largest_layers(proportional, 10) == 0
@@ -153,7 +160,7 @@ def test_worker_reports_failures_as_a_result(monkeypatch, capsys):
 
 
 def _search_args(tmp_path, systems):
-    return argparse.Namespace(systems=systems, search_max_layers=None, out=tmp_path)
+    return argparse.Namespace(systems=systems, search_max_layers=None, out=tmp_path, ssd=[tmp_path])
 
 
 def test_search_largest_with_a_fake_trainer(tmp_path):
@@ -174,7 +181,7 @@ def test_search_largest_with_a_fake_trainer(tmp_path):
 
 def test_search_stops_at_what_the_disk_could_hold(tmp_path):
     # Room for the states of 5 layers and a little, not 6 (the search plans for the whole disk, not 70% of it).
-    budgets = {"disk": 0.7 * 12 * (ModelShape(5, 2, 32, 50, 16).params() + 100), "host": 1e15, "device": 1e15}
+    budgets = {"disk": 0.7 * 14 * (ModelShape(5, 2, 32, 50, 16).params() + 100), "host": 1e15, "device": 1e15}
     report = {"largest": {}}
     bench._search_largest(_search_args(tmp_path, ["ratel"]), TINY, budgets, True, lambda spec: {"ok": True}, {},
                           report)
@@ -267,3 +274,104 @@ def test_runner_starts_a_worker_and_cleans_its_swap_directories(tmp_path):
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(OutOfTime):
         bench.Runner([tmp_path], bench.Budget(0, 300))({"kind": "io"})
+
+
+# ---------------------------------------------------------------------------------------------------- DeepSpeed config
+
+
+def test_deepspeed_infinity_uses_both_swap_directories(tmp_path):
+    shape = parse_model("13B")
+    one = bench.deepspeed_config("zero-infinity", shape, ["/a"])["zero_optimization"]
+    assert one["offload_optimizer"]["nvme_path"] == one["offload_param"]["nvme_path"] == "/a"
+    two = bench.deepspeed_config("zero-infinity", shape, ["/a", "/b"])["zero_optimization"]
+    assert two["offload_optimizer"] == {"device": "nvme", "nvme_path": "/a", "pin_memory": True, "buffer_count": 4}
+    assert two["offload_param"]["device"] == "nvme" and two["offload_param"]["nvme_path"] == "/b"
+    # Each NVMe parameter buffer holds the largest parameter, the embedding here.
+    assert two["offload_param"]["buffer_size"] >= shape.vocab * shape.hidden
+    assert "only Ratel uses" not in bench.deepspeed_layout_note([tmp_path / "a", tmp_path / "b"])
+    note = bench.deepspeed_layout_note([tmp_path / "a", tmp_path / "b", tmp_path / "c"])
+    assert f"16-bit parameters in {tmp_path / 'b'}" in note and f"only Ratel uses {tmp_path / 'c'}" in note
+    assert "RAID-0" in note
+
+
+def test_deepspeed_sub_groups_and_aio_are_bounded():
+    for shape in (TINY, parse_model("13B"), parse_model("175B")):
+        config = bench.deepspeed_config("zero-infinity", shape, ["/a"])
+        sub_group = config["zero_optimization"]["sub_group_size"]
+        # Lightning's default (1e12) is one sub-group for the whole model, so its pinned swap buffers were model-sized.
+        assert sub_group == bench.DS_SUB_GROUP_SIZE <= 100_000_000
+        assert config["aio"]["block_size"] == 1 << 20 and 8 <= config["aio"]["queue_depth"] <= 128
+    # The largest sub-group (sub_group_size plus the largest parameter) is a small share of a 13B model.
+    shape = parse_model("13B")
+    assert sub_group + shape.vocab * shape.hidden < shape.params() / 30
+    tuned = bench.deepspeed_config("zero-infinity", TINY, ["/a"], {"queue_depth": 64})["aio"]
+    assert tuned == {**bench.DS_AIO, "queue_depth": 64}
+    offload = bench.deepspeed_config("zero-offload", TINY, ["/a"])["zero_optimization"]
+    assert offload["stage"] == 2 and offload["offload_optimizer"]["device"] == "cpu"
+    with pytest.raises(ValueError):
+        bench.deepspeed_config("ratel", TINY, ["/a"])
+
+
+def test_ds_aio_option(tmp_path):
+    args = bench.parse_args(["--ssd", str(tmp_path), "--out", str(tmp_path), "--ds-aio", '{"queue_depth": 64}'])
+    assert args.ds_aio == {"queue_depth": 64}
+    assert bench.parse_args(["--ssd", str(tmp_path), "--out", str(tmp_path)]).ds_aio == {}
+    tuned = '{"aio": {"single_submit": "false", "overlap_events": "true", "intra_op_parallelism": 8}}'
+    assert bench.parse_ds_aio(tuned) == {"single_submit": False, "overlap_events": True, "intra_op_parallelism": 8}
+    for bad in ('{"thread_count": 4}', "[1]", "{"):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--ssd", str(tmp_path), "--out", str(tmp_path), "--ds-aio", bad])
+
+
+def test_strategy_hands_deepspeed_the_config(monkeypatch):
+    import lightning.pytorch.strategies as strategies
+
+    built = {}
+
+    class FakeDeepSpeed:
+        def __init__(self, **kwargs):
+            built.update(kwargs)
+
+    monkeypatch.setattr(strategies, "DeepSpeedStrategy", FakeDeepSpeed)
+    bench._strategy("zero-infinity", None, TINY, ["/a", "/b"], 1 << 30, {"queue_depth": 16})
+    assert built["config"] == bench.deepspeed_config("zero-infinity", TINY, ["/a", "/b"], {"queue_depth": 16})
+    assert built["remote_device"] == "nvme"
+
+
+# ---------------------------------------------------------------------------------------------------- Ratel on meta
+
+
+def test_ratel_model_starts_on_meta_and_the_strategy_materializes_it(tmp_path):
+    import lightning as L
+
+    shape = ModelShape(layers=2, heads=2, hidden=64, vocab=50, seq=16)
+    module = bench._bench_module(shape, 2, 2, deepspeed=False, checkpointing=False)
+    assert all(p.is_meta for p in module.parameters())
+    strategy = bench._strategy("ratel", module, shape, [str(tmp_path)], 1 << 30)
+    initialized = []
+    init = strategy.param_init_fn
+
+    def record(m):
+        initialized.append(sum(p.numel() for p in module.parameters() if not p.is_meta and p.numel() > 1
+                               and any(p.stride())))
+        init(m)
+
+    strategy.param_init_fn = record
+    trainer = L.Trainer(accelerator="cpu", strategy=strategy, precision="bf16-mixed", max_steps=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module)
+    assert trainer.global_step == 2
+    # One block at a time: never more than the largest block's parameters in host memory while initializing.
+    largest = max(sum(p.numel() for p in b.parameters()) for b in [*module.model.transformer.h,
+                                                                      module.model.transformer.wte])
+    assert initialized and max(initialized) <= largest
+    # GPT-2's initialization (two AdamW steps at lr 1e-5 move no weight by more than 2e-5).
+    model = module.model
+    assert all(not p.is_meta and torch.isfinite(p).all() for p in model.parameters())
+    block = model.transformer.h[0]
+    assert block.attn.c_attn.weight.std().item() == pytest.approx(0.02, rel=0.15)
+    assert block.mlp.c_proj.weight.std().item() == pytest.approx(0.02 / 2, rel=0.15)
+    assert torch.allclose(block.ln_1.weight, torch.ones_like(block.ln_1.weight), atol=1e-4)
+    assert block.attn.c_attn.bias.abs().max().item() < 1e-4
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert list(tmp_path.iterdir()) == []
