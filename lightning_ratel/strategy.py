@@ -139,6 +139,26 @@ class RatelStrategy(SingleDeviceStrategy):
         return self.config.device_memory_limit
 
     @property
+    def keep_swap_files(self) -> bool:
+        """Whether the swap files stay after the run."""
+        return self.config.keep_swap_files
+
+    @property
+    def blocks(self) -> list[str] | Callable[[nn.Module], list[str]] | None:
+        """The block names (or the callable returning them) asked for; ``None``: detected."""
+        return self.config.blocks  # type: ignore[return-value]
+
+    @property
+    def param_cache(self) -> ParamCache:
+        """Where compute copies live between uses, as asked for."""
+        return self.config.param_cache
+
+    @property
+    def param_init_fn(self) -> ParamInitFn | None:
+        """The initializer of modules on the meta device (``None``: their ``reset_parameters()``)."""
+        return self.config.param_init_fn
+
+    @property
     @override
     def root_device(self) -> torch.device:
         if isinstance(self.accelerator, CUDAAccelerator):
