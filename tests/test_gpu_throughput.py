@@ -356,7 +356,7 @@ def test_ratel_model_starts_on_meta_and_the_strategy_materializes_it(tmp_path):
                                and any(p.stride())))
         init(m)
 
-    strategy.param_init_fn = record
+    strategy.config.param_init_fn = record
     trainer = L.Trainer(accelerator="cpu", strategy=strategy, precision="bf16-mixed", max_steps=2, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module)
