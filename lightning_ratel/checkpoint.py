@@ -61,7 +61,8 @@ class ModelState:
             return shard.host_master()
         assert self.store is not None
         out = aligned_empty(shard.numel, torch.float32)[: shard.numel]
-        self.store.read(shard.key(what), out).result()
+        key = self.adam.state_key(shard, what) if self.adam is not None and shard.group >= 0 else shard.key(what)
+        self.store.read(key, out).result()
         return out
 
     def _masters(self) -> dict[int, torch.Tensor]:

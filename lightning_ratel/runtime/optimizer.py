@@ -328,6 +328,11 @@ class CpuAdam:
         if self._error is not None:
             raise self._error
 
+    def state_key(self, shard: Shard, what: str) -> str:
+        """The store key holding ``shard``'s committed ``master``, ``exp_avg`` or ``exp_avg_sq`` (the values of the
+        last step taken)."""
+        return shard.key(what)
+
     def param_steps(self, shard: Shard) -> list[int]:
         """``torch.optim.AdamW``'s step count of each parameter of ``shard`` (0: never updated)."""
         self.barrier(include_writes=True)
