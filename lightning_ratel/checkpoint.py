@@ -55,13 +55,18 @@ class ModelState:
         return sum(t.numel() * t.element_size() for t in self._originals.values())
 
     def read_flat(self, shard: Shard, what: str) -> torch.Tensor:
-        """One of a shard's flat fp32 states (``master``, ``exp_avg``, ``exp_avg_sq``); a master kept in the host
-        cache is returned as that view, so callers copy what they keep."""
-        if what == "master" and shard.master_in_host:
+        """One of a shard's flat fp32 states (``master``, ``exp_avg``, ``exp_avg_sq``) as of the last committed step.
+
+        A trainable shard's state is read from the store, where the committed copy is (a master kept in the host
+        cache may be ahead of it in a step an exception stopped). A frozen master kept in the host cache is returned
+        as that view, so callers copy what they keep.
+        """
+        trainable = self.adam is not None and shard.group >= 0
+        if what == "master" and shard.master_in_host and not trainable:
             return shard.host_master()
         assert self.store is not None
         out = aligned_empty(shard.numel, torch.float32)[: shard.numel]
-        key = self.adam.state_key(shard, what) if self.adam is not None and shard.group >= 0 else shard.key(what)
+        key = self.adam.state_key(shard, what) if trainable else shard.key(what)
         self.store.read(key, out).result()
         return out
 

@@ -204,6 +204,11 @@ class RatelEngine:
         self.adam.schedule(plan, sorted(shards, key=lambda s: self.scheduler.position(s.unit.index)))
         return True
 
+    def abort_step(self) -> None:
+        """An exception stopped the step before it was finished: put every shard back at the last committed step."""
+        if self.adam is not None:
+            self.adam.abort()
+
     def synchronize(self) -> None:
         """Wait for every pending update and write-back."""
         if self.adam is not None:
@@ -229,6 +234,8 @@ class RatelEngine:
             if self._switches is not None:
                 self._switches.restore()
             if restore:
+                # A step stopped before it was finished must not leave its updates in what is copied back.
+                self.abort_step()
                 self.state.restore()
         finally:
             if self.adam is not None:

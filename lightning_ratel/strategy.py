@@ -320,6 +320,12 @@ class RatelStrategy(SingleDeviceStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         self._exception = exception
+        if self._engine is not None:
+            try:
+                self._engine.abort_step()
+            except Exception as err:
+                # The exception that stopped training matters more; the copy-back at teardown says what it finds.
+                rank_zero_warn(f"RatelStrategy could not roll the interrupted step back after {exception!r}: {err!r}")
 
     @override
     def teardown(self) -> None:

@@ -79,7 +79,7 @@ def test_any_gradient_order_matches_torch(tmp_path: Path, depth: int) -> None:
             state = torch_adamw.state[p]
             for what in ("exp_avg", "exp_avg_sq"):
                 out = torch.empty(shard.numel)
-                store.read(shard.key(what), out).result()
+                store.read(adam.state_key(shard, what), out).result()
                 assert torch.equal(out, state[what]), (shard.index, what)
     finally:
         adam.close()

@@ -17,6 +17,16 @@ and the embedding, which the next forward needs first) would each wait for a dis
 gradients held exceed a budget and the worker has work that will release some, the thread handing gradients over
 waits, so backward cannot run arbitrarily far ahead of the optimizer.
 
+A step commits as a whole. Each shard's master and moments have two slots in the store: an update reads the newest
+state and writes the other slot, and the shard's *committed* state (what checkpoints read and what a failed run
+leaves) moves to the new slot only when the step commits: once the training thread has finished the step
+(:meth:`CpuAdam.schedule`, after every gradient is in and nothing can skip it any more) and every update of the step
+has run. Until then the previous master and moments stay in the store. An exception before the step is finished
+(in backward, in a hook, Ctrl-C) leaves the committed state at the last step; :meth:`CpuAdam.abort` then undoes the
+updates that already ran (puts the committed values back where the pager reads compute copies). Updates still run
+while backward runs: committing costs the second slot on disk, and writing fp32 masters kept in the host cache
+back to the store each step.
+
 Threads. Jobs reach the worker as typed records through one queue. ``_ShardState`` (per-shard gradient, arrival and
 step counts), the buffer sets and the reads ahead belong to the worker thread. The training thread touches shard
 states only while the worker is idle: :meth:`CpuAdam.unscale_`, :meth:`CpuAdam.clip_`, :meth:`CpuAdam.param_steps`,
@@ -84,19 +94,32 @@ class StepPlan:
     clip_value: float | None = None
 
 
+@dataclass(frozen=True)
+class _Version:
+    """One state of a shard in the store: which slot holds it, ``torch.optim.AdamW``'s step count of each parameter,
+    and whether moments were ever written (otherwise they are zeros)."""
+
+    slot: int
+    steps: tuple[int, ...]
+    moments: bool
+
+
 @dataclass
 class _ShardState:
     """What the worker knows about one shard between steps (worker thread only; see the module docstring)."""
 
+    committed: _Version
+    # The newest state: ``committed`` unless an update of a step not committed yet has run.
+    latest: _Version
     # Taken from the gradient pool with the first gradient of a window, given back after the update.
     grad: torch.Tensor | None = None
     arrived: int = 0
     scheduled: bool = False
-    moments_on_store: bool = False
+    # An update is queued and has not run: its state in the store is about to change.
+    outstanding: bool = False
     last_write: Future | None = None
-    # Per parameter: torch.optim.AdamW's step count, whether a gradient is accumulated in ``grad`` this window, and
-    # whether one arrived in the current micro-batch.
-    steps: list[int] = field(default_factory=list)
+    # Per parameter: whether a gradient is accumulated in ``grad`` this window, and whether one arrived in the
+    # current micro-batch.
     has_grad: list[bool] = field(default_factory=list)
     seen: list[bool] = field(default_factory=list)
 
@@ -126,6 +149,11 @@ class _Discard:
 
 
 @dataclass(frozen=True)
+class _Abort:
+    future: Future
+
+
+@dataclass(frozen=True)
 class _Freed:
     buffers: _Buffers
 
@@ -141,7 +169,7 @@ class _Stop:
     pass
 
 
-_Job = _Gradient | _Begin | _Schedule | _Discard | _Freed | _Barrier | _Stop
+_Job = _Gradient | _Begin | _Schedule | _Discard | _Abort | _Freed | _Barrier | _Stop
 
 
 class _Buffers:
@@ -185,11 +213,13 @@ class CpuAdam:
         self.store = store
         self.compute_on_store = compute_on_store
         self.grad_budget_bytes = grad_budget_bytes
+        fresh = {s.index: _Version(0, (0,) * len(s.params), False) for s in self.shards}
         self._state = {
-            s.index: _ShardState(steps=[0] * len(s.params), has_grad=[False] * len(s.params),
+            s.index: _ShardState(fresh[s.index], fresh[s.index], has_grad=[False] * len(s.params),
                                  seen=[False] * len(s.params))
             for s in self.shards
         }
+        self._reserve_slots()
         largest = max((s.numel for s in self.shards), default=1)
         largest_master = max((s.numel for s in self.shards if not s.master_in_host), default=0)
         compute_bytes = max((s.numel * s.dtype.itemsize for s in self.shards
@@ -200,8 +230,14 @@ class CpuAdam:
         self._queued_grad_bytes = 0
         self._pending_updates = 0
         self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
-        self._ready: deque[tuple[Shard, StepPlan]] = deque()
-        self._inflight: deque[tuple[Shard, StepPlan, _Buffers, list[Future]]] = deque()
+        self._ready: deque[tuple[Shard, StepPlan, int]] = deque()
+        self._inflight: deque[tuple[Shard, StepPlan, int, _Buffers, list[Future]]] = deque()
+        # Steps (numbered by boundary micro-batch) whose updates are not all committed: the training thread finished
+        # them (``_decided``), updates queued and not run (``_outstanding``), shards updated (``_updated``).
+        self._step = 0
+        self._decided: set[int] = set()
+        self._outstanding: dict[int, int] = {}
+        self._updated: dict[int, list[Shard]] = {}
         # Read-ahead: states read before the shard's gradient is complete, by shard index; only between the start of
         # a boundary micro-batch and its schedule, so nothing else writes those states meanwhile.
         self._ahead: dict[int, tuple[_Buffers, list[Future]]] = {}
@@ -217,6 +253,19 @@ class CpuAdam:
         self.timeline = timeline if timeline is not None else Timeline()
         self._worker = threading.Thread(target=self._run, name="ratel-cpu-adam", daemon=True)
         self._worker.start()
+
+    def _reserve_slots(self) -> None:
+        """Lay out both state slots of every shard in the store, and give masters kept in the host cache their first
+        copy in the store (a step abandoned halfway restores them from there)."""
+        for shard in self.shards:
+            for what in ("master", "exp_avg", "exp_avg_sq"):
+                for slot in (0, 1):
+                    self.store.reserve(shard.key(what, slot), shard.numel * 4)
+        self.store.preallocate()
+        writes = [self.store.write(shard.key("master"), shard.host_master())
+                  for shard in self.shards if shard.master_in_host]
+        for write in writes:
+            write.result()
 
     @property
     def host_buffer_bytes(self) -> int:
@@ -248,7 +297,8 @@ class CpuAdam:
         self._jobs.put(_Begin(plan))
 
     def schedule(self, plan: StepPlan, shards: Sequence[Shard]) -> None:
-        """Finish the step: update ``shards`` under ``plan`` (those not already updated during backward).
+        """Finish the step: update ``shards`` under ``plan`` (those not already updated during backward); the step
+        commits once they all have run.
 
         Each shard's unit stops being ready now, on the calling thread, so that a forward paging it in after this call
         waits for the update (which may also have run already).
@@ -260,6 +310,15 @@ class CpuAdam:
     def discard(self, shards: Sequence[Shard]) -> None:
         """Drop the gradients ``shards`` hold without updating them (a skipped step), and any states read ahead."""
         self._jobs.put(_Discard(tuple(shards)))
+
+    def abort(self) -> None:
+        """Abandon the step the training thread has not finished (an exception stopped it): drop its gradients and
+        queued updates, and undo the updates that already ran, so every shard is at its committed state again (also
+        where the pager reads it). A step already finished still completes and commits. Waits until done."""
+        future: Future = Future()
+        self._jobs.put(_Abort(future))
+        self.barrier()
+        future.result()
 
     def unscale_(self, shards: Sequence[Shard], loss_scale: torch.Tensor) -> bool:
         """Divide the gradients of ``shards`` by the fp16 loss scale and check them for inf/NaN.
@@ -330,27 +389,27 @@ class CpuAdam:
 
     def state_key(self, shard: Shard, what: str) -> str:
         """The store key holding ``shard``'s committed ``master``, ``exp_avg`` or ``exp_avg_sq`` (the values of the
-        last step taken)."""
-        return shard.key(what)
+        last step taken). Every update handed over so far must have run: call :meth:`barrier` first."""
+        return shard.key(what, self._state[shard.index].committed.slot)
 
     def param_steps(self, shard: Shard) -> list[int]:
-        """``torch.optim.AdamW``'s step count of each parameter of ``shard`` (0: never updated)."""
+        """``torch.optim.AdamW``'s committed step count of each parameter of ``shard`` (0: never updated)."""
         self.barrier(include_writes=True)
-        return list(self._state[shard.index].steps)
+        return list(self._state[shard.index].committed.steps)
 
     def moments_on_store(self, shard: Shard) -> bool:
-        """Whether ``shard``'s moments were ever written (otherwise they are zeros)."""
+        """Whether ``shard``'s committed moments were ever written (otherwise they are zeros)."""
         self.barrier(include_writes=True)
-        return self._state[shard.index].moments_on_store
+        return self._state[shard.index].committed.moments
 
     def load_state(self, shard: Shard, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, steps: Sequence[int]) -> None:
-        """Replace ``shard``'s moments and step counts (from a checkpoint)."""
+        """Replace ``shard``'s committed moments and step counts (from a checkpoint)."""
         self.barrier(include_writes=True)
-        self.store.write(shard.key("exp_avg"), exp_avg).result()
-        self.store.write(shard.key("exp_avg_sq"), exp_avg_sq).result()
         state = self._state[shard.index]
-        state.steps = list(steps)
-        state.moments_on_store = True
+        slot = state.committed.slot
+        self.store.write(shard.key("exp_avg", slot), exp_avg).result()
+        self.store.write(shard.key("exp_avg_sq", slot), exp_avg_sq).result()
+        state.committed = state.latest = _Version(slot, tuple(steps), True)
 
     # ------------------------------------------------------------------ worker thread
 
@@ -393,6 +452,8 @@ class CpuAdam:
             self._plan = job.plan
             self._drop_ahead()
             self._reading_ahead = self._plan is not None
+            if self._plan is not None:
+                self._step += 1
             if self._reading_ahead and self._ran:
                 ran = {s.index for s in self._ran}
                 self._order = self._ran + [s for s in self._order if s.index not in ran]
@@ -408,6 +469,8 @@ class CpuAdam:
             # Every update of the step is queued: states read ahead for shards without one are dropped.
             self._reading_ahead = False
             self._drop_ahead()
+            self._decided.add(self._step)
+            self._commit()
         elif isinstance(job, _Discard):
             for shard in job.shards:
                 state = self._state[shard.index]
@@ -415,6 +478,9 @@ class CpuAdam:
                 self._release_grad(shard)
             self._reading_ahead = False
             self._drop_ahead()
+        elif isinstance(job, _Abort):
+            self._abort()
+            job.future.set_result(None)
         elif isinstance(job, _Freed):
             self._free.append(job.buffers)
             self._writes_pending -= 1
@@ -454,10 +520,80 @@ class CpuAdam:
         state = self._state[shard.index]
         state.scheduled = True
         if any(state.has_grad):
-            self._ready.append((shard, plan))
+            state.outstanding = True
+            self._ready.append((shard, plan, self._step))
+            self._outstanding[self._step] = self._outstanding.get(self._step, 0) + 1
             self._ran.append(shard)
             with self._cond:
                 self._pending_updates += 1
+
+    def _commit(self) -> None:
+        """Commit, oldest first, every finished step whose updates have all run."""
+        for step in sorted(self._decided):
+            if self._outstanding.get(step, 0):
+                return
+            self._decided.discard(step)
+            self._outstanding.pop(step, None)
+            for shard in self._updated.pop(step, []):
+                state = self._state[shard.index]
+                state.committed = state.latest
+            self.timeline.record(f"commit:{step}")
+
+    def _abort(self) -> None:
+        """See :meth:`abort` (worker thread)."""
+        step = self._step
+        if step in self._decided:
+            # Finished by the training thread: it completes and commits.
+            step = -1
+        ready = [item for item in self._ready if item[2] == step]
+        inflight = [item for item in self._inflight if item[2] == step]
+        self._ready = deque(item for item in self._ready if item[2] != step)
+        self._inflight = deque(item for item in self._inflight if item[2] != step)
+        for shard, *_ in ready:
+            self._state[shard.index].outstanding = False
+        for shard, _, _, buffers, reads in inflight:
+            self._state[shard.index].outstanding = False
+            for read in reads:
+                read.exception()
+            self._free.append(buffers)
+        with self._cond:
+            self._pending_updates -= len(ready) + len(inflight)
+            self._cond.notify_all()
+        self._outstanding.pop(step, None)
+        for shard in self._updated.pop(step, []):
+            self._revert(shard)
+        for shard in self.shards:
+            state = self._state[shard.index]
+            state.has_grad = [False] * len(state.has_grad)
+            state.scheduled = False
+            self._release_grad(shard)
+        self._reading_ahead = False
+        self._drop_ahead()
+        self._ran = []
+        self.timeline.record(f"abort:{step}")
+
+    def _revert(self, shard: Shard) -> None:
+        """Put ``shard``'s committed values back where the pager reads its compute copy, and forget its update."""
+        state = self._state[shard.index]
+        if state.last_write is not None:
+            state.last_write.exception()
+        state.latest = state.committed
+        master_key = shard.key("master", state.committed.slot)
+        if shard.master_in_host:
+            self.store.read(master_key, shard.host_master()).result()
+            shard.unit.ready.retract()
+            return
+        if self.compute_on_store and shard.dtype == torch.float32:
+            shard.unit.ready.retract(shard, master_key)
+            return
+        master = aligned_empty(shard.numel, torch.float32)[: shard.numel]
+        self.store.read(master_key, master).result()
+        if self.compute_on_store:
+            copy = master.to(shard.dtype)
+            self.store.write(shard.compute_key, copy).result()
+        else:
+            shard.compute_view(shard.unit.host[shard.dtype]).copy_(master)
+        shard.unit.ready.retract()
 
     def _release_grad(self, shard: Shard) -> None:
         state = self._state[shard.index]
@@ -468,7 +604,7 @@ class CpuAdam:
     def _advance(self) -> None:
         while True:
             while self._ready and self._error is None:
-                shard, plan = self._ready[0]
+                shard, plan, step = self._ready[0]
                 ahead = self._ahead.pop(shard.index, None)
                 if ahead is None:
                     if not self._free and not self._evict_ahead():
@@ -476,14 +612,17 @@ class CpuAdam:
                     buffers = self._free.pop()
                     ahead = (buffers, self._read(shard, buffers))
                 self._ready.popleft()
-                self._inflight.append((shard, plan, *ahead))
+                self._inflight.append((shard, plan, step, *ahead))
             if self._reading_ahead and self._error is None:
                 self._read_ahead()
             # Gradients are cheap to take in and unblock backward's memory; updates wait for an empty queue.
             if not self._inflight or not self._jobs.empty() or self._error is not None:
                 return
-            shard, plan, buffers, reads = self._inflight.popleft()
+            shard, plan, step, buffers, reads = self._inflight.popleft()
             self._update(shard, plan, buffers, reads)
+            self._outstanding[step] -= 1
+            self._updated.setdefault(step, []).append(shard)
+            self._commit()
 
     def _read_ahead(self) -> None:
         """Fill free buffer sets with the states of the shards expected next, in last step's order."""
@@ -491,7 +630,8 @@ class CpuAdam:
             return
         for shard in self._order:
             state = self._state[shard.index]
-            if state.scheduled or shard.index in self._ahead:
+            # A shard whose update has not run yet would be read before it changes.
+            if state.scheduled or state.outstanding or shard.index in self._ahead:
                 continue
             if state.last_write is not None and not state.last_write.done():
                 # Its previous write-back is still landing; later shards must not take the buffer it will need.
@@ -525,14 +665,16 @@ class CpuAdam:
         self._free.append(buffers)
 
     def _read(self, shard: Shard, b: _Buffers) -> list[Future]:
+        """Start reading ``shard``'s newest state into ``b``."""
         state = self._state[shard.index]
         if state.last_write is not None:
             state.last_write.result()
         n = shard.numel
-        reads = [] if shard.master_in_host else [self.store.read(shard.key("master"), b.master[:n])]
-        if state.moments_on_store:
-            reads.append(self.store.read(shard.key("exp_avg"), b.exp_avg[:n]))
-            reads.append(self.store.read(shard.key("exp_avg_sq"), b.exp_avg_sq[:n]))
+        slot = state.latest.slot
+        reads = [] if shard.master_in_host else [self.store.read(shard.key("master", slot), b.master[:n])]
+        if state.latest.moments:
+            reads.append(self.store.read(shard.key("exp_avg", slot), b.exp_avg[:n]))
+            reads.append(self.store.read(shard.key("exp_avg_sq", slot), b.exp_avg_sq[:n]))
         return reads
 
     def _update(self, shard: Shard, plan: StepPlan, b: _Buffers, reads: list[Future]) -> None:
@@ -543,7 +685,7 @@ class CpuAdam:
         n = shard.numel
         master = shard.host_master() if shard.master_in_host else b.master[:n]
         exp_avg, exp_avg_sq = b.exp_avg[:n], b.exp_avg_sq[:n]
-        if not state.moments_on_store:
+        if not state.latest.moments:
             exp_avg.zero_()
             exp_avg_sq.zero_()
         grad = state.grad
@@ -553,8 +695,9 @@ class CpuAdam:
         hyper = plan.hyper[shard.group]
         out = self._compute_out(shard, b)
         with_grad = [i for i, has in enumerate(state.has_grad) if has]
-        if len(with_grad) == len(shard.params) and len({state.steps[i] for i in with_grad}) == 1:
-            self._adamw(master, grad, exp_avg, exp_avg_sq, out, hyper, state.steps[0] + 1)
+        steps = list(state.latest.steps)
+        if len(with_grad) == len(shard.params) and len({steps[i] for i in with_grad}) == 1:
+            self._adamw(master, grad, exp_avg, exp_avg_sq, out, hyper, steps[0] + 1)
         else:
             if out is not None and self.compute_on_store:
                 # The whole staging buffer goes to the store: parameters without a gradient keep their copies.
@@ -563,24 +706,27 @@ class CpuAdam:
                 sp = shard.params[i]
                 sl = slice(sp.offset, sp.offset + sp.numel)
                 self._adamw(master[sl], grad[sl], exp_avg[sl], exp_avg_sq[sl], out[sl] if out is not None else None,
-                            hyper, state.steps[i] + 1)
+                            hyper, steps[i] + 1)
         for i in with_grad:
-            state.steps[i] += 1
+            steps[i] += 1
             state.has_grad[i] = False
-        state.moments_on_store = True
+        slot = 1 - state.latest.slot
+        state.latest = _Version(slot, tuple(steps), True)
+        state.outstanding = False
         self._release_grad(shard)
         self.timeline.record(f"update_end:{shard.index}")
-        writes = [self.store.write(shard.key("exp_avg"), exp_avg),
-                  self.store.write(shard.key("exp_avg_sq"), exp_avg_sq)]
-        if not shard.master_in_host:
-            writes.append(self.store.write(shard.key("master"), master))
+        writes = [self.store.write(shard.key("exp_avg", slot), exp_avg),
+                  self.store.write(shard.key("exp_avg_sq", slot), exp_avg_sq),
+                  self.store.write(shard.key("master", slot), master)]
         if out is not None and self.compute_on_store:
             writes.append(self.store.write(shard.compute_key, out))
         self._writes_pending += 1
         done = self._joined(writes, b)
         state.last_write = done
-        # Only now, with ``last_write`` set: a pager reading compute copies from the store waits for that write.
-        shard.unit.ready.complete(done if self.compute_on_store else None)
+        # Only now, with ``last_write`` set: a pager reading compute copies from the store waits for that write (an
+        # fp32 shard's compute copy is its master, in the new slot).
+        moved = shard.key("master", slot) if self.compute_on_store and shard.dtype == torch.float32 else None
+        shard.unit.ready.complete(done if self.compute_on_store else None, shard, moved)
         with self._cond:
             self._pending_updates -= 1
             self._cond.notify_all()

@@ -114,7 +114,7 @@ class ParameterPager:
             state.staging = {dtype: self.pool.take(n, dtype) for dtype, n in unit.numels.items()}
             # A page-in: the forward or backward of this block will wait for it.
             state.reads = [
-                self._store.read(s.compute_key, s.compute_view(state.staging[s.dtype]), urgent=True)
+                self._store.read(unit.ready.compute_key(s), s.compute_view(state.staging[s.dtype]), urgent=True)
                 for s in self._unit_shards.get(unit.index, ())
             ]
             if not self.device.is_cuda:

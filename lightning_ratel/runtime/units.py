@@ -46,8 +46,12 @@ class UnitReady:
 
     The training thread calls :meth:`expect` once for each update of the unit that belongs to the step it finishes;
     the optimizer worker calls :meth:`complete` once for each update it has run (an overlapped update may complete
-    before the training thread expects it, since it runs during backward). The unit is ready when at least as many
-    updates completed as were expected and the last writes of its new compute copy to the store, if any, landed.
+    before the training thread expects it, since it runs during backward), and :meth:`retract` for one it undid (a
+    step abandoned before it was finished). The unit is ready when at least as many updates completed as were
+    expected and the last writes of its new compute copy to the store, if any, landed.
+
+    It also tells the pager where a shard's current compute copy is in the store, when that moves with the
+    optimizer's state slots (an fp32 shard's compute copy is its master).
     """
 
     def __init__(self) -> None:
@@ -56,20 +60,38 @@ class UnitReady:
         self._done = 0
         self._writes: list[Future] = []
         self._error: BaseException | None = None
+        self._compute_keys: dict[int, str] = {}
 
     def expect(self) -> None:
         """One more update of the unit belongs to the step being finished (training thread)."""
         with self._cond:
             self._expected += 1
 
-    def complete(self, write: Future | None = None) -> None:
-        """An update of the unit ran; ``write`` is the store write of its new compute copy, if it goes there."""
+    def complete(self, write: Future | None = None, shard: Shard | None = None, compute_key: str | None = None
+                 ) -> None:
+        """An update of the unit ran; ``write`` is the store write of its new compute copy, if it goes there, and
+        ``compute_key`` the key it went to, if not ``shard``'s own."""
         with self._cond:
             self._done += 1
             if write is not None:
                 self._writes = [w for w in self._writes if not w.done()]
                 self._writes.append(write)
+            if shard is not None and compute_key is not None:
+                self._compute_keys[shard.index] = compute_key
             self._cond.notify_all()
+
+    def retract(self, shard: Shard | None = None, compute_key: str | None = None) -> None:
+        """An update that :meth:`complete` announced was undone; ``compute_key`` is where ``shard``'s compute copy
+        is again."""
+        with self._cond:
+            self._done -= 1
+            if shard is not None and compute_key is not None:
+                self._compute_keys[shard.index] = compute_key
+
+    def compute_key(self, shard: Shard) -> str:
+        """The store key of ``shard``'s current compute copy."""
+        with self._cond:
+            return self._compute_keys.get(shard.index, shard.compute_key)
 
     def fail(self, error: BaseException) -> None:
         """No update will complete any more: waiters raise ``error``."""
@@ -174,13 +196,15 @@ class Shard:
     numel: int
     master_in_host: bool = False
 
-    def key(self, what: str) -> str:
-        """The store key of one of its flat fp32 states: ``master``, ``exp_avg`` or ``exp_avg_sq``."""
-        return f"shard{self.index}.{what}"
+    def key(self, what: str, slot: int = 0) -> str:
+        """The store key of one of its flat states: ``master``, ``exp_avg`` or ``exp_avg_sq`` (fp32) in one of the
+        optimizer's two state slots, or ``compute`` (its 16-bit compute copy)."""
+        return f"shard{self.index}.{what}" + (f".{slot}" if slot else "")
 
     @property
     def compute_key(self) -> str:
-        """The store key of the compute copy when it is read from the store: the fp32 master is its own copy."""
+        """The store key of the compute copy when it is read from the store: an fp32 master is its own copy (the one
+        in slot 0 until the optimizer says otherwise, see :meth:`UnitReady.compute_key`)."""
         return self.key("master") if self.dtype == torch.float32 else self.key("compute")
 
     def compute_view(self, flat: torch.Tensor) -> torch.Tensor:
