@@ -564,9 +564,11 @@ class CpuAdam:
             self._revert(shard)
         for shard in self.shards:
             state = self._state[shard.index]
-            state.has_grad = [False] * len(state.has_grad)
-            state.scheduled = False
-            self._release_grad(shard)
+            # The gradients of a finished step's update still to run are its input.
+            if not state.outstanding:
+                state.has_grad = [False] * len(state.has_grad)
+                state.scheduled = False
+                self._release_grad(shard)
         self._reading_ahead = False
         self._drop_ahead()
         self._ran = []

@@ -1,0 +1,153 @@
+"""A step is all or nothing: an exception or Ctrl-C at any point of a step leaves the module, the optimizer state and
+the on-exception checkpoint at the last committed step, and resuming from that checkpoint equals never stopping."""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+from lightning_ratel import RatelStrategy
+from tests.models import LM, final_state, max_rel_err, trainer
+
+STEPS = 4
+FAIL_AT = 2  # global_step when the fault fires: two steps are committed, the third is being taken
+N_BATCHES = 2
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class _Fault(torch.autograd.Function):
+    """Identity in forward; in backward waits for the optimizer to update the blocks backward has left, then fails."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, action: str) -> torch.Tensor:
+        ctx.action = action
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        # Backward has passed every later block: their updates run on the CPU optimizer meanwhile.
+        time.sleep(0.3)
+        if ctx.action == "sigint":
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+        raise RuntimeError("injected fault in backward")
+
+
+class FaultyLM(LM):
+    """The tiny Llama of the other tests (8 layers, so backward lasts while updates start), failing at step
+    ``FAIL_AT`` from ``where``: ``"backward"`` / ``"sigint"`` (inside the first decoder layer's backward),
+    ``"after_backward"`` or ``"before_optimizer_step"`` (Lightning hooks)."""
+
+    def __init__(self, where: str | None = None) -> None:
+        super().__init__("llama8", n_batches=N_BATCHES)
+        self.where = where
+        self.model.model.layers[0].register_forward_hook(self._inject)
+
+    def _armed(self, where: tuple[str, ...]) -> bool:
+        return self.where in where and self.trainer.global_step == FAIL_AT and torch.is_grad_enabled()
+
+    def _inject(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
+        if not self._armed(("backward", "sigint")):
+            return output
+        if isinstance(output, tuple):
+            return (_Fault.apply(output[0], self.where), *output[1:])
+        return _Fault.apply(output, self.where)
+
+    def on_after_backward(self) -> None:
+        if self._armed(("after_backward",)):
+            raise RuntimeError("injected fault in on_after_backward")
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self._armed(("before_optimizer_step",)):
+            raise RuntimeError("injected fault in on_before_optimizer_step")
+
+
+@functools.lru_cache(maxsize=None)
+def plain(steps: int) -> tuple[dict, dict]:
+    lm = FaultyLM()
+    t = trainer("auto", max_steps=steps)
+    t.fit(lm)
+    return final_state(lm, t)
+
+
+def _close(ref: tuple[dict, dict], params: dict[str, torch.Tensor], opt: dict[str, Any]) -> None:
+    assert max_rel_err(ref[0], params) <= 1e-5
+    assert set(opt["state"]) == set(ref[1]["state"])
+    for index, entry in ref[1]["state"].items():
+        assert float(opt["state"][index]["step"]) == float(entry["step"]), index
+        moments = {k: opt["state"][index][k] for k in ("exp_avg", "exp_avg_sq")}
+        assert max_rel_err({k: entry[k] for k in moments}, moments) <= 1e-5, index
+
+
+def _resume_and_compare(tmp_path: Path, checkpoint: Path) -> None:
+    saved = torch.load(checkpoint, weights_only=False)
+    assert saved["global_step"] == FAIL_AT
+    _close(plain(FAIL_AT), saved["state_dict"], saved["optimizer_states"][0])
+    lm = FaultyLM()
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    t = trainer(RatelStrategy(ssd_paths=[str(resumed)]), max_steps=STEPS)
+    t.fit(lm, ckpt_path=str(checkpoint))
+    assert t.global_step == STEPS
+    _close(plain(STEPS), *final_state(lm, t))
+
+
+@pytest.mark.parametrize("where", ["backward", "after_backward", "before_optimizer_step"])
+def test_exception_leaves_the_last_committed_step(tmp_path: Path, where: str) -> None:
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    lm = FaultyLM(where)
+    t = trainer(RatelStrategy(ssd_paths=[str(swap)]), max_steps=STEPS, enable_checkpointing=True,
+                callbacks=[OnExceptionCheckpoint(str(tmp_path / "ckpt"))])
+    with pytest.raises(RuntimeError, match="injected fault"):
+        t.fit(lm)
+    assert t.global_step == FAIL_AT
+    # The module holds the committed step (plain Lightning leaves it there too), nothing of the failed one.
+    assert max_rel_err(plain(FAIL_AT)[0], lm.state_dict()) <= 1e-5
+    assert os.listdir(swap) == []
+    _resume_and_compare(tmp_path, tmp_path / "ckpt" / "on_exception.ckpt")
+
+
+_SIGINT_RUN = """
+import sys
+sys.path.insert(0, {root!r})
+from lightning.pytorch.callbacks import OnExceptionCheckpoint
+from lightning_ratel import RatelStrategy
+from tests.models import trainer
+from tests.test_step_commit import STEPS, FaultyLM
+
+t = trainer(RatelStrategy(ssd_paths=[{swap!r}]), max_steps=STEPS, enable_checkpointing=True,
+            callbacks=[OnExceptionCheckpoint({ckpt!r})])
+t.fit(FaultyLM("sigint"))
+"""
+
+
+def test_ctrl_c_in_backward_leaves_the_last_committed_step(tmp_path: Path) -> None:
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    script = _SIGINT_RUN.format(root=str(ROOT), swap=str(swap), ckpt=str(tmp_path / "ckpt"))
+    run = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True,
+                         timeout=240, cwd=ROOT)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "KeyboardInterrupt" in run.stdout + run.stderr
+    assert os.listdir(swap) == []
+    _resume_and_compare(tmp_path, tmp_path / "ckpt" / "on_exception.ckpt")
+
+
+def test_uninterrupted_run_matches_plain(tmp_path: Path) -> None:
+    """The reference the resumed runs are compared with is what Ratel computes without a fault too."""
+    lm = FaultyLM()
+    t = trainer(RatelStrategy(ssd_paths=[str(tmp_path)]), max_steps=STEPS)
+    t.fit(lm)
+    _close(plain(STEPS), *final_state(lm, t))
