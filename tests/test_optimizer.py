@@ -23,12 +23,13 @@ class _Landed:
         return None
 
 
-def _pipeline(tmp_path: Path, depth: int) -> tuple[CpuAdam, list[Shard], list[nn.Parameter], TensorStore]:
+def _pipeline(tmp_path: Path, depth: int, sizes: list[int] = SIZES
+              ) -> tuple[CpuAdam, list[Shard], list[nn.Parameter], TensorStore]:
     """One single-parameter shard per unit; masters on the store, new values written to each unit's host cache."""
     torch.manual_seed(0)
     store = TensorStore([tmp_path])
     params, shards = [], []
-    for i, n in enumerate(SIZES):
+    for i, n in enumerate(sizes):
         value = torch.randn(n)
         param = nn.Parameter(value.clone())
         unit = Unit(i, (), {torch.float32: n}, host={torch.float32: torch.zeros(n)})
@@ -130,6 +131,79 @@ def test_release_memory_drops_states_read_ahead(tmp_path: Path) -> None:
         assert adam._ahead
         adam.release_memory()
         assert not adam._ahead and not adam._free
+    finally:
+        adam.close()
+        store.close()
+
+
+def test_next_step_starts_while_updates_are_still_queued(tmp_path: Path) -> None:
+    """The next boundary micro-batch begins (and reads states ahead) while the last step's updates still run: no
+    shard may be read ahead before its pending update has changed it."""
+    adam, shards, params, store = _pipeline(tmp_path, depth=3, sizes=SIZES[:2])
+    reference = [nn.Parameter(p.detach().clone()) for p in params]
+    torch_adamw = torch.optim.AdamW(reference, lr=HYPER.lr, betas=(HYPER.beta1, HYPER.beta2), eps=HYPER.eps,
+                                    weight_decay=HYPER.weight_decay)
+    generator = torch.Generator().manual_seed(3)
+    steps = [[torch.randn(s.numel, generator=generator) for s in shards] for _ in range(6)]
+    for grads in steps:
+        for p, g in zip(reference, grads):
+            p.grad = g.clone()
+        torch_adamw.step()
+    plan = StepPlan([HYPER], overlap=True)
+    try:
+        for grads in steps:
+            adam.begin(plan)
+            for shard, grad in zip(shards, grads):
+                # As the pager does before the forward that leads to this gradient.
+                shard.unit.ready.wait()
+                adam.gradient(shard, 0, grad, _Landed())
+            adam.schedule(plan, shards)
+        adam.barrier(include_writes=True)
+        for shard, p in zip(shards, reference):
+            assert torch.equal(shard.unit.host[torch.float32], p.detach()), shard.index
+    finally:
+        adam.close()
+        store.close()
+
+
+def test_abort_undoes_the_updates_of_an_unfinished_step(tmp_path: Path) -> None:
+    """Updates that ran during an unfinished step are undone: host copies and committed state are the last step's,
+    and training on from there equals torch without the abandoned step."""
+    adam, shards, params, store = _pipeline(tmp_path, depth=2)
+    reference = [nn.Parameter(p.detach().clone()) for p in params]
+    torch_adamw = torch.optim.AdamW(reference, lr=HYPER.lr, betas=(HYPER.beta1, HYPER.beta2), eps=HYPER.eps,
+                                    weight_decay=HYPER.weight_decay)
+    generator = torch.Generator().manual_seed(4)
+
+    def torch_step(grads: list[torch.Tensor]) -> None:
+        for p, g in zip(reference, grads):
+            p.grad = g.clone()
+        torch_adamw.step()
+
+    try:
+        grads = [torch.randn(n, generator=generator) for n in SIZES]
+        _step(adam, shards, grads, list(range(len(SIZES))))
+        torch_step(grads)
+        # Half the shards get their gradients (and, overlapped, their updates); then the step is abandoned.
+        plan = StepPlan([HYPER], overlap=True)
+        adam.begin(plan)
+        for i in range(3):
+            adam.gradient(shards[i], 0, torch.randn(SIZES[i], generator=generator), _Landed())
+        adam.barrier(include_writes=True)
+        assert not all(torch.equal(shards[i].unit.host[torch.float32], reference[i].detach()) for i in range(3))
+        adam.abort()
+        for shard, p in zip(shards, reference):
+            assert torch.equal(shard.unit.host[torch.float32], p.detach()), shard.index
+            assert adam.param_steps(shard) == [1]
+            master = torch.empty(shard.numel)
+            store.read(adam.state_key(shard, "master"), master).result()
+            assert torch.equal(master, p.detach())
+        grads = [torch.randn(n, generator=generator) for n in SIZES]
+        _step(adam, shards, grads, list(range(len(SIZES))))
+        torch_step(grads)
+        for shard, p in zip(shards, reference):
+            assert torch.equal(shard.unit.host[torch.float32], p.detach()), shard.index
+            assert adam.param_steps(shard) == [2]
     finally:
         adam.close()
         store.close()

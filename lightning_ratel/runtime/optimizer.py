@@ -468,7 +468,8 @@ class CpuAdam:
                     self._enqueue(shard, job.plan)
             # Every update of the step is queued: states read ahead for shards without one are dropped.
             self._reading_ahead = False
-            self._drop_ahead()
+            for index in [i for i in self._ahead if not self._state[i].outstanding]:
+                self._release_ahead(index)
             self._decided.add(self._step)
             self._commit()
         elif isinstance(job, _Discard):
