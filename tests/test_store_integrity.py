@@ -208,6 +208,16 @@ def test_overlapping_requests_on_one_key_fail_cleanly(tmp_path: Path, monkeypatc
         assert torch.equal(store.read("w", torch.empty(100)).result(), second)
 
 
+def test_metadata_must_be_json(tmp_path: Path) -> None:
+    with TensorStore(_dirs(tmp_path, 1)) as store:
+        with pytest.raises(ValueError, match="JSON"):
+            store.set_metadata({"bad": object()})
+        data = {"shape": [2, 3]}
+        store.set_metadata(data)
+        data["shape"].append(4)
+        assert store.metadata == {"shape": [2, 3]}
+
+
 def test_verify_off_reads_without_checking(tmp_path: Path) -> None:
     with TensorStore(_dirs(tmp_path, 1), stripe_bytes=STRIPE, verify=False) as store:
         assert not store.verify
@@ -358,6 +368,7 @@ def _kept_store(paths: list[Path], **kwargs: object) -> dict[str, torch.Tensor]:
         "compute.0": _random(STRIPE // 2 + 3, torch.bfloat16, seed=3),
     }
     with TensorStore(paths, stripe_bytes=STRIPE, keep_files=True, **kwargs) as store:
+        store.set_metadata({"params": {"layer.weight": {"key": "master.0", "offset": 0, "shape": [NUMEL]}}})
         store.reserve("never_written", 3 * STRIPE)
         for key, value in written.items():
             store.write(key, value).result()
@@ -378,6 +389,7 @@ def test_kept_store_reads_back(tmp_path: Path, io_mode: bool) -> None:
         assert kept.paths == tuple(path.resolve() for path in paths)
         assert kept.keys() == ["never_written", *written]
         assert kept.stripe_bytes == STRIPE
+        assert kept.metadata == {"params": {"layer.weight": {"key": "master.0", "offset": 0, "shape": [NUMEL]}}}
         for swap in kept.swap_files:
             assert fcntl.fcntl(swap.fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
         for key, value in written.items():
@@ -390,6 +402,7 @@ def test_kept_store_reads_back(tmp_path: Path, io_mode: bool) -> None:
             lambda: kept.write("new", torch.ones(3)),
             lambda: kept.reserve("new", 12),
             kept.preallocate,
+            lambda: kept.set_metadata({}),
         ):
             with pytest.raises(RatelStoreError, match="read-only") as info:
                 refused()

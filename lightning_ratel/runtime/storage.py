@@ -37,7 +37,7 @@ import shutil
 import stat
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from types import TracebackType
@@ -767,8 +767,9 @@ class TensorStore:
 
     With ``verify`` (the default) each chunk's checksum (:data:`XXH3_64` of exactly the key's bytes in it) is taken on
     the I/O thread right before the write and published once the write has returned; a read checks the bytes it
-    got and raises :class:`RatelStoreError` with ``EBADMSG`` on a mismatch. A key reserved but never written reads as
-    zeros (verified as such once the files are allocated; beyond the end of a file the read fails with ``EIO``).
+    got and raises :class:`RatelStoreError` with ``EBADMSG`` on a mismatch. The checksums live in memory beside the
+    layout (and in the index of a kept store). A key reserved but never written reads as zeros, verified like written
+    data; where nothing was written or preallocated up to the end of the file, its read fails with ``EIO``.
 
     Subclasses move other kinds of tensors by overriding these hooks: ``_check_tensor(key, tensor)`` (refuse what
     cannot be moved), ``_request(key, is_write, tensor, nbytes, **extra)`` (a :class:`Request` for the transfers;
@@ -865,7 +866,9 @@ class TensorStore:
         The files are opened ``O_RDONLY`` and nothing in the directories is created, changed or removed, also not at
         :meth:`close`. Reads verify the checksums the store recorded (whichever store kept the files: a device
         store's files are read into CPU tensors here too); :meth:`write`, :meth:`reserve` and :meth:`preallocate`
-        raise :class:`RatelStoreError` with ``EROFS``. :meth:`keys` and :meth:`nbytes` list what is there.
+        raise :class:`RatelStoreError` with ``EROFS``. :meth:`keys` and :meth:`nbytes` list what is there, and
+        :attr:`metadata` is what the store was given with :meth:`set_metadata` (for example how its keys map to model
+        parameters, for an export from the kept files).
 
         Args:
             paths: The directories of the kept store, in any order (each file's header names its slot).
@@ -927,6 +930,7 @@ class TensorStore:
         self._direct = False
         self._local = threading.local()
         self._closed = False
+        self._metadata: dict[str, Any] = {}
 
     def _header(self, slot: int, state: str) -> _Header:
         return _Header(
@@ -1004,6 +1008,33 @@ class TensorStore:
         if extent is None:
             raise KeyError(f"Key {key!r} was never reserved or written")
         return extent.nbytes
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """A copy of the data attached with :meth:`set_metadata` (for a store from :meth:`open_kept`: what the kept
+        store's index carries)."""
+        return json.loads(json.dumps(self._metadata))
+
+    def set_metadata(self, metadata: Mapping[str, Any]) -> None:
+        """Attach data that the index of a kept store carries, such as how the keys map to model parameters, so that
+        whoever opens the kept files later (:meth:`open_kept`) can make sense of them.
+
+        Args:
+            metadata: JSON-serialisable data; copied now, so later changes to it have no effect.
+
+        Raises:
+            ValueError: If ``metadata`` cannot be written as JSON.
+            RuntimeError: If the store is closed.
+            RatelStoreError: If the store is read-only (``EROFS``).
+        """
+        try:
+            copied = json.loads(json.dumps(dict(metadata), allow_nan=False))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"metadata must be JSON-serialisable: {exc}") from exc
+        with self._lock:
+            self._check_open()
+            self._check_writable("set_metadata")
+            self._metadata = copied
 
     def take_busy_intervals(self) -> list[tuple[float, float]]:
         """``time.perf_counter`` intervals during which a chunk transfer ran, since the last call."""
@@ -1421,6 +1452,7 @@ class TensorStore:
             "stripe_bytes": self._stripe_bytes,
             "checksum": self._algorithm if self._verify else None,
             "directories": [str(directory) for directory in self._paths],
+            "metadata": self._metadata,
             "keys": keys,
         }
         data = json.dumps(index).encode()
@@ -1509,6 +1541,10 @@ class TensorStore:
         keys = index.get("keys")
         if not isinstance(keys, dict):
             raise invalid("it lists no keys")
+        metadata = index.get("metadata", {})
+        if not isinstance(metadata, dict):
+            raise invalid("its metadata is not a JSON object")
+        self._metadata = metadata
         for key, entry in keys.items():
             try:
                 self._extents[key] = self._kept_extent(entry, header.files)
