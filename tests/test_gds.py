@@ -14,6 +14,7 @@ import torch
 from lightning_ratel.errors import RatelConfigError, RatelStoreError
 from lightning_ratel.runtime import gds
 from lightning_ratel.runtime.gds import GdsStore, kvikio_available, kvikio_unavailable_reason
+from lightning_ratel.runtime.storage import HEADER_BYTES, TensorStore, tensor_checksum
 
 STRIPE = 4096
 
@@ -116,7 +117,7 @@ def test_round_trip_striped_over_directories(fake_kvikio, dirs):
         store.write("x", data).result()
         store.write("y", small).result()
         # One chunk per stripe, round robin over the directories and on across keys, at 4096-byte file offsets.
-        writes = [(d, off, n) for op, d, off, n in FakeCuFile.calls if op == "write"]
+        writes = [(d, off - HEADER_BYTES, n) for op, d, off, n in FakeCuFile.calls if op == "write"]
         assert sorted(writes) == sorted([("a", 0, STRIPE), ("b", 0, STRIPE), ("a", STRIPE, STRIPE), ("b", STRIPE, 100),
                                          ("a", 2 * STRIPE, 20)])
         out = torch.empty_like(data)
@@ -135,7 +136,7 @@ def test_reserve_preallocate_and_size_checks(fake_kvikio, dirs):
     with _store(dirs) as store:
         store.reserve("k", 3 * STRIPE)
         store.preallocate()
-        sizes = [os.stat(d / "ratel.swap").st_size for d in dirs]
+        sizes = [os.stat(d / "ratel.swap").st_size - HEADER_BYTES for d in dirs]
         assert sizes == [2 * STRIPE, STRIPE]
         with pytest.raises(ValueError, match="holds"):
             store.read("k", torch.empty(10, dtype=torch.uint8))
@@ -163,7 +164,7 @@ def test_oserror_becomes_store_error_with_path_errno_and_offset(fake_kvikio, dir
         assert error.errno == errno.ENOSPC
         assert os.path.dirname(error.filename) in {str(d) for d in dirs}
         assert error.filename.endswith("ratel.swap")
-        assert "key 'x'" in str(error) and "at offset 0" in str(error)
+        assert "key 'x'" in str(error) and f"at offset {HEADER_BYTES}" in str(error)
 
 
 def test_kvikio_runtime_error_becomes_eio(fake_kvikio, dirs):
@@ -211,7 +212,7 @@ def test_close_removes_files_and_handles(fake_kvikio, dirs):
 def test_keep_files(fake_kvikio, dirs):
     with _store(dirs, keep_files=True) as store:
         store.write("x", torch.zeros(16)).result()
-    assert [sorted(os.listdir(d)) for d in dirs] == [["ratel.swap"], ["ratel.swap"]]
+    assert [sorted(os.listdir(d)) for d in dirs] == [["ratel.index.json", "ratel.swap"], ["ratel.swap"]]
 
 
 def test_second_store_on_the_same_directory_is_refused(fake_kvikio, dirs):
@@ -272,3 +273,89 @@ def test_prefer_kvikio_compares_round_trip_time():
     assert fast.prefer_kvikio()
     slow = gds.DeviceSsdBandwidth(kvikio_read=1.0, kvikio_write=8.0, host_read=2.0, host_write=8.0, gds=False)
     assert not slow.prefer_kvikio()
+
+
+def _flip(path, offset: int, mask: int) -> None:
+    with open(path, "r+b") as file:
+        file.seek(offset)
+        byte = file.read(1)[0]
+        file.seek(offset)
+        file.write(bytes([byte ^ mask]))
+
+
+def test_corruption_is_detected_with_path_key_and_offset(fake_kvikio, dirs, monkeypatch):
+    devices = []
+    real = gds.tensor_checksum
+
+    def spy(data):
+        devices.append(data.device.type)
+        return real(data)
+
+    monkeypatch.setattr(gds, "tensor_checksum", spy)
+    with _store(dirs) as store:
+        data = torch.randn(3 * STRIPE // 4 + 25, generator=torch.Generator().manual_seed(0))
+        store.write("x", data).result()
+        assert torch.equal(store.read("x", torch.empty_like(data)).result().view(torch.int32), data.view(torch.int32))
+        # One checksum per chunk written and per chunk read, computed with torch where the tensor lives.
+        assert devices == ["cpu"] * 8
+        chunks = store._extents["x"].chunks
+        # The top exponent bit of element 1500 (in stripe 1, so in the second directory).
+        chunk = chunks[1500 * 4 // STRIPE]
+        path = store.swap_files[chunk.slot].path
+        offset = chunk.file_offset + 1500 * 4 - chunk.key_offset + 3
+        _flip(path, offset, 0x40)
+        with pytest.raises(RatelStoreError) as info:
+            store.read("x", torch.empty_like(data)).result()
+        error = info.value
+        assert error.errno == errno.EBADMSG and error.filename == str(path)
+        assert "key 'x'" in str(error) and f"offset {chunk.file_offset}" in str(error)
+        assert f"key offset {chunk.key_offset}" in str(error)
+        _flip(path, offset, 0x40)
+        assert torch.equal(store.read("x", torch.empty_like(data)).result().view(torch.int32), data.view(torch.int32))
+        # A whole 4 KiB block replaced.
+        block = chunks[2]
+        path = store.swap_files[block.slot].path
+        with open(path, "r+b") as file:
+            file.seek(block.file_offset)
+            file.write(os.urandom(STRIPE))
+        with pytest.raises(RatelStoreError) as info:
+            store.read("x", torch.empty_like(data)).result()
+        assert info.value.errno == errno.EBADMSG and info.value.filename == str(path)
+        assert f"offset {block.file_offset}" in str(info.value) and "key 'x'" in str(info.value)
+
+
+def test_kept_device_store_reads_back_into_host_tensors(fake_kvikio, dirs):
+    data = torch.randn(2 * STRIPE // 4 + 3)
+    small = torch.arange(7, dtype=torch.bfloat16)
+    with _store(dirs, keep_files=True) as store:
+        store.write("x", data).result()
+        store.write("y", small).result()
+    with TensorStore.open_kept(dirs) as kept:
+        assert type(kept) is TensorStore and kept.verify
+        assert kept.keys() == ["x", "y"]
+        assert torch.equal(kept.read("x", torch.empty_like(data)).result(), data)
+        assert torch.equal(kept.read("y", torch.empty_like(small)).result(), small)
+        chunk = kept._extents["x"].chunks[0]
+        _flip(kept.swap_files[chunk.slot].path, chunk.file_offset + 10, 0x01)
+        with pytest.raises(RatelStoreError, match="checksum mismatch"):
+            kept.read("x", torch.empty_like(data)).result()
+
+
+def test_tensor_checksum_detects_every_flipped_bit_and_a_replaced_block():
+    generator = torch.Generator().manual_seed(0)
+    data = torch.randint(0, 256, (61,), dtype=torch.uint8, generator=generator)  # seven words and a 5-byte tail
+    reference = tensor_checksum(data)
+    for byte in range(data.numel()):
+        for bit in range(8):
+            flipped = data.clone()
+            flipped[byte] ^= 1 << bit
+            assert tensor_checksum(flipped) != reference, (byte, bit)
+    # Independent of where the bytes sit in memory (unaligned views are copied), and zeros sum to zero.
+    shifted = torch.empty(62, dtype=torch.uint8)
+    shifted[1:] = data
+    assert tensor_checksum(shifted[1:]) == reference
+    assert tensor_checksum(torch.zeros(4096 + 5, dtype=torch.uint8)) == 0
+    chunk = torch.randint(0, 256, (4 * 4096,), dtype=torch.uint8, generator=generator)
+    replaced = chunk.clone()
+    replaced[4096:8192] = torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=generator)
+    assert tensor_checksum(replaced) != tensor_checksum(chunk)

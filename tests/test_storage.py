@@ -18,7 +18,7 @@ import torch
 
 from lightning_ratel.errors import RatelConfigError, RatelStoreError
 from lightning_ratel.runtime import storage
-from lightning_ratel.runtime.storage import ALIGNMENT, TensorStore, aligned_empty, check_free_space
+from lightning_ratel.runtime.storage import ALIGNMENT, HEADER_BYTES, TensorStore, aligned_empty, check_free_space
 
 STRIPE = 64 * 1024  # small stripes keep multi-stripe tensors small and the tests fast
 
@@ -136,8 +136,8 @@ def test_striping_over_two_directories(two_ssds: list[Path]) -> None:
         source.copy_(_random(3 * STRIPE, torch.int8).view(torch.uint8))
         store.write("w", source).result()
         swap_files = [directory / "ratel.swap" for directory in two_ssds]
-        assert [path.stat().st_size for path in swap_files] == [2 * STRIPE, STRIPE]
-        data = [path.read_bytes() for path in swap_files]
+        assert [path.stat().st_size for path in swap_files] == [HEADER_BYTES + 2 * STRIPE, HEADER_BYTES + STRIPE]
+        data = [path.read_bytes()[HEADER_BYTES:] for path in swap_files]
         raw = source.numpy().tobytes()
         # Round-robin: stripes 0 and 2 on the first directory, stripe 1 on the second.
         assert data[0] == raw[:STRIPE] + raw[2 * STRIPE :]
@@ -153,7 +153,9 @@ def test_chunks_occupy_whole_blocks(ssd: Path) -> None:
         store.reserve("b", STRIPE + 1)
         store.reserve("c", 3)
         chunks = [chunk for key in "abc" for chunk in store._extents[key].chunks]
-        assert [chunk.file_offset for chunk in chunks] == [0, ALIGNMENT, ALIGNMENT + STRIPE, 2 * ALIGNMENT + STRIPE]
+        assert [chunk.file_offset - HEADER_BYTES for chunk in chunks] == [
+            0, ALIGNMENT, ALIGNMENT + STRIPE, 2 * ALIGNMENT + STRIPE
+        ]
         assert all(chunk.disk_length % ALIGNMENT == 0 for chunk in chunks)
         assert store.nbytes_reserved == 10 + STRIPE + 1 + 3
 
@@ -272,17 +274,26 @@ def test_files_are_owner_only(ssd: Path) -> None:
             assert stat.S_IMODE((ssd / name).stat().st_mode) == 0o600
 
 
-def test_stale_files_from_a_crashed_run_are_reused(ssd: Path) -> None:
+def test_stale_files_from_a_crashed_run_are_replaced(ssd: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    messages: list[str] = []
+    monkeypatch.setattr(storage, "rank_zero_info", messages.append)
     swap = ssd / "ratel.swap"
-    swap.write_bytes(b"stale" * 1000)
+    # What a run that died leaves behind: its swap file (header "in use") and its lock file with a dead pid.
+    with TensorStore([ssd]) as dead:
+        dead.write("w", torch.ones(1000)).result()
+        left_behind = swap.read_bytes()
+    swap.write_bytes(left_behind)
     swap.chmod(0o644)
     (ssd / "ratel.lock").write_text("999999\n")
     with TensorStore([ssd]) as store:
-        assert swap.stat().st_size == 0
+        assert swap.stat().st_size == HEADER_BYTES
         assert stat.S_IMODE(swap.stat().st_mode) == 0o600
+        assert store.run_id != dead.run_id and store.run_id in swap.read_bytes().decode("ascii", "replace")
         source = _random(100, torch.float32)
         store.write("w", source).result()
         assert torch.equal(store.read("w", torch.empty(100)).result(), source)
+    assert len(messages) == 1
+    assert str(swap) in messages[0] and dead.run_id in messages[0]
 
 
 def test_files_removed_at_close(ssd: Path) -> None:
@@ -295,7 +306,7 @@ def test_files_removed_at_close(ssd: Path) -> None:
 def test_keep_files(ssd: Path) -> None:
     with TensorStore([ssd], keep_files=True) as store:
         store.write("w", torch.ones(10)).result()
-    assert [path.name for path in ssd.iterdir()] == ["ratel.swap"]
+    assert sorted(path.name for path in ssd.iterdir()) == ["ratel.index.json", "ratel.swap"]
 
 
 def test_close_is_idempotent_and_waits_for_io(ssd: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -473,7 +484,7 @@ def test_preallocate(two_ssds: list[Path]) -> None:
         store.reserve("b", 5)
         store.preallocate()
         sizes = [(directory / "ratel.swap").stat() for directory in two_ssds]
-        assert [info.st_size for info in sizes] == [2 * STRIPE, STRIPE + ALIGNMENT]
+        assert [info.st_size - HEADER_BYTES for info in sizes] == [2 * STRIPE, STRIPE + ALIGNMENT]
         assert all(info.st_blocks * 512 >= info.st_size for info in sizes)
         # Reserving after preallocate still works; the file grows on write.
         source = _random(STRIPE // 4 + 1, torch.float32)
@@ -491,7 +502,7 @@ def test_preallocate_refuses_when_space_is_short(ssd: Path, monkeypatch: pytest.
         assert str(ssd) in str(info.value)
         assert str(3 * STRIPE) in str(info.value)
         assert "ssd_paths" in str(info.value)
-        assert (ssd / "ratel.swap").stat().st_size == 0
+        assert (ssd / "ratel.swap").stat().st_size == HEADER_BYTES
 
 
 def test_free_space_is_shared_by_paths_on_one_filesystem(
@@ -521,7 +532,7 @@ def test_fallocate_enospc_and_unsupported(ssd: Path, monkeypatch: pytest.MonkeyP
         assert str(ssd / "ratel.swap") in str(info.value)
         monkeypatch.setattr(storage.os, "posix_fallocate", refuse(errno.EOPNOTSUPP))
         store.preallocate()
-        assert (ssd / "ratel.swap").stat().st_size == STRIPE + ALIGNMENT
+        assert (ssd / "ratel.swap").stat().st_size == HEADER_BYTES + STRIPE + ALIGNMENT
 
 
 def test_buffered_fallback_when_direct_is_refused(two_ssds: list[Path], no_direct: list[str]) -> None:

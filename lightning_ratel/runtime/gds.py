@@ -6,10 +6,12 @@ no staging copy in pinned host memory. kvikio moves the bytes with GPUDirect Sto
 it (driver, filesystem and NVMe support), and otherwise through its own pinned bounce buffers ("compatibility
 mode"), which is still one copy fewer on the caller's side than staging by hand.
 
-Everything else is the store's: swap files ``<path>/<name>.swap`` striped over the directories in 4096-byte aligned
-chunks, an exclusive ``<name>.lock`` per directory, owner-only files removed at :meth:`~GdsStore.close`, futures that
-resolve once every chunk is done, busy intervals for the step breakdown and :class:`RatelStoreError` with path,
-errno and file offset for every failed transfer.
+Everything else is the store's: swap files ``<path>/<name>.swap`` (created exclusively, with a header) striped over
+the directories in 4096-byte aligned chunks, an exclusive ``<name>.lock`` per directory, owner-only files removed at
+:meth:`~GdsStore.close`, futures that resolve once every chunk is done, a checksum per chunk verified on every read,
+busy intervals for the step breakdown and :class:`RatelStoreError` with path, errno and file offset for every failed
+transfer. The checksum is :func:`~lightning_ratel.runtime.storage.tensor_checksum`, computed with torch on the device
+where the bytes are, so verifying costs no copy to the host.
 
 :func:`kvikio_available` tells whether kvikio can really move data on this machine (it imports on machines without a
 CUDA driver, where its file I/O then fails), and :func:`measure` times both routes between device memory and the swap
@@ -34,12 +36,13 @@ from lightning_ratel.errors import RatelConfigError, RatelStoreError
 from lightning_ratel.runtime.probe import best_time
 from lightning_ratel.runtime.storage import (
     ALIGNMENT,
+    INT64_WEIGHTED,
+    Chunk,
+    Request,
+    SwapFile,
     TensorStore,
-    _add_note,
-    _Chunk,
-    _Gather,
-    _SwapFile,
     aligned_empty,
+    tensor_checksum,
 )
 
 _INSTALL_HINT = "Install it with `pip install lightning_ratel[gds]` (kvikio-cu12) on a machine with a CUDA driver."
@@ -122,19 +125,16 @@ def kvikio_available(directory: str | None = None) -> bool:
     return kvikio_unavailable_reason(directory) is None
 
 
-class _DeviceRequest:
+class _DeviceRequest(Request):
     """A read or write of one key in flight: the caller's tensor as flat bytes, and when its memory is ready."""
 
-    __slots__ = ("key", "is_write", "tensor", "flat", "ready", "gather")
+    __slots__ = ("flat", "ready")
 
-    def __init__(self, key: str, is_write: bool, tensor: torch.Tensor, ready: Any, gather: _Gather) -> None:
-        self.key = key
-        self.is_write = is_write
-        # Held so the memory stays allocated until the last chunk is done.
-        self.tensor = tensor
+    def __init__(self, key: str, is_write: bool, tensor: torch.Tensor, ready: Any) -> None:
+        # The base class holds the tensor, so the memory stays allocated until the last chunk is done.
+        super().__init__(key, is_write, tensor)
         self.flat = tensor.detach().reshape(-1).view(torch.uint8)
         self.ready = ready
-        self.gather = gather
 
 
 class GdsStore(TensorStore):
@@ -149,6 +149,7 @@ class GdsStore(TensorStore):
 
     Each chunk is one blocking kvikio call (``CuFile.raw_read``/``raw_write``) on the store's own I/O threads, so the
     number of transfers in flight per drive is ``io_threads_per_path``, whatever kvikio's own thread pool size.
+    The checksum of a chunk is computed on that thread right before the write and right after the read.
 
     Args:
         paths: Directories for the swap files, ideally one per SSD.
@@ -156,7 +157,9 @@ class GdsStore(TensorStore):
         stripe_bytes: Chunk size of the round-robin striping; a positive multiple of 4096. Larger than the host
             store's default, since each chunk costs a cuFile call (or a bounce-buffer round) of fixed overhead.
         io_threads_per_path: I/O threads per directory.
-        keep_files: Leave the swap files in place at :meth:`close`.
+        keep_files: Leave the swap files in place at :meth:`close`, readable later with
+            :meth:`~lightning_ratel.runtime.storage.TensorStore.open_kept` (into CPU tensors).
+        verify: Checksum every chunk written and verify every chunk read, on the tensor's device.
         device: Device type of the tensors: ``"cuda"``. ``"cpu"`` works only with a stand-in for kvikio (kvikio's
             raw calls take device memory only); the tests use it to run the store without a GPU.
 
@@ -166,6 +169,7 @@ class GdsStore(TensorStore):
     """
 
     device_tensors = True
+    _checksum_algorithm = INT64_WEIGHTED
 
     def __init__(
         self,
@@ -175,6 +179,7 @@ class GdsStore(TensorStore):
         stripe_bytes: int = 4 << 20,
         io_threads_per_path: int = 4,
         keep_files: bool = False,
+        verify: bool = True,
         device: str | torch.device = "cuda",
     ) -> None:
         self._kvikio = _import_kvikio()
@@ -183,20 +188,17 @@ class GdsStore(TensorStore):
         self._handles: list[Any] = []
         super().__init__(
             paths, name=name, stripe_bytes=stripe_bytes, io_threads_per_path=io_threads_per_path, direct=False,
-            keep_files=keep_files,
+            keep_files=keep_files, verify=verify,
         )
         try:
-            for swap in self._files:
+            for swap in self.swap_files:
                 self._handles.append(self._open_handle(swap))
             self._gds = _uses_gds(self._kvikio)
         except BaseException as error:
-            try:
-                self.close()
-            except OSError as cleanup:
-                _add_note(error, f"Cleaning up after that failed too: {cleanup}")
+            self._abandon(error)
             raise
 
-    def _open_handle(self, swap: _SwapFile) -> Any:
+    def _open_handle(self, swap: SwapFile) -> Any:
         """Open ``swap`` through kvikio; the base class created it (owner-only, symlinks refused) and holds it open."""
         try:
             # "r+" opens without creating or truncating, so the file keeps the mode and contents the store gave it.
@@ -288,11 +290,11 @@ class GdsStore(TensorStore):
         if not tensor.is_contiguous():
             raise ValueError(f"GdsStore needs a contiguous tensor for key {key!r}")
 
-    def _request(self, key: str, is_write: bool, tensor: torch.Tensor, nbytes: int, gather: _Gather,
-                 ready: Any = None) -> Any:
-        return _DeviceRequest(key, is_write, tensor, ready, gather)
+    def _request(self, key: str, is_write: bool, tensor: torch.Tensor, nbytes: int, ready: Any = None) -> Request:
+        return _DeviceRequest(key, is_write, tensor, ready)
 
-    def _transfer_chunk(self, request: _DeviceRequest, chunk: _Chunk) -> None:  # type: ignore[override]
+    def _transfer_chunk(self, request: Request, chunk: Chunk) -> int | None:
+        assert isinstance(request, _DeviceRequest)
         if request.ready is not None:
             request.ready.synchronize()
         flat = request.flat
@@ -300,11 +302,34 @@ class GdsStore(TensorStore):
             # kvikio's raw calls use the calling thread's current CUDA context; a fresh I/O thread has none.
             torch.cuda.set_device(flat.device)
             self._local.device = flat.device.index
-        swap = self._files[chunk.slot]
+        view = flat[chunk.key_offset : chunk.key_offset + chunk.length]
+        checksum = None
+        if self.verify and request.is_write:
+            checksum = self._checksum(view)
+        self._move_device_chunk(request, chunk, view)
+        if self.verify and not request.is_write:
+            checksum = self._checksum(view)
+        return checksum
+
+    def _checksum(self, data: torch.Tensor) -> int:
+        """:func:`~lightning_ratel.runtime.storage.tensor_checksum` of ``data`` on its device.
+
+        On CUDA it runs on a stream of this I/O thread's own: the legacy default stream would wait for (and hold up)
+        the training streams.
+        """
+        if not data.is_cuda:
+            return tensor_checksum(data)
+        stream = getattr(self._local, "stream", None)
+        if stream is None:
+            stream = self._local.stream = torch.cuda.Stream(data.device)
+        with torch.cuda.stream(stream):
+            return tensor_checksum(data)
+
+    def _move_device_chunk(self, request: _DeviceRequest, chunk: Chunk, view: torch.Tensor) -> None:
+        swap = self.swap_files[chunk.slot]
         handle = self._handles[chunk.slot]
         call: Callable[..., int] = handle.raw_write if request.is_write else handle.raw_read
         operation = "write" if request.is_write else "read"
-        view = flat[chunk.key_offset : chunk.key_offset + chunk.length]
         done = 0
         while done < chunk.length:
             position = chunk.file_offset + done
