@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 
 import torch
-from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 
 from lightning_ratel import ops
 from lightning_ratel.accounting import ByteAccount, StepBreakdown
@@ -222,17 +222,18 @@ class Planner:
         """Place activations as ``plan`` says from the next forward pass on.
 
         Raises:
-            RatelConfigError: the plan names none of this model's blocks (it was made for another model).
+            RatelConfigError: the plan was made for a model with other blocks.
         """
         names = {block.name for block in self.blocks}
-        planned = {key.rpartition("/")[0] for key in plan.activation_placement}
-        if planned and not planned & names:
+        if plan.blocks:
+            mismatch = set(plan.blocks) != names
+        else:
+            # A hand-written plan may name only some blocks, but at least one of this model's.
+            mismatch = not {key.rpartition("/")[0] for key in plan.activation_placement} & names
+        if mismatch:
+            planned = sorted(plan.blocks or {key.rpartition("/")[0] for key in plan.activation_placement})
             raise RatelConfigError(
-                f"the plan places activations of blocks {sorted(planned)[:3]}..., none of which this model has "
-                f"(its blocks are {sorted(names)[:3]}...); it was made for another model. Use plan='auto'.")
-        missing = names - planned
-        if planned and missing and len(missing) < len(names):
-            rank_zero_warn(f"RatelStrategy: the plan does not mention blocks {sorted(missing)}; their activations stay "
-                           "on the device.")
+                f"the plan was made for a model with other blocks ({', '.join(planned[:4])}, ...) than this one "
+                f"({', '.join(sorted(names)[:4])}, ...). Make a plan for this model (plan='auto').")
         self.plan = plan
         self.cache.set_placements(plan_placements(self.blocks, plan.activation_placement))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 
 from lightning_ratel import RatelConfigError, RatelStrategy
 from lightning_ratel.runtime import storage
@@ -364,3 +366,73 @@ def test_same_module_resumes_after_io_error(tmp_path: Path, monkeypatch: pytest.
     t2.fit(lm, ckpt_path=str(last))
     assert max_rel_err(plain_params(4), lm.state_dict()) <= 1e-5
     assert os.listdir(ssd) == []
+
+
+# ---------------------------------------------------------------------------------------------------- argument types
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"ssd_paths": 123}, "ssd_paths"),
+        ({"ssd_paths": [None]}, "ssd_paths"),
+        ({"ssd_paths": [""]}, "ssd_paths"),
+        ({"activation_policy": ["ssd"]}, "activation_policy"),
+        ({"activation_policy": {"*": 3}}, "activation_policy"),
+        ({"blocks": "model.layers.0"}, r"\['model.layers.0'\]"),
+        ({"blocks": ["a", 1]}, "blocks"),
+        ({"prefetch_depth": True}, "prefetch_depth"),
+        ({"prefetch_depth": "2"}, "prefetch_depth"),
+        ({"keep_swap_files": "no"}, "keep_swap_files"),
+        ({"plan": 123}, "plan"),
+        ({"host_memory_limit": True}, "host_memory_limit"),
+    ],
+)
+def test_wrong_types_rejected_at_construction(kwargs: dict[str, Any], words: str) -> None:
+    with pytest.raises(RatelConfigError, match=words):
+        RatelStrategy(**kwargs)
+
+
+def test_corrupt_plan_file_names_the_file(tmp_path: Path) -> None:
+    broken = tmp_path / "plan.json"
+    broken.write_text('{"activation_placement": {"a/b": "host"')
+    with pytest.raises(RatelConfigError, match="plan.json") as info:
+        RatelStrategy(plan=str(broken))
+    assert "JSON" in str(info.value)
+    not_a_plan = tmp_path / "other.json"
+    not_a_plan.write_text('{"hello": 1}')
+    with pytest.raises(RatelConfigError, match="other.json"):
+        RatelStrategy(plan=str(not_a_plan))
+
+
+def _plan_file(tmp_path: Path, model: str) -> Path:
+    t = trainer(RatelStrategy(ssd_paths=[str(tmp_path)]), max_steps=3, logger=CSVLogger(str(tmp_path / "logs")))
+    t.fit(LM(model, n_batches=2))
+    return Path(t.log_dir) / "ratel_plan.json"
+
+
+def test_plan_of_another_model_refused_before_training(tmp_path: Path) -> None:
+    plan = _plan_file(tmp_path, "llama")
+    data = json.loads(plan.read_text())
+    assert data["format_version"] == 1 and "model.model.layers.0" in data["blocks"]
+    lm = CountingLM("gpt2", n_batches=2)
+    with pytest.raises(RatelConfigError, match="other blocks"):
+        trainer(RatelStrategy(ssd_paths=[str(tmp_path)], plan=str(plan)), max_steps=2).fit(lm)
+    assert lm.training_steps == 0
+    # A file of another format version is refused when the strategy is made.
+    data["format_version"] = 99
+    plan.write_text(json.dumps(data))
+    with pytest.raises(RatelConfigError, match="format version"):
+        RatelStrategy(plan=str(plan))
+
+
+def test_device_memory_limit_on_cpu_warns(tmp_path: Path) -> None:
+    with pytest.warns(UserWarning, match="device_memory_limit"):
+        trainer(RatelStrategy(ssd_paths=[str(tmp_path)], device_memory_limit="1GiB"), max_steps=1).fit(LM(n_batches=1))
+
+
+def test_no_prefetch_is_a_valid_setting(tmp_path: Path) -> None:
+    lm = LM(n_batches=2)
+    t = trainer(RatelStrategy(ssd_paths=[str(tmp_path)], prefetch_depth=0), max_steps=2)
+    t.fit(lm)
+    assert max_rel_err(plain_params(2), lm.state_dict()) <= 1e-5

@@ -20,6 +20,9 @@ from lightning_ratel.plan.cost import CostModel, Prediction, layer_cost, recompu
 from lightning_ratel.plan.profile import HardwareProfile, LayerProfile, OpProfile
 from lightning_ratel.sizes import format_bytes
 
+PLAN_FORMAT = 1
+"""Version of the plan file format :meth:`Plan.to_json` writes; a file of another version is refused."""
+
 
 @dataclass
 class Plan:
@@ -39,6 +42,8 @@ class Plan:
         prefetch_depth: blocks paged in ahead of the one computing.
         hardware: the hardware profile searched with.
         layers: the block profiles searched with.
+        blocks: names of every block of the model the plan was made for, so a plan is never applied to another one.
+        format_version: :data:`PLAN_FORMAT` of the code that wrote it.
     """
 
     activation_placement: dict[str, str]
@@ -53,6 +58,8 @@ class Plan:
     prefetch_depth: int = 1
     hardware: HardwareProfile | None = None
     layers: list[LayerProfile] = field(default_factory=list)
+    blocks: list[str] = field(default_factory=list)
+    format_version: int = PLAN_FORMAT
 
     def placement(self, block: str, op: str, default: str = "device") -> str:
         """The tier of ``op`` of ``block``, or ``default`` where the plan does not mention it."""
@@ -67,8 +74,18 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
-        """The plan :meth:`to_json` produced."""
+        """The plan :meth:`to_json` produced.
+
+        Raises:
+            RatelConfigError: the text is not a plan of this format version.
+        """
         data = json.loads(text)
+        if not isinstance(data, dict) or "activation_placement" not in data:
+            raise RatelConfigError("not a plan: no activation_placement")
+        version = data.get("format_version")
+        if version != PLAN_FORMAT:
+            raise RatelConfigError(f"plan format version {version!r}, this version of lightning_ratel reads "
+                                   f"{PLAN_FORMAT}; make the plan again (plan='auto')")
         data["hardware"] = HardwareProfile.from_dict(data["hardware"]) if data.get("hardware") else None
         data["layers"] = [LayerProfile.from_dict(layer) for layer in data.get("layers", [])]
         data["curve"] = [(int(offloaded), float(seconds)) for offloaded, seconds in data["curve"]]
@@ -396,6 +413,7 @@ def search(
         prefetch_depth=prefetch_depth,
         hardware=hw,
         layers=list(layers),
+        blocks=[layer.name for layer in layers],
     )
 
 
