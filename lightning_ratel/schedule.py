@@ -122,13 +122,22 @@ class BlockScheduler:
     def _pre_forward(self, b: int, module: nn.Module, args: Any, kwargs: Any) -> None:
         self._check()
         self.pager.acquire(b)
-        pos = self.position(b)
-        for nxt in self.order[pos + 1 : pos + 1 + self.prefetch_depth]:
-            self.pager.prefetch(nxt)
+        # A forward run again inside backward (the user's own torch.utils.checkpoint) neither prefetches the blocks
+        # after it (backward goes the other way) nor changes the pass's order.
+        if self.state is not TrainingState.BACKWARD:
+            pos = self.position(b)
+            for nxt in self.order[pos + 1 : pos + 1 + self.prefetch_depth]:
+                self.pager.prefetch(nxt)
+            if not torch.is_grad_enabled():
+                return
+            self.state = TrainingState.FORWARD
+            self._order_pass.append(b)
+        self._hook(b, module, args, kwargs)
+
+    def _hook(self, b: int, module: nn.Module, args: Any, kwargs: Any) -> None:
+        """Open the saved-tensor hooks (and op tracking) for one recorded forward of block ``b``."""
         if not torch.is_grad_enabled():
             return
-        self.state = TrainingState.FORWARD
-        self._order_pass.append(b)
         contexts: list[Any] = [self.cache.hooks(b)]
         if self.cache.tracked(b):
             device_type = self.device.device.type

@@ -1,13 +1,16 @@
 """Model features that must be off while the engine trains a model, switched off for the fit and back on after.
 
-transformers' KV cache: a training step never reads it, but filling it is a side effect a replayed forward would
-repeat (transformers itself turns it off under gradient checkpointing).
+- transformers' KV cache: a training step never reads it, but filling it is a side effect a replayed forward would
+  repeat (transformers itself turns it off under gradient checkpointing).
+- transformers' own gradient (activation) checkpointing: the plan decides per op what is kept, moved or recomputed;
+  the model's checkpointing would hide what its layers save from the planner and recompute whole layers on top.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 
@@ -25,9 +28,21 @@ class FitSwitches:
             if config is not None and getattr(config, "use_cache", False) is True and hasattr(m, "generation_config"):
                 config.use_cache = False
                 self._kv_cache.append(config)
+        # transformers marks each layer that checkpoints itself with a ``gradient_checkpointing`` flag.
+        self._checkpointing = [m for m in module.modules() if getattr(m, "gradient_checkpointing", False) is True]
+        for m in self._checkpointing:
+            m.gradient_checkpointing = False
+        if self._checkpointing:
+            rank_zero_info(
+                f"RatelStrategy: the model's own gradient checkpointing ({len(self._checkpointing)} layers) is off "
+                "during fit; the plan decides what to recompute. It is back on when fit ends."
+            )
 
     def restore(self) -> None:
         """Put every switched feature back as it was."""
         for config in self._kv_cache:
             config.use_cache = True
         self._kv_cache.clear()
+        for m in self._checkpointing:
+            m.gradient_checkpointing = True
+        self._checkpointing.clear()
