@@ -21,13 +21,15 @@ the next forward's pre-hook asks the pager for the block, which waits on that si
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_ratel.accounting import ByteAccount, StepBreakdown
-from lightning_ratel.blocks import discover_blocks
+from lightning_ratel.blocks import Block, discover_blocks
 from lightning_ratel.checkpoint import ModelState
 from lightning_ratel.config import RatelConfig
 from lightning_ratel.errors import RatelConfigError
@@ -37,6 +39,7 @@ from lightning_ratel.planner import Planner
 from lightning_ratel.runtime import gds
 from lightning_ratel.runtime.activations import ActivationCache
 from lightning_ratel.runtime.device import Device
+from lightning_ratel.runtime.escapes import Escape, EscapeDetector
 from lightning_ratel.runtime.gradients import GradientOffload
 from lightning_ratel.runtime.optimizer import CpuAdam, GroupHyper, StepPlan
 from lightning_ratel.runtime.pager import ParameterPager
@@ -136,6 +139,70 @@ class RatelEngine:
         self._step_plan = StepPlan([], overlap=False)
         self._pending_plan: StepPlan | None = None
         self._clip: tuple[float, str] | None = None
+        self._escapes_checked = False
+
+    # ------------------------------------------------------------------ parameters used outside their block
+
+    @contextlib.contextmanager
+    def watch_forward(self, training: bool) -> Iterator[None]:
+        """Run one forward (a Lightning step) and, the first time, find parameters used outside their block.
+
+        Such parameters are paged in on the spot for this pass, and from then on with the block whose forward uses
+        them (see :mod:`lightning_ratel.runtime.escapes`).
+
+        Args:
+            training: a backward follows, which may read the parameters paged in on the spot; otherwise they are
+                released when the forward ends.
+
+        Raises:
+            RatelConfigError: a parameter is used outside every module's forward (in the LightningModule's step
+                itself), where no block can page it in.
+        """
+        if self._escapes_checked:
+            yield
+            return
+        detector = EscapeDetector(self.pager)
+        with detector:
+            yield
+        self._escapes_checked = True
+        self._adopt(detector.escapes)
+        if not training:
+            self.pager.release_all()
+
+    def _adopt(self, escapes: list[Escape]) -> None:
+        """Make each escaped parameter's unit part of the block whose forward used it: the innermost block running
+        then, or else the outermost module running, as a new block of its own."""
+        by_module = {id(block.module): block for block in self.blocks}
+        for escape in escapes:
+            running = [by_module[id(m)] for m in escape.modules if id(m) in by_module]
+            if running:
+                block = running[-1]
+            elif escape.modules:
+                block = self._add_block(escape.modules[0])
+            else:
+                raise RatelConfigError(
+                    f"parameter {escape.slot.name} is used outside the forward of every module (in the "
+                    "LightningModule's step itself), where RatelStrategy cannot page it in. Compute it inside a "
+                    "module's forward, or list the modules that use it together in RatelStrategy(blocks=[...])."
+                )
+            units = self.layout.block_units[block.index]
+            if escape.unit not in units:
+                units.append(escape.unit)
+                units.sort()
+                block.uses.append(escape.slot.param)
+                rank_zero_info(
+                    f"RatelStrategy: {escape.slot.name} is used by the forward of {block.name or 'the model'} too; it "
+                    "is paged in with that block from now on."
+                )
+
+    def _add_block(self, module: nn.Module) -> Block:
+        name = next((n for n, m in self.module.named_modules() if m is module), type(module).__name__)
+        block = Block(len(self.blocks), name, module, direct_only=True)
+        self.blocks.append(block)
+        self.layout.block_units.append([])
+        self.cache.add_block()
+        self.scheduler.add_block(block)
+        return block
 
     # ------------------------------------------------------------------ the step
 

@@ -85,16 +85,25 @@ class BlockScheduler:
         self._entered: float | None = None
         self._handles: list[Any] = []
         for block in blocks:
-            b = block.index
-            self._handles.append(block.module.register_forward_pre_hook(
-                functools.partial(self._pre_forward, b), with_kwargs=True))
-            self._handles.append(
-                block.module.register_forward_hook(functools.partial(self._post_forward, b), always_call=True))
-            if not block.direct_only:
-                for name, sub in block.module.named_modules():
-                    if name:
-                        self._handles.append(sub.register_forward_pre_hook(self._enter_submodule))
-                        self._handles.append(sub.register_forward_hook(self._leave_submodule, always_call=True))
+            self._install(block)
+
+    def _install(self, block: Block) -> None:
+        b = block.index
+        self._handles.append(block.module.register_forward_pre_hook(
+            functools.partial(self._pre_forward, b), with_kwargs=True))
+        self._handles.append(
+            block.module.register_forward_hook(functools.partial(self._post_forward, b), always_call=True))
+        if not block.direct_only:
+            for name, sub in block.module.named_modules():
+                if name:
+                    self._handles.append(sub.register_forward_pre_hook(self._enter_submodule))
+                    self._handles.append(sub.register_forward_hook(self._leave_submodule, always_call=True))
+
+    def add_block(self, block: Block) -> None:
+        """Schedule a block found after the start (already appended to the blocks); it runs last until a pass
+        teaches its place."""
+        self._install(block)
+        self.order.append(block.index)
 
     def position(self, block: int) -> int:
         """``block``'s place in the execution order (past the end if it has not run)."""

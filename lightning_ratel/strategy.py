@@ -6,6 +6,7 @@ fit/validate/test/predict run, and forwards Lightning's events to it. It never m
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 from collections.abc import Callable, Mapping
@@ -267,7 +268,26 @@ class RatelStrategy(SingleDeviceStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         assert self._engine is not None
         self._engine.begin_micro_batch()
-        return super().training_step(*args, **kwargs)
+        with self._engine.watch_forward(training=True):
+            return super().training_step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        with self._watch():
+            return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        with self._watch():
+            return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._watch():
+            return super().predict_step(*args, **kwargs)
+
+    def _watch(self) -> contextlib.AbstractContextManager[None]:
+        return self._engine.watch_forward(training=False) if self._engine is not None else contextlib.nullcontext()
 
     def byte_placement(self) -> dict[str, int]:
         """Bytes held right now on the device, in host memory and on disk (empty outside a run)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ import torch.utils.checkpoint
 from torch import nn
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
-from lightning_ratel import RatelStrategy
+from lightning_ratel import RatelConfigError, RatelStrategy
 from tests.models import LM, MODELS, SEQ, VOCAB, final_state, max_rel_err, trainer
 
 
@@ -50,9 +51,9 @@ MODELS.update({
 
 
 @functools.lru_cache(maxsize=None)
-def plain(model: str) -> dict[str, torch.Tensor]:
+def plain(model: str, **kwargs: Any) -> dict[str, torch.Tensor]:
     lm = LM(model)
-    t = trainer("auto")
+    t = trainer("auto", **kwargs)
     t.fit(lm)
     return final_state(lm, t)[0]
 
@@ -85,3 +86,77 @@ def test_a_models_own_torch_checkpoint_composes(tmp_path: Path, model: str, plan
     lm = LM(model)
     trainer(RatelStrategy(ssd_paths=[str(tmp_path)], **plan)).fit(lm)
     assert max_rel_err(plain(model), lm.state_dict()) <= 1e-5
+
+
+class TiedInParent(nn.Module):
+    """The head is the embedding matrix, applied in the parent's own forward (no head module)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 32)
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)) for _ in range(3))
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Any:
+        h = self.embed(input_ids)
+        for layer in self.layers:
+            h = h + layer(h)
+        logits = h @ self.embed.weight.T
+        loss = nn.functional.cross_entropy(logits.view(-1, VOCAB), labels.view(-1))
+        return type("Out", (), {"loss": loss})()
+
+
+class DiT(nn.Module):
+    """diffusers' DiT (the Ratel paper's diffusion workload), which calls ``transformer_blocks[0].norm1.emb`` after
+    the blocks ran, trained to predict the noise."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from diffusers import DiTTransformer2DModel
+
+        self.dit = DiTTransformer2DModel(num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
+                                         num_layers=2, sample_size=8, patch_size=2, num_embeds_ada_norm=10,
+                                         norm_num_groups=2)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Any:
+        g = torch.Generator().manual_seed(int(input_ids.sum()))
+        latents = torch.randn(input_ids.shape[0], 4, 8, 8, generator=g)
+        noise = torch.randn(latents.shape, generator=g)
+        timestep = input_ids[:, 0] % 10
+        out = self.dit(latents + noise, timestep=timestep, class_labels=input_ids[:, 1] % 10).sample
+        return type("Out", (), {"loss": nn.functional.mse_loss(out, noise)})()
+
+
+MODELS.update({"tied-in-parent": TiedInParent, "dit": DiT})
+
+
+@pytest.mark.parametrize("plan", [{"plan": "auto"}, {"activation_policy": "ssd"}, {"param_cache": "ssd"}],
+                         ids=["auto", "ssd", "param-cache-ssd"])
+@pytest.mark.parametrize("model", ["tied-in-parent", "dit"])
+def test_parameters_used_outside_their_block(tmp_path: Path, caplog: pytest.LogCaptureFixture, model: str,
+                                              plan: dict) -> None:
+    lm = LM(model)
+    validating = {"limit_val_batches": 1, "val_check_interval": 2}
+    with caplog.at_level(logging.INFO):
+        t = trainer(RatelStrategy(ssd_paths=[str(tmp_path)], **plan), **validating)
+        t.fit(lm)
+    assert all(torch.isfinite(p).all() for p in lm.parameters())
+    assert max_rel_err(plain(model, **validating), lm.state_dict()) <= 1e-5
+    # Found once, in the first forward; later passes page the parameter in with the block that uses it.
+    assert sum("paged in with that block" in r.getMessage() for r in caplog.records) >= 1
+    assert os.listdir(tmp_path) == []
+
+
+class UsesWeightInStep(LM):
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self.model(input_ids=batch, labels=batch).loss
+        return loss + 1e-3 * self.model.model.embed_tokens.weight.square().sum()
+
+
+def test_parameter_used_outside_every_forward_is_refused_before_the_first_update(tmp_path: Path) -> None:
+    lm = UsesWeightInStep("llama")
+    before = {n: p.detach().clone() for n, p in lm.named_parameters()}
+    with pytest.raises(RatelConfigError, match="embed_tokens.weight.*blocks="):
+        trainer(RatelStrategy(ssd_paths=[str(tmp_path)])).fit(lm)
+    for name, p in lm.named_parameters():
+        assert torch.equal(p, before[name]), name

@@ -128,6 +128,10 @@ class ActivationCache:
         """The saved-tensor hooks context for one forward pass of ``block``."""
         return torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(block, t), self._unpack)
 
+    def add_block(self, placement: Placement = "device") -> None:
+        """One more block, at the next index (a container found using a parameter of another block)."""
+        self.placements.append(placement)
+
     def set_placements(self, placements: list[Placement]) -> None:
         """Place activations differently from the next forward pass on (a new plan)."""
         self.placements = list(placements)
@@ -288,11 +292,11 @@ class ActivationCache:
         if isinstance(ref, _ParamRef):
             flat = self.pager.device_flat(ref.unit, ref.dtype)
             if flat is None:
-                raise RuntimeError(
-                    f"RatelStrategy: backward needs a parameter of block {ref.block} whose unit {ref.unit} is not "
-                    "resident; backward reached the block without passing through its outputs. Name the modules to "
-                    "page together with `RatelStrategy(blocks=[...])`."
-                )
+                # Backward reached the block without passing through an output of it that carries a gradient (a
+                # container returning a custom object): page the unit in now, for the rest of the pass.
+                self.pager.hold(ref.unit)
+                flat = self.pager.device_flat(ref.unit, ref.dtype)
+                assert flat is not None
             return flat.as_strided(ref.size, ref.stride, ref.offset)
         if isinstance(ref, _RecomputeRef):
             ref.record.replay(self._unpack, self._restore)

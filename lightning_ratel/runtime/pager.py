@@ -81,21 +81,39 @@ class ParameterPager:
         self.resident_bytes = 0
         self.peak_resident_bytes = 0
         self._stall = 0.0
-        self._placeholders: dict[tuple[torch.dtype, tuple[int, ...]], torch.Tensor] = {}
+        # One placeholder per parameter (a single NaN each), so a use of one names the parameter.
+        self._placeholders: dict[int, torch.Tensor] = {}
+        self._placeholder_slots: dict[int, tuple[int, ParamSlot]] = {}
+        self._held: list[int] = []
         for unit in units.values():
             for slot in unit.slots:
+                nan = torch.full((), float("nan"), dtype=slot.dtype, device=self.device.device)
+                self._placeholders[id(slot.param)] = nan.expand(slot.shape)
+                self._placeholder_slots[nan.data_ptr()] = (unit.index, slot)
                 slot.param.data = self._placeholder(slot)
 
     def _placeholder(self, slot: ParamSlot) -> torch.Tensor:
-        key = (slot.dtype, tuple(slot.shape))
-        if key not in self._placeholders:
-            nan = torch.full((), float("nan"), dtype=slot.dtype, device=self.device.device)
-            self._placeholders[key] = nan.expand(slot.shape)
-        return self._placeholders[key]
+        return self._placeholders[id(slot.param)]
 
     def holds_placeholder(self, param: nn.Parameter) -> bool:
         """Whether ``param`` holds a paging placeholder now (it is not resident)."""
-        return any(param.data_ptr() == t.data_ptr() for t in self._placeholders.values())
+        return param.data_ptr() in self._placeholder_slots
+
+    def placeholder_slot(self, tensor: torch.Tensor) -> tuple[int, ParamSlot] | None:
+        """The unit and slot of the parameter whose placeholder ``tensor`` is (or views), ``None`` for any other."""
+        return self._placeholder_slots.get(tensor.data_ptr()) if tensor.numel() else None
+
+    def hold(self, unit: int) -> None:
+        """Make one unit resident now, outside any block, until :meth:`release_all` (a parameter used where its
+        block does not run)."""
+        state = self._state[unit]
+        if state.refs == 0 and state.flats is None:
+            self._page_in(self.units[unit])
+        state.refs += 1
+        self._held.append(unit)
+        self._complete(self.units[unit])
+        if state.event is not None:
+            self.device.wait(state.event)
 
     def take_stall_seconds(self) -> float:
         """Seconds page-ins waited for pending optimizer updates, since the last call."""
@@ -234,7 +252,7 @@ class ParameterPager:
         self._drop(block)
 
     def release_all(self) -> None:
-        """Return every block to the host (end of a pass, or after an error)."""
+        """Return every block (and every unit held on its own) to the host (end of a pass, or after an error)."""
         for block in list(self._prefetched):
             self._prefetched.discard(block)
             self._drop(block)
@@ -242,6 +260,12 @@ class ParameterPager:
             for _ in range(count):
                 self._drop(block)
         self._acquired.clear()
+        held, self._held = self._held, []
+        for unit in held:
+            state = self._state[unit]
+            state.refs -= 1
+            if state.refs == 0:
+                self._page_out(self.units[unit])
 
     def param_view(self, storage_ptr: int) -> tuple[int, torch.dtype] | None:
         """The unit and dtype whose resident device storage starts at ``storage_ptr``, if any."""

@@ -1,0 +1,104 @@
+"""Finding parameters a model uses outside the block that pages them in.
+
+A block's forward pages in the parameters of its own modules (and tied ones). Some models use a parameter elsewhere:
+a head computed in the parent's forward as ``h @ embed.weight.T``, or diffusers' DiT calling
+``transformer_blocks[0].norm1.emb`` after all blocks ran. There the parameter holds its paging placeholder, and its
+NaN would flow into the result.
+
+:class:`EscapeDetector` watches one forward pass (a ``TorchDispatchMode`` sees every op). When an op reads a
+placeholder, it pages that parameter's unit in on the spot (held until the pass ends, backward included), so the pass
+computes with the real values, and records the use with the module forwards that were running. The engine then makes
+the block that was running there (or the model's outermost running module, as a new block) page that unit in from
+then on, so later passes need no watching.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from lightning_ratel.runtime.pager import ParameterPager
+from lightning_ratel.runtime.units import ParamSlot
+
+
+@dataclass(frozen=True)
+class Escape:
+    """A parameter used while its unit was not resident.
+
+    Attributes:
+        unit: the unit owning the parameter.
+        slot: the parameter.
+        modules: the module forwards running at that moment, outermost first (empty: outside any module's forward).
+    """
+
+    unit: int
+    slot: ParamSlot
+    modules: tuple[nn.Module, ...]
+
+
+class EscapeDetector(TorchDispatchMode):
+    """Pages in and records parameters read while their units are not resident, during one forward pass.
+
+    Args:
+        pager: the parameter pager (placeholders, and units held until it releases everything).
+    """
+
+    def __init__(self, pager: ParameterPager) -> None:
+        super().__init__()
+        self.pager = pager
+        self.escapes: list[Escape] = []
+        self._stack: list[nn.Module] = []
+        self._handles: list[Any] = []
+        self._seen: set[int] = set()
+
+    def __enter__(self) -> EscapeDetector:
+        self._handles = [
+            nn.modules.module.register_module_forward_pre_hook(lambda m, args: self._stack.append(m)),
+            nn.modules.module.register_module_forward_hook(lambda m, args, out: self._leave(m), always_call=True),
+        ]
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._stack = []
+        super().__exit__(*exc)
+
+    def _leave(self, module: nn.Module) -> None:
+        if self._stack and self._stack[-1] is module:
+            self._stack.pop()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        leaves = tree_flatten((args, kwargs))[0]
+        found = {id(t): self.pager.placeholder_slot(t) for t in leaves if isinstance(t, torch.Tensor)}
+        found = {k: v for k, v in found.items() if v is not None}
+        if found:
+            for unit, slot in found.values():
+                self.pager.hold(unit)
+                if id(slot.param) not in self._seen:
+                    self._seen.add(id(slot.param))
+                    self.escapes.append(Escape(unit, slot, tuple(self._stack)))
+
+            def real(t: Any) -> Any:
+                # The parameter itself now holds its values; a tensor viewing the placeholder cannot be rebuilt.
+                if not isinstance(t, torch.Tensor) or id(t) not in found:
+                    return t
+                unit, slot = found[id(t)]
+                if t is slot.param or self.pager.placeholder_slot(t) is None:
+                    return t
+                if t.shape == slot.shape:
+                    return slot.param.data
+                raise RuntimeError(
+                    f"RatelStrategy: parameter {slot.name} is used through a view made while it was paged out; "
+                    "use the parameter itself in the forward"
+                )
+
+            args, kwargs = tree_map(real, (args, kwargs))
+        return func(*args, **kwargs)
