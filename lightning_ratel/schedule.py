@@ -152,6 +152,7 @@ class BlockScheduler:
             device_type = self.device.device.type
             record = ForwardRecord(
                 b,
+                name=self.blocks[b].name,
                 forward=module.forward,
                 rng_state=torch.get_rng_state(),
                 cuda_rng_state=torch.cuda.get_rng_state(self.device.device) if self.device.is_cuda else None,

@@ -146,13 +146,8 @@ class ActivationCache:
         self._open[record.block] = record
         self._records.setdefault(record.block, []).append(record)
 
-        def keep(t: Any) -> Any:
-            if not isinstance(t, torch.Tensor):
-                return t
-            return self._pack_as(record.block, t, tier_of(self.placements[record.block], None))
-
-        record.args = tree_map(keep, args)
-        record.kwargs = tree_map(keep, kwargs)
+        record.keep_inputs(args, kwargs,
+                           lambda t: self._pack_as(record.block, t, tier_of(self.placements[record.block], None)))
 
     def end_record(self, block: int) -> None:
         """The tracked forward of ``block`` ended: what identified producers is no longer needed."""
@@ -205,7 +200,8 @@ class ActivationCache:
         ref = self._pack_as(block, t, tier)
         if record is not None and ref is not t and produced is not None:
             op = record.direct_op(t)
-            if op is not None and len(record.ops[op].out_meta) == 1:
+            # Handed back in a replay as the output of the op that returned it, unless written in place since.
+            if op is not None and op >= produced[0] and len(record.ops[op].out_meta) == 1:
                 record.stored[op] = ref
         return ref
 

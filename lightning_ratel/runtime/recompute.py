@@ -2,13 +2,35 @@
 
 While a block runs forward, :class:`OpTracker` (a ``TorchDispatchMode``) names every aten op after the submodule
 that ran it (``"self_attn.q_proj:mm"``, ``"input_layernorm:mul#1"``), and remembers which op produced each storage
-and each tensor, so the activation cache can place every saved tensor by the op that produced it.
+and each tensor, so the activation cache can place every saved tensor by the op that produced it. An op depends on
+the ops that returned its input tensors and, where the block wrote a tensor's memory in place after that (through
+another view of it), on the last op that wrote it.
 
 A saved tensor placed ``recompute`` is not stored. When backward first needs one, :meth:`ForwardRecord.replay` runs
-the block's forward again without autograd, executing only the ops the discarded tensors depend on: an op whose
-output was stored (on the device, in host memory or on disk) hands that output back instead of running, and an op
-nobody needs returns an uninitialised tensor of the right shape. The replay stops after the last op it needs. RNG
-state and autocast state are those of the original forward, so recomputed values are bit-identical.
+the block's forward again, executing only the ops the discarded tensors depend on: an op whose output was stored
+(on the device, in host memory or on disk) hands that output back instead of running (an in-place op writes it into
+the tensor it mutates), and an op nobody needs returns an uninitialised tensor of the right shape. The replay stops
+after the last op it needs. RNG state and autocast state are those of the original forward, so recomputed values
+are bit-identical. The replayed op sequence must be the recorded one, op by op.
+
+The replay runs in the autograd state of the original forward: gradients enabled, each input requiring gradients as it
+did then, and a saved-tensor hook that drops whatever the replay's own graph would save, so it holds no more memory
+than a forward without gradients. Autograd changes which aten ops a forward issues: its generated kernel of an
+in-place op whose derivative needs the input's old value (``div_``, or ``mul_`` by a tensor; ``x /= x.sum()`` in
+Mixtral's router) first dispatches ``self.clone()`` and saves the clone, whose output may itself be placed
+``recompute`` and must then be replayed as the input before the write. Code also picks its path by gradient state:
+``nn.MultiheadAttention`` in eval mode takes a fused fast path (other ops) only when no input requires gradients. A
+replay without gradients would skip the clone and take other paths; autograd's clone cannot be told apart from a
+user's own ``.clone()`` by the ops alone (the same op on the same tensor), and skipping clones would still miss the
+paths. In the same autograd state autograd issues exactly the ops it issued before, in the same places. ``detach``
+(which autograd issues when it saves a tensor without hooks) and ``lift_fresh`` are left out of the sequence, in the
+forward and in the replay alike.
+
+A forward that does something else from the same inputs and state (one that counts its calls or reads a cache)
+cannot be recomputed: where its replay runs another op, or an executed op gives other shapes, the replay raises an
+error that names the block, the op and what to do instead. So does a replay that would read inputs the forward
+wrote in place, which no longer hold what the forward started from. Values Python reads from memory without an op
+(``.tolist()``, ``.numpy()``) are only right in a replay that executes the op producing them.
 """
 
 from __future__ import annotations
@@ -25,13 +47,32 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.flop_counter import flop_registry
 
-# Aliasing no-ops that autograd itself issues in a forward with gradients (detaching saved outputs) and not in the
-# replay, which runs without them: they are not part of a block's op sequence.
+# Aliasing no-ops that are not part of a block's op sequence: autograd detaches a tensor it saves when no saved-tensor
+# hook is set, so whether they are issued depends on the hooks, which differ between the forward and the replay.
 _IGNORED = {torch.ops.aten.detach.default, torch.ops.aten.lift_fresh.default}
 
 
 class _StopReplay(Exception):
     """Raised inside the replayed forward once every needed op has run."""
+
+
+def _drop_saved(tensor: torch.Tensor) -> None:
+    """Pack hook of the replay: its autograd graph is never differentiated, so nothing it saves is kept."""
+    return None
+
+
+def _written_argument(func: Any, args: Any, kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """The argument an op writes and returns (``self`` of ``add_``, ``out`` of ``add.out``), or ``None``."""
+    returns = func._schema.returns
+    alias = returns[0].alias_info if len(returns) == 1 else None
+    if alias is None or not alias.is_write:
+        return None
+    for i, argument in enumerate(func._schema.arguments):
+        info = argument.alias_info
+        if info is not None and info.is_write and info.before_set == alias.before_set:
+            value = args[i] if i < len(args) else kwargs.get(argument.name)
+            return value if isinstance(value, torch.Tensor) else None
+    return None
 
 
 @dataclass
@@ -60,6 +101,8 @@ class ForwardRecord:
     """What one forward pass of one block did, as far as the saved tensors and their recomputation need."""
 
     block: int
+    # the block's module name, for messages
+    name: str = ""
     ops: list[OpRecord] = field(default_factory=list)
     # storage pointer -> (op index, output index) of the op that last wrote the storage
     owner: dict[int, tuple[int, int]] = field(default_factory=dict)
@@ -74,6 +117,12 @@ class ForwardRecord:
     counted: set[tuple[int, int]] = field(default_factory=set)
     args: Any = None
     kwargs: Any = None
+    # per leaf of (args, kwargs): whether a tensor required gradients, None for anything else
+    input_grads: list[bool | None] = field(default_factory=list)
+    # storage pointers of the input tensors; ops that read them; the first op that wrote one
+    input_storages: set[int] = field(default_factory=set)
+    input_readers: set[int] = field(default_factory=set)
+    input_written: int | None = None
     forward: Callable[..., Any] | None = None
     rng_state: torch.Tensor | None = None
     cuda_rng_state: torch.Tensor | None = None
@@ -82,6 +131,19 @@ class ForwardRecord:
     paused: bool = False
     outputs: dict[int, list[Any]] | None = None
     replay_time: float = 0.0
+
+    @property
+    def label(self) -> str:
+        """The block as messages name it."""
+        return f"block {self.block} ({self.name!r})" if self.name else f"block {self.block}"
+
+    def keep_inputs(self, args: Any, kwargs: Any, keep: Callable[[torch.Tensor], Any]) -> None:
+        """Keep the forward's inputs for a replay: each tensor as ``keep`` packs it, with its autograd state."""
+        leaves, spec = tree_flatten((args, kwargs))
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+        self.input_grads = [t.requires_grad if isinstance(t, torch.Tensor) else None for t in leaves]
+        self.input_storages = {t.untyped_storage().data_ptr() for t in tensors if t.numel()}
+        self.args, self.kwargs = tree_unflatten([keep(t) if isinstance(t, torch.Tensor) else t for t in leaves], spec)
 
     def producer(self, t: torch.Tensor) -> tuple[int, int] | None:
         """The (op, output) that wrote ``t``'s storage in this forward, or ``None`` for a tensor from outside."""
@@ -119,13 +181,21 @@ class ForwardRecord:
             return
         start = time.perf_counter()
         execute, last = self.needed()
+        if self.input_written is not None and execute & self.input_readers:
+            raise RuntimeError(
+                f"RatelStrategy: cannot recompute saved activations of {self.label}: its forward writes its own "
+                f"input in place (op {self.input_written}, {self.ops[self.input_written].name}), so the inputs kept "
+                f"for a replay no longer hold what the forward started from. {self.remedy()}"
+            )
         outputs: dict[int, list[Any]] = {}
         args = restore_inputs(self.args)
         kwargs = restore_inputs(self.kwargs)
         mode = _Replayer(self, execute, last, unpack, outputs)
         assert self.forward is not None
         with contextlib.ExitStack() as stack:
-            stack.enter_context(torch.no_grad())
+            stack.enter_context(torch.enable_grad())
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(_drop_saved, self._unpack_dropped))
+            args, kwargs = self._with_autograd_state(args, kwargs)
             devices = []
             if self.cuda_rng_state is not None:
                 devices = [torch.cuda.current_device()]
@@ -144,11 +214,45 @@ class ForwardRecord:
                 pass
         if mode.k <= last:
             raise RuntimeError(
-                f"RatelStrategy: replaying block {self.block}'s forward ran {mode.k} ops, but the original forward "
-                f"ran {len(self.ops)}; recomputation needs a forward that runs the same ops every time"
+                f"RatelStrategy: recomputing saved activations of {self.label}: its forward ran {len(self.ops)} ops "
+                f"the first time but only {mode.k} when replayed, and the replay needs the outputs of op {last} "
+                f"({self.ops[last].name}). {self.remedy()}"
             )
         self.outputs = outputs
         self.replay_time = time.perf_counter() - start
+
+    def _with_autograd_state(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        """The restored inputs, each requiring gradients as the forward's own did."""
+        leaves, spec = tree_flatten((args, kwargs))
+        for i, (t, requires_grad) in enumerate(zip(leaves, self.input_grads)):
+            if isinstance(t, torch.Tensor) and requires_grad is not None:
+                leaves[i] = t.detach().requires_grad_(requires_grad)
+        return tree_unflatten(leaves, spec)
+
+    def _unpack_dropped(self, packed: None) -> torch.Tensor:
+        raise RuntimeError(
+            f"RatelStrategy: the forward of {self.label} differentiates its own graph, which a replay cannot do "
+            f"(what the replay saves is dropped). {self.remedy()}"
+        )
+
+    def remedy(self) -> str:
+        """What to do about a block whose activations cannot be recomputed."""
+        pattern = self.name or f"<name of block {self.block}>"
+        return (
+            f"Store this block's activations instead of recomputing them: activation_policy={{{pattern!r}: 'host', "
+            f"...}} (or 'ssd'), or, in a plan, place its ops on 'host' or 'ssd'."
+        )
+
+    def diverged(self, k: int, func: Any) -> RuntimeError:
+        """The error for a replay whose op ``k`` is ``func`` where the forward ran something else."""
+        seen = f"{self.ops[k].func} ({self.ops[k].name})" if k < len(self.ops) else "no further op"
+        return RuntimeError(
+            f"RatelStrategy: recomputing saved activations of {self.label}: the replay of its forward ran {func} as "
+            f"op {k}, where the forward ran {seen}. The replay runs the forward again from the same inputs with the "
+            f"same random, autocast and autograd state, so this forward runs different ops from the same inputs "
+            f"(it depends on something else: a Python counter, a cache, values read with .tolist() or .numpy()). "
+            f"{self.remedy()}"
+        )
 
     def recomputed(self, op: int, index: int) -> torch.Tensor:
         assert self.outputs is not None
@@ -167,32 +271,54 @@ class _Replayer(TorchDispatchMode):
         self.k = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
         if func in _IGNORED:
-            return func(*args, **(kwargs or {}))
+            return func(*args, **kwargs)
         k = self.k
         self.k += 1
-        ops = self.record.ops
+        record = self.record
+        ops = record.ops
         if k >= len(ops) or ops[k].func is not func:
-            seen = ops[k].func if k < len(ops) else "nothing"
-            raise RuntimeError(
-                f"RatelStrategy: replaying block {self.record.block}'s forward, op {k} is {func} but the original "
-                f"forward ran {seen}; recomputation needs a forward that runs the same ops every time"
-            )
+            raise record.diverged(k, func)
         if k in self.execute:
-            out = func(*args, **(kwargs or {}))
-        elif k in self.record.stored:
-            out = self.unpack(self.record.stored[k])
-            shape, stride, dtype, device = ops[k].out_meta[0]
-            if tuple(out.stride()) != stride:
-                # Stored copies come back contiguous; the forward may branch on strides (``.contiguous()``).
-                out = torch.empty_strided(shape, stride, dtype=dtype, device=device).copy_(out)
+            out = func(*args, **kwargs)
+            self._check_shapes(k, func, out)
+        elif k in record.stored:
+            out = self._stored(k, func, args, kwargs)
         else:
             out = ops[k].dummy()
-        if k in self.record.targets:
-            self.outputs[k] = tree_flatten(out)[0]
+        if k in record.targets:
+            # Aliases: autograd attaches the replay's graph to the tensors returned here, not to these.
+            self.outputs[k] = [t.detach() if isinstance(t, torch.Tensor) else t for t in tree_flatten(out)[0]]
         if k >= self.last:
             raise _StopReplay
         return out
+
+    def _check_shapes(self, k: int, func: Any, out: Any) -> None:
+        """An executed op must give the shapes it gave in the forward; others mean the forward took another path."""
+        record = self.record
+        got = [tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in tree_flatten(out)[0]]
+        want = [m[0] if isinstance(m, tuple) and len(m) == 4 else None for m in record.ops[k].out_meta]
+        if got != want:
+            raise RuntimeError(
+                f"RatelStrategy: recomputing saved activations of {record.label}: op {k} ({record.ops[k].name}, "
+                f"{func}) gave outputs of shapes {got} when replayed but {want} in the forward, so the forward took "
+                f"another path from the same inputs. {record.remedy()}"
+            )
+
+    def _stored(self, k: int, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        """The stored output of op ``k``, in the place and layout the forward had it."""
+        # An alias, so autograd attaches the replay's graph to it and not to the stored tensor.
+        value = self.unpack(self.record.stored[k]).detach()
+        written = _written_argument(func, args, kwargs)
+        if written is not None:
+            # An in-place op returns the tensor it writes whatever this returns: put the stored result there.
+            return written.copy_(value)
+        shape, stride, dtype, device = self.record.ops[k].out_meta[0]
+        if tuple(value.stride()) != stride:
+            # Stored copies come back contiguous; the forward may branch on strides (``.contiguous()``).
+            value = torch.empty_strided(shape, stride, dtype=dtype, device=device).copy_(value)
+        return value
 
 
 class OpTracker(TorchDispatchMode):
@@ -249,7 +375,16 @@ class OpTracker(TorchDispatchMode):
                 op = record.direct_op(leaf)
                 inputs.append(op if op is not None else -1)
                 if leaf.numel():
-                    in_storages.add(leaf.untyped_storage().data_ptr())
+                    ptr = leaf.untyped_storage().data_ptr()
+                    in_storages.add(ptr)
+                    if ptr in record.input_storages:
+                        record.input_readers.add(k)
+                    written = record.owner.get(ptr)
+                    if op is not None and written is not None and written[0] > op:
+                        # Written in place after the op that returned this tensor (through another view of the
+                        # memory): the replay must run that write too. A tensor from outside the block already
+                        # holds what the forward wrote into it; writing again would change it.
+                        inputs.append(written[0])
         out_leaves, spec = tree_flatten(out)
         meta: list[Any] = []
         mutates = func._schema.is_mutable
@@ -262,6 +397,8 @@ class OpTracker(TorchDispatchMode):
                     # A view keeps its base's owner; a fresh result or an in-place write makes this op the owner.
                     if ptr not in in_storages or mutates:
                         record.owner[ptr] = (k, i)
+                    if mutates and ptr in record.input_storages and record.input_written is None:
+                        record.input_written = k
             else:
                 meta.append(leaf)
         flops = 0.0

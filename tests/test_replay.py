@@ -1,0 +1,293 @@
+"""Recomputation replays a block's forward exactly: ops autograd issues, in-place writes, user clones, MoE models."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+from lightning_ratel import Plan, RatelStrategy
+from lightning_ratel.runtime import recompute
+from tests.models import LM, MODELS, SEQ, VOCAB, compare_states, final_state, trainer
+
+HIDDEN = 32
+
+
+class _Normalize(nn.Module):
+    """``x /= x.sum()``: autograd clones ``x`` before the write, since the division's backward needs the old value."""
+
+    def __init__(self, user_clone: bool) -> None:
+        super().__init__()
+        self.proj = nn.Linear(HIDDEN, HIDDEN)
+        self.user_clone = user_clone
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        x = self.proj(h).abs() + 1.0
+        # The user's own clone is the same op on the same tensor as autograd's, one op earlier.
+        kept = x.clone() if self.user_clone else None
+        x.div_(x.sum(-1, keepdim=True))
+        return x * kept if kept is not None else x
+
+
+class _NormalizeBlock(nn.Module):
+    def __init__(self, user_clone: bool) -> None:
+        super().__init__()
+        self.norm = _Normalize(user_clone)
+        self.out = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.out(self.norm(h))
+
+
+class _SliceWriteBlock(nn.Module):
+    """Fills a buffer through views of it: its value is the last write plus the writes before it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(HIDDEN, HIDDEN)
+        self.b = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        buf = torch.zeros_like(h)
+        half = HIDDEN // 2
+        buf[..., :half] = self.a(h)[..., :half]
+        buf[..., half:] = self.b(h)[..., half:]
+        return h + buf.sin()
+
+
+class _ScaleHalfBlock(nn.Module):
+    """Scales half of ``x`` in place through a view, after the op that returned ``x``, and then saves ``x``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        x = self.proj(h) * 1.0
+        x[..., : HIDDEN // 2].mul_(2.0)
+        return h + x.sin() + (x * 3.0).cos()
+
+
+class _InplaceReluBlock(nn.Module):
+    """An in-place ReLU whose result is saved: a replay may hand the stored result back at the ``relu_``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        x = nn.functional.relu(self.proj(h), inplace=True)
+        return h + (x * 3.0).sin()
+
+
+class _EvalAttentionBlock(nn.Module):
+    """Attention frozen in eval mode, which takes its fused path only when no input requires gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(HIDDEN, 4, batch_first=True)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        self.attn.eval()
+        return h + self.attn(h, h, h, need_weights=False)[0]
+
+
+class _CountingBlock(nn.Module):
+    """Runs an extra op on every other call: its replay cannot run the ops of its forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(HIDDEN, HIDDEN)
+        self.calls = 0
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        y = self.proj(h)
+        if self.calls % 2:
+            y = y * 2.0
+        return h + y.sin()
+
+
+class _ScaleInputBlock(nn.Module):
+    """Scales its own input in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h.mul_(0.5)
+        return h + self.proj(h).sin()
+
+
+class _Stack(nn.Module):
+    def __init__(self, block: Callable[[], nn.Module]) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.layers = nn.ModuleList(block() for _ in range(2))
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Any:
+        h = self.embed(input_ids)
+        for layer in self.layers:
+            h = layer(h)
+        loss = nn.functional.cross_entropy(self.head(h).view(-1, VOCAB), labels.view(-1))
+        return type("Out", (), {"loss": loss})()
+
+
+def _mixtral() -> nn.Module:
+    return MixtralForCausalLM(MixtralConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=SEQ,
+        tie_word_embeddings=False))
+
+
+def _qwen2_moe() -> nn.Module:
+    return Qwen2MoeForCausalLM(Qwen2MoeConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, moe_intermediate_size=16,
+        shared_expert_intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=SEQ,
+        tie_word_embeddings=False))
+
+
+BUILDERS = {
+    "normalize": lambda: _Stack(lambda: _NormalizeBlock(user_clone=False)),
+    "user_clone": lambda: _Stack(lambda: _NormalizeBlock(user_clone=True)),
+    "slice_write": lambda: _Stack(_SliceWriteBlock),
+    "scale_half": lambda: _Stack(_ScaleHalfBlock),
+    "inplace_relu": lambda: _Stack(_InplaceReluBlock),
+    "eval_attention": lambda: _Stack(_EvalAttentionBlock),
+    "counting": lambda: _Stack(_CountingBlock),
+    "scale_input": lambda: _Stack(_ScaleInputBlock),
+    "mixtral": _mixtral,
+    "qwen2_moe": _qwen2_moe,
+}
+
+
+@pytest.fixture(autouse=True)
+def _models(monkeypatch):
+    for name, build in BUILDERS.items():
+        monkeypatch.setitem(MODELS, name, build)
+
+
+_plain_runs: dict[str, tuple[dict, dict]] = {}
+
+
+def _plain(model: str) -> tuple[dict, dict]:
+    if model not in _plain_runs:
+        module = LM(model)
+        t = trainer("auto", max_steps=3)
+        t.fit(module)
+        _plain_runs[model] = final_state(module, t)
+    return _plain_runs[model]
+
+
+def _fit(tmp_path, model: str, **strategy: Any) -> tuple[dict, dict]:
+    module = LM(model)
+    t = trainer(RatelStrategy(ssd_paths=[str(tmp_path)], **strategy), max_steps=3)
+    t.fit(module)
+    return final_state(module, t)
+
+
+def _op_plan(placement: dict[str, str]) -> Plan:
+    """A plan that places the ops named ``"*layers.<i>/<op>"`` in both layers as given."""
+    full = {f"model.layers.{i}/{op}": tier for i in range(2) for op, tier in placement.items()}
+    return Plan(full, predicted_iteration_time=0.0, predicted_forward_time=0.0, predicted_backward_time=0.0,
+                resource_times={}, memory={}, budgets={}, curve=[], chosen=0)
+
+
+@pytest.fixture
+def replays(monkeypatch) -> list[recompute.ForwardRecord]:
+    """Every record replayed, with the ops its replay executed as ``record.executed``."""
+    seen: list[recompute.ForwardRecord] = []
+    original = recompute.ForwardRecord.replay
+
+    def replay(self, unpack, restore):
+        if self.outputs is None:
+            seen.append(self)
+            self.executed = {self.ops[k].name for k in self.needed()[0]}
+        original(self, unpack, restore)
+
+    monkeypatch.setattr(recompute.ForwardRecord, "replay", replay)
+    return seen
+
+
+@pytest.mark.parametrize("how", ["whole_block", "only_the_clone"])
+def test_value_autograd_cloned_before_an_inplace_write_is_recomputed(tmp_path, replays, how):
+    """Autograd's clone of ``x`` before ``x.div_`` is part of the replay, and recomputing its output gives ``x``
+    before the division, as the forward saved it."""
+    if how == "whole_block":
+        got = _fit(tmp_path, "normalize", activation_policy="recompute")
+    else:
+        got = _fit(tmp_path, "normalize", plan=_op_plan({"input": "host", "*": "host", "norm:clone": "recompute"}))
+        # Only the clone was recomputed, from stored outputs: its input was rebuilt, the division was not run.
+        assert replays and all("norm:clone" in r.executed and "norm:div_" not in r.executed for r in replays)
+    compare_states(_plain("normalize"), got, 1e-5)
+
+
+@pytest.mark.parametrize("how", ["whole_block", "both_clones"])
+def test_user_clone_before_an_inplace_write_replays(tmp_path, replays, how):
+    """A user's own ``.clone()`` right before autograd's (the same op on the same tensor) is replayed as what it is."""
+    if how == "whole_block":
+        got = _fit(tmp_path, "user_clone", activation_policy="recompute")
+    else:
+        placement = {"input": "host", "*": "host", "norm:clone": "recompute", "norm:clone#1": "recompute"}
+        got = _fit(tmp_path, "user_clone", plan=_op_plan(placement))
+        assert replays and all({"norm:clone", "norm:clone#1"} <= r.executed for r in replays)
+    compare_states(_plain("user_clone"), got, 1e-5)
+
+
+def test_path_chosen_by_gradient_state_is_replayed(tmp_path):
+    """The replay takes the path the forward took with inputs requiring gradients, not the fused inference path."""
+    compare_states(_plain("eval_attention"), _fit(tmp_path, "eval_attention", activation_policy="recompute"), 1e-5)
+
+
+def test_write_through_a_view_is_replayed(tmp_path):
+    """Recomputing a buffer filled through views runs every write into it, not only the last."""
+    compare_states(_plain("slice_write"), _fit(tmp_path, "slice_write", activation_policy="recompute"), 1e-5)
+
+
+def test_tensor_written_through_a_view_after_its_op_is_not_handed_back_at_that_op(tmp_path):
+    """``x`` is saved after a write through a view of it: what was stored is not the output of the op that returned
+    ``x``, so a replay that needs ``x`` recomputes it and the write, instead of writing twice."""
+    got = _fit(tmp_path, "scale_half", plan=_op_plan({"input": "host", "*": "host", "mul#1": "recompute"}))
+    compare_states(_plain("scale_half"), got, 1e-5)
+
+
+def test_stored_result_of_an_inplace_op_is_handed_back(tmp_path, replays):
+    """The stored result of ``relu_`` reaches the recomputed ops that read it."""
+    got = _fit(tmp_path, "inplace_relu", plan=_op_plan({"input": "host", "*": "host", "mul": "recompute"}))
+    assert replays and all(r.executed == {"mul"} for r in replays)
+    compare_states(_plain("inplace_relu"), got, 1e-5)
+
+
+@pytest.mark.parametrize("policy", ["auto", "recompute"])
+@pytest.mark.parametrize("model", ["mixtral", "qwen2_moe"])
+def test_moe_models_train_exactly(tmp_path, model, policy):
+    """Mixtral's and Qwen2-MoE's routers normalise their top-k weights in place (``/=``), which autograd clones."""
+    strategy: dict[str, Any] = {"plan": "auto"} if policy == "auto" else {"activation_policy": policy}
+    compare_states(_plain(model), _fit(tmp_path, model, **strategy), 1e-5)
+
+
+def test_forward_that_runs_other_ops_when_replayed_raises(tmp_path):
+    with pytest.raises(RuntimeError) as error:
+        _fit(tmp_path, "counting", activation_policy="recompute")
+    message = str(error.value)
+    # Which block, which op, both ops, and what to do instead.
+    assert "block 2 ('model.layers.1')" in message
+    assert re.search(r"ran aten\.sin\.default as op \d+, where the forward ran aten\.mul\.Tensor \(mul\)", message)
+    assert "activation_policy={'model.layers.1': 'host'" in message
+
+
+def test_forward_that_writes_its_input_cannot_be_recomputed(tmp_path):
+    """Its inputs as kept hold the written values: a replay from them would be wrong, so it raises instead."""
+    written = r"'model\.layers\.1'\): its forward writes its own input in place \(op \d+, mul_\)"
+    with pytest.raises(RuntimeError, match=written):
+        _fit(tmp_path, "scale_input", activation_policy="recompute")
+    # Stored instead, the activations give plain training's numbers.
+    compare_states(_plain("scale_input"), _fit(tmp_path, "scale_input", activation_policy="host"), 1e-5)
