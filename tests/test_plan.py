@@ -18,6 +18,7 @@ from lightning_ratel.plan import (
     recompute_ops,
     search,
 )
+from lightning_ratel.plan.cost import CostModel, DeviceOverhead, bottleneck, largest_batch, layer_cost
 
 BIG = 1 << 50  # a budget that never binds
 
@@ -72,12 +73,13 @@ HAND_PLACEMENT = {
 }
 
 
-def _hand_predict(device_type: str):
+def _hand_predict(device_type: str, *, host_io: float = 0.0, dram: float = 0.0, **options):
     hw = HardwareProfile(device_type=device_type, h2d_bandwidth=1000, d2h_bandwidth=500, ssd_read_bandwidth=100,
-                         ssd_write_bandwidth=50, adam_params_per_s=1000, host_memory_free=BIG, device_memory_free=BIG)
+                         ssd_write_bandwidth=50, adam_params_per_s=1000, host_memory_free=BIG, device_memory_free=BIG,
+                         host_io_bandwidth=host_io, host_memory_bandwidth=dram)
     layers = [_hand_layer("b.0", 0), _hand_layer("b.1", 1)]
     return predict(hw, layers, HAND_PLACEMENT, prefetch_depth=1, state_read_bytes_per_param=4,
-                   state_write_bytes_per_param=2, host_static_bytes=50)
+                   state_write_bytes_per_param=2, host_static_bytes=50, **options)
 
 
 def test_recompute_ops_closure():
@@ -307,3 +309,141 @@ def test_free_device_memory_keeps_activations_when_time_is_flat():
     assert len({seconds for _, seconds in plan.curve}) == 1
     assert set(plan.activation_placement.values()) == {"device"}
     assert plan.resource_times["backward"]["recompute"] == 0
+
+
+# ---------------------------------------------------------------- optional terms (each default leaves the model as is)
+
+
+def test_param_cache_ssd_reads_compute_copies_in_both_passes():
+    host = _hand_predict("cuda")
+    ssd = _hand_predict("cuda", param_cache="ssd")
+    # 2000 parameter bytes from SSDs reading 100 B/s: 20 s more SSD time in forward and again in backward.
+    assert ssd.forward["ssd"] == pytest.approx(host.forward["ssd"] + 20.0)
+    assert ssd.backward["ssd"] == pytest.approx(host.backward["ssd"] + 20.0)
+    assert ssd.forward_time == pytest.approx(22.0) and ssd.backward_time == pytest.approx(22.6)
+    assert {k: v for k, v in ssd.forward.items() if k != "ssd"} == {k: v for k, v in host.forward.items() if k != "ssd"}
+    with pytest.raises(RatelConfigError, match="param_cache"):
+        _hand_predict("cuda", param_cache="gpu")
+
+
+def test_host_side_pcie_carries_device_and_ssd_traffic_together():
+    p = _hand_predict("cuda", host_io=1000)
+    # Forward: into host 500 B swapped; out of host 2000 B of params to the device and 100 B to the SSDs.
+    assert p.forward["host_in"] == pytest.approx(0.5) and p.forward["host_out"] == pytest.approx(2.1)
+    # Backward: in: 1000 B grads + 100 B read back + 80 B states; out: 2000 B params + 500 B swapped + 40 B states.
+    assert p.backward["host_in"] == pytest.approx(1.18) and p.backward["host_out"] == pytest.approx(2.54)
+    # The GPU link alone (2.0 s) and the SSDs alone (2.0 s) would finish forward sooner than the shared host side.
+    assert p.forward_time == pytest.approx(2.1)
+    assert bottleneck(p.forward, unified=False) == "host_out"
+    with pytest.raises(RatelConfigError, match="host_io_bandwidth"):
+        _hand_predict("cuda", host_io=-1)
+
+
+def test_host_dram_is_shared_by_the_optimizer_and_every_transfer():
+    p = _hand_predict("cuda", dram=1000)
+    assert p.forward["dram"] == pytest.approx((500 + 2000 + 100) / 1000)
+    # 20 parameters x 28 bytes the update touches, besides 1180 B in and 2540 B out.
+    assert p.backward["dram"] == pytest.approx((1180 + 2540 + 20 * 28) / 1000)
+    assert p.backward_time == pytest.approx(4.28)
+    lean = _hand_predict("cuda", dram=1000, optimizer_memory_bytes_per_param=0)
+    assert lean.backward["dram"] == pytest.approx(3.72)
+    # On unified memory DRAM runs beside the cores' work, like the SSDs.
+    cpu = _hand_predict("cpu", dram=500)
+    assert cpu.forward_time == pytest.approx(5.2)
+    assert bottleneck(cpu.forward, unified=True) == "dram"
+
+
+def _spill_case(read: int, write: int) -> CostModel:
+    """Forward bound by 10 s of compute with idle SSDs; backward bound by optimizer-state SSD traffic."""
+    layer = LayerProfile("blk", 0, 10.0, 1.0, 0, 0, 100, [OpProfile("input", 0.0, 0.0, 0)])
+    hw = HardwareProfile(device_type="cuda", h2d_bandwidth=1e12, d2h_bandwidth=1e12, ssd_read_bandwidth=100,
+                         ssd_write_bandwidth=100, adam_params_per_s=1e12, host_memory_free=BIG,
+                         device_memory_free=BIG)
+    return CostModel(hw, [layer], state_read_bytes_per_param=read, state_write_bytes_per_param=write,
+                     state_spill=True)
+
+
+def test_state_writes_that_do_not_fit_in_backward_spill_into_the_next_forward():
+    model = _spill_case(read=1, write=12)
+    p = model.evaluate([layer_cost(layer, {}) for layer in model.layers])
+    # 100 B of reads (1 s) and 1200 B of writes (12 s) keep backward busy 13 s; forward's SSDs idle for 10 s.
+    # Deferring 1000 B fills that idle time exactly; deferring more only moves time from one phase to the other.
+    assert p.spilled == 1000
+    assert p.forward["ssd"] == pytest.approx(10.0) and p.backward["ssd"] == pytest.approx(3.0)
+    assert p.iteration_time == pytest.approx(13.0)
+    model.state_spill = False
+    assert model.evaluate([layer_cost(layer, {}) for layer in model.layers]).iteration_time == pytest.approx(23.0)
+
+
+def test_state_reads_never_spill():
+    model = _spill_case(read=12, write=1)
+    p = model.evaluate([layer_cost(layer, {}) for layer in model.layers])
+    # Only the 100 B of writes can wait; the 1200 B of reads feed updates the next forward waits for.
+    assert p.spilled == 100
+    assert p.backward["ssd"] == pytest.approx(12.0) and p.iteration_time == pytest.approx(22.0)
+
+
+def test_device_overhead_counts_workspaces_logits_temporaries_and_fragmentation():
+    layers = [_hand_layer("b.0", 0), _hand_layer("b.1", 1)]
+    overhead = DeviceOverhead(workspace_bytes=64, logits_bytes=100, autocast_cache_bytes=30, grad_temp_ratio=0.5,
+                              fragmentation=0.1)
+    plain = predict(_hw(), layers, HAND_PLACEMENT).memory["device"]
+    assert plain == 4300
+    # Working set 1000 + 500 + 600 + 300 of gradient temporaries; 194 B of workspaces, logits and autocast cache;
+    # then 10% of the 4794 B allocated for fragmentation.
+    assert predict(_hw(), layers, HAND_PLACEMENT, device_overhead=overhead).memory["device"] == 4794 + 480
+    model = CostModel(_hw(), layers, device_overhead=overhead)
+    assert model.fixed_device_bytes == 2000 + 2400 + 194
+    with pytest.raises(RatelConfigError, match="negative"):
+        DeviceOverhead(fragmentation=-0.1)
+    margin = DeviceOverhead.margin(logits_bytes=7)
+    assert (margin.workspace_bytes, margin.logits_bytes, margin.grad_temp_ratio, margin.fragmentation) == (
+        64 << 20, 7, 0.5, 0.1)
+
+
+def test_measured_block_peak_raises_the_working_set():
+    layers = [_hand_layer("b.0", 0), _hand_layer("b.1", 1)]
+    layers[1].peak_device_bytes = 5000
+    # The measured peak of b.1's backward replaces the 2100 B estimate; kept 200 + 2 buffers of 1000 + 5000.
+    assert predict(_hw(), layers, HAND_PLACEMENT).memory["device"] == 7200
+    layers[1].peak_device_bytes = 10
+    assert predict(_hw(), layers, HAND_PLACEMENT).memory["device"] == 4300
+    layers[1].peak_device_bytes = -1
+    with pytest.raises(RatelConfigError, match="negative"):
+        predict(_hw(), layers, HAND_PLACEMENT)
+
+
+def test_search_refuses_a_device_budget_the_overhead_does_not_fit():
+    layers = [_chain(i, [1e-3] * 3, 1000, 1000) for i in range(2)]
+    need = _fixed_device(layers)
+    overhead = DeviceOverhead(workspace_bytes=100, grad_temp_ratio=0.5, fragmentation=0.1)
+    assert search(_hw(), layers, device_budget=need, host_budget=BIG, store_budget=BIG).memory["device"] <= need
+    with pytest.raises(RatelPlanError, match=r"gradient temporaries \(0.5 of its saved bytes\), workspaces 100 B, "
+                                             r"10% for allocator fragmentation.*short by"):
+        search(_hw(), layers, device_budget=need, host_budget=BIG, store_budget=BIG, device_overhead=overhead)
+
+
+def test_largest_batch():
+    assert largest_batch(1000, 100, 90) == 10
+    # (100 + 90 b) plus 10% must stay within 1000: 8 samples take 902 B, 9 would take 1001 B.
+    assert largest_batch(1000, 100, 90, fragmentation=0.1) == 8
+    assert largest_batch(1000, 100, 90, limit=5) == 5
+    assert largest_batch(1000, 1001, 90) == 0
+    assert largest_batch(1000, 1000, 90) == 0
+    budget, fixed_bytes, per_sample = (24 << 30) - 3, 9_876_543_210, 123_456_789
+    batch = largest_batch(budget, fixed_bytes, per_sample, fragmentation=0.07)
+    assert math.ceil((fixed_bytes + batch * per_sample) * 1.07) <= budget
+    assert math.ceil((fixed_bytes + (batch + 1) * per_sample) * 1.07) > budget
+    with pytest.raises(RatelConfigError, match="per_sample_bytes"):
+        largest_batch(1000, 100, 0)
+    with pytest.raises(RatelConfigError, match="negative"):
+        largest_batch(1000, -1, 90)
+
+
+def test_profiles_without_the_new_fields_still_load():
+    hw = _hw().to_dict()
+    del hw["host_io_bandwidth"], hw["host_memory_bandwidth"]
+    assert HardwareProfile.from_dict(hw) == _hw()
+    layer = _hand_layer("b.0", 0).to_dict()
+    del layer["peak_device_bytes"]
+    assert LayerProfile.from_dict(layer) == _hand_layer("b.0", 0)

@@ -4,6 +4,12 @@ Each phase takes as long as its busiest resource: GPU compute, host->device and 
 resources) and the SSDs (simplex, so reads and writes add up). The CPU AdamW and the optimizer states' SSD traffic
 overlap backward. Where the "device" is the CPU itself (unified memory) the copies and the optimizer run on the
 compute cores, so they add to compute instead of overlapping it.
+
+Optional inputs refine this where a machine needs it, each leaving the model as above when not given: compute copies
+read from the SSDs on every use (``param_cache="ssd"``), a host side whose PCIe (``host_io_bandwidth``) or DRAM
+(``host_memory_bandwidth``) the transfers and the CPU optimizer contend for, optimizer-state writes that do not fit
+in backward deferred into the next forward (``state_spill``), and device memory a step needs beyond parameters,
+gradients and saved activations (:class:`DeviceOverhead`, :attr:`LayerProfile.peak_device_bytes`).
 """
 
 from __future__ import annotations
@@ -15,6 +21,14 @@ from dataclasses import dataclass
 from lightning_ratel.errors import RatelConfigError
 from lightning_ratel.placement import DEFAULT_TIER, INPUT_OP, STORED_TIERS, TIERS, placement_key
 from lightning_ratel.plan.profile import HardwareProfile, LayerProfile, validate_layers
+
+PARAM_CACHES = ("host", "ssd")
+"""Where the compute copies live between uses: a host cache, or the SSDs (read again in forward and in backward)."""
+CORE_RESOURCES = ("compute", "h2d", "d2h", "cpu_optimizer")
+"""The resources that run on the compute cores where the device is the CPU (unified memory)."""
+OPTIMIZER_MEMORY_BYTES_PER_PARAM = 28
+"""Host DRAM bytes one AdamW update touches per parameter: fp32 master, m and v each read and written (24), the 16-bit
+gradient read (2) and the 16-bit compute copy written (2)."""
 
 
 @dataclass
@@ -30,6 +44,10 @@ class Prediction:
         iteration_time: ``forward_time + backward_time``.
         memory: predicted peak bytes of ``"device"``, ``"host"`` and ``"ssd"``.
         bytes: saved-activation bytes per tier: ``"device"``, ``"host"``, ``"ssd"``, ``"recompute"``.
+        spilled: optimizer-state bytes written to the SSDs during the next forward instead of backward.
+
+    With ``host_io_bandwidth`` the phases also have ``"host_in"`` and ``"host_out"`` (host-side PCIe, into and out of
+    host memory), with ``host_memory_bandwidth`` a ``"dram"`` resource.
     """
 
     forward: dict[str, float]
@@ -39,6 +57,105 @@ class Prediction:
     iteration_time: float
     memory: dict[str, int]
     bytes: dict[str, int]
+    spilled: int = 0
+
+
+@dataclass(frozen=True)
+class DeviceOverhead:
+    """Device bytes a step needs beyond the paging buffers and one block's parameters, gradients and saved bytes.
+
+    A block whose profile has a measured :attr:`~lightning_ratel.plan.profile.LayerProfile.peak_device_bytes` uses
+    that where it is larger than the estimate with ``grad_temp_ratio``.
+
+    Attributes:
+        workspace_bytes: cuBLAS (and cuDNN) workspaces of the streams compute runs on.
+        logits_bytes: what the head's output costs at the turn from forward to backward: the logits, what the loss
+            saves of them and their gradient.
+        autocast_cache_bytes: 16-bit copies of fp32 weights that autocast keeps while a block computes.
+        grad_temp_ratio: gradients of activations alive during a block's backward, as a share of what the block
+            saves (the gradient flowing into an op and the one it produces exist together).
+        fragmentation: share of the allocated device bytes the caching allocator cannot hand out again.
+
+    Raises:
+        RatelConfigError: a negative value.
+    """
+
+    workspace_bytes: int = 0
+    logits_bytes: int = 0
+    autocast_cache_bytes: int = 0
+    grad_temp_ratio: float = 0.0
+    fragmentation: float = 0.0
+
+    def __post_init__(self) -> None:
+        values = (self.workspace_bytes, self.logits_bytes, self.autocast_cache_bytes, self.grad_temp_ratio,
+                  self.fragmentation)
+        if min(values) < 0:
+            raise RatelConfigError(f"device overheads cannot be negative, got {self}")
+
+    @classmethod
+    def margin(cls, *, logits_bytes: int = 0, autocast_cache_bytes: int = 0) -> DeviceOverhead:
+        """The margin to plan with where nothing was measured.
+
+        - ``workspace_bytes``: 64 MiB, two streams' worth of cuBLAS workspace: PyTorch sizes the cuBLAS workspace
+          by ``CUBLAS_WORKSPACE_CONFIG`` (default 2 x 4 MiB + 8 x 16 KiB per handle and stream) and cuBLASLt's by
+          ``CUBLASLT_WORKSPACE_SIZE`` (cuBLAS recommends 4 MiB before Hopper, 32 MiB on Hopper).
+        - ``grad_temp_ratio``: 0.5. In a transformer block the largest pair of activation gradients alive together
+          is the MLP's (its up-projection output and its activation, 2 x 4h values per token, 16h bytes in 16 bits),
+          about half of the 34h bytes per token the block saves (Korthikanti et al. 2022, with FlashAttention).
+        - ``fragmentation``: 0.1 of the allocated bytes, the share PyTorch's caching allocator typically reserves
+          beyond what it hands out in steady training.
+
+        Args:
+            logits_bytes: what the head's output costs at the forward/backward turn (see the attribute).
+            autocast_cache_bytes: 16-bit copies of fp32 weights autocast keeps (0 where weights are 16-bit).
+        """
+        return cls(workspace_bytes=64 << 20, logits_bytes=logits_bytes, autocast_cache_bytes=autocast_cache_bytes,
+                   grad_temp_ratio=0.5, fragmentation=0.1)
+
+    def fragmented(self, nbytes: int) -> int:
+        """``nbytes`` allocated bytes with what fragmentation loses on top."""
+        return nbytes + math.ceil(nbytes * self.fragmentation) if self.fragmentation else nbytes
+
+
+def largest_batch(device_budget: int, fixed_bytes: int, per_sample_bytes: int, *, fragmentation: float = 0.0,
+                  limit: int | None = None) -> int:
+    """The largest batch whose device memory fits ``device_budget``.
+
+    A batch of ``b`` needs ``fixed_bytes + b * per_sample_bytes`` allocated bytes, plus ``fragmentation`` of that.
+
+    Args:
+        device_budget: bytes of device memory the run may use.
+        fixed_bytes: bytes that do not grow with the batch (paging buffers, a block's parameters and gradients,
+            workspaces).
+        per_sample_bytes: bytes each sample adds (what the working block saves for it, its activation gradients,
+            its share of the logits and of the activations kept on the device).
+        fragmentation: share of the allocated bytes the caching allocator loses.
+        limit: the largest batch worth running (``None``: no limit).
+
+    Returns:
+        The batch size, 0 when not even one sample fits.
+
+    Raises:
+        RatelConfigError: ``per_sample_bytes`` is not positive or another input is negative.
+    """
+    if per_sample_bytes <= 0:
+        raise RatelConfigError(f"per_sample_bytes must be positive, got {per_sample_bytes}")
+    if min(device_budget, fixed_bytes, fragmentation, 0 if limit is None else limit) < 0:
+        raise RatelConfigError("device_budget, fixed_bytes, fragmentation and limit cannot be negative")
+    overhead = DeviceOverhead(fragmentation=fragmentation)
+
+    def fits(batch: int) -> bool:
+        return overhead.fragmented(fixed_bytes + batch * per_sample_bytes) <= device_budget
+
+    if not fits(0):
+        return 0
+    # The float estimate is within one of the answer; the exact check settles it.
+    batch = max(0, int((device_budget / (1 + fragmentation) - fixed_bytes) // per_sample_bytes))
+    while batch > 0 and not fits(batch):
+        batch -= 1
+    while fits(batch + 1) and (limit is None or batch < limit):
+        batch += 1
+    return batch if limit is None else min(batch, limit)
 
 
 @dataclass
@@ -120,20 +237,27 @@ def _seconds(amount: float, rate: float) -> float:
     return amount / rate if rate > 0 else math.inf
 
 
+def _lanes(resources: Mapping[str, float], unified: bool) -> dict[str, float]:
+    """Busy seconds of what runs side by side in a phase; on unified memory ``"compute"`` holds all work on the cores.
+
+    Every other resource (the SSDs, the host side's PCIe and DRAM) runs beside the cores.
+    """
+    if not unified:
+        return {name: t for name, t in resources.items() if name != "recompute"}
+    lanes = {"compute": sum(t for name, t in resources.items() if name in CORE_RESOURCES)}
+    lanes.update((name, t) for name, t in resources.items() if name not in CORE_RESOURCES and name != "recompute")
+    return lanes
+
+
 def phase_time(resources: Mapping[str, float], *, unified: bool) -> float:
     """Seconds of one phase given its resources' busy seconds (``"recompute"`` is part of ``"compute"``)."""
-    if unified:
-        cores = sum(t for name, t in resources.items() if name not in ("ssd", "recompute"))
-        return max(cores, resources.get("ssd", 0.0))
-    return max(t for name, t in resources.items() if name != "recompute")
+    return max(_lanes(resources, unified).values())
 
 
 def bottleneck(resources: Mapping[str, float], *, unified: bool) -> str:
     """The resource that sets a phase's time; on unified memory ``"compute"`` stands for all work on the cores."""
-    if unified:
-        cores = sum(t for name, t in resources.items() if name not in ("ssd", "recompute"))
-        return "ssd" if resources.get("ssd", 0.0) > cores else "compute"
-    return max((name for name in resources if name != "recompute"), key=lambda name: resources[name])
+    lanes = _lanes(resources, unified)
+    return max(lanes, key=lambda name: lanes[name])
 
 
 class CostModel:
@@ -146,10 +270,18 @@ class CostModel:
         state_read_bytes_per_param: optimizer-state bytes read from the SSD per trainable parameter and step.
         state_write_bytes_per_param: optimizer-state bytes written to the SSD per trainable parameter and step.
         host_static_bytes: host memory the rest of the run holds (parameter cache, optimizer buffers, ...).
+        param_cache: ``"host"``: compute copies are paged to the device from host memory; ``"ssd"``: they are read
+            from the SSDs for every use, once in forward and once in backward.
+        optimizer_memory_bytes_per_param: host DRAM bytes one AdamW update touches per parameter (counted only where
+            ``hw.host_memory_bandwidth`` is set).
+        state_spill: optimizer-state writes that do not fit in backward are deferred into the next forward (as much
+            as makes the iteration shortest). Reads are never deferred: the update they feed has to finish before
+            the next forward uses its parameters.
+        device_overhead: device memory beyond paging buffers and one block's working set (``None``: nothing more).
 
     Raises:
-        RatelConfigError: the profiles are inconsistent (see :func:`~lightning_ratel.plan.profile.validate_layers`)
-            or ``prefetch_depth`` is negative.
+        RatelConfigError: the profiles are inconsistent (see :func:`~lightning_ratel.plan.profile.validate_layers`),
+            ``prefetch_depth`` or a host bandwidth is negative, or ``param_cache`` is not one of :data:`PARAM_CACHES`.
     """
 
     def __init__(
@@ -161,14 +293,25 @@ class CostModel:
         state_read_bytes_per_param: int = 12,
         state_write_bytes_per_param: int = 12,
         host_static_bytes: int = 0,
+        param_cache: str = "host",
+        optimizer_memory_bytes_per_param: int = OPTIMIZER_MEMORY_BYTES_PER_PARAM,
+        state_spill: bool = False,
+        device_overhead: DeviceOverhead | None = None,
     ) -> None:
         validate_layers(list(layers))
         if prefetch_depth < 0:
             raise RatelConfigError(f"prefetch_depth must be >= 0, got {prefetch_depth}")
+        if param_cache not in PARAM_CACHES:
+            raise RatelConfigError(f"param_cache must be one of {PARAM_CACHES}, got {param_cache!r}")
+        if min(hw.host_io_bandwidth, hw.host_memory_bandwidth) < 0:
+            raise RatelConfigError("host_io_bandwidth and host_memory_bandwidth cannot be negative (0: no limit)")
         self.hw = hw
         self.layers = list(layers)
         self.prefetch_depth = prefetch_depth
         self.host_static_bytes = host_static_bytes
+        self.param_cache = param_cache
+        self.state_spill = state_spill
+        self.overhead = device_overhead or DeviceOverhead()
         self.buffers = prefetch_depth + 1
         param_bytes = sum(layer.param_bytes for layer in self.layers)
         numel = sum(layer.trainable_numel for layer in self.layers)
@@ -176,19 +319,30 @@ class CostModel:
         self._backward_compute = sum(layer.backward_time for layer in self.layers)
         self._forward_h2d = _seconds(param_bytes, hw.h2d_bandwidth)
         self._param_bytes = param_bytes
-        self._backward_d2h = _seconds(sum(layer.grad_bytes for layer in self.layers), hw.d2h_bandwidth)
-        self._state_ssd = (_seconds(numel * state_read_bytes_per_param, hw.ssd_read_bandwidth)
-                           + _seconds(numel * state_write_bytes_per_param, hw.ssd_write_bandwidth))
+        self._grad_bytes = sum(layer.grad_bytes for layer in self.layers)
+        self._backward_d2h = _seconds(self._grad_bytes, hw.d2h_bandwidth)
+        self._state_read = numel * state_read_bytes_per_param
+        self._state_write = numel * state_write_bytes_per_param
+        self._state_ssd = (_seconds(self._state_read, hw.ssd_read_bandwidth)
+                           + _seconds(self._state_write, hw.ssd_write_bandwidth))
         self._cpu_optimizer = _seconds(numel, hw.adam_params_per_s)
+        self._optimizer_memory = numel * optimizer_memory_bytes_per_param
+        # Compute copies read from the SSDs for each pass.
+        self._param_ssd = _seconds(param_bytes, hw.ssd_read_bandwidth) if param_cache == "ssd" else 0.0
+        self._param_ssd_bytes = param_bytes if param_cache == "ssd" else 0
         self.largest_block = max(self.layers, key=lambda layer: layer.param_bytes, default=None)
         # A block's backward materialises all it saved (recomputed outputs included) next to its params and grads.
-        self.working_block = max(self.layers, key=self._working_bytes, default=None)
+        self.working_block = max(self.layers, key=self.working_bytes, default=None)
         self.fixed_device_bytes = (self.buffers * (self.largest_block.param_bytes if self.largest_block else 0)
-                                   + (self._working_bytes(self.working_block) if self.working_block else 0))
+                                   + (self.working_bytes(self.working_block) if self.working_block else 0)
+                                   + self.overhead.workspace_bytes + self.overhead.logits_bytes
+                                   + self.overhead.autocast_cache_bytes)
 
-    @staticmethod
-    def _working_bytes(layer: LayerProfile) -> int:
-        return layer.param_bytes + layer.grad_bytes + layer.saved_bytes
+    def working_bytes(self, layer: LayerProfile) -> int:
+        """Device bytes of ``layer``'s backward: params, grads, what it saved and the gradients of activations."""
+        saved = layer.saved_bytes
+        temporaries = math.ceil(saved * self.overhead.grad_temp_ratio) if self.overhead.grad_temp_ratio else 0
+        return max(layer.param_bytes + layer.grad_bytes + saved + temporaries, layer.peak_device_bytes)
 
     def memory(self, layer_bytes: Sequence[Mapping[str, int]], *, staging_reserve: int = 0) -> dict[str, int]:
         """Predicted peak bytes of ``"device"``, ``"host"`` and ``"ssd"``.
@@ -201,12 +355,62 @@ class CostModel:
         ssd = sum(b["ssd"] for b in layer_bytes)
         # SSD traffic goes through host staging buffers, one block's worth per block in flight.
         staging = max(self.buffers * max((b["ssd"] for b in layer_bytes), default=0), staging_reserve)
-        device = kept + self.fixed_device_bytes
+        device = self.overhead.fragmented(kept + self.fixed_device_bytes)
         host = self.host_static_bytes + sum(b["host"] for b in layer_bytes) + staging
         if self.hw.unified_memory:
             host += device
             device = host
         return {"device": device, "host": host, "ssd": ssd}
+
+    def _host_resources(self, resources: dict[str, float], into_host: int, out_of_host: int,
+                        optimizer: int = 0) -> None:
+        """Add the host side's PCIe (``into_host``/``out_of_host`` bytes) and DRAM (those plus ``optimizer``)."""
+        hw = self.hw
+        if hw.host_io_bandwidth:
+            resources["host_in"] = _seconds(into_host, hw.host_io_bandwidth)
+            resources["host_out"] = _seconds(out_of_host, hw.host_io_bandwidth)
+        if hw.host_memory_bandwidth:
+            resources["dram"] = _seconds(into_host + out_of_host + optimizer, hw.host_memory_bandwidth)
+
+    def _spill_rates(self) -> dict[str, float]:
+        """Seconds per optimizer-state byte written, on each resource such a write keeps busy."""
+        hw = self.hw
+        rates = {"ssd": 1 / hw.ssd_write_bandwidth if hw.ssd_write_bandwidth > 0 else math.inf}
+        if hw.host_io_bandwidth:
+            rates["host_out"] = 1 / hw.host_io_bandwidth
+        if hw.host_memory_bandwidth:
+            rates["dram"] = 1 / hw.host_memory_bandwidth
+        return rates
+
+    def _best_spill(self, forward: dict[str, float], backward: dict[str, float]) -> int:
+        """State-write bytes to defer into the next forward so that forward plus backward is shortest.
+
+        Both phases are maxima of lines in the deferred bytes, so their sum is convex and piecewise linear: its
+        least value lies at 0, at everything, or where two lines of one phase cross. Of equal times the least
+        deferral wins.
+        """
+        unified = self.hw.unified_memory
+        rates = self._spill_rates()
+        if any(math.isinf(rate) for rate in rates.values()):
+            return 0
+        lines = []
+        for resources, sign in ((forward, 1.0), (backward, -1.0)):
+            lanes = _lanes(resources, unified)
+            lines.append([(lanes[name], sign * rates.get(name, 0.0)) for name in lanes])
+        candidates = {0.0, float(self._state_write)}
+        for phase in lines:
+            for i, (a, slope_a) in enumerate(phase):
+                for b, slope_b in phase[i + 1:]:
+                    if slope_a != slope_b:
+                        x = (b - a) / (slope_a - slope_b)
+                        if 0 < x < self._state_write:
+                            candidates.add(x)
+
+        def total(x: float) -> float:
+            return sum(max(a + slope * x for a, slope in phase) for phase in lines)
+
+        best = min(sorted(candidates), key=total)
+        return math.ceil(best)
 
     def evaluate(self, costs: Sequence[LayerCost]) -> Prediction:
         """The prediction for the blocks' costs (one per layer, in the order of ``layers``)."""
@@ -218,16 +422,24 @@ class CostModel:
             "compute": self._forward_compute,
             "h2d": self._forward_h2d,
             "d2h": _seconds(swapped, hw.d2h_bandwidth),
-            "ssd": _seconds(per_tier["ssd"], hw.ssd_write_bandwidth),
+            "ssd": _seconds(per_tier["ssd"], hw.ssd_write_bandwidth) + self._param_ssd,
         }
         backward = {
             "compute": self._backward_compute + recompute,
             "recompute": recompute,
             "h2d": _seconds(self._param_bytes + swapped, hw.h2d_bandwidth),
             "d2h": self._backward_d2h,
-            "ssd": _seconds(per_tier["ssd"], hw.ssd_read_bandwidth) + self._state_ssd,
+            "ssd": _seconds(per_tier["ssd"], hw.ssd_read_bandwidth) + self._state_ssd + self._param_ssd,
             "cpu_optimizer": self._cpu_optimizer,
         }
+        # Host-side traffic: what reaches host memory (from the device or the SSDs) and what leaves it.
+        self._host_resources(forward, swapped + self._param_ssd_bytes, self._param_bytes + per_tier["ssd"])
+        self._host_resources(backward, self._grad_bytes + per_tier["ssd"] + self._state_read + self._param_ssd_bytes,
+                             self._param_bytes + swapped + self._state_write, self._optimizer_memory)
+        spilled = self._best_spill(forward, backward) if self.state_spill and self._state_write else 0
+        for name, rate in self._spill_rates().items() if spilled else ():
+            forward[name] += spilled * rate
+            backward[name] -= spilled * rate
         forward_time = phase_time(forward, unified=hw.unified_memory)
         backward_time = phase_time(backward, unified=hw.unified_memory)
         return Prediction(
@@ -238,6 +450,7 @@ class CostModel:
             iteration_time=forward_time + backward_time,
             memory=self.memory([c.bytes for c in costs]),
             bytes=per_tier,
+            spilled=spilled,
         )
 
 
@@ -250,6 +463,10 @@ def predict(
     state_read_bytes_per_param: int = 12,
     state_write_bytes_per_param: int = 12,
     host_static_bytes: int = 0,
+    param_cache: str = "host",
+    optimizer_memory_bytes_per_param: int = OPTIMIZER_MEMORY_BYTES_PER_PARAM,
+    state_spill: bool = False,
+    device_overhead: DeviceOverhead | None = None,
 ) -> Prediction:
     """Predict one micro-batch's times and memory under an activation placement.
 
@@ -262,6 +479,10 @@ def predict(
             two moments: 12).
         state_write_bytes_per_param: optimizer-state bytes written back per trainable parameter.
         host_static_bytes: host memory the rest of the run holds.
+        param_cache: where compute copies live between uses, ``"host"`` or ``"ssd"`` (see :class:`CostModel`).
+        optimizer_memory_bytes_per_param: host DRAM bytes one AdamW update touches per parameter.
+        state_spill: defer optimizer-state writes that do not fit in backward into the next forward.
+        device_overhead: device memory beyond paging buffers and one block's working set.
 
     Returns:
         The prediction.
@@ -270,5 +491,7 @@ def predict(
         RatelConfigError: inconsistent profiles or an invalid placement.
     """
     model = CostModel(hw, layers, prefetch_depth=prefetch_depth, state_read_bytes_per_param=state_read_bytes_per_param,
-                      state_write_bytes_per_param=state_write_bytes_per_param, host_static_bytes=host_static_bytes)
+                      state_write_bytes_per_param=state_write_bytes_per_param, host_static_bytes=host_static_bytes,
+                      param_cache=param_cache, optimizer_memory_bytes_per_param=optimizer_memory_bytes_per_param,
+                      state_spill=state_spill, device_overhead=device_overhead)
     return model.evaluate([layer_cost(layer, placement) for layer in model.layers])

@@ -28,6 +28,10 @@ class HardwareProfile:
         device_memory_free: bytes of device memory available to the run (on cpu: the same as host).
         ssd_free: bytes free on the swap directories, summed.
         per_path: swap directory -> ``{"read": bytes/s, "write": bytes/s}``.
+        host_io_bandwidth: bytes/s the host side of PCIe moves in each direction, the GPU link and the SSDs together
+            (where they share a root complex or switch uplink, their traffic contends there); 0: not a limit.
+        host_memory_bandwidth: bytes/s of host DRAM, shared by the CPU optimizer and every transfer into or out of
+            host memory; 0: not a limit.
     """
 
     device_type: str
@@ -40,6 +44,8 @@ class HardwareProfile:
     device_memory_free: int
     ssd_free: int = 0
     per_path: dict[str, dict[str, float]] = field(default_factory=dict)
+    host_io_bandwidth: float = 0.0
+    host_memory_bandwidth: float = 0.0
 
     @property
     def unified_memory(self) -> bool:
@@ -103,6 +109,8 @@ class LayerProfile:
         ops: the block's ops in forward order.
         op_level: ``False`` for a block profiled as a whole: ``ops`` is one op named ``"*"`` holding everything the
             block saves, placed on ``"device"``, ``"host"`` or ``"ssd"`` but never recomputed.
+        peak_device_bytes: measured peak device bytes while the block's backward runs (its parameters, gradients,
+            everything it saved, rematerialized outputs and temporaries); 0 where not measured.
     """
 
     name: str
@@ -114,6 +122,7 @@ class LayerProfile:
     trainable_numel: int
     ops: list[OpProfile]
     op_level: bool = True
+    peak_device_bytes: int = 0
 
     @property
     def saved_bytes(self) -> int:
@@ -147,7 +156,8 @@ def validate_layers(layers: list[LayerProfile]) -> None:
         if layer.name in seen_blocks:
             raise RatelConfigError(f"block {layer.name!r} is profiled twice")
         seen_blocks.add(layer.name)
-        numbers = (layer.forward_time, layer.backward_time, layer.param_bytes, layer.grad_bytes, layer.trainable_numel)
+        numbers = (layer.forward_time, layer.backward_time, layer.param_bytes, layer.grad_bytes, layer.trainable_numel,
+                   layer.peak_device_bytes)
         if min(numbers) < 0:
             raise RatelConfigError(f"block {layer.name!r} has a negative time or size in its profile")
         if not layer.op_level and [op.name for op in layer.ops] != [CONTAINER_OP]:

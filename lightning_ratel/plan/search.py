@@ -16,7 +16,14 @@ from typing import NoReturn
 
 from lightning_ratel.errors import RatelConfigError, RatelPlanError
 from lightning_ratel.placement import INPUT_OP, STORED_TIERS, TIERS, placement_key
-from lightning_ratel.plan.cost import CostModel, Prediction, layer_cost, recompute_ops
+from lightning_ratel.plan.cost import (
+    OPTIMIZER_MEMORY_BYTES_PER_PARAM,
+    CostModel,
+    DeviceOverhead,
+    Prediction,
+    layer_cost,
+    recompute_ops,
+)
 from lightning_ratel.plan.profile import HardwareProfile, LayerProfile, OpProfile
 from lightning_ratel.sizes import format_bytes
 
@@ -253,8 +260,8 @@ def _check_fixed_memory(walk: _Walk, unified: bool) -> None:
     largest, working = model.largest_block, model.working_block
     device_need = (f"{model.buffers} x the largest block {largest.name!r} ({format_bytes(largest.param_bytes)}) "
                    f"for paging with prefetch_depth={model.prefetch_depth}, plus the backward working set of block "
-                   f"{working.name!r} ({format_bytes(working.param_bytes + working.grad_bytes + working.saved_bytes)}:"
-                   f" parameters, gradients and every activation it saves)") if largest else "nothing"
+                   f"{working.name!r} ({format_bytes(model.working_bytes(working))}: parameters, gradients and every "
+                   f"activation it saves{_overhead_text(model.overhead)})") if largest else "nothing"
     if not unified and memory["device"] > walk.budgets["device"]:
         raise RatelPlanError(
             f"device budget too small: the plan needs {format_bytes(memory['device'])} of device memory "
@@ -270,6 +277,18 @@ def _check_fixed_memory(walk: _Walk, unified: bool) -> None:
             f"storing any activation, but the budget is {format_bytes(walk.budgets['host'])}: short by "
             f"{format_bytes(memory['host'] - walk.budgets['host'])}. Raise host_memory_limit, lower prefetch_depth, "
             f"or use a smaller batch size or sequence length.")
+
+
+def _overhead_text(overhead: DeviceOverhead) -> str:
+    """What the device need counts beyond paging and the working set, for the budget error (empty where nothing)."""
+    parts = [f"{label} {format_bytes(n)}" for label, n in (("workspaces", overhead.workspace_bytes),
+                                                           ("logits", overhead.logits_bytes),
+                                                           ("autocast cache", overhead.autocast_cache_bytes)) if n]
+    if overhead.grad_temp_ratio:
+        parts.insert(0, f"gradient temporaries ({overhead.grad_temp_ratio:g} of its saved bytes)")
+    if overhead.fragmentation:
+        parts.append(f"{overhead.fragmentation:.0%} for allocator fragmentation")
+    return f"; with {', '.join(parts)}" if parts else ""
 
 
 def _place_required(walk: _Walk, unified: bool) -> None:
@@ -363,6 +382,10 @@ def search(
     host_static_bytes: int = 0,
     state_read_bytes_per_param: int = 12,
     state_write_bytes_per_param: int = 12,
+    param_cache: str = "host",
+    optimizer_memory_bytes_per_param: int = OPTIMIZER_MEMORY_BYTES_PER_PARAM,
+    state_spill: bool = False,
+    device_overhead: DeviceOverhead | None = None,
 ) -> Plan:
     """Find the activation placement with the least predicted iteration time within the budgets.
 
@@ -377,6 +400,13 @@ def search(
         host_static_bytes: host memory the rest of the run holds (parameter cache, optimizer buffers, ...).
         state_read_bytes_per_param: optimizer-state bytes read from the SSD per trainable parameter and step.
         state_write_bytes_per_param: optimizer-state bytes written back per trainable parameter and step.
+        param_cache: where compute copies live between uses: ``"host"``, or ``"ssd"`` (read from the SSDs in forward
+            and again in backward).
+        optimizer_memory_bytes_per_param: host DRAM bytes one AdamW update touches per parameter (counted where
+            ``hw.host_memory_bandwidth`` is set).
+        state_spill: defer optimizer-state writes that do not fit in backward into the next forward.
+        device_overhead: device memory a step needs beyond paging buffers and one block's working set (workspaces,
+            logits, autocast cache, gradient temporaries, fragmentation); ``None``: nothing more.
 
     Returns:
         The plan at the best point of the search, with the whole curve.
@@ -387,7 +417,9 @@ def search(
         RatelConfigError: the profiles are inconsistent.
     """
     model = CostModel(hw, layers, prefetch_depth=prefetch_depth, state_read_bytes_per_param=state_read_bytes_per_param,
-                      state_write_bytes_per_param=state_write_bytes_per_param, host_static_bytes=host_static_bytes)
+                      state_write_bytes_per_param=state_write_bytes_per_param, host_static_bytes=host_static_bytes,
+                      param_cache=param_cache, optimizer_memory_bytes_per_param=optimizer_memory_bytes_per_param,
+                      state_spill=state_spill, device_overhead=device_overhead)
     walk, candidates = _start(model, device_budget, host_budget, store_budget)
     order = [candidates[key] for key in candidate_order(model.layers) if key in candidates]
 
@@ -446,6 +478,7 @@ def storing(
     host_static_bytes: int = 0,
     tiers: Sequence[str] = STORED_TIERS,
     keep_staging: bool = False,
+    device_overhead: DeviceOverhead | None = None,
 ) -> dict[str, str]:
     """The placement that stores the candidate ops ``stored`` and recomputes the other candidates.
 
@@ -466,6 +499,7 @@ def storing(
         tiers: where stored ops may go, tried in this order; a subset of ``("device", "host", "ssd")``.
         keep_staging: keep host room for one block's SSD staging from the start, as the search's second walk
             does, so that ops can still spill to the SSDs once the faster tiers are full.
+        device_overhead: device memory beyond paging buffers and one block's working set, as in :func:`search`.
 
     Returns:
         ``"<block>/<op>"`` -> tier for every op of every block.
@@ -482,7 +516,8 @@ def storing(
     unknown = set(stored) - set(order)
     if unknown:
         raise RatelConfigError(f"{sorted(unknown)} are not ops that can be either stored or recomputed")
-    model = CostModel(hw, layers, prefetch_depth=prefetch_depth, host_static_bytes=host_static_bytes)
+    model = CostModel(hw, layers, prefetch_depth=prefetch_depth, host_static_bytes=host_static_bytes,
+                      device_overhead=device_overhead)
     walk, where = _start(model, device_budget, host_budget, store_budget)
     reserve = _staging_reserve(model)
     if keep_staging and reserve and walk.copy(reserve).fits():

@@ -1,0 +1,366 @@
+"""The planner's cost model on the Ratel paper's machine and GPT models, against the figures the paper published.
+
+Ratel (ICDE 2025; its artifact is RC4ML/LoHan on GitHub) fine-tunes GPT models on one RTX 4090 with model states on
+NVMe SSDs. This benchmark hands the planner (:func:`lightning_ratel.plan.search`) that machine and those models
+through hand-built profiles, with no device at all, and prints what it predicts next to what was measured:
+
+- GPT 13B at batch 64 with 1, 2, 3, 6 and 12 SSDs: 70.3, 111.7, 136.3, 151.5 and 148.2 TFLOPS (the artifact's
+  ``evaluation_data.md``, Figure 10(b));
+- every model below 70B at 90-95% of the in-GPU block peak, GPT 175B at about 53% of it because GPU memory caps its
+  batch at 16 (the paper's reading of its end-to-end figure, as issue 13 quotes it; the artifact lists 52.6 and 86.9
+  TFLOPS at batch 8 and 16, and out of memory at 32).
+
+Where every number comes from
+-----------------------------
+
+The machine (the artifact's testbed table in ``evaluation_data.md``: dual Xeon Gold 5320, 768 GB DDR4-3200 on 16
+channels, one RTX 4090, 12 D7-P5510 3.84 TB SSDs):
+
+- GPU compute: 165.2 TFLOPS, the RTX 4090's dense FP16/BF16 tensor rate with FP32 accumulation (NVIDIA Ada
+  Lovelace architecture whitepaper, RTX 4090 column). Assumption: large GEMMs run at that rate; the artifact's own
+  155.8 TFLOPS end to end for 13B at batch 64 (Figure 7(a)) is 94% of it, so the card sustains at least that much.
+- Attention: FlashAttention (the artifact's ``flash_attn.flash_attention.FlashAttention``) at half the GEMM rate,
+  an assumption (the FlashAttention-2 paper puts version 1 at 25-40% and version 2 at 50-73% of an A100's peak);
+  attention is 3.3% of a 13B block's FLOPs and 1.4% of a 175B block's, so the figure hardly matters.
+- GPU memory: 24,564 MiB (what the driver reports for a 24 GB card) less 512 MiB for the CUDA context
+  (assumption); 1008 GB/s GDDR6X bandwidth (whitepaper), of which element-wise kernels get 90% (assumption).
+- PCIe 4.0 x16 between GPU and host: 31.5 GB/s per direction raw (16 GT/s x 16 lanes, 128b/130b); pinned copies
+  reach 25 GB/s (assumption, the usual ~80% of raw).
+- SSDs: 6.5 GB/s sequential read and 3.4 GB/s sequential write per D7-P5510 3.84 TB (Intel/Solidigm product brief;
+  the figures as we know them, not re-read for this benchmark), striped as one RAID 0 array (the artifact's
+  ``make_raid.sh``), so ``n`` drives give ``n`` times that.
+- Host DRAM: 16 channels x 3200 MT/s x 8 bytes = 409.6 GB/s, shared by the CPU optimizer and every transfer.
+- Host-side PCIe: 2 sockets x 64 PCIe 4.0 lanes (Intel ARK) x 1.97 GB/s = 252 GB/s per direction for the GPU and the
+  SSDs together; on this machine it never binds, but the model counts it.
+- CPU AdamW: 1.2 G parameters/s, the one number fitted rather than sourced. Nothing published gives the rate of the
+  artifact's optimizer (DeepSpeedCPUAdam in a second process, fed one sub-group at a time through multiprocessing
+  queues, ``main.py``); 1.2 G/s is what makes GPT 175B at batch 8 take the artifact's 52.6 TFLOPS (that point is the
+  furthest from compute-bound). Every other published figure is then a prediction. For scale: DeepSpeedCPUAdam ran at
+  0.37 G/s per core in this repository's ``benchmarks/cpu_adam.py`` (RESULTS.md), so 52 cores would allow far more;
+  the 13B figures do not depend on it (their updates hide under backward at any rate above 0.6 G/s).
+- Host memory for the run: 768 GB; the artifact's ``config.json`` pins 6 x 1.2 GB of parameter and 4 x 1.2 GB of
+  activation swap buffers (held by the run, :data:`HOST_STATIC_BYTES`).
+
+The models (sequence length 1024, vocabulary 50257, the artifact's ``gpt_model.py``): GPT-2-style pre-norm blocks
+with a 4x MLP, GELU, dropout 0.1, FlashAttention, token and position embeddings, no LM head (the artifact's loss is a
+mean squared error on the last hidden state). Rows: 13B (40 layers, 40 heads, hidden 5120) and 175B (96, 96, 12288)
+as the artifact lists them; 70B (80, 64, 8192) from the artifact's multi-GPU figures; 6.7B (32, 32, 4096) from
+GPT-3's Table 2.1, a second model below 70B. The paper's Table IV itself could not be read here.
+
+How the artifact trains them, and so the profiles: fp16 weights and activations; the fp32 master, the Adam moments
+and the fp16 compute copies live on the SSDs (``offload_param`` and ``offload_optimizer`` on NVMe), so compute copies
+are read from the SSDs in forward and again in backward (``param_cache="ssd"``) and each update writes the fp16 copy
+back besides master and moments (14 bytes written, 12 read per parameter). State writes that do not fit in backward
+are deferred into the next forward (``state_spill``, delayed write-back; without it the 1-SSD point drops from 0.86
+to 0.79 of the published figure and the 2-SSD point from 1.08 to 0.89). Each layer is two checkpointed halves
+(attention, MLP), so each half is one planner block whose input is stored and whose other outputs the planner may
+keep, swap or recompute. Per op, FLOPs and saved bytes follow from the shapes (:func:`gpt_layers`); an op's time is
+its FLOPs at the GEMM or attention rate, or its memory traffic at the GDDR6X rate for element-wise ops; backward is
+twice forward (2.5 times for attention, whose backward recomputes the scores).
+
+Throughput is model FLOPs (forward and backward of every matmul and of attention, recompute not counted) over the
+predicted iteration time; the in-GPU block peak is the same FLOPs over the time of a layer's forward and backward with
+everything resident (Ratel's "green line"). How the artifact counted its TFLOPS is not written down (its scripts print
+times only); these are the usual model FLOPs.
+
+Run from the repository root::
+
+    python -m benchmarks.paper_model
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rich.console import Console
+from rich.table import Table
+
+from lightning_ratel.plan.cost import CostModel, DeviceOverhead, bottleneck, largest_batch
+from lightning_ratel.plan.profile import HardwareProfile, LayerProfile, OpProfile
+from lightning_ratel.plan.search import Plan, search
+
+GB = 10**9
+MIB = 1 << 20
+
+GEMM_FLOPS = 165.2e12
+"""RTX 4090 dense FP16/BF16 tensor FLOP/s with FP32 accumulation (Ada whitepaper), taken as the GEMM rate."""
+ATTENTION_FLOPS = 0.5 * GEMM_FLOPS
+"""FlashAttention's rate, an assumption (see the module docstring)."""
+ELEMENTWISE_BYTES = 0.9 * 1008 * GB
+"""Bytes/s element-wise kernels move: 90% of the RTX 4090's 1008 GB/s (assumption)."""
+DEVICE_MEMORY = (24564 - 512) * MIB
+"""What a 24 GB RTX 4090 reports, less 512 MiB for the CUDA context (assumption)."""
+PCIE_BANDWIDTH = 25 * GB
+"""Pinned host<->device copies over PCIe 4.0 x16 per direction (about 80% of the raw 31.5 GB/s, assumption)."""
+SSD_READ = 6.5 * GB
+"""One D7-P5510 3.84 TB, sequential read (product brief)."""
+SSD_WRITE = 3.4 * GB
+"""One D7-P5510 3.84 TB, sequential write (product brief)."""
+SSD_CAPACITY = 3.84e12
+"""One D7-P5510's capacity in bytes."""
+DRAM_BANDWIDTH = 16 * 3200e6 * 8
+"""16 channels of DDR4-3200, 8 bytes a transfer: 409.6 GB/s (the artifact's testbed table)."""
+HOST_IO_BANDWIDTH = 2 * 64 * 1.969e9
+"""Host-side PCIe per direction, GPU link and SSDs together: 2 sockets x 64 PCIe 4.0 lanes (Intel ARK)."""
+CPU_ADAM_PARAMS_PER_S = 1.2e9
+"""The artifact's CPU AdamW rate, fitted to GPT 175B at batch 8 (see the module docstring)."""
+HOST_MEMORY = 768 * GB
+"""The testbed's DRAM."""
+HOST_STATIC_BYTES = int((6 + 4) * 1.2e9)
+"""Pinned swap buffers the artifact's config.json sets up: 6 x 1.2 GB for parameters, 4 x 1.2 GB for activations."""
+ACT_BYTES = 2
+"""fp16 activations."""
+PARAM_BYTES = 2
+"""fp16 compute copies and gradients."""
+STATE_READ_BYTES = 12
+"""fp32 master and two Adam moments read per parameter and step."""
+STATE_WRITE_BYTES = 14
+"""Master and moments written back, plus the fp16 compute copy the next forward reads from the SSDs."""
+SEQ = 1024
+VOCAB = 50257
+
+
+@dataclass(frozen=True)
+class GPT:
+    """A GPT model of the paper's evaluation."""
+
+    name: str
+    layers: int
+    heads: int
+    hidden: int
+
+    def params(self) -> int:
+        """Parameters: the blocks' weights and biases, their layer norms, the embeddings and the final norm."""
+        h = self.hidden
+        return self.layers * (12 * h * h + 13 * h) + (VOCAB + SEQ) * h + 2 * h
+
+
+MODELS = {
+    "6.7B": GPT("6.7B", 32, 32, 4096),
+    "13B": GPT("13B", 40, 40, 5120),
+    "70B": GPT("70B", 80, 64, 8192),
+    "175B": GPT("175B", 96, 96, 12288),
+}
+"""The models, by name (see the module docstring for where each row comes from)."""
+
+PUBLISHED_13B_BY_SSDS = {1: 70.3, 2: 111.7, 3: 136.3, 6: 151.5, 12: 148.2}
+"""GPT 13B, batch 64: TFLOPS by number of SSDs (artifact's evaluation_data.md, Figure 10(b))."""
+PUBLISHED_175B = {8: 52.6, 16: 86.9}
+"""GPT 175B, 12 SSDs: TFLOPS by batch; batch 32 ran out of GPU memory (artifact, Figure 7(b))."""
+PAPER_BATCH = 64
+"""The batch the paper's 13B sweep runs at; below-70B models are compared there."""
+BELOW_70B = ("6.7B", "13B")
+"""The models below 70B (the 70B row is the boundary, compared but with no published share)."""
+SHARE_OF_PEAK_BELOW_70B = (0.90, 0.95)
+"""The paper's reading: models below 70B reach 90-95% of the in-GPU block peak."""
+SHARE_OF_PEAK_175B = 0.53
+"""The paper's reading: GPT 175B reaches about 53% of it, its batch held to 16 by GPU memory."""
+
+
+def paper_hardware(ssds: int = 12) -> HardwareProfile:
+    """The testbed with ``ssds`` D7-P5510 drives striped."""
+    return HardwareProfile(
+        device_type="cuda",
+        h2d_bandwidth=PCIE_BANDWIDTH,
+        d2h_bandwidth=PCIE_BANDWIDTH,
+        ssd_read_bandwidth=ssds * SSD_READ,
+        ssd_write_bandwidth=ssds * SSD_WRITE,
+        adam_params_per_s=CPU_ADAM_PARAMS_PER_S,
+        host_memory_free=HOST_MEMORY,
+        device_memory_free=DEVICE_MEMORY,
+        ssd_free=int(ssds * SSD_CAPACITY),
+        host_io_bandwidth=HOST_IO_BANDWIDTH,
+        host_memory_bandwidth=DRAM_BANDWIDTH,
+    )
+
+
+def _gemm(name: str, tokens: int, n_in: int, n_out: int, saved: int, inputs: list[str]) -> tuple[OpProfile, float]:
+    """A linear layer: its op and its backward seconds."""
+    flops = 2.0 * tokens * n_in * n_out
+    seconds = flops / GEMM_FLOPS
+    return OpProfile(name, seconds, flops, saved, inputs), 2 * seconds
+
+
+def _elementwise(name: str, moved: int, saved: int, inputs: list[str]) -> tuple[OpProfile, float]:
+    """A memory-bound op moving ``moved`` bytes in forward (and twice that in backward)."""
+    seconds = moved / ELEMENTWISE_BYTES
+    return OpProfile(name, seconds, 0.0, saved, inputs), 2 * seconds
+
+
+def _half(name: str, index: int, ops: list[tuple[OpProfile, float]], params: int) -> LayerProfile:
+    """One checkpointed half of a layer as a planner block."""
+    return LayerProfile(name=name, index=index, forward_time=sum(op.forward_time for op, _ in ops),
+                        backward_time=sum(backward for _, backward in ops), param_bytes=params * PARAM_BYTES,
+                        grad_bytes=params * PARAM_BYTES, trainable_numel=params, ops=[op for op, _ in ops])
+
+
+def gpt_layers(model: GPT, batch: int) -> list[LayerProfile]:
+    """Hand-built profiles of ``model`` at ``batch``: the embeddings, then an attention and an MLP half per layer.
+
+    Saved bytes per token of a layer (``h`` the hidden size, 2-byte activations, 1-byte dropout masks): attention
+    half 13h (its input 2h, layer norm output 2h, q/k/v 6h, attention output 2h, dropout mask h) plus norm statistics
+    and FlashAttention's log-sum-exp; MLP half 21h (input 2h, norm output 2h, up-projection 8h, GELU output 8h, mask
+    h): 34h in all, as Korthikanti et al. (2022) count with FlashAttention.
+    """
+    h, t = model.hidden, batch * SEQ
+    act = t * h * ACT_BYTES
+    stats = t * 8  # layer norm mean and reciprocal std, fp32
+    lse = batch * model.heads * SEQ * 4  # FlashAttention's log-sum-exp, fp32
+    attention_flops = 4.0 * batch * SEQ * SEQ * h
+    layers = [LayerProfile(name="embed", index=0, forward_time=3 * act / ELEMENTWISE_BYTES,
+                           backward_time=6 * act / ELEMENTWISE_BYTES, param_bytes=(VOCAB + SEQ) * h * PARAM_BYTES,
+                           grad_bytes=(VOCAB + SEQ) * h * PARAM_BYTES, trainable_numel=(VOCAB + SEQ) * h,
+                           ops=[OpProfile("*", 0.0, 0.0, 0)], op_level=False)]
+    for i in range(model.layers):
+        attention = [
+            (OpProfile("input", 0.0, 0.0, act), 0.0),
+            _elementwise("ln_1", 2 * act, act + stats, ["input"]),
+            _gemm("c_attn", t, h, 3 * h, 3 * act, ["ln_1"]),
+            (OpProfile("flash", attention_flops / ATTENTION_FLOPS, attention_flops, act + lse, ["c_attn"]),
+             2.5 * attention_flops / ATTENTION_FLOPS),
+            _gemm("c_proj", t, h, h, 0, ["flash"]),
+            _elementwise("dropout", 2 * act + act // 2, act // 2, ["c_proj"]),
+            _elementwise("residual", 3 * act, 0, ["dropout", "input"]),
+        ]
+        mlp = [
+            (OpProfile("input", 0.0, 0.0, act), 0.0),
+            _elementwise("ln_2", 2 * act, act + stats, ["input"]),
+            _gemm("c_fc", t, h, 4 * h, 4 * act, ["ln_2"]),
+            _elementwise("gelu", 8 * act, 4 * act, ["c_fc"]),
+            _gemm("c_proj", t, 4 * h, h, 0, ["gelu"]),
+            _elementwise("dropout", 2 * act + act // 2, act // 2, ["c_proj"]),
+            _elementwise("residual", 3 * act, 0, ["dropout", "input"]),
+        ]
+        layers.append(_half(f"layers.{i}.attn", 2 * i + 1, attention, 4 * h * h + 6 * h))
+        layers.append(_half(f"layers.{i}.mlp", 2 * i + 2, mlp, 8 * h * h + 7 * h))
+    return layers
+
+
+def model_flops(model: GPT, batch: int) -> float:
+    """Model FLOPs of one step: forward and backward (twice forward) of every matmul and of attention."""
+    tokens = batch * SEQ
+    return 3.0 * model.layers * (2.0 * tokens * 12 * model.hidden**2 + 4.0 * batch * SEQ * SEQ * model.hidden)
+
+
+def in_gpu_peak(model: GPT, batch: int) -> float:
+    """TFLOPS of one layer's forward and backward with everything on the device (Ratel's in-GPU block peak)."""
+    halves = gpt_layers(GPT(model.name, 1, model.heads, model.hidden), batch)[1:]
+    seconds = sum(half.forward_time + half.backward_time for half in halves)
+    return model_flops(GPT(model.name, 1, model.heads, model.hidden), batch) / seconds / 1e12
+
+
+def device_overhead(model: GPT, batch: int) -> DeviceOverhead:
+    """The documented margin (:meth:`DeviceOverhead.margin`) with the loss's tensors as the "logits".
+
+    The artifact's loss compares the last hidden state with a target of the same shape: output, target and the
+    output's gradient, 2 bytes each per hidden value.
+    """
+    return DeviceOverhead.margin(logits_bytes=3 * batch * SEQ * model.hidden * ACT_BYTES)
+
+
+def batch_limit(model: GPT, *, prefetch_depth: int = 1) -> int:
+    """The largest batch the 4090's memory holds for ``model``, from one sample's and two samples' device bytes."""
+
+    def fixed_at(batch: int) -> int:
+        cost = CostModel(paper_hardware(), gpt_layers(model, batch), prefetch_depth=prefetch_depth,
+                         device_overhead=device_overhead(model, batch))
+        return cost.fixed_device_bytes
+
+    per_sample = fixed_at(2) - fixed_at(1)
+    return largest_batch(DEVICE_MEMORY, fixed_at(1) - per_sample, per_sample,
+                         fragmentation=device_overhead(model, 1).fragmentation)
+
+
+def plan(model: GPT, batch: int, ssds: int = 12) -> Plan:
+    """The plan the search picks for ``model`` at ``batch`` on the testbed with ``ssds`` SSDs."""
+    hw = paper_hardware(ssds)
+    return search(hw, gpt_layers(model, batch), device_budget=hw.device_memory_free,
+                  host_budget=HOST_STATIC_BYTES + int(0.9 * hw.host_memory_free), store_budget=int(0.95 * hw.ssd_free),
+                  host_static_bytes=HOST_STATIC_BYTES, state_read_bytes_per_param=STATE_READ_BYTES,
+                  state_write_bytes_per_param=STATE_WRITE_BYTES, param_cache="ssd", state_spill=True,
+                  device_overhead=device_overhead(model, batch))
+
+
+@dataclass
+class Row:
+    """One comparison: what the model predicts against what was published."""
+
+    case: str
+    predicted: float
+    unit: str = ""
+    published: float | None = None
+    published_text: str = ""
+    bound: str = ""
+
+    @property
+    def ratio(self) -> float | None:
+        """Predicted over published, where a figure was published."""
+        return self.predicted / self.published if self.published else None
+
+
+def _bound(result: Plan) -> str:
+    """The resources that set forward's and backward's time."""
+    forward = bottleneck(result.resource_times["forward"], unified=False)
+    backward = bottleneck(result.resource_times["backward"], unified=False)
+    return f"fwd {forward}, bwd {backward}"
+
+
+def _tflops_row(case: str, model: GPT, batch: int, ssds: int, published: float) -> Row:
+    """Predicted model TFLOPS of ``model`` at ``batch`` with ``ssds`` SSDs against a published figure."""
+    result = plan(model, batch, ssds)
+    tflops = model_flops(model, batch) / result.predicted_iteration_time / 1e12
+    return Row(case, tflops, "TFLOPS", published, f"{published:.1f}", _bound(result))
+
+
+def compared_batch(model: GPT) -> int:
+    """The batch a model is compared at: the paper's 64, or the largest power of two the device holds if smaller."""
+    limit = batch_limit(model)
+    return min(PAPER_BATCH, 1 << (limit.bit_length() - 1)) if limit else 0
+
+
+def rows() -> list[Row]:
+    """Every comparison the benchmark prints."""
+    out = [_tflops_row(f"13B, batch {PAPER_BATCH}, {ssds} SSD{'s' if ssds > 1 else ''}", MODELS["13B"], PAPER_BATCH,
+                       ssds, published) for ssds, published in PUBLISHED_13B_BY_SSDS.items()]
+    out += [_tflops_row(f"175B, batch {batch}, 12 SSDs", MODELS["175B"], batch, 12, published)
+            for batch, published in PUBLISHED_175B.items()]
+    low, high = SHARE_OF_PEAK_BELOW_70B
+    for name, model in MODELS.items():
+        limit = batch_limit(model)
+        seen = {"13B": "128 ran", "175B": "16 ran, 32 out of memory"}.get(name, "")
+        out.append(Row(f"{name}: largest batch the GPU holds", limit, "samples", published_text=seen))
+        batch = compared_batch(model)
+        result = plan(model, batch)
+        share = model_flops(model, batch) / result.predicted_iteration_time / 1e12 / in_gpu_peak(model, batch)
+        if name == "175B":
+            published, text = SHARE_OF_PEAK_175B, f"about {SHARE_OF_PEAK_175B:.2f}"
+        elif name in BELOW_70B:
+            published, text = (low + high) / 2, f"{low:.2f}-{high:.2f}"
+        else:
+            published, text = None, ""
+        out.append(Row(f"{name}, batch {batch}: share of the in-GPU block peak "
+                       f"({in_gpu_peak(model, batch):.1f} TFLOPS)", share, "", published, text, _bound(result)))
+    return out
+
+
+def main() -> None:
+    """Print predicted against published figures."""
+    table = Table(title="Ratel's published figures against the planner's cost model (RTX 4090, D7-P5510 SSDs)")
+    table.add_column("case")
+    table.add_column("predicted", justify="right")
+    table.add_column("published", justify="right")
+    table.add_column("predicted / published", justify="right")
+    table.add_column("bound by (fwd, bwd)")
+    for row in rows():
+        number = f"{row.predicted:.0f} {row.unit}" if row.unit == "samples" else (
+            f"{row.predicted:.1f} {row.unit}" if row.unit else f"{row.predicted:.3f}")
+        table.add_row(row.case, number, row.published_text or "-",
+                      "-" if row.ratio is None else f"{row.ratio:.2f}", row.bound)
+    console = Console(width=160)
+    console.print(table)
+    console.print("Shares are predicted model TFLOPS over the in-GPU block peak of the same model and batch; a share "
+                  "row's ratio is against the middle of the published range.")
+
+
+if __name__ == "__main__":
+    main()

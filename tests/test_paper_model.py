@@ -1,0 +1,101 @@
+"""The cost model against the Ratel paper's published figures, on hand-built profiles of its machine and GPT models.
+
+The profiles and every number they rest on are in benchmarks/paper_model.py; one number there (the CPU AdamW rate) is
+fitted to GPT 175B at batch 8, every other comparison is a prediction.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import paper_model as paper
+from lightning_ratel.plan.cost import bottleneck
+
+
+@pytest.fixture(scope="module")
+def table() -> dict[str, paper.Row]:
+    """Every comparison the benchmark prints, by case (computed once: each is a search)."""
+    return {row.case: row for row in paper.rows()}
+
+
+def _share(table: dict[str, paper.Row], name: str) -> float:
+    model = paper.MODELS[name]
+    return table[f"{name}, batch {paper.compared_batch(model)}: share of the in-GPU block peak "
+                 f"({paper.in_gpu_peak(model, paper.compared_batch(model)):.1f} TFLOPS)"].predicted
+
+
+@pytest.mark.parametrize("ssds", sorted(paper.PUBLISHED_13B_BY_SSDS))
+def test_13b_throughput_by_number_of_ssds_within_15_percent(table, ssds):
+    row = table[f"13B, batch 64, {ssds} SSD{'s' if ssds > 1 else ''}"]
+    assert row.published == paper.PUBLISHED_13B_BY_SSDS[ssds]
+    assert row.ratio == pytest.approx(1.0, abs=0.15)
+
+
+def test_13b_is_bound_by_the_ssds_until_compute_takes_over(table):
+    tflops = [table[f"13B, batch 64, {n} SSD{'s' if n > 1 else ''}"].predicted for n in (1, 2, 3, 6, 12)]
+    assert tflops == sorted(tflops)
+    assert tflops[1] > 1.8 * tflops[0]
+    # From 3 SSDs on more drives buy nothing: the GPU (and its link) set the pace, as the paper's curve flattens.
+    assert tflops[2] == pytest.approx(tflops[4])
+    assert "ssd" in table["13B, batch 64, 1 SSD"].bound
+    assert "ssd" not in table["13B, batch 64, 12 SSDs"].bound
+
+
+def test_175b_batch_is_capped_by_gpu_memory():
+    # The artifact ran batch 16 and ran out of memory at 32.
+    assert 16 <= paper.batch_limit(paper.MODELS["175B"]) < 32
+    assert paper.compared_batch(paper.MODELS["175B"]) == 16
+    # The 13B model fits the batch 128 the paper ran.
+    assert paper.batch_limit(paper.MODELS["13B"]) >= 128
+
+
+def test_models_below_70b_reach_90_percent_of_the_in_gpu_peak(table):
+    for name in paper.BELOW_70B:
+        assert paper.compared_batch(paper.MODELS[name]) == 64
+        assert 0.90 <= _share(table, name) <= 1.0
+
+
+def test_175b_reaches_about_half_the_in_gpu_peak(table):
+    share = _share(table, "175B")
+    assert share == pytest.approx(paper.SHARE_OF_PEAK_175B, rel=0.15)
+    assert all(share < 0.7 * _share(table, name) for name in paper.BELOW_70B)
+    for batch, published in paper.PUBLISHED_175B.items():
+        assert table[f"175B, batch {batch}, 12 SSDs"].ratio == pytest.approx(1.0, abs=0.15), published
+
+
+def test_175b_is_held_back_by_the_optimizer_not_the_gpu():
+    result = paper.plan(paper.MODELS["175B"], 16)
+    backward = result.resource_times["backward"]
+    assert bottleneck(backward, unified=False) == "cpu_optimizer"
+    assert backward["compute"] < backward["cpu_optimizer"]
+    assert result.memory["device"] <= result.budgets["device"]
+
+
+def test_in_gpu_peak_stays_below_the_gemm_rate():
+    for name, model in paper.MODELS.items():
+        peak = paper.in_gpu_peak(model, 16)
+        assert 0.85 * paper.GEMM_FLOPS / 1e12 < peak < paper.GEMM_FLOPS / 1e12, name
+
+
+def test_gpt_block_profile_matches_the_shapes():
+    model = paper.GPT("tiny", 2, 4, 64)
+    layers = paper.gpt_layers(model, 3)
+    assert [layer.name for layer in layers] == ["embed", "layers.0.attn", "layers.0.mlp", "layers.1.attn",
+                                                "layers.1.mlp"]
+    tokens, h = 3 * paper.SEQ, 64
+    attention, mlp = layers[1], layers[2]
+    # 13h and 21h bytes per token, besides norm statistics and the attention's log-sum-exp: 34h in all.
+    assert attention.saved_bytes == 13 * tokens * h + 8 * tokens + 3 * 4 * paper.SEQ * 4
+    assert mlp.saved_bytes == 21 * tokens * h + 8 * tokens
+    assert sum(op.flops for layer in layers[1:3] for op in layer.ops) == pytest.approx(
+        paper.model_flops(paper.GPT("tiny", 1, 4, 64), 3) / 3)
+    assert sum(layer.trainable_numel for layer in layers) == model.params() - 2 * h  # the final norm is not modelled
+
+
+def test_benchmark_prints_every_row(table, monkeypatch, capsys):
+    monkeypatch.setattr(paper, "rows", lambda: list(table.values()))
+    paper.main()
+    out = capsys.readouterr().out
+    for case in ("13B, batch 64, 1 SSD", "175B, batch 16, 12 SSDs", "175B: largest batch the GPU holds"):
+        assert case in out
+    assert "predicted / published" in out
