@@ -10,6 +10,7 @@ activation cache. A fixed ``activation_policy`` bypasses all of it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from collections.abc import Sequence
@@ -30,6 +31,7 @@ from lightning_ratel.placement import (
     profiling_placements,
     resolve_policies,
 )
+from lightning_ratel.plan.cost import DeviceOverhead
 from lightning_ratel.plan.profile import HardwareProfile, LayerProfile, OpProfile
 from lightning_ratel.plan.search import Plan, search
 from lightning_ratel.report import show_plan
@@ -73,6 +75,8 @@ class Planner:
         self._profiled_steps = 0
         self._profiled: dict[int, list] = {}
         self._profiled_times: dict[int, list[dict[str, float]]] = {}
+        # Bytes and elements of each block's output in the profiled passes (the last block's are the logits).
+        self._outputs: dict[int, tuple[float, float]] = {}
         cache.set_placements(resolve_policies(blocks, config.activation_policy or "host"))
 
     @property
@@ -176,17 +180,24 @@ class Planner:
                 ]
             else:
                 ops_ = [OpProfile(CONTAINER_OP, 0.0, 0.0, self.cache.saved_by_block.get(b, 0), [])]
+            param_bytes = sum(self.layout.units[u].nbytes for u in self.layout.block_units[b])
+            saved = sum(op.saved_bytes for op in ops_)
+            # On the device: what backward allocated beyond what it found, plus the block's own resident bytes.
+            peak = max(t.get("backward_peak", 0.0) for t in passes)
             layers.append(LayerProfile(
                 name=block.name,
                 index=pos,
                 forward_time=forward,
                 backward_time=backward,
-                param_bytes=sum(self.layout.units[u].nbytes for u in self.layout.block_units[b]),
+                param_bytes=param_bytes,
                 grad_bytes=sum(s.numel * s.dtype.itemsize for s in owned),
                 trainable_numel=sum(s.numel for s in owned),
                 ops=ops_,
                 op_level=not block.direct_only,
+                peak_device_bytes=int(peak) + param_bytes + saved if peak > 0 else 0,
             ))
+            self._outputs[b] = (max(t.get("output_bytes", 0.0) for t in passes),
+                                max(t.get("output_elements", 0.0) for t in passes))
         self._profiled.clear()
         self._profiled_times.clear()
         self.scheduler.block_times.clear()
@@ -214,9 +225,19 @@ class Planner:
         plan = search(hardware, layers, device_budget=device_budget, host_budget=host_budget,
                       store_budget=store_budget, prefetch_depth=self.config.prefetch_depth, host_static_bytes=static,
                       state_read_bytes_per_param=round(8 + masters / trainable),
-                      state_write_bytes_per_param=round(8 + (masters + copies) / trainable))
+                      state_write_bytes_per_param=round(12 + copies / trainable),
+                      param_cache=self.layout.param_cache,
+                      # Write-backs are waited for only by the next update of the same shard.
+                      state_spill=True,
+                      device_overhead=self._device_overhead(layers) if self.device.is_cuda else None)
         plan.budgets["host_static"] = static
         return plan
+
+    def _device_overhead(self, layers: Sequence[LayerProfile]) -> DeviceOverhead:
+        last = self.scheduler.order[-1] if self.scheduler.order else -1
+        logits_bytes, logits_elements = self._outputs.get(last, (0.0, 0.0))
+        return device_overhead(int(logits_bytes), int(logits_elements),
+                               peaks_measured=bool(layers) and all(layer.peak_device_bytes for layer in layers))
 
     def apply_plan(self, plan: Plan) -> None:
         """Place activations as ``plan`` says from the next forward pass on.
@@ -237,3 +258,19 @@ class Planner:
                 f"({', '.join(sorted(names)[:4])}, ...). Make a plan for this model (plan='auto').")
         self.plan = plan
         self.cache.set_placements(plan_placements(self.blocks, plan.activation_placement))
+
+
+def device_overhead(logits_bytes: int, logits_elements: int, peaks_measured: bool) -> DeviceOverhead:
+    """What a step needs on the device beyond paging buffers and one block's working set.
+
+    The documented margin (:meth:`~lightning_ratel.plan.cost.DeviceOverhead.margin`), with the logits measured while
+    profiling: the last block's output, plus the loss's fp32 copy of it and its gradient (4 bytes each per element).
+    Where every block's backward peak was measured, those peaks already hold the activation gradients.
+
+    Args:
+        logits_bytes: bytes of the last block's output.
+        logits_elements: its elements.
+        peaks_measured: every block has a measured ``peak_device_bytes``.
+    """
+    overhead = DeviceOverhead.margin(logits_bytes=logits_bytes + 8 * logits_elements)
+    return dataclasses.replace(overhead, grad_temp_ratio=0.0) if peaks_measured else overhead

@@ -83,6 +83,7 @@ class BlockScheduler:
         self.profiling = False
         self.block_times: dict[int, dict[str, float]] = {}
         self._entered: float | None = None
+        self._allocated = 0
         self._handles: list[Any] = []
         for block in blocks:
             self._install(block)
@@ -176,6 +177,11 @@ class BlockScheduler:
                 self._sync()
                 times = self.block_times.setdefault(b, {})
                 times["forward"] = times.get("forward", 0.0) + time.perf_counter() - times.pop("forward_start")
+                # What the block hands on; for the last block the logits, whose loss and gradient cost device memory
+                # outside any block.
+                tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+                times["output_bytes"] = float(sum(t.numel() * t.element_size() for t in tensors))
+                times["output_elements"] = float(sum(t.numel() for t in tensors))
             self.cache.end_record(b)
             outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             if outputs:
@@ -190,6 +196,9 @@ class BlockScheduler:
         self.timeline.record("backward_start")
         self.state = TrainingState.BACKWARD
         self._entered = time.perf_counter()
+        if self.profiling:
+            self._allocated = self.device.allocated_bytes()
+            self.device.reset_peak()
 
     def _pre_backward(self, b: int, grad: torch.Tensor) -> None:
         """Backward reached block ``b``: keep it resident, release the blocks behind it, prefetch the ones ahead."""
@@ -212,13 +221,18 @@ class BlockScheduler:
             self.cache.prefetch_block(nxt)
 
     def _close_backward_interval(self) -> None:
-        """Profiling: charge the time since backward last changed block to that block."""
+        """Profiling: charge the time (and, on CUDA, the peak of device memory beyond what was allocated when it
+        began) since backward last changed block to that block."""
         self._sync()
         now = time.perf_counter()
         if self._current is not None and self._entered is not None:
             times = self.block_times.setdefault(self._current, {})
             times["backward"] = times.get("backward", 0.0) + now - self._entered
+            peak = float(self.device.peak_bytes() - self._allocated)
+            times["backward_peak"] = max(times.get("backward_peak", 0.0), peak)
         self._entered = now
+        self._allocated = self.device.allocated_bytes()
+        self.device.reset_peak()
 
     def end_backward(self) -> None:
         """Backward finished: release what it held and learn the execution order from the pass."""

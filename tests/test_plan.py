@@ -447,3 +447,14 @@ def test_profiles_without_the_new_fields_still_load():
     layer = _hand_layer("b.0", 0).to_dict()
     del layer["peak_device_bytes"]
     assert LayerProfile.from_dict(layer) == _hand_layer("b.0", 0)
+
+
+def test_device_overhead_from_what_profiling_measured():
+    from lightning_ratel.planner import device_overhead
+
+    # bf16 logits of 1000 elements: themselves, the loss's fp32 copy and the gradient.
+    estimated = device_overhead(2000, 1000, peaks_measured=False)
+    assert estimated.logits_bytes == 2000 + 8000
+    assert estimated.grad_temp_ratio == 0.5 and estimated.workspace_bytes == 64 << 20
+    # Measured backward peaks already hold the activation gradients.
+    assert device_overhead(2000, 1000, peaks_measured=True).grad_temp_ratio == 0.0

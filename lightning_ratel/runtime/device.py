@@ -149,3 +149,16 @@ class Device:
         self._copy_events = pending
         taken, self._copy_seconds = self._copy_seconds, {"h2d": 0.0, "d2h": 0.0}
         return taken
+
+    def allocated_bytes(self) -> int:
+        """Bytes the caching allocator has handed out on the device now (0 on CPU, where nothing is tracked)."""
+        return torch.cuda.memory_allocated(self.device) if self.is_cuda else 0
+
+    def reset_peak(self) -> None:
+        """Start a new window for :meth:`peak_bytes`."""
+        if self.is_cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak_bytes(self) -> int:
+        """The most bytes allocated on the device at once since :meth:`reset_peak` (0 on CPU)."""
+        return torch.cuda.max_memory_allocated(self.device) if self.is_cuda else 0

@@ -64,6 +64,13 @@ def link_bandwidth(device: Device, nbytes: int = 64 << 20, repeats: int = 3) -> 
     return nbytes / best_time(h2d, repeats), nbytes / best_time(d2h, repeats)
 
 
+def host_memory_bandwidth(nbytes: int = 256 << 20, repeats: int = 2) -> float:
+    """Bytes/s of host DRAM traffic in a large host-to-host copy (each byte read once and written once)."""
+    source = aligned_empty(nbytes, torch.uint8).fill_(1)
+    target = aligned_empty(nbytes, torch.uint8).fill_(0)
+    return 2 * nbytes / best_time(lambda: target.copy_(source), repeats)
+
+
 def disk_bandwidth(paths: Sequence[str], nbytes: int = 64 << 20, name: str = "ratel-probe") -> tuple[float, float]:
     """Read and write bytes/s of a :class:`TensorStore` striped over ``paths`` (direct I/O where supported)."""
     # Huge pages like the buffers the store moves in training (they change direct I/O speed a lot).
@@ -121,6 +128,9 @@ def measure_hardware(
     device_free = torch.cuda.mem_get_info(device.device)[0] if device.is_cuda else host_free
     ssd_free = sum(shutil.disk_usage(p).free for p in {os.stat(p).st_dev: p for p in ssd_paths}.values())
     return HardwareProfile(
+        # Where the CPU is the device its compute already stands for DRAM traffic; on a GPU machine the optimizer and
+        # the transfers share it.
+        host_memory_bandwidth=host_memory_bandwidth() if device.is_cuda else 0.0,
         device_type=device.device.type,
         h2d_bandwidth=h2d,
         d2h_bandwidth=d2h,
