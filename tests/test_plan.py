@@ -208,6 +208,12 @@ def test_device_budget_shortfall_is_reported():
     need = _fixed_device(layers)
     with pytest.raises(RatelPlanError, match=r"device budget.*short by 123 B.*prefetch_depth"):
         search(_hw(), layers, device_budget=need - 123, host_budget=BIG, store_budget=BIG)
+    # The part that grows with the batch (what the working block saves) must shrink to fit: a little here.
+    with pytest.raises(RatelPlanError, match=r"at most 9\d\.\d% of the profiled one fits"):
+        search(_hw(), layers, device_budget=need - 123, host_budget=BIG, store_budget=BIG)
+    # Parameters and paging buffers alone are too big: no batch fits.
+    with pytest.raises(RatelPlanError, match="none fits"):
+        search(_hw(), layers, device_budget=100, host_budget=BIG, store_budget=BIG)
 
 
 def test_host_budget_shortfall_is_reported():

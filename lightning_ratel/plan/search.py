@@ -21,11 +21,12 @@ from lightning_ratel.plan.cost import (
     CostModel,
     DeviceOverhead,
     Prediction,
+    largest_batch,
     layer_cost,
     recompute_ops,
 )
 from lightning_ratel.plan.profile import HardwareProfile, LayerProfile, OpProfile
-from lightning_ratel.sizes import format_bytes
+from lightning_ratel.sizes import format_bytes, round_up
 
 PLAN_FORMAT = 1
 """Version of the plan file format :meth:`Plan.to_json` writes; a file of another version is refused."""
@@ -266,8 +267,8 @@ def _check_fixed_memory(walk: _Walk, unified: bool) -> None:
         raise RatelPlanError(
             f"device budget too small: the plan needs {format_bytes(memory['device'])} of device memory "
             f"({device_need}) but the budget is {format_bytes(walk.budgets['device'])}: short by "
-            f"{format_bytes(memory['device'] - walk.budgets['device'])}. Use a smaller batch size or sequence length, "
-            f"lower prefetch_depth, or raise device_memory_limit.")
+            f"{format_bytes(memory['device'] - walk.budgets['device'])}. Use a smaller batch size or sequence length"
+            f"{_batch_hint(model, walk.budgets['device'])}, lower prefetch_depth, or raise device_memory_limit.")
     if memory["host"] > walk.budgets["host"]:
         parts = f"{format_bytes(model.host_static_bytes)} held by the rest of the run"
         if unified:
@@ -277,6 +278,22 @@ def _check_fixed_memory(walk: _Walk, unified: bool) -> None:
             f"storing any activation, but the budget is {format_bytes(walk.budgets['host'])}: short by "
             f"{format_bytes(memory['host'] - walk.budgets['host'])}. Raise host_memory_limit, lower prefetch_depth, "
             f"or use a smaller batch size or sequence length.")
+
+
+def _batch_hint(model: CostModel, budget: int) -> str:
+    """How much smaller the profiled batch must be for the device need to fit ``budget`` (empty if none does).
+
+    What the working block saves, the gradients of its activations and the logits grow with the batch; parameters,
+    gradients, paging buffers and workspaces do not."""
+    working = model.working_block
+    if working is None:
+        return ""
+    per_batch = model.working_bytes(working) - working.param_bytes - working.grad_bytes + model.overhead.logits_bytes
+    fixed = model.fixed_device_bytes - per_batch
+    # In thousandths of the profiled batch.
+    fits = largest_batch(budget, fixed, max(1, round_up(per_batch, 1000) // 1000), fragmentation=model.overhead.fragmentation,
+                         limit=999)
+    return f" (at most {fits / 10:.1f}% of the profiled one fits)" if fits else " (none fits: the rest alone is too big)"
 
 
 def _overhead_text(overhead: DeviceOverhead) -> str:
