@@ -25,6 +25,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.flop_counter import flop_registry
 
+from lightning_ratel.runtime.device import Stopwatch
+
 # Aliasing no-ops that autograd itself issues in a forward with gradients (detaching saved outputs) and not in the
 # replay, which runs without them: they are not part of a block's op sequence.
 _IGNORED = {torch.ops.aten.detach.default, torch.ops.aten.lift_fresh.default}
@@ -81,7 +83,14 @@ class ForwardRecord:
     # set while the activation cache packs a tensor: its own copies are not ops of the block
     paused: bool = False
     outputs: dict[int, list[Any]] | None = None
-    replay_time: float = 0.0
+    # Times a replay (the device's clock, set by the activation cache; the host's by default) and the last replay.
+    stopwatch: Callable[[], Stopwatch] = Stopwatch
+    replay_watch: Stopwatch | None = None
+
+    @property
+    def replay_time(self) -> float:
+        """Seconds the last replay took (0 before one)."""
+        return self.replay_watch.seconds() if self.replay_watch is not None else 0.0
 
     def producer(self, t: torch.Tensor) -> tuple[int, int] | None:
         """The (op, output) that wrote ``t``'s storage in this forward, or ``None`` for a tensor from outside."""
@@ -117,7 +126,7 @@ class ForwardRecord:
         """Run the forward again and keep the outputs of the target ops (see the module docstring)."""
         if self.outputs is not None:
             return
-        start = time.perf_counter()
+        watch = self.stopwatch()
         execute, last = self.needed()
         outputs: dict[int, list[Any]] = {}
         args = restore_inputs(self.args)
@@ -148,7 +157,7 @@ class ForwardRecord:
                 f"ran {len(self.ops)}; recomputation needs a forward that runs the same ops every time"
             )
         self.outputs = outputs
-        self.replay_time = time.perf_counter() - start
+        self.replay_watch = watch.stop()
 
     def recomputed(self, op: int, index: int) -> torch.Tensor:
         assert self.outputs is not None
