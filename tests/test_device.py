@@ -287,3 +287,37 @@ def test_device_memory_cap_is_undone_at_teardown(monkeypatch: pytest.MonkeyPatch
     strategy.teardown()
     strategy.teardown()
     assert calls == [(0.5, cuda), (1.0, cuda)]
+
+
+# ---------------------------------------------------------------------------------------------------- accounting
+
+
+class _Pinned(L.Callback):
+    """What the engine reports as pinned after each step, and what it is made of."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[int, int, int]] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        engine = trainer.strategy.engine
+        caches = sum(-(-flat.numel() * flat.element_size() // 4096) * 4096
+                     for unit in engine.layout.units.values() for flat in unit.host.values())
+        self.steps.append((engine.byte_placement()["pinned"], caches, engine.device.pool.nbytes))
+
+
+@pytest.mark.parametrize("param_cache", ["host", "ssd"])
+def test_engine_reports_exactly_what_is_pinned_and_reuses_it(tmp_path: Path, simulated_streams: None,
+                                                             param_cache: str) -> None:
+    pinned = _Pinned()
+    policy = {"*layers.0": "ssd", "*layers.1": "recompute", "*": "host"}
+    trainer(RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy=policy, param_cache=param_cache),
+            precision="bf16-mixed", max_steps=8, callbacks=[pinned]).fit(LM("llama"))
+    assert len(pinned.steps) == 8
+    for total, caches, pool in pinned.steps:
+        # The host caches at their own size (rounded to pages) and the pool's staging buffers, nothing else.
+        assert total == caches + pool
+        assert (caches > 0) == (param_cache == "host")
+    # Staging buffers are reused from step to step: the pool stops growing after the first steps.
+    first = pinned.steps[1][2]
+    assert all(pool <= 1.5 * first for _, _, pool in pinned.steps)
