@@ -184,6 +184,11 @@ class _SimStream:
         self._queue.put(None)
 
     def _run(self) -> None:
+        # Tensors made under inference mode (a validation pass) may be written only there; writes to others are fine.
+        with torch.inference_mode():
+            self._serve()
+
+    def _serve(self) -> None:
         pause = random.Random()
         while (item := self._queue.get()) is not None:
             work, delay = item

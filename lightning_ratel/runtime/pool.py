@@ -239,7 +239,7 @@ class HostPool:
     def _lend(self, lease: _Lease) -> torch.Tensor:
         """A tensor over ``lease``'s memory with a storage of its own, whose death hands the lease back."""
         if self.poison:
-            lease.raw[: lease.nbytes].fill_(_POISON)
+            _poison(lease.raw[: lease.nbytes])
         # torch.frombuffer keeps the exporting object alive for as long as the storage lives, so the end of this
         # object's life is the end of the storage's: the memory is no longer reachable from any tensor.
         owner = (ctypes.c_uint8 * lease.nbytes).from_address(lease.raw.data_ptr())
@@ -268,10 +268,15 @@ class HostPool:
                 continue
             if lease.pooled:
                 if self.poison:
-                    lease.raw.fill_(_POISON)
+                    _poison(lease.raw)
                 self._in_use -= lease.raw.numel()
                 self._free.append(lease.raw)
             else:
                 self._dedicated -= lease.nbytes
         self._pending = still
 
+
+def _poison(buffer: torch.Tensor) -> None:
+    # A buffer first allocated under inference mode (a validation pass) may be written only there.
+    with torch.inference_mode():
+        buffer.fill_(_POISON)
