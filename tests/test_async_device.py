@@ -2,7 +2,7 @@
 
 Copies run asynchronously and memory is poisoned when CUDA's caching allocator could reuse it (see
 :mod:`lightning_ratel.runtime.device`), so these fail where a wait for a copy, or a ``keep_alive`` of what a copy
-stream allocated, is missing. ``pytest --simulate-streams`` runs the whole suite that way (about four times slower).
+stream allocated, is missing. ``pytest --simulate-streams`` runs the whole suite that way (several times slower).
 """
 
 from __future__ import annotations
