@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
-
 from lightning_ratel.checkpoint import ModelState
 from lightning_ratel.layout import Layout
 from lightning_ratel.runtime.activations import ActivationCache
@@ -46,19 +44,24 @@ class ByteAccount:
         self.store = store
 
     def held(self) -> dict[str, int]:
-        """Bytes held right now on the device, in host memory and on disk."""
-        host = sum(u.host_nbytes for u in self.layout.units.values()) + self.cache.host_bytes_in_use
-        pool = self.pager.pool
-        # On CPU the pool's buffers in use are the resident compute copies, counted as the device's.
-        host += pool.nbytes if self.device.is_cuda else pool.nbytes - pool.nbytes_in_use
+        """Bytes held right now on the device, in host memory and on disk, and how many of the host's are pinned."""
+        host = sum(u.host_nbytes for u in self.layout.units.values())
+        pool = self.device.pool
+        if self.device.separate_memory:
+            # Every staging copy (activations, gradients, page-ins) is one of the pool's buffers.
+            host += pool.nbytes
+        else:
+            # On CPU the activations kept for forwarding are tensors of their own, not the pool's, and the pool's
+            # buffers in use are the resident compute copies, counted as the device's.
+            host += self.cache.host_bytes_in_use + pool.nbytes - pool.nbytes_in_use
         if self.adam is not None:
             host += self.adam.host_buffer_bytes
         host += self.state.originals_nbytes
         disk = (self.store.nbytes_reserved if self.store is not None else 0) + self.cache.disk_bytes
         device = self.pager.resident_bytes
         if self.device.is_cuda:
-            device = torch.cuda.memory_allocated(self.device.device)
-        return {"device": device, "host": host, "disk": disk}
+            device = self.device.allocated_bytes()
+        return {"device": device, "host": host, "disk": disk, "pinned": self.device.pinned_bytes}
 
 
 def _union(intervals: Sequence[tuple[float, float]], start: float, end: float) -> float:
@@ -116,7 +119,8 @@ class StepBreakdown:
                 updates.append((opened.pop(shard), t))
         stall = self.pager.take_stall_seconds() + self.cache.take_stall_seconds()
         wall = end - start
-        copy_time = copies["h2d"] + copies["d2h"] if not self.device.is_cuda else 0.0
+        # Copies take the training thread's time only where they run on it.
+        copy_time = copies["h2d"] + copies["d2h"] if not self.device.separate_memory else 0.0
         return {
             "wall": wall,
             "compute": max(wall - stall - copy_time, 0.0),

@@ -59,7 +59,11 @@ class RatelPrecision(Precision):
         self.growth_factor = growth_factor
         self.backoff_factor = backoff_factor
         self.growth_interval = growth_interval
+        # The scale lives in host memory, where the CPU optimizer unscales the gradients and checkpoints read it, and
+        # in a copy on the device that scales the loss. The copy is made once per run and then changed by the same
+        # operations as the host scale, so no step copies it over (a copy from pageable memory syncs the device).
         self._scale = torch.full((), init_scale, dtype=torch.float32) if precision == "16-mixed" else None
+        self._device_scale: Tensor | None = None
         self._growth_tracker = 0
         self._engine: Any = None
         self.steps_skipped = 0
@@ -100,7 +104,7 @@ class RatelPrecision(Precision):
     @override
     def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
         if self._scale is not None:
-            tensor = tensor * self._scale.to(tensor.device)
+            tensor = tensor * self._scale_on(tensor.device)
         tensor = super().pre_backward(tensor, module)
         if self._engine is not None:
             self._engine.pre_backward()
@@ -145,17 +149,32 @@ class RatelPrecision(Precision):
             self._update_scale(found_inf=not taken)
         return closure_result
 
+    def _scale_on(self, device: torch.device) -> Tensor:
+        """The loss scale on ``device``: the host scale itself on the CPU, its device copy elsewhere."""
+        assert self._scale is not None
+        if device.type == "cpu":
+            return self._scale
+        if self._device_scale is None or self._device_scale.device != device:
+            self._device_scale = self._scale.to(device)
+        return self._device_scale
+
+    def _scales(self) -> list[Tensor]:
+        """The host scale and its device copy (if made): every change applies to both, without a copy between."""
+        assert self._scale is not None
+        return [self._scale] if self._device_scale is None else [self._scale, self._device_scale]
+
     def _update_scale(self, found_inf: bool) -> None:
         """``torch.amp.GradScaler.update`` semantics."""
-        assert self._scale is not None
         if found_inf:
-            self._scale.mul_(self.backoff_factor)
+            for scale in self._scales():
+                scale.mul_(self.backoff_factor)
             self._growth_tracker = 0
             self.steps_skipped += 1
         else:
             self._growth_tracker += 1
             if self._growth_tracker == self.growth_interval:
-                self._scale.mul_(self.growth_factor)
+                for scale in self._scales():
+                    scale.mul_(self.growth_factor)
                 self._growth_tracker = 0
 
     @override
@@ -178,5 +197,6 @@ class RatelPrecision(Precision):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self._scale is not None and state_dict:
-            self._scale.fill_(state_dict["scale"])
+            for scale in self._scales():
+                scale.fill_(state_dict["scale"])
             self._growth_tracker = int(state_dict["growth_tracker"])

@@ -126,8 +126,7 @@ class BlockScheduler:
         return self._path_stack[-1] if self._path_stack else ""
 
     def _sync(self) -> None:
-        if self.device.is_cuda:
-            torch.cuda.synchronize(self.device.device)
+        self.device.synchronize()
 
     def _pre_forward(self, b: int, module: nn.Module, args: Any, kwargs: Any) -> None:
         self._check()

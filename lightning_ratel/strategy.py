@@ -108,6 +108,8 @@ class RatelStrategy(SingleDeviceStrategy):
         self._engine: RatelEngine | None = None
         self._exception: BaseException | None = None
         self._failure: BaseException | None = None
+        # The device and allocator fraction that `device_memory_limit` replaced, to put back at teardown.
+        self._replaced_memory_fraction: tuple[torch.device, float] | None = None
 
     @property
     def ssd_paths(self) -> list[str] | None:
@@ -262,7 +264,19 @@ class RatelStrategy(SingleDeviceStrategy):
             raise RatelConfigError(
                 f"`device_memory_limit` ({format_bytes(limit)}) exceeds the device's {format_bytes(total)}"
             )
+        # Put back at teardown, which Lightning also runs after a failed setup: the cap is process-wide and would
+        # otherwise outlive this run (a later run, or plain PyTorch, in the same process).
+        read = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        previous = read(self.root_device) if read is not None else 1.0
         torch.cuda.set_per_process_memory_fraction(limit / total, self.root_device)
+        if self._replaced_memory_fraction is None:
+            self._replaced_memory_fraction = (self.root_device, previous)
+
+    def _restore_device_memory(self) -> None:
+        """Undo :meth:`_limit_device_memory`."""
+        replaced, self._replaced_memory_fraction = self._replaced_memory_fraction, None
+        if replaced is not None:
+            torch.cuda.set_per_process_memory_fraction(replaced[1], replaced[0])
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -349,6 +363,7 @@ class RatelStrategy(SingleDeviceStrategy):
 
     @override
     def teardown(self) -> None:
+        self._restore_device_memory()
         engine, self._engine = self._engine, None
         if engine is not None:
             try:

@@ -10,13 +10,15 @@ Host syncs that are by design, and outside the steady-state steps checked here:
   here log nothing);
 - checkpoints and teardown wait for the CPU optimizer and read the states back from the swap files.
 
-The fp16 overflow check reads ``found_inf`` from the host fp32 gradients, so it costs no device sync.
+The fp16 overflow check reads ``found_inf`` from the host fp32 gradients, so it costs no device sync, and the loss
+scale's device copy is made once and changed in place, so scaling the loss copies nothing.
 """
 
 from __future__ import annotations
 
 import gc
 import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -124,6 +126,80 @@ def test_no_host_sync_in_steady_state(tmp_path, model, precision, policy):
     assert trap.checked == 5
 
 
+class EventSyncTrap(L.Callback):
+    """Fails any host wait on a CUDA event by the training thread during the micro-batches from ``first`` on (the
+    sync debug mode above does not see event waits). The optimizer's worker waits for gradient copies by design."""
+
+    def __init__(self, first: int, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.first = first
+        self.armed = False
+        self.checked = 0
+        self.caught: list[str] = []
+        trainer_thread = threading.get_ident()
+        original = torch.cuda.Event.synchronize
+
+        def synchronize(event: torch.cuda.Event) -> None:
+            if self.armed and threading.get_ident() == trainer_thread:
+                self.caught.append("torch.cuda.Event.synchronize on the training thread")
+            original(event)
+
+        monkeypatch.setattr(torch.cuda.Event, "synchronize", synchronize)
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self.armed = batch_idx >= self.first
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self.armed:
+            self.checked += 1
+        self.armed = False
+
+
+@pytest.mark.parametrize("param_cache", ["host", "ssd"])
+def test_no_event_waits_on_the_training_thread(tmp_path, monkeypatch, param_cache):
+    """Page-outs hand staging buffers back without waiting for their uploads, and nothing else on the training thread
+    waits for an event in a steady-state step (with every tier, fp16 loss scaling and paging from the swap files)."""
+    events = EventSyncTrap(first=3, monkeypatch=monkeypatch)
+    trap = SyncTrap(first=3)
+    strategy = RatelStrategy(ssd_paths=swap_dirs(tmp_path), activation_policy=MIXED_POLICY, param_cache=param_cache)
+    gpu_trainer(strategy, precision="16-mixed", max_steps=8,
+                callbacks=[RatelProfiler(report=False), events, trap]).fit(Quiet("mlp"))
+    assert events.checked == trap.checked == 5
+    assert events.caught == []
+
+
+def test_pinned_memory_is_the_pool_sized_exactly(tmp_path):
+    """Every pinned byte comes from the engine's pool at the size asked for, not from torch's caching host allocator
+    (which rounds each request up to a power of two and keeps it)."""
+    seen: dict[str, Any] = {}
+
+    class Inspect(L.Callback):
+        def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            engine = trainer.strategy.engine
+            caches = [flat for unit in engine.layout.units.values() for flat in unit.host.values()]
+            seen["caches_pinned"] = all(flat.is_pinned() for flat in caches)
+            seen["cache_bytes"] = sum(-(-flat.numel() * flat.element_size() // 4096) * 4096 for flat in caches)
+            seen["placement"] = engine.byte_placement()
+            seen["pool"] = engine.device.pool.nbytes
+
+    before = _pinned_by_torch()
+    strategy = RatelStrategy(ssd_paths=swap_dirs(tmp_path), activation_policy=MIXED_POLICY)
+    gpu_trainer(strategy, precision="bf16-mixed", max_steps=6, callbacks=[Inspect()]).fit(Quiet("llama"))
+    assert seen["caches_pinned"]
+    assert seen["placement"]["pinned"] == seen["cache_bytes"] + seen["pool"]
+    after = _pinned_by_torch()
+    if before is not None and after is not None:
+        # Bytes handed out by torch's caching host allocator during the run: the engine's traffic does not go there.
+        assert after - before < 1 << 20
+
+
+def _pinned_by_torch() -> int | None:
+    """Bytes torch's caching host allocator has handed out so far (``None`` where this torch does not say)."""
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    return stats().get("active_bytes.allocated") if stats is not None else None
+
+
 # ---------------------------------------------------------------------------------------------------- equivalence
 
 
@@ -187,10 +263,19 @@ def test_device_memory_limit_caps_the_allocator_and_the_plan(tmp_path):
                     max_steps=5)
     t.fit(module)
     assert torch.cuda.max_memory_allocated() <= limit
+    # The cap is the run's: teardown puts the allocator back as it was.
+    assert torch.cuda.get_per_process_memory_fraction(0) == 1.0
     plan = next(c.plan for c in t.callbacks if isinstance(c, RatelProfiler))
     assert plan is not None
     assert plan.budgets["device"] == limit
     assert plan.memory["device"] <= limit
+
+
+def test_device_memory_limit_is_undone_after_a_failed_setup(tmp_path):
+    strategy = RatelStrategy(ssd_paths=swap_dirs(tmp_path, 1), device_memory_limit=128 << 20, blocks=["no.such"])
+    with pytest.raises(RatelConfigError, match="does not have"):
+        gpu_trainer(strategy, max_steps=1).fit(Quiet("mlp"))
+    assert torch.cuda.get_per_process_memory_fraction(0) == 1.0
 
 
 def test_device_memory_limit_above_the_device_is_refused(tmp_path):

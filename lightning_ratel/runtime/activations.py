@@ -9,6 +9,10 @@ Each block runs under its own pack/unpack hooks. What autograd saves is one of:
   backward, or handed back from memory if its write has not finished: forwarding) or ``recompute`` (not stored;
   rebuilt in backward by a partial replay of the block's forward, see :mod:`lightning_ratel.runtime.recompute`).
 
+Host copies live in buffers of the device's host pool, which takes them back once autograd (or the store write) is
+done with them and the copies using them have completed. A copy back to the device waits for the copy that filled
+its host buffer, and hands its result to the compute stream with :meth:`~lightning_ratel.runtime.device.Device.use`.
+
 A block's placement is one tier for everything it saves, or a mapping from op names (as
 :class:`~lightning_ratel.runtime.recompute.OpTracker` names them) to tiers, where ``"input"`` stands for the block's
 inputs and ``"*"`` for ops the mapping does not name. A tensor is placed by the op that produced its storage. A tensor
@@ -48,6 +52,7 @@ class _ParamRef:
 class _HostRef:
     block: int
     host: torch.Tensor
+    # Completes when the device->host copy has filled ``host``.
     event: Any
 
 
@@ -59,6 +64,8 @@ class _SsdRef:
     dtype: torch.dtype
     # The staging copy, kept until the store write completes so backward can use it directly (forwarding).
     host: torch.Tensor | None
+    # Completes when the device->host copy has filled ``host``.
+    event: Any = None
     # The device tensor itself when the store writes device memory directly (kvikio); kept until written, likewise.
     device: torch.Tensor | None = None
     write: Future | None = None
@@ -145,6 +152,8 @@ class ActivationCache:
         replay starts from them."""
         self._open[record.block] = record
         self._records.setdefault(record.block, []).append(record)
+        # A replay only queues its kernels on CUDA: time it on the device's clock.
+        record.stopwatch = self.device.stopwatch
 
         record.keep_inputs(args, kwargs,
                            lambda t: self._pack_as(record.block, t, tier_of(self.placements[record.block], None)))
@@ -234,13 +243,12 @@ class ActivationCache:
             ref = _SsdRef(block, key, tuple(t.shape), t.dtype, None, device=flat)
             ref.write = store.write(key, flat)
         else:
-            # The store reads raw bytes of a contiguous tensor. On CUDA they are staged into pinned host memory from
-            # torch's caching host allocator (pinning a fresh buffer per tensor and step costs more than the copy);
-            # on the CPU the tensor already is host memory and is written as it is (kept alive until the write
-            # lands). The store bounces blocks that are not page-aligned.
-            staging = self.device.host_empty(t.numel(), t.dtype) if self.device.is_cuda else None
-            staged, event = self.device.to_host(t.reshape(-1), out=staging)
-            ref = _SsdRef(block, key, tuple(t.shape), t.dtype, staged)
+            # The store reads raw bytes of a contiguous tensor. With separate device memory they are staged into a
+            # page-aligned buffer of the host pool (pinned on CUDA, reused from step to step, and moved without a
+            # bounce); on the CPU the tensor already is host memory and is written as it is (kept alive until the
+            # write lands; the store bounces blocks that are not page-aligned).
+            staged, event = self.device.to_host(t.reshape(-1))
+            ref = _SsdRef(block, key, tuple(t.shape), t.dtype, staged, event)
 
             def write() -> None:
                 event.synchronize()
@@ -273,8 +281,9 @@ class ActivationCache:
         numel = int(torch.Size(ref.shape).numel())
         if self._device_direct:
             ref.read_buffer = torch.empty(numel, dtype=ref.dtype, device=self.device.device)
-        elif self.device.is_cuda:
-            ref.read_buffer = self.device.host_empty(numel, ref.dtype)
+        elif self.device.separate_memory:
+            # Page-aligned too; the copy to the device is recorded against it, so dropping it never waits.
+            ref.read_buffer = self.device.host_buffer(numel, ref.dtype)
         else:
             # Page-aligned, so the read lands without a bounce; on the CPU the buffer becomes the tensor.
             # Huge pages measured ~3% faster on the demo even though the buffer is new every step.
@@ -298,23 +307,27 @@ class ActivationCache:
             ref.record.replay(self._unpack, self._restore)
             return ref.record.recomputed(ref.op, ref.index).as_strided(ref.size, ref.stride, ref.offset)
         if isinstance(ref, _HostRef):
-            out, event = self.device.to_device(ref.host)
-            self.device.wait(event)
-            return out
+            return self._to_device(ref.host, ref.event)
         # Taken once: the write's completion callback may clear them meanwhile.
         host, on_device = ref.host, ref.device
         if on_device is not None:
             return on_device.view(ref.shape)
-        if host is None:
-            self._read_back(ref)
-            assert ref.read is not None
-            start = time.perf_counter()
-            host = ref.read.result()
-            self._stall += time.perf_counter() - start
-            if self._device_direct:
-                return host.view(ref.shape)
-        out, event = self.device.to_device(host.view(ref.shape))
-        self.device.wait(event)
+        if host is not None:
+            # Forwarding: the staging copy may still be on its way from the device.
+            return self._to_device(host.view(ref.shape), ref.event)
+        self._read_back(ref)
+        assert ref.read is not None
+        start = time.perf_counter()
+        host = ref.read.result()
+        self._stall += time.perf_counter() - start
+        if self._device_direct:
+            return host.view(ref.shape)
+        return self._to_device(host.view(ref.shape), None)
+
+    def _to_device(self, host: torch.Tensor, filled: Any) -> torch.Tensor:
+        """``host`` on the device, for the compute stream, once ``filled`` (the copy writing ``host``) completes."""
+        out, event = self.device.to_device(host, after=filled)
+        self.device.use(event, out)
         return out
 
     def _restore(self, tree: Any) -> Any:

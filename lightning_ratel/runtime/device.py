@@ -1,29 +1,307 @@
-"""One device abstraction for CPU and CUDA.
+"""One device abstraction for CPU and CUDA, with a simulation of CUDA's streams on the CPU for tests.
 
 Every mechanism in :mod:`lightning_ratel.runtime` moves data through this class, so the same code runs on a machine
-without a GPU: on CPU, side streams and events become no-ops and pinned memory becomes ordinary memory.
+without a GPU. Three modes:
+
+- CUDA: host->device and device->host copies run on side streams, asynchronously, from and into pinned host memory.
+- CPU: the device's memory is the host's, so copies are not made (a tensor is handed back as it is) and streams and
+  events are no-ops.
+- Simulated streams (a CPU device, for tests): host and device memory are separate as on CUDA, each side stream is a
+  worker thread that runs its copies in order after random delays, events complete when the work queued before them
+  has run, and memory is poisoned (NaN) when handed out and when CUDA's caching allocator could hand it out again. A
+  missing wait then reads NaN, and a missing :meth:`Device.keep_alive` is reported as :class:`StreamOrderError`. Set
+  ``RATEL_SIMULATE_STREAMS=1`` (or pass ``simulate_streams=True``) to run anything on it.
+
+The rules every caller follows (the simulation checks them):
+
+1. Whoever reads a copy's result waits for its event first: the compute stream through :meth:`Device.use`, a host
+   thread through ``event.synchronize()``, a host->device copy of host memory that a device->host copy fills through
+   ``to_device(..., after=event)``.
+2. A tensor allocated on a copy stream and used on the compute stream is declared there (:meth:`Device.use` does it),
+   so the caching allocator does not give its memory to the next copy while kernels queued on the compute stream still
+   read it.
+3. Host memory that copies touch comes from :attr:`Device.pool` (:meth:`Device.host_empty`,
+   :meth:`Device.host_buffer`, and :meth:`Device.to_host` without ``out``). Every copy is recorded against it, so it
+   is reused only once the copy has completed, without anyone blocking on it.
+
+Threads: CUDA work (copies, events, allocations) is issued from the training thread and autograd's thread, which never
+run a pass's work at the same time.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import math
+import os
+import queue
+import random
+import threading
 import time
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from lightning_ratel.runtime.pool import HostPool
+
+SIMULATE_STREAMS_ENV = "RATEL_SIMULATE_STREAMS"
+"""Environment variable that makes every CPU :class:`Device` simulate CUDA streams (any value but ``""``/``"0"``)."""
+
+_SIM_MAX_DELAY = 0.002
+"""Longest random delay, in seconds, before each copy a simulated stream runs."""
+
+_SIM_ERRORS: list[str] = []
+"""What the simulation caught and has not raised yet (a test's teardown reports what is left)."""
+
+
+class StreamOrderError(RuntimeError):
+    """The stream simulation caught memory used in a way that CUDA could corrupt (see the module docstring)."""
+
+
+def take_simulation_errors() -> list[str]:
+    """What simulated devices caught since the last call and have not raised (for a test's teardown)."""
+    errors = list(_SIM_ERRORS)
+    del _SIM_ERRORS[: len(errors)]
+    return errors
+
 
 class _DoneEvent:
-    """Stands in for a CUDA event on CPU, where every copy has completed when it returns."""
+    """Stands in for an event where every copy has completed when it returns (the CPU)."""
 
     def synchronize(self) -> None:
         return None
 
-    def wait(self, stream: object = None) -> None:
-        return None
-
     def query(self) -> bool:
         return True
+
+
+DONE = _DoneEvent()
+
+
+class Stopwatch:
+    """Time between construction and :meth:`stop` on the host's clock, for work that is done when it returns."""
+
+    def __init__(self) -> None:
+        self._start = time.perf_counter()
+        self._seconds = 0.0
+
+    def stop(self) -> Stopwatch:
+        """End the interval; returns ``self``."""
+        self._seconds = time.perf_counter() - self._start
+        return self
+
+    def seconds(self) -> float:
+        """The interval's length (0 before :meth:`stop`)."""
+        return self._seconds
+
+
+class _CudaStopwatch(Stopwatch):
+    """Device time between two timing events on the current stream; read once the work in between has run."""
+
+    def __init__(self) -> None:
+        self._begin = torch.cuda.Event(enable_timing=True)
+        self._begin.record()
+        self._end: torch.cuda.Event | None = None
+
+    def stop(self) -> Stopwatch:
+        self._end = torch.cuda.Event(enable_timing=True)
+        self._end.record()
+        return self
+
+    def seconds(self) -> float:
+        """Waits for the interval's work (outside the steady state: profiling reads it once backward is over)."""
+        if self._end is None:
+            return 0.0
+        self._end.synchronize()
+        return self._begin.elapsed_time(self._end) / 1000.0
+
+
+# ---------------------------------------------------------------------------------------------------- simulation
+
+
+class _SimEvent:
+    """Completes once the work queued on its stream before it has run.
+
+    Attributes:
+        stream: the stream it was recorded on.
+        seq: how many work items had been queued on that stream when it was recorded.
+    """
+
+    def __init__(self, stream: _SimStream, seq: int) -> None:
+        self.stream = stream
+        self.seq = seq
+        self._done = threading.Event()
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+    def synchronize(self) -> None:
+        self._done.wait()
+
+    def set(self) -> None:
+        self._done.set()
+
+
+class _SimStream:
+    """A simulated stream: a worker thread that runs work in the order it was queued, each copy after a random delay.
+
+    The compute stream is ``synchronous``: its work runs at once on the thread that queues it, as torch's CPU kernels
+    do, so it is complete whenever anything else looks.
+    """
+
+    def __init__(self, name: str, synchronous: bool = False, max_delay: float = _SIM_MAX_DELAY) -> None:
+        self.name = name
+        self.synchronous = synchronous
+        self.seq = 0
+        self._max_delay = max_delay
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue[tuple[Callable[[], None], bool] | None] = queue.SimpleQueue()
+        if not synchronous:
+            threading.Thread(target=self._run, name=f"ratel-sim-{name}", daemon=True).start()
+
+    def submit(self, work: Callable[[], None], delay: bool = True) -> None:
+        """Queue ``work`` (``delay``: after a random pause, as a copy that takes a while)."""
+        with self._lock:
+            self.seq += 1
+            if not self.synchronous:
+                self._queue.put((work, delay))
+                return
+        work()
+
+    def record(self) -> _SimEvent:
+        with self._lock:
+            event = _SimEvent(self, self.seq)
+            if not self.synchronous:
+                self._queue.put((event.set, False))
+                return event
+        event.set()
+        return event
+
+    def close(self) -> None:
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        # Tensors made under inference mode (a validation pass) may be written only there; writes to others are fine.
+        with torch.inference_mode():
+            self._serve()
+
+    def _serve(self) -> None:
+        pause = random.Random()
+        while (item := self._queue.get()) is not None:
+            work, delay = item
+            # Not held while waiting for the next item: the work's tensors must die once it has run.
+            del item
+            if delay:
+                time.sleep(pause.uniform(0.0, self._max_delay))
+            try:
+                work()
+            except BaseException as err:  # noqa: BLE001 - raised on the training thread by the next Device call
+                _SIM_ERRORS.append(f"work on the simulated {self.name} stream failed: {err!r}")
+            del work
+
+
+@dataclass(eq=False)
+class _SimBlock:
+    """A device tensor the simulation allocated: what the caching allocator would know about it.
+
+    Attributes:
+        stream: the stream it was allocated on (freed memory goes back to that stream's pool).
+        seq: work items queued on that stream before the allocation.
+        what: shape and dtype, for messages.
+        used_on: streams that waited for work queued on ``stream`` after the allocation, so they may use it.
+        kept_on: streams it was declared on (``record_stream``).
+    """
+
+    stream: _SimStream
+    seq: int
+    what: str
+    used_on: set[_SimStream] = field(default_factory=set)
+    kept_on: set[_SimStream] = field(default_factory=set)
+
+
+class _Simulation:
+    """CUDA's streams and caching allocator, as far as the order of memory accesses goes."""
+
+    def __init__(self) -> None:
+        self.compute = _SimStream("compute", synchronous=True)
+        self.h2d = _SimStream("host->device")
+        self.d2h = _SimStream("device->host")
+        # Poisons freed memory once the work that may still use it has run, without holding up any stream.
+        self.allocator = _SimStream("allocator")
+        self.local = threading.local()
+        self._lock = threading.Lock()
+        self._blocks: dict[int, _SimBlock] = {}
+
+    def close(self) -> None:
+        for stream in (self.h2d, self.d2h, self.allocator):
+            stream.close()
+
+    def current(self) -> _SimStream:
+        return getattr(self.local, "stream", self.compute)
+
+    def empty(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """Device memory allocated on the current stream, poisoned, and watched for its release."""
+        stream = self.current()
+        numel = math.prod(shape)
+        nbytes = max(numel, 1) * dtype.itemsize
+        raw = torch.full((nbytes,), 0xFF, dtype=torch.uint8)
+        # The storage keeps this array alive and nothing else does, so its end is the tensor's release.
+        owner = (ctypes.c_uint8 * nbytes).from_address(raw.data_ptr())
+        block = _SimBlock(stream, stream.seq, f"{tuple(shape)} {dtype}")
+        with self._lock:
+            self._blocks[raw.data_ptr()] = block
+        finalizer = weakref.finalize(owner, self._free, block, raw)
+        finalizer.atexit = False
+        return torch.frombuffer(owner, dtype=torch.uint8).view(dtype)[:numel].view(shape)
+
+    def waited(self, event: _SimEvent, waiter: _SimStream) -> None:
+        """``waiter`` waited for ``event``: from now on it may use what ``event``'s stream allocated before."""
+        if waiter is event.stream:
+            return
+        with self._lock:
+            for block in self._blocks.values():
+                if block.stream is event.stream and block.seq < event.seq:
+                    block.used_on.add(waiter)
+
+    def keep_alive(self, tensor: torch.Tensor, stream: _SimStream) -> None:
+        if tensor.numel() == 0:
+            return
+        with self._lock:
+            block = self._blocks.get(tensor.untyped_storage().data_ptr())
+            if block is not None:
+                block.kept_on.add(stream)
+
+    def _free(self, block: _SimBlock, raw: torch.Tensor) -> None:
+        """The tensor's storage died (on any thread): reuse as the caching allocator would, and check the rules."""
+        with self._lock:
+            self._blocks.pop(raw.data_ptr(), None)
+        unsafe = block.used_on - block.kept_on - {block.stream}
+        if unsafe:
+            names = ", ".join(sorted(s.name for s in unsafe))
+            _SIM_ERRORS.append(
+                f"a device tensor {block.what} allocated on the {block.stream.name} stream was used on the {names} "
+                "stream and freed without keep_alive there: the caching allocator could hand its memory to the next "
+                f"allocation on the {block.stream.name} stream while work queued on the {names} stream still reads it"
+            )
+        # Reuse follows the allocation stream's order, and waits for the streams the tensor was kept alive on.
+        waits = [block.stream.record()] + [s.record() for s in block.kept_on if s is not block.stream]
+
+        def poison() -> None:
+            for event in waits:
+                event.synchronize()
+            raw.fill_(0xFF)
+
+        self.allocator.submit(poison, delay=False)
+
+
+# ---------------------------------------------------------------------------------------------------- the device
+
+
+def _simulating() -> bool:
+    return os.environ.get(SIMULATE_STREAMS_ENV, "") not in ("", "0")
 
 
 class Device:
@@ -31,103 +309,237 @@ class Device:
 
     Args:
         device: ``cpu`` or a CUDA device.
+        simulate_streams: on a CPU device, simulate CUDA's streams (see the module docstring); ``None`` reads
+            ``RATEL_SIMULATE_STREAMS``.
+
+    Attributes:
+        separate_memory: host and device memory differ, so data moves by copies (CUDA and the simulation).
+        pool: the host memory that copies read and write (pinned on CUDA).
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, simulate_streams: bool | None = None) -> None:
         self.device = torch.device(device)
         self.is_cuda = self.device.type == "cuda"
         if self.device.type not in ("cpu", "cuda"):
             raise ValueError(f"lightning_ratel runs on 'cpu' or 'cuda' devices, got {self.device}")
+        if simulate_streams and self.is_cuda:
+            raise ValueError("streams are simulated on a CPU device only")
+        self.simulated = not self.is_cuda and (_simulating() if simulate_streams is None else simulate_streams)
+        self.separate_memory = self.is_cuda or self.simulated
+        self.pool = HostPool(pin=self.is_cuda, poison=self.simulated)
+        self._sim: _Simulation | None = None
         if self.is_cuda:
             if self.device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             # Host->device (params, activations in) and device->host (grads, activations out) get their own streams
             # so both directions of the PCIe link are busy while the compute stream runs.
-            self.h2d_stream = torch.cuda.Stream(self.device)
-            self.d2h_stream = torch.cuda.Stream(self.device)
+            self.h2d_stream: Any = torch.cuda.Stream(self.device)
+            self.d2h_stream: Any = torch.cuda.Stream(self.device)
+        elif self.simulated:
+            self._sim = _Simulation()
+            self.h2d_stream = self._sim.h2d
+            self.d2h_stream = self._sim.d2h
+            weakref.finalize(self, self._sim.close)
         else:
             self.h2d_stream = None
             self.d2h_stream = None
-        # Busy time of each direction of the link, for the measured step breakdown: on CPU copies are synchronous and
-        # timed directly; on CUDA each copy is bracketed by timing events read once they have completed.
+        # Busy time of each direction of the link, for the measured step breakdown: on CPU copies are timed directly;
+        # on CUDA each copy is bracketed by timing events read once they have completed.
         self._copy_seconds = {"h2d": 0.0, "d2h": 0.0}
+        self._copy_lock = threading.Lock()
         self._copy_events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
 
+    # ------------------------------------------------------------------ host memory
+
     def host_empty(self, shape: tuple[int, ...] | int, dtype: torch.dtype) -> torch.Tensor:
-        """Host memory for transfers: pinned on CUDA so copies are asynchronous, plain memory on CPU."""
-        return torch.empty(shape, dtype=dtype, pin_memory=self.is_cuda)
+        """Host memory held for the whole run (the host cache) that copies read: with separate memory a dedicated
+        allocation of exactly this size from :attr:`pool` (pinned on CUDA), plain memory on CPU."""
+        if not self.separate_memory:
+            return torch.empty(shape, dtype=dtype)
+        size = (shape,) if isinstance(shape, int) else tuple(shape)
+        return self.pool.allocate(math.prod(size), dtype).view(size)
+
+    def host_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A transient, page-aligned 1-D host buffer from :attr:`pool` (pinned on CUDA); its memory goes back to the
+        pool once the tensor (every view of it) is gone and the copies recorded against it have completed."""
+        return self.pool.take(numel, dtype)
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes of host memory page-locked for copies (with simulated streams: the bytes that would be)."""
+        if not self.separate_memory:
+            return 0
+        return self.pool.nbytes + self.pool.dedicated_nbytes
+
+    # ------------------------------------------------------------------ streams and events
 
     @contextlib.contextmanager
-    def on(self, stream: torch.cuda.Stream | None) -> Iterator[None]:
-        """Run the enclosed work on ``stream`` (a no-op on CPU)."""
+    def on(self, stream: Any) -> Iterator[None]:
+        """Make ``stream`` current for the work the enclosed code queues through this class (a no-op on CPU)."""
         if stream is None:
             yield
+        elif self._sim is not None:
+            local = self._sim.local
+            previous = getattr(local, "stream", None)
+            local.stream = stream
+            try:
+                yield
+            finally:
+                if previous is None:
+                    del local.stream
+                else:
+                    local.stream = previous
         else:
             with torch.cuda.stream(stream):
                 yield
 
-    def record(self, stream: torch.cuda.Stream | None = None) -> torch.cuda.Event | _DoneEvent:
+    def record(self, stream: Any = None) -> Any:
         """An event marking all work queued so far on ``stream`` (default: the current stream)."""
+        if self._sim is not None:
+            self._check()
+            return (stream or self._sim.current()).record()
         if not self.is_cuda:
-            return _DoneEvent()
+            return DONE
         event = torch.cuda.Event()
         event.record(stream if stream is not None else torch.cuda.current_stream(self.device))
         return event
 
-    def wait(self, event: torch.cuda.Event | _DoneEvent) -> None:
-        """Make the current stream wait for ``event`` without blocking the host."""
-        if self.is_cuda:
+    def wait(self, event: Any) -> None:
+        """Make the current stream wait for ``event`` without blocking the host (the simulated compute stream, which
+        runs on the host, waits by blocking)."""
+        if event is DONE:
+            return
+        if self._sim is not None:
+            self._check()
+            self._wait_on(self._sim.current(), event)
+        elif self.is_cuda:
             torch.cuda.current_stream(self.device).wait_event(event)
 
-    def wait_stream(self, stream: torch.cuda.Stream | None) -> None:
+    def wait_stream(self, stream: Any) -> None:
         """Make ``stream`` wait for the work queued so far on the current stream."""
-        if stream is not None:
+        if stream is None:
+            return
+        if self._sim is not None:
+            self._wait_on(stream, self.record())
+        else:
             stream.wait_stream(torch.cuda.current_stream(self.device))
 
-    def keep_alive(self, tensor: torch.Tensor, stream: torch.cuda.Stream | None = None) -> None:
+    def keep_alive(self, tensor: torch.Tensor, stream: Any = None) -> None:
         """Tell the caching allocator that ``tensor`` is used on ``stream`` (default: current), so it is not reused
         while work on that stream may still read or write it."""
-        if self.is_cuda:
+        if self._sim is not None:
+            self._sim.keep_alive(tensor, stream or self._sim.current())
+        elif self.is_cuda:
             tensor.record_stream(stream if stream is not None else torch.cuda.current_stream(self.device))
 
-    def to_host(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, object]:
+    def use(self, event: Any, *tensors: torch.Tensor) -> None:
+        """Make the current stream wait for ``event`` and declare ``tensors`` (the copies it completes) used there:
+        how the compute stream takes over what a copy stream produced."""
+        self.wait(event)
+        for tensor in tensors:
+            self.keep_alive(tensor)
+
+    def synchronize(self) -> None:
+        """Block the host until every stream's queued work has run."""
+        if self._sim is not None:
+            for stream in (self._sim.h2d, self._sim.d2h):
+                stream.record().synchronize()
+            self._check()
+        elif self.is_cuda:
+            torch.cuda.synchronize(self.device)
+
+    def _wait_on(self, stream: _SimStream, event: _SimEvent) -> None:
+        assert self._sim is not None
+        if isinstance(event, _SimEvent):
+            self._sim.waited(event, stream)
+        if stream.synchronous:
+            event.synchronize()
+        else:
+            stream.submit(event.synchronize, delay=False)
+
+    def _check(self) -> None:
+        """Raise what the simulation caught (on the thread that drives the device, where it stops training)."""
+        if _SIM_ERRORS:
+            raise StreamOrderError("\n".join(take_simulation_errors()))
+
+    # ------------------------------------------------------------------ copies
+
+    def to_host(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
         """Copy a device tensor to host memory on the device->host stream.
 
         On CPU the tensor already is in host memory and is returned as it is, so no copy is made.
 
+        Args:
+            tensor: what to copy; the copy starts after the work queued so far on the current stream.
+            out: where to copy to; by default a buffer from :attr:`pool`.
+
         Returns:
             The host tensor and an event that completes when the copy has landed.
         """
-        if not self.is_cuda:
+        if not self.separate_memory:
             if out is None:
-                return tensor, _DoneEvent()
+                return tensor, DONE
             start = time.perf_counter()
             out.copy_(tensor)
             self._copy_seconds["d2h"] += time.perf_counter() - start
-            return out, _DoneEvent()
+            return out, DONE
         if out is None:
-            out = self.host_empty(tuple(tensor.shape), tensor.dtype)
+            out = self.pool.take(tensor.numel(), tensor.dtype).view(tensor.shape)
         self.wait_stream(self.d2h_stream)
-        with self.on(self.d2h_stream), self._timed("d2h"):
-            out.copy_(tensor, non_blocking=True)
-            self.keep_alive(tensor, self.d2h_stream)
-            event = self.record(self.d2h_stream)
+        with self.on(self.d2h_stream):
+            self._copy(out, tensor, "d2h")
+            self.keep_alive(tensor)
+            event = self.record()
+        self.pool.record(out, event)
         return out, event
 
-    def to_device(self, host: torch.Tensor) -> tuple[torch.Tensor, object]:
+    def to_device(self, host: torch.Tensor, after: Any = None) -> tuple[torch.Tensor, Any]:
         """Copy a host tensor to a new device tensor on the host->device stream.
 
         On CPU the tensor already is the device's memory and is returned as it is, so no copy is made. The caller
-        makes the compute stream :meth:`wait` for the returned event before using the result.
+        hands the result to the compute stream with :meth:`use`.
+
+        Args:
+            host: what to copy.
+            after: the event of the copy that fills ``host`` (from :meth:`to_host`), which this copy waits for.
         """
-        if not self.is_cuda:
-            return host, _DoneEvent()
+        if not self.separate_memory:
+            return host, DONE
         with self.on(self.h2d_stream):
-            out = torch.empty(host.shape, dtype=host.dtype, device=self.device)
-            with self._timed("h2d"):
-                out.copy_(host, non_blocking=True)
-            event = self.record(self.h2d_stream)
+            if after is not None:
+                self.wait(after)
+            out = self._empty(host.shape, host.dtype)
+            self._copy(out, host, "h2d")
+            event = self.record()
+        self.pool.record(host, event)
         return out, event
+
+    def _empty(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """Device memory allocated on the current stream."""
+        if self._sim is not None:
+            return self._sim.empty(shape, dtype)
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, direction: str) -> None:
+        """Queue ``dst.copy_(src)`` on the current stream."""
+        if self._sim is None:
+            with self._timed(direction):
+                dst.copy_(src, non_blocking=True)
+            return
+
+        def copy() -> None:
+            start = time.perf_counter()
+            dst.copy_(src)
+            with self._copy_lock:
+                self._copy_seconds[direction] += time.perf_counter() - start
+
+        self._sim.current().submit(copy)
+
+    # ------------------------------------------------------------------ timing
+
+    def stopwatch(self) -> Stopwatch:
+        """Start timing the work queued on the current stream from now on (device time on CUDA)."""
+        return _CudaStopwatch() if self.is_cuda else Stopwatch()
 
     @contextlib.contextmanager
     def _timed(self, direction: str) -> Iterator[None]:
@@ -147,7 +559,8 @@ class Device:
             else:
                 pending.append((direction, start, end))
         self._copy_events = pending
-        taken, self._copy_seconds = self._copy_seconds, {"h2d": 0.0, "d2h": 0.0}
+        with self._copy_lock:
+            taken, self._copy_seconds = self._copy_seconds, {"h2d": 0.0, "d2h": 0.0}
         return taken
 
     def allocated_bytes(self) -> int:

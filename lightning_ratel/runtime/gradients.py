@@ -1,9 +1,12 @@
 """Gradients leave the device as soon as autograd has accumulated them.
 
 A post-accumulate-grad hook on every trainable parameter copies its gradient to host memory on the device->host
-stream and hands it to the CPU optimizer, whose worker folds it into the shard's gradient buffer (and updates the
-shard once its last gradient is in). The parameter's ``.grad`` is cleared at once, so gradients never pile up on the
-device. Parameters outside the optimizer have no consumer for their gradient: it is dropped.
+stream and hands it to the CPU optimizer, whose worker waits for the copy's event and folds it into the shard's
+gradient buffer (and updates the shard once its last gradient is in). The parameter's ``.grad`` is cleared at once, so
+gradients never pile up on the device. The host copy is a buffer of the device's host pool (pinned on CUDA), which
+takes it back once the worker has dropped it: the pinned staging is bounded by the gradients in flight, which the
+optimizer's gradient budget bounds. Parameters outside the optimizer have no consumer for their gradient: it is
+dropped.
 
 Threads: the hooks run on autograd's thread; the window (shards that got a gradient since the last step) is read by
 the training thread once backward has finished.

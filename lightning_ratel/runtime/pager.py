@@ -1,30 +1,35 @@
 """Parameter paging: each block's compute copies visit the device only while used.
 
 The compute copies of a unit (see :mod:`lightning_ratel.runtime.units`) live either in its host cache (one flat host
-tensor per dtype, pinned on CUDA) or in the swap store, from which every page-in reads them. A block may also use
-parameters owned by another block (tied weights); paging it in takes a reference on every unit it uses, so a shared
-parameter stays resident while any user needs it. A unit is paged in only once its :class:`UnitReady` is set, so a
-forward never reads a compute copy an optimizer update is still rewriting.
+tensor per dtype, pinned on CUDA) or in the swap store, from which every page-in reads them into staging buffers of
+the device's host pool. A block may also use parameters owned by another block (tied weights); paging it in takes a
+reference on every unit it uses, so a shared parameter stays resident while any user needs it. A unit is paged in
+only once its :class:`UnitReady` is set, so a forward never reads a compute copy an optimizer update is still
+rewriting.
+
+With separate device memory (CUDA), a unit read from the store starts its upload as soon as its reads have landed
+(noticed at the pager's next call, on the thread that drives the device, so all device work stays on that thread),
+not only when its block is acquired. A page-out never blocks the host: the staging buffers go back to the pool, which
+reuses them once the reads and the upload using them have completed.
 
 Between uses a parameter's ``.data`` is a zero-stride NaN placeholder of the right shape, dtype and device: shape-
 reading code (model summaries) still works, and any use outside the paged window shows up as NaN at once.
 
 Threads: everything here runs on the training thread (forward hooks and backward's pre-hooks), except the store
-reads it starts, whose futures it waits for before their buffers are used.
+reads it starts, whose futures it checks or waits for before their buffers are used.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, wait
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from lightning_ratel.runtime.device import Device
-from lightning_ratel.runtime.pool import BufferPool
 from lightning_ratel.runtime.storage import TensorStore
 from lightning_ratel.runtime.units import ParamSlot, Shard, Unit
 
@@ -36,8 +41,8 @@ class _Residency:
     Attributes:
         flats: the device copies while resident (on CPU: the host cache or the staging buffers themselves).
         staging: host buffers a store read fills, held while the unit is resident.
-        reads: store reads still filling ``staging``.
-        event: completes when the upload of ``flats`` has landed (CUDA).
+        reads: store reads still filling ``staging``, or that failed (the error is raised at acquire).
+        event: completes when the upload of ``flats`` has landed (separate device memory).
         refs: blocks holding the unit.
     """
 
@@ -72,11 +77,14 @@ class ParameterPager:
         self.block_units = block_units
         self._store = store
         self._unit_shards = unit_shards or {}
-        # Store reads land in these (pinned on CUDA); reusing them keeps page-ins off freshly mapped memory.
-        self.pool = BufferPool(pin=device.is_cuda)
+        # Store reads land in the device's host pool (pinned on CUDA); reusing its buffers keeps page-ins off freshly
+        # mapped memory.
+        self.pool = device.pool
         self._state = {index: _Residency() for index in units}
         self._prefetched: set[int] = set()
         self._acquired: dict[int, int] = {}
+        # Units whose store reads are in flight and whose upload starts once they have landed (separate memory).
+        self._reading: set[int] = set()
         self._storage_to_unit: dict[int, tuple[int, torch.dtype]] = {}
         self.resident_bytes = 0
         self.peak_resident_bytes = 0
@@ -129,20 +137,22 @@ class ParameterPager:
         if self._store is None:
             self._upload(unit, dict(unit.host))
         else:
-            state.staging = {dtype: self.pool.take(n, dtype) for dtype, n in unit.numels.items()}
+            state.staging = {dtype: self.device.host_buffer(n, dtype) for dtype, n in unit.numels.items()}
             # A page-in: the forward or backward of this block will wait for it.
             state.reads = [
                 self._store.read(unit.ready.compute_key(s), s.compute_view(state.staging[s.dtype]), urgent=True)
                 for s in self._unit_shards.get(unit.index, ())
             ]
-            if not self.device.is_cuda:
+            if self.device.separate_memory:
+                self._reading.add(unit.index)
+            else:
                 # On CPU the staging buffers are the compute copies; their data is complete once acquire returns.
                 self._bind(unit, state.staging)
         self.resident_bytes += unit.nbytes
         self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes)
 
     def _upload(self, unit: Unit, host: dict[torch.dtype, torch.Tensor]) -> None:
-        if not self.device.is_cuda:
+        if not self.device.separate_memory:
             # The host cache already is the compute device's memory: compute on it rather than on a copy. The
             # optimizer rewrites it only once every gradient of the unit is in, when nothing reads it any more.
             self._bind(unit, host)
@@ -161,25 +171,41 @@ class ParameterPager:
         for dtype, flat in flats.items():
             self._storage_to_unit[flat.untyped_storage().data_ptr()] = (unit.index, dtype)
 
+    def _start_uploads(self) -> None:
+        """Start the upload of every unit whose store reads have all landed (a failed read is left for acquire)."""
+        for index in list(self._reading):
+            state = self._state[index]
+            if not all(read.done() for read in state.reads):
+                continue
+            self._reading.discard(index)
+            if any(read.exception() is not None for read in state.reads):
+                continue
+            state.reads = []
+            assert state.staging is not None
+            self._upload(self.units[index], state.staging)
+
     def _complete(self, unit: Unit) -> None:
-        """Wait for the unit's store reads (raising their errors) and, on CUDA, start its upload."""
+        """Wait for the unit's store reads (raising their errors) and, with separate memory, start its upload."""
         state = self._state[unit.index]
         if not state.reads:
             return
         reads, state.reads = state.reads, []
+        self._reading.discard(unit.index)
         for read in reads:
             read.result()
-        if self.device.is_cuda:
+        if self.device.separate_memory:
             assert state.staging is not None
             self._upload(unit, state.staging)
 
     def _page_out(self, unit: Unit) -> None:
         state = self._state[unit.index]
-        if state.reads:
-            # A prefetch nobody used: its buffers go back to the pool only once the reads stop writing them. A read
-            # error does not matter here because the data is never used.
-            wait(state.reads)
-            state.reads = []
+        # Nothing here waits: the staging buffers go back to the pool, which reuses them once the reads still in
+        # flight (a prefetch nobody used; its errors do not matter because the data is never used) and the upload's
+        # copies recorded against them have completed.
+        for buffer in (state.staging or {}).values():
+            self.pool.give(buffer, after=state.reads)
+        state.reads = []
+        self._reading.discard(unit.index)
         for flat in (state.flats or {}).values():
             self._storage_to_unit.pop(flat.untyped_storage().data_ptr(), None)
             # Freed on the compute stream: the allocator must not hand this memory out while kernels queued on the
@@ -187,12 +213,6 @@ class ParameterPager:
             self.device.keep_alive(flat)
         for slot in unit.slots:
             slot.param.data = self._placeholder(slot)
-        if state.staging is not None:
-            if state.event is not None:
-                # The upload may still be reading the staging buffers; the next read into them must not overtake it.
-                state.event.synchronize()
-            for buffer in state.staging.values():
-                self.pool.give(buffer)
         state.staging = None
         state.flats = None
         state.event = None
@@ -217,6 +237,7 @@ class ParameterPager:
 
         A block whose optimizer update is still running is left alone: prefetching it would block the caller.
         """
+        self._start_uploads()
         if block in self._prefetched or self._acquired.get(block, 0):
             return
         if not all(self.units[u].ready.is_set() for u in self.block_units[block]):
@@ -236,12 +257,13 @@ class ParameterPager:
             self._complete(unit)
             state = self._state[u]
             if state.event is not None:
-                self.device.wait(state.event)
-                for flat in (state.flats or {}).values():
-                    self.device.keep_alive(flat)
+                self.device.use(state.event, *(state.flats or {}).values())
+        # After waiting for this block's reads, those of the blocks prefetched behind it may have landed too.
+        self._start_uploads()
 
     def release(self, block: int) -> None:
         """Drop one reference taken by :meth:`acquire`; parameters leave the device with the last one."""
+        self._start_uploads()
         count = self._acquired.get(block, 0)
         if count == 0:
             return

@@ -48,13 +48,12 @@ def link_bandwidth(device: Device, nbytes: int = 64 << 20, repeats: int = 3) -> 
 
     def h2d() -> None:
         target.copy_(host, non_blocking=True)
-        if device.is_cuda:
-            torch.cuda.synchronize(device.device)
+        device.synchronize()
 
     def d2h() -> None:
         if device.is_cuda:
             host.copy_(target, non_blocking=True)
-            torch.cuda.synchronize(device.device)
+            device.synchronize()
         else:
             # A copy into a freshly allocated aligned buffer, first touch included. The activation cache no longer
             # makes this copy on CPU (host-tier tensors stay where they are, ssd-tier ones are written from their own

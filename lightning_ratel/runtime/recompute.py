@@ -47,6 +47,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.flop_counter import flop_registry
 
+from lightning_ratel.runtime.device import Stopwatch
+
 # Aliasing no-ops that are not part of a block's op sequence: autograd detaches a tensor it saves when no saved-tensor
 # hook is set, so whether they are issued depends on the hooks, which differ between the forward and the replay.
 _IGNORED = {torch.ops.aten.detach.default, torch.ops.aten.lift_fresh.default}
@@ -130,7 +132,14 @@ class ForwardRecord:
     # set while the activation cache packs a tensor: its own copies are not ops of the block
     paused: bool = False
     outputs: dict[int, list[Any]] | None = None
-    replay_time: float = 0.0
+    # Times a replay (the device's clock, set by the activation cache; the host's by default) and the last replay.
+    stopwatch: Callable[[], Stopwatch] = Stopwatch
+    replay_watch: Stopwatch | None = None
+
+    @property
+    def replay_time(self) -> float:
+        """Seconds the last replay took (0 before one)."""
+        return self.replay_watch.seconds() if self.replay_watch is not None else 0.0
 
     @property
     def label(self) -> str:
@@ -179,7 +188,7 @@ class ForwardRecord:
         """Run the forward again and keep the outputs of the target ops (see the module docstring)."""
         if self.outputs is not None:
             return
-        start = time.perf_counter()
+        watch = self.stopwatch()
         execute, last = self.needed()
         if self.input_written is not None and execute & self.input_readers:
             raise RuntimeError(
@@ -219,7 +228,7 @@ class ForwardRecord:
                 f"({self.ops[last].name}). {self.remedy()}"
             )
         self.outputs = outputs
-        self.replay_time = time.perf_counter() - start
+        self.replay_watch = watch.stop()
 
     def _with_autograd_state(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
         """The restored inputs, each requiring gradients as the forward's own did."""

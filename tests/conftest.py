@@ -1,0 +1,48 @@
+"""Shared pytest setup: the simulated-streams mode.
+
+``pytest --simulate-streams`` (or ``RATEL_SIMULATE_STREAMS=1`` in the environment) runs every test on a CPU device that
+simulates CUDA's streams (see :mod:`lightning_ratel.runtime.device`): copies run asynchronously on worker threads,
+and memory that CUDA could hand out again is poisoned, so a missing wait or ``keep_alive`` makes results wrong or
+raises :class:`~lightning_ratel.runtime.device.StreamOrderError`. The ``simulated_streams`` fixture does the same for
+one test.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from lightning_ratel.runtime.device import SIMULATE_STREAMS_ENV, take_simulation_errors
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--simulate-streams", action="store_true",
+                     help="run every test on a CPU device that simulates CUDA streams")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--simulate-streams"):
+        os.environ[SIMULATE_STREAMS_ENV] = "1"
+
+
+@pytest.fixture
+def simulated_streams(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Devices created in this test simulate CUDA streams."""
+    monkeypatch.setenv(SIMULATE_STREAMS_ENV, "1")
+
+
+@pytest.fixture(autouse=True)
+def _no_stream_order_errors() -> Iterator[None]:
+    """Fail a test when the stream simulation caught something that nothing raised during the test (a tensor freed
+    after the last device call)."""
+    take_simulation_errors()
+    yield
+    if os.environ.get(SIMULATE_STREAMS_ENV, "") not in ("", "0"):
+        # Tensors in reference cycles are freed only by the collector: free them now, in the test that made them.
+        gc.collect()
+    errors = take_simulation_errors()
+    if errors:
+        pytest.fail("the stream simulation caught:\n" + "\n".join(errors))
