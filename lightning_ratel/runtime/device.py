@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from lightning_ratel.runtime.pool import HostPool
+from lightning_ratel.runtime.storage import aligned_empty
 
 SIMULATE_STREAMS_ENV = "RATEL_SIMULATE_STREAMS"
 """Environment variable that makes every CPU :class:`Device` simulate CUDA streams (any value but ``""``/``"0"``)."""
@@ -353,10 +354,11 @@ class Device:
 
     def host_empty(self, shape: tuple[int, ...] | int, dtype: torch.dtype) -> torch.Tensor:
         """Host memory held for the whole run (the host cache) that copies read: with separate memory a dedicated
-        allocation of exactly this size from :attr:`pool` (pinned on CUDA), plain memory on CPU."""
-        if not self.separate_memory:
-            return torch.empty(shape, dtype=dtype)
+        allocation of exactly this size from :attr:`pool` (pinned on CUDA); on CPU page-aligned memory on huge pages,
+        which the swap store moves without a bounce buffer."""
         size = (shape,) if isinstance(shape, int) else tuple(shape)
+        if not self.separate_memory:
+            return aligned_empty(math.prod(size), dtype, huge=True).view(size)
         return self.pool.allocate(math.prod(size), dtype).view(size)
 
     def host_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
