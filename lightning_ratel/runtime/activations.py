@@ -17,6 +17,11 @@ A block's placement is one tier for everything it saves, or a mapping from op na
 :class:`~lightning_ratel.runtime.recompute.OpTracker` names them) to tiers, where ``"input"`` stands for the block's
 inputs and ``"*"`` for ops the mapping does not name. A tensor is placed by the op that produced its storage. A tensor
 object saved by several ops is packed once (deduplication).
+
+Threads: packing runs on the training thread (forward), unpacking on autograd's thread (backward), never both at
+once; both read and write the per-pass tables (records, refs by block, the deduplication map). The cache's own I/O
+threads only run ``ssd``-tier writes and clear a ref's in-memory copy once its write has landed (a field the unpacking
+thread reads once, then uses its local copy).
 """
 
 from __future__ import annotations
