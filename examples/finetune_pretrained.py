@@ -29,6 +29,8 @@ Run from the repository root:
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import json
 import os
 import shutil
@@ -191,11 +193,14 @@ class Watch(Callback):
         print(f"  step {trainer.global_step}: loss {self.losses[-1]:.4f}, {self.step_seconds[-1]:.1f} s", flush=True)
 
 
-def timed(phases: Phases, name: str, method: Any) -> Any:
-    """``method`` run as phase ``name`` (the phase that was running resumes afterwards)."""
+def timed(phases: Phases, name: str, method: Any, strategy: RatelStrategy) -> Any:
+    """``method`` run as phase ``name`` (the phase that was running resumes afterwards). The updates of the step that
+    just ended finish first, in the phase that was running: they are the step's work, not the save's."""
 
     def run(*args: Any, **kwargs: Any) -> Any:
         outer = phases.current
+        if strategy.engine is not None:
+            strategy.engine.synchronize()
         phases.end()
         with phases.phase(name):
             result = method(*args, **kwargs)
@@ -265,8 +270,9 @@ def main() -> None:
             module = RepeatedWindowLM(config, args.lr)
         strategy = RatelStrategy(ssd_paths=[str(swap)], param_cache="ssd", activation_policy="recompute",
                                  checkpoint_format="sharded", pretrained=str(hf) if ckpt_path is None else None)
-        strategy.save_checkpoint = timed(phases, "checkpoint", strategy.save_checkpoint)  # type: ignore[method-assign]
-        strategy.save_pretrained = timed(phases, "export", strategy.save_pretrained)  # type: ignore[method-assign]
+        # Timed as phases of their own: RatelHFExport and ModelCheckpoint call these.
+        setattr(strategy, "save_checkpoint", timed(phases, "checkpoint", strategy.save_checkpoint, strategy))
+        setattr(strategy, "save_pretrained", timed(phases, "export", strategy.save_pretrained, strategy))
         watch = Watch(phases, load_phase, train_phase)
         callbacks: list[Callback] = [watch]
         if ckpt_path is None:
@@ -279,6 +285,11 @@ def main() -> None:
         loader = DataLoader([tokens] * (steps + 1), batch_size=1)
         trainer.fit(module, train_dataloaders=loader, ckpt_path=ckpt_path)
         phases.end()
+        # What the run copied back (when it fitted) is not needed any more: the trainer and module reference each
+        # other, and the C allocator keeps freed memory until asked to give it back.
+        del trainer, module, strategy
+        gc.collect()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
         return watch
 
     print("first run: load from the checkpoint folder, train, save a sharded checkpoint, export", flush=True)
@@ -308,9 +319,9 @@ def main() -> None:
               f"{ratio}")
     load = rows["load"]
     moved = load["bytes"] + first.store_written_at_load
-    print(f"load moved {moved / GB:.2f} GB in all (folder read + swap files written): {moved / load['seconds'] / GB:.2f}"
-          f" GB/s; resume read {rows['resume']['bytes'] / GB:.2f} GB and wrote {resumed.store_written_at_load / GB:.2f}"
-          " GB to the swap files")
+    print(f"load moved {moved / GB:.2f} GB in all (folder read + swap files written): "
+          f"{moved / load['seconds'] / GB:.2f} GB/s; resume read {rows['resume']['bytes'] / GB:.2f} GB and wrote "
+          f"{resumed.store_written_at_load / GB:.2f} GB to the swap files")
     if not args.keep:
         shutil.rmtree(work)
 

@@ -333,8 +333,9 @@ def choose_checkpoint_format(requested: CheckpointFormat, module: nn.Module, opt
                              host_memory_limit: int | None) -> Literal["full", "sharded"]:
     """The format checkpoints of this run are written in.
 
-    ``"auto"`` writes Lightning's ordinary checkpoint (loadable without the plugin) while gathering it takes at most half
-    of the host memory budget (``host_memory_limit``, else what is available now), and the sharded format otherwise.
+    ``"auto"`` writes Lightning's ordinary checkpoint (loadable without the plugin) while gathering it takes at most
+    half of the host memory budget (``host_memory_limit``, else what is available now), and the sharded format
+    otherwise.
 
     Raises:
         RatelPlanError: ``"full"`` was asked for and the checkpoint would not fit in the available host memory.

@@ -142,7 +142,8 @@ class KeptReader:
 def kept_to_hf(paths: Sequence[str | os.PathLike[str]], out: str | os.PathLike[str], name: str = "ratel",
                dtype: str | torch.dtype = "bf16", max_shard_size: int | str = DEFAULT_SHARD_SIZE,
                pretrained: str | None = None, progress: bool = False) -> Path:
-    """Export the weights in kept swap files as a Hugging Face folder (see :func:`~lightning_ratel.export.write_hf_folder`)."""
+    """Export the weights in kept swap files as a Hugging Face folder (see
+    :func:`~lightning_ratel.export.write_hf_folder`)."""
     reader = KeptReader(paths, name, pretrained)
     try:
         return write_hf_folder(reader, out, parse_dtype(dtype), max_shard_size, progress)
@@ -150,7 +151,7 @@ def kept_to_hf(paths: Sequence[str | os.PathLike[str]], out: str | os.PathLike[s
         reader.close()
 
 
-# ---------------------------------------------------------------------------------------------------- sharded checkpoints
+# ------------------------------------------------------------------------------------------------ sharded checkpoints
 
 
 def sharded_to_hf(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], dtype: str | torch.dtype = "bf16",

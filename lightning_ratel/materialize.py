@@ -36,6 +36,12 @@ def nan_placeholder(param: nn.Parameter, dtype: torch.dtype | None = None) -> to
     return torch.full((), float("nan"), dtype=dtype or param.dtype).expand(param.shape)
 
 
+def _widens(source: torch.dtype, target: torch.dtype) -> bool:
+    """Whether every value of ``source`` is exactly a value of ``target`` (16-bit floats into fp32, anything into
+    itself)."""
+    return source == target or (target == torch.float32 and source in (torch.bfloat16, torch.float16))
+
+
 def persistent_buffers(module: nn.Module) -> list[str]:
     """Qualified names of the buffers ``module.state_dict()`` holds."""
     return [f"{name}.{n}" if name else n for name, m in module.named_modules()
@@ -84,6 +90,9 @@ class ValueSource:
     def read(self, slots: Sequence[ParamSlot]) -> contextlib.AbstractContextManager[dict[int, SourceValue]]:
         """The values of those of ``slots`` the source provides, by parameter id, valid inside the ``with`` block."""
         raise NotImplementedError
+
+    def prefetch(self, slots: Sequence[ParamSlot]) -> None:
+        """Start bringing the values of ``slots`` closer (the next block's, while this one is written); optional."""
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """Persistent buffer values by qualified name (empty: buffers are initialized)."""
@@ -290,6 +299,7 @@ class Materializer:
         total = nbytes(layout.slots)
         description = self.source.description if self.source is not None else "initializing"
         bar = progress_bar(total, f"RatelStrategy: {description}", self.progress)
+        units = [layout.units[b.index] for b in self.blocks if b.index in layout.units]
         try:
             for block in self.blocks:
                 modules = [block.module] if block.direct_only else list(block.module.modules())
@@ -297,6 +307,9 @@ class Materializer:
                 unit = layout.units.get(block.index)
                 if unit is None:
                     continue
+                following = units.index(unit) + 1
+                if self.source is not None and following < len(units):
+                    self.source.prefetch(units[following].slots)
                 with self._values(unit.slots) as values:
                     for slot in unit.slots:
                         value = values[id(slot.param)]
@@ -327,10 +340,12 @@ class Materializer:
             values = {id(s.param): SourceValue(s.param.data) for s in slots if id(s.param) not in self._provided}
             for s in provided:
                 value = got[id(s.param)]
-                if not value.master:
-                    # As loading it into the module would store it.
-                    value = SourceValue(value.tensor.to(self.layout.orig_dtype[id(s.param)]).view(s.shape))
-                values[id(s.param)] = value
+                orig = self.layout.orig_dtype[id(s.param)]
+                if not value.master and value.tensor.dtype != orig and not _widens(value.tensor.dtype, orig):
+                    # As loading it into the module would store it (a widening cast changes nothing: left to the
+                    # copies into the cache and the staging buffers).
+                    value = SourceValue(value.tensor.to(orig))
+                values[id(s.param)] = SourceValue(value.tensor.view(s.shape), value.master)
             yield values
 
     def _remember_origin(self, shard: Shard) -> None:
@@ -438,11 +453,8 @@ class _ShardWriter:
             futures.append(self.store.write(shard.compute_key, copy))
         else:
             copy = shard.compute_view(shard.unit.host[shard.dtype])
-        exact = all(
-            self.layout.orig_dtype[id(sp.param)] == shard.dtype
-            or torch.equal(sp.view(copy).to(self.layout.orig_dtype[id(sp.param)]), values[id(sp.param)].tensor)
-            for sp in shard.params
-        )
+        exact = all(self._exact(sp.view(copy), values[id(sp.param)].tensor, self.layout.orig_dtype[id(sp.param)])
+                    for sp in shard.params)
         if not exact:
             dtype = shard.dtype
             for sp in shard.params:
@@ -454,6 +466,13 @@ class _ShardWriter:
             self.layout.frozen_values.exact_copies[shard.index] = dtype
             futures.append(self.store.write(self.layout.frozen_values.key(shard), exact_buf))
         self._submit(futures)
+
+    @staticmethod
+    def _exact(copy: torch.Tensor, value: torch.Tensor, orig: torch.dtype) -> bool:
+        """Whether a compute copy holds its parameter's value (``value``, in ``orig`` or a dtype ``orig`` widens)."""
+        if copy.dtype == orig or copy.dtype == value.dtype:
+            return True
+        return torch.equal(copy.to(value.dtype), value)
 
     def finish(self) -> None:
         """Wait for every write (raising the first error)."""

@@ -82,6 +82,7 @@ class PretrainedFolder:
         self.entries: dict[str, TensorEntry] = {}
         self.file_of: dict[str, Path] = {}
         self.sizes: dict[str, int] = {}
+        self._data_start: dict[Path, int] = {}
         for name in files:
             file = self.path / name
             if not file.is_file():
@@ -90,6 +91,7 @@ class PretrainedFolder:
                 for key, entry in reader.entries.items():
                     self.entries[key] = entry
                     self.file_of[key] = file
+                self._data_start[file] = reader.data_start
             self.sizes[name] = file.stat().st_size
 
     def fingerprint(self) -> dict[str, Any]:
@@ -103,6 +105,22 @@ class PretrainedFolder:
                 f"the checkpoint takes its frozen weights from the pretrained folder {recorded.get('path')}, and "
                 f"{self.path} does not hold the same files (names and sizes differ); pass the folder the checkpoint "
                 "was trained from")
+
+    def prefetch(self, keys: Sequence[str]) -> None:
+        """Ask the kernel to start reading ``keys`` into the page cache (``POSIX_FADV_WILLNEED``), so the next
+        :meth:`read` finds them there instead of faulting them in page by page."""
+        ranges: dict[Path, list[tuple[int, int]]] = {}
+        for key in keys:
+            entry = self.entries[key]
+            start = self._data_start[self.file_of[key]]
+            ranges.setdefault(self.file_of[key], []).append((start + entry.begin, entry.nbytes))
+        for file, spans in ranges.items():
+            fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                for offset, length in spans:
+                    os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+            finally:
+                os.close(fd)
 
     @contextlib.contextmanager
     def read(self, keys: Sequence[str]) -> Iterator[dict[str, torch.Tensor]]:
@@ -209,6 +227,9 @@ class PretrainedSource(ValueSource):
 
     def provides(self, param: nn.Parameter) -> bool:
         return id(param) in self._keys
+
+    def prefetch(self, slots: Sequence[ParamSlot]) -> None:
+        self.folder.prefetch([self._keys[id(s.param)] for s in slots if id(s.param) in self._keys])
 
     @contextlib.contextmanager
     def read(self, slots: Sequence[ParamSlot]) -> Iterator[dict[int, SourceValue]]:

@@ -28,6 +28,7 @@ import os
 import secrets
 import shutil
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -237,8 +238,8 @@ class ShardedReader:
             try:
                 self.pretrained = folder if isinstance(folder, PretrainedFolder) else PretrainedFolder(folder)
             except RatelConfigError as err:
-                raise RatelConfigError(f"the checkpoint {self.path} takes its frozen weights from the pretrained folder "
-                                       f"{recorded['path']}, which cannot be read: {err}") from err
+                raise RatelConfigError(f"the checkpoint {self.path} takes its frozen weights from the pretrained "
+                                       f"folder {recorded['path']}, which cannot be read: {err}") from err
             self.pretrained.check_fingerprint(recorded)
         self._readers: dict[str, TensorFileReader] = {}
 
@@ -343,21 +344,38 @@ class ShardedSource(ValueSource):
 
 def load_moments(state: ModelState, reader: ShardedReader, param_groups: list[dict[str, Any]]) -> None:
     """Put a sharded checkpoint's Adam moments, step counts and parameter groups into the run's optimizer, one shard at
-    a time."""
+    a time (the next shard's moments are read while the current one's are written to the store)."""
     assert state.optimizer is not None and state.adam is not None
+    adam = state.adam
     state.quiesce()
     state.optimizer.load_state_dict({"state": {}, "param_groups": param_groups})
+    jobs = []
     for shard in state.layout.shards:
         records = [reader.by_name.get(sp.name) for sp in shard.params]
-        if not any(r is not None and r.trainable and r.location.get("moments") for r in records):
-            continue
-        m = aligned_empty(shard.numel, torch.float32)[: shard.numel].zero_()
-        v = aligned_empty(shard.numel, torch.float32)[: shard.numel].zero_()
-        steps = [0] * len(shard.params)
-        for i, (sp, record) in enumerate(zip(shard.params, records)):
-            if record is None or not record.trainable or not record.location.get("moments"):
-                continue
-            reader.read_into(record, "exp_avg", sp.view(m))
-            reader.read_into(record, "exp_avg_sq", sp.view(v))
-            steps[i] = record.step
-        state.adam.load_state(shard, m, v, steps)
+        stored = [r if r is not None and r.trainable and r.location.get("moments") else None for r in records]
+        if any(stored):
+            jobs.append((shard, stored))
+    if not jobs:
+        return
+    largest = max(shard.numel for shard, _ in jobs)
+    buffers = [(aligned_empty(largest, torch.float32), aligned_empty(largest, torch.float32)) for _ in range(2)]
+
+    def read(index: int) -> list[int]:
+        shard, stored = jobs[index]
+        m, v = (b[: shard.numel] for b in buffers[index % 2])
+        m.zero_()
+        v.zero_()
+        for sp, record in zip(shard.params, stored):
+            if record is not None:
+                reader.read_into(record, "exp_avg", sp.view(m))
+                reader.read_into(record, "exp_avg_sq", sp.view(v))
+        return [r.step if r is not None else 0 for r in stored]
+
+    with ThreadPoolExecutor(1, thread_name_prefix="ratel-checkpoint-read") as pool:
+        pending = pool.submit(read, 0)
+        for i, (shard, _) in enumerate(jobs):
+            steps = pending.result()
+            if i + 1 < len(jobs):
+                pending = pool.submit(read, i + 1)
+            m, v = (b[: shard.numel] for b in buffers[i % 2])
+            adam.load_state(shard, m, v, steps)

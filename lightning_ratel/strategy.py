@@ -501,7 +501,8 @@ class RatelStrategy(SingleDeviceStrategy):
                     "after training because they would not fit comfortably in host memory; its parameters are NaN "
                     "placeholders now.")
         if not plan.lost and self._pretrained is not None:
-            where = f" The values of the parameters not copied back are those of the pretrained folder {self._pretrained.path}."
+            where = (" The values of the parameters not copied back are those of the pretrained folder "
+                     f"{self._pretrained.path}.")
         elif saved and not self.config.keep_swap_files:
             where = " The checkpoint saved at the last step holds every value."
         else:

@@ -234,7 +234,7 @@ def test_pretrained_peft_on_meta_device(tmp_path: Path) -> None:
     assert params["model.base_model.model.model.layers.0.self_attn.q_proj.lora_B.default.weight"].abs().sum() > 0
 
 
-# ---------------------------------------------------------------------------------------------------- sharded checkpoints
+# ------------------------------------------------------------------------------------------------ sharded checkpoints
 
 
 def sharded_trainer(tmp_path: Path, name: str, steps: int, every: int = 2, **kwargs: Any) -> L.Trainer:
