@@ -2,7 +2,7 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_ratel.callbacks import RatelProfiler
+from lightning_ratel.callbacks import RatelHFExport, RatelProfiler
 from lightning_ratel.errors import RatelConfigError, RatelPlanError, RatelStoreError
 from lightning_ratel.plan import Plan
 from lightning_ratel.precision import RatelPrecision
@@ -13,6 +13,7 @@ if RatelStrategy.strategy_name not in StrategyRegistry:
 
 __all__ = [
     "Plan",
+    "RatelHFExport",
     "RatelConfigError",
     "RatelPlanError",
     "RatelPrecision",

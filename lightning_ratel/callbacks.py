@@ -1,8 +1,11 @@
-"""RatelProfiler: hardware-aware profiling, planning and the per-run report, as a Lightning callback.
+"""Lightning callbacks of the plugin.
 
+:class:`RatelProfiler`: hardware-aware profiling, planning and the per-run report.
 :class:`~lightning_ratel.RatelStrategy` adds one by default; add your own to change its settings. The first training
 step runs under the safe default placement while every op is timed; the plan made from those measurements applies
 from the next step. The plan is saved in checkpoints, so a resumed run keeps it instead of profiling again.
+
+:class:`RatelHFExport`: the trained weights as a Hugging Face folder, at the end of fit and every N steps.
 """
 
 from __future__ import annotations
@@ -18,8 +21,10 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_ratel.export import ModuleReader, write_hf_folder
 from lightning_ratel.plan.search import Plan
 from lightning_ratel.planner import Planner
+from lightning_ratel.tensorfiles import parse_dtype
 
 
 @runtime_checkable
@@ -139,3 +144,54 @@ class RatelProfiler(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         text = state_dict.get("plan")
         self.plan = Plan.from_json(text) if text else None
+
+
+class RatelHFExport(Callback):
+    """Writes the trained weights as a Hugging Face folder at the end of fit, and every ``every_n_train_steps`` steps.
+
+    Under :class:`~lightning_ratel.RatelStrategy` the weights are streamed from the swap files shard by shard once the
+    step's updates have landed (:meth:`RatelStrategy.save_pretrained`); under another strategy they come from the
+    module. ``from_pretrained`` loads the folder; a peft model's adapter goes to ``adapter/`` in peft's format.
+
+    Args:
+        dirpath: the export goes to ``<dirpath>/final`` at the end of fit and to ``<dirpath>/step=<k>`` every
+            ``every_n_train_steps``.
+        every_n_train_steps: also export during training (``None``: only at the end).
+        dtype: ``"bf16"`` (default), ``"fp16"`` or ``"fp32"``.
+        max_shard_size: the largest weight file (``"5GB"``); more weights are split into shards with an index.
+        at_end: export at the end of fit.
+    """
+
+    def __init__(self, dirpath: str, every_n_train_steps: int | None = None, dtype: str = "bf16",
+                 max_shard_size: int | str = "5GB", at_end: bool = True) -> None:
+        if every_n_train_steps is not None and (isinstance(every_n_train_steps, bool) or every_n_train_steps < 1):
+            raise ValueError(f"`every_n_train_steps` must be a positive integer or None, got {every_n_train_steps!r}")
+        self.dirpath = dirpath
+        self.every_n_train_steps = every_n_train_steps
+        self.dtype = parse_dtype(dtype)
+        self.max_shard_size = max_shard_size
+        self.at_end = at_end
+        self._last_step = -1
+
+    def export(self, trainer: pl.Trainer, pl_module: pl.LightningModule, path: str) -> None:
+        """Write the current weights to ``path``."""
+        save = getattr(trainer.strategy, "save_pretrained", None)
+        if callable(save):
+            save(path, dtype=self.dtype, max_shard_size=self.max_shard_size)
+        elif trainer.is_global_zero:
+            write_hf_folder(ModuleReader(pl_module), path, self.dtype, self.max_shard_size)
+        rank_zero_info(f"RatelHFExport: step {trainer.global_step} exported to {path}")
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        step = trainer.global_step
+        if self.every_n_train_steps is None or step == self._last_step or step % self.every_n_train_steps:
+            return
+        self._last_step = step
+        self.export(trainer, pl_module, os.path.join(self.dirpath, f"step={step}"))
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.at_end:
+            self.export(trainer, pl_module, os.path.join(self.dirpath, "final"))

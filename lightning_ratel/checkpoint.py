@@ -1,29 +1,57 @@
 """Everything that reads or writes the whole model's state: checkpoints in and out, and the copy back at teardown.
 
 During a run the parameters' values live in the swap store and the host caches, and the module holds paging
-placeholders. A checkpoint gathers the full-precision values and the Adam moments into Lightning's ordinary format
-(loadable without the plugin), shard by shard, once every pending update has landed; loading goes the other way.
+placeholders. Every whole-model pass reads the state of the last committed step shard by shard, once every pending
+update has landed (:meth:`ModelState.stream`): a trainable shard's fp32 master and Adam moments, a frozen shard's
+values (its compute copy, or its values in their own dtype where the compute dtype rounds them). An ordinary
+Lightning checkpoint gathers them (loadable without the plugin) and fits only small models; the sharded format
+(:mod:`lightning_ratel.sharded`) and the Hugging Face export (:mod:`lightning_ratel.export`) stream them to files.
 At the end of a run the values are copied back into the module, and the optimizer state into the user's optimizer,
-when they fit in host memory.
+as far as they fit in host memory: the trainable parameters first (a LoRA adapter always fits), then the rest.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import torch
-from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
+from lightning_ratel.config import CheckpointFormat
 from lightning_ratel.errors import RatelPlanError
 from lightning_ratel.layout import Layout
 from lightning_ratel.materialize import nan_placeholder
 from lightning_ratel.runtime.optimizer import CpuAdam
 from lightning_ratel.runtime.pager import ParameterPager
 from lightning_ratel.runtime.probe import available_host_memory
-from lightning_ratel.runtime.storage import TensorStore, aligned_empty
+from lightning_ratel.runtime.storage import ALIGNMENT, TensorStore, aligned_empty
 from lightning_ratel.runtime.units import Shard
-from lightning_ratel.sizes import format_bytes
+from lightning_ratel.sizes import format_bytes, round_up
+
+
+
+@dataclass
+class Restored:
+    """What the copy back at the end of a run put into the module.
+
+    Attributes:
+        trainable: the trainable parameters got their trained values.
+        frozen: the frozen parameters got their values.
+        optimizer: the user's optimizer got the Adam state.
+        lost: names of parameters left as NaN placeholders whose values exist nowhere but in the swap files.
+    """
+
+    trainable: bool = False
+    frozen: bool = False
+    optimizer: bool = False
+    lost: list[str] = field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        return self.trainable and self.frozen
 
 
 class ModelState:
@@ -54,30 +82,96 @@ class ModelState:
     def originals_nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._originals.values())
 
-    def read_flat(self, shard: Shard, what: str) -> torch.Tensor:
-        """One of a shard's flat fp32 states (``master``, ``exp_avg``, ``exp_avg_sq``) as of the last committed step.
+    # ------------------------------------------------------------------ reading state
 
-        A trainable shard's state is read from the store, where the committed copy is (a master kept in the host
-        cache may be ahead of it in a step an exception stopped). A frozen master kept in the host cache is returned
-        as that view, so callers copy what they keep.
+    def dtype_of(self, shard: Shard, what: str) -> torch.dtype:
+        """The dtype :meth:`read_flat` returns ``what`` of ``shard`` in."""
+        if shard.group >= 0:
+            return torch.float32
+        return self.layout.frozen_values.value_dtype(shard)
+
+    def read_flat(self, shard: Shard, what: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """One of a shard's flat states as of the last committed step, in :meth:`dtype_of`.
+
+        ``what`` is ``master``, ``exp_avg`` or ``exp_avg_sq`` for a trainable shard (fp32, from the store), ``master``
+        for a frozen shard (its exact values: a view of the host cache when that holds them, so callers copy what they
+        keep). Every update handed over so far must have landed (:meth:`CpuAdam.barrier`).
+
+        Args:
+            shard: the shard.
+            what: which state.
+            out: a 4096-byte aligned byte buffer to read into (a new one by default).
         """
-        trainable = self.adam is not None and shard.group >= 0
-        if what == "master" and shard.master_in_host and not trainable:
-            return shard.host_master()
-        assert self.store is not None
-        out = aligned_empty(shard.numel, torch.float32)[: shard.numel]
-        key = self.adam.state_key(shard, what) if trainable else shard.key(what)
-        self.store.read(key, out).result()
-        return out
+        future, flat = self._start_read(shard, what, out)
+        if future is not None:
+            future.result()
+        return flat
+
+    def _start_read(self, shard: Shard, what: str, out: torch.Tensor | None) -> tuple[Future | None, torch.Tensor]:
+        """Start reading ``what`` of ``shard``; returns the read (``None`` when nothing is read) and where it lands."""
+        dtype = self.dtype_of(shard, what)
+        if out is None:
+            out = aligned_empty(round_up(shard.numel * dtype.itemsize, ALIGNMENT), torch.uint8)
+        flat = out.view(dtype)[: shard.numel]
+        if shard.group < 0:
+            frozen = self.layout.frozen_values
+            if shard.index in frozen.exact_copies:
+                key = frozen.key(shard)
+            elif shard.unit.host:
+                return None, shard.compute_view(shard.unit.host[shard.dtype])
+            else:
+                key = shard.compute_key
+            assert self.store is not None
+            return self.store.read(key, flat), flat
+        assert self.store is not None and self.adam is not None
+        if what != "master" and not self.adam.moments_on_store(shard):
+            return None, flat.zero_()
+        return self.store.read(self.adam.state_key(shard, what), flat), flat
+
+    def quiesce(self) -> None:
+        """Wait until every update handed over has run and every write has landed."""
+        if self.adam is not None:
+            self.adam.barrier(include_writes=True)
+
+    def stream(self, items: Sequence[tuple[Shard, str]]) -> Iterator[tuple[Shard, str, torch.Tensor]]:
+        """Read ``items`` (shard, state) in order, the next one's read in flight while the caller uses the current one.
+
+        Waits for the optimizer first. Each yielded tensor is valid until the next iteration; host memory holds two
+        shards' worth of one state.
+        """
+        self.quiesce()
+        if not items:
+            return
+        size = round_up(max(s.numel * self.dtype_of(s, w).itemsize for s, w in items), ALIGNMENT)
+        buffers = [aligned_empty(size, torch.uint8, huge=True) for _ in range(min(2, len(items)))]
+        pending = self._start_read(*items[0], buffers[0])
+        for i, (shard, what) in enumerate(items):
+            upcoming = self._start_read(*items[i + 1], buffers[(i + 1) % 2]) if i + 1 < len(items) else None
+            future, flat = pending
+            if future is not None:
+                future.result()
+            yield shard, what, flat
+            if upcoming is not None:
+                pending = upcoming
+
+    def param_steps(self, shard: Shard) -> list[int]:
+        """Committed AdamW step counts of a shard's parameters (zeros for a frozen shard)."""
+        if shard.group < 0 or self.adam is None:
+            return [0] * len(shard.params)
+        return self.adam.param_steps(shard)
+
+    def has_moments(self, shard: Shard) -> bool:
+        """Whether a trainable shard's committed moments were ever written (otherwise they are zeros)."""
+        return shard.group >= 0 and self.adam is not None and self.adam.moments_on_store(shard)
+
+    # ------------------------------------------------------------------ ordinary checkpoints
 
     def _masters(self) -> dict[int, torch.Tensor]:
         """Full-precision values of every parameter, by parameter id, in their original dtype."""
         if self.adam is None:
             return dict(self._originals)
-        self.adam.barrier(include_writes=True)
         values: dict[int, torch.Tensor] = {}
-        for shard in self.layout.all_shards:
-            flat = self.read_flat(shard, "master")
+        for shard, _, flat in self.stream([(s, "master") for s in self.layout.all_shards]):
             for sp in shard.params:
                 values[id(sp.param)] = sp.view(flat).to(self.layout.orig_dtype[id(sp.param)]).clone()
         return values
@@ -87,9 +181,8 @@ class ModelState:
         if self.adam is not None and available and nbytes > available:
             raise RatelPlanError(
                 f"RatelStrategy: {what} needs {format_bytes(nbytes)} of host memory and only "
-                f"{format_bytes(available)} is available. A model whose states exceed host memory can be trained but "
-                "not gathered: train without checkpoints (Trainer(enable_checkpointing=False)) or on a machine with "
-                "more memory."
+                f"{format_bytes(available)} is available. Save sharded checkpoints instead "
+                "(RatelStrategy(checkpoint_format='sharded')), which never gather the model."
             )
 
     def state_dict(self) -> dict[str, Any]:
@@ -113,27 +206,26 @@ class ModelState:
             RatelPlanError: the Adam moments do not fit in the host memory available now.
         """
         assert self.optimizer is not None and self.adam is not None
-        stored = [s for s in self.layout.shards if self.adam.moments_on_store(s)]
+        stored = [s for s in self.layout.shards if self.has_moments(s)]
         self._ensure_fits(sum(s.numel for s in stored) * 8, "gathering the Adam moments")
         result = self.optimizer.state_dict()
         state: dict[int, dict[str, torch.Tensor]] = {}
+        moments: dict[int, dict[str, torch.Tensor]] = {}
+        for shard, what, flat in self.stream([(s, w) for s in stored for w in ("exp_avg", "exp_avg_sq")]):
+            for sp in shard.params:
+                moments.setdefault(id(sp.param), {})[what] = sp.view(flat).clone()
         for shard in stored:
-            m = self.read_flat(shard, "exp_avg")
-            v = self.read_flat(shard, "exp_avg_sq")
             for sp, step in zip(shard.params, self.adam.param_steps(shard)):
                 if step:
-                    state[sp.index] = {
-                        "step": torch.tensor(float(step), dtype=torch.float32),
-                        "exp_avg": sp.view(m).clone(),
-                        "exp_avg_sq": sp.view(v).clone(),
-                    }
+                    state[sp.index] = {"step": torch.tensor(float(step), dtype=torch.float32),
+                                       **moments[id(sp.param)]}
         result["state"] = state
         return result
 
     def load_optimizer_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a ``torch.optim.AdamW``-format state (from this plugin or from plain training)."""
         assert self.optimizer is not None and self.adam is not None
-        self.adam.barrier(include_writes=True)
+        self.quiesce()
         self.optimizer.load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
         saved = {int(k): v for k, v in state_dict["state"].items()}
         for shard in self.layout.shards:
@@ -151,43 +243,69 @@ class ModelState:
                 steps[i] = int(float(entry["step"]))
             self.adam.load_state(shard, m, v, steps)
 
-    def restore(self) -> None:
-        """Put ordinary tensors with the trained values back into the module (and the optimizer state into the
-        user's optimizer) where they fit comfortably in host memory; NaN placeholders otherwise, with a warning."""
+    # ------------------------------------------------------------------ the end of a run
+
+    @staticmethod
+    def fits(nbytes: int) -> bool:
+        """Whether ``nbytes`` can be put into host memory at the end of a run: at most half of what is available now
+        (assumed when that is unknown)."""
+        available = available_host_memory()
+        return not available or nbytes <= available // 2
+
+    def restore_plan(self) -> Restored:
+        """What :meth:`restore` will put back (nothing is done yet): the trainable parameters when they fit
+        (:meth:`fits`), the frozen ones too when everything fits, the optimizer state when it fits besides."""
+        layout = self.layout
+        if self.adam is None:
+            return Restored(True, True, True)
+        trainable = layout.nbytes_of(layout.shards)
+        result = Restored()
+        result.trainable = self.fits(trainable)
+        result.frozen = result.trainable and self.fits(trainable + layout.nbytes_of(layout.frozen_shards))
+        result.optimizer = result.trainable and self.fits(sum(s.numel for s in layout.shards) * 8)
+        restored = {id(sp.param) for s in self._restored_shards(result) for sp in s.params}
+        pretrained = layout.frozen_values.pretrained
+        result.lost = [slot.name for slot in layout.slots
+                       if id(slot.param) not in restored and id(slot.param) not in pretrained]
+        return result
+
+    def _restored_shards(self, plan: Restored) -> list[Shard]:
+        return ((self.layout.shards if plan.trainable else [])
+                + (self.layout.frozen_shards if plan.frozen else []))
+
+    def restore(self) -> Restored:
+        """Put ordinary tensors with the trained values back into the module, and the optimizer state into the user's
+        optimizer, as :meth:`restore_plan` says; what is not restored keeps a host-memory NaN placeholder.
+
+        Returns:
+            What was restored.
+        """
         layout = self.layout
         if self.adam is None:
             for slot in layout.slots:
                 slot.param.data = self._originals[id(slot.param)].view(slot.shape)
-            return
-        if not _fits_comfortably(layout.param_nbytes):
-            rank_zero_warn(
-                f"RatelStrategy: the trained parameters ({format_bytes(layout.param_nbytes)}) are not copied back "
-                "into the module after training because they would not fit comfortably in host memory; its "
-                "parameters are NaN placeholders now. Checkpoints saved during training hold the values."
-            )
-            for slot in layout.slots:
-                slot.param.data = nan_placeholder(slot.param, layout.orig_dtype[id(slot.param)])
-            return
-        # Training is over: the buffers for paging and updates are not needed for what comes next.
-        self.adam.release_memory()
-        self.pager.pool.clear()
-        # Shard by shard, so host memory holds the parameters plus one shard, not two copies of the model.
-        for shard in layout.all_shards:
-            flat = self.read_flat(shard, "master")
+            return Restored(True, True, True)
+        plan = self.restore_plan()
+        shards = self._restored_shards(plan)
+        if shards:
+            # Training is over: the buffers for paging and updates are not needed for what comes next.
+            self.adam.release_memory()
+            self.pager.pool.clear()
+        # Shard by shard, so host memory holds the parameters plus two shards, not two copies of the model.
+        for shard, _, flat in self.stream([(s, "master") for s in shards]):
             for sp in shard.params:
                 sp.param.data = sp.view(flat).to(layout.orig_dtype[id(sp.param)]).clone()
-        needed = sum(s.numel for s in layout.shards) * 8
-        if not _fits_comfortably(needed):
-            rank_zero_warn(
-                f"RatelStrategy: the optimizer state ({format_bytes(needed)}) is not copied back into the optimizer "
-                "after training because it would not fit comfortably in host memory; the last checkpoint holds it."
-            )
-            return
-        assert self.optimizer is not None
-        state = self.optimizer_state_dict()["state"]
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        for index, entry in state.items():
-            self.optimizer.state[params[index]] = entry
+        restored = {id(sp.param) for s in shards for sp in s.params}
+        for slot in layout.slots:
+            if id(slot.param) not in restored:
+                slot.param.data = nan_placeholder(slot.param, layout.orig_dtype[id(slot.param)])
+        if plan.optimizer:
+            assert self.optimizer is not None
+            state = self.optimizer_state_dict()["state"]
+            params = [p for g in self.optimizer.param_groups for p in g["params"]]
+            for index, entry in state.items():
+                self.optimizer.state[params[index]] = entry
+        return plan
 
     def unplace_leftovers(self) -> None:
         """Give each parameter that still holds a paging placeholder (restore skipped or failed) an ordinary tensor:
@@ -204,27 +322,35 @@ class ModelState:
                     slot.param.data = nan_placeholder(slot.param, dtype)
 
 
-def _fits_comfortably(nbytes: int) -> bool:
-    """Whether ``nbytes`` take at most half of the available host memory (assumed when it is unknown)."""
-    available = available_host_memory()
-    return not available or nbytes <= available // 2
+def gathered_checkpoint_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Host bytes an ordinary checkpoint gathers: every parameter in its dtype and two fp32 Adam moments per parameter
+    the optimizer updates."""
+    params = sum(p.numel() * p.dtype.itemsize for p in module.parameters())
+    return params + 8 * sum(p.numel() for g in optimizer.param_groups for p in g["params"] if p.requires_grad)
 
 
-def ensure_checkpoint_fits(module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Refuse a run whose checkpoints cannot be gathered in host memory.
+def choose_checkpoint_format(requested: CheckpointFormat, module: nn.Module, optimizer: torch.optim.Optimizer,
+                             host_memory_limit: int | None) -> Literal["full", "sharded"]:
+    """The format checkpoints of this run are written in.
 
-    A checkpoint holds every parameter in its dtype and two fp32 Adam moments per parameter the optimizer holds, all
-    in host memory at once (Lightning's checkpoint format).
+    ``"auto"`` writes Lightning's ordinary checkpoint (loadable without the plugin) while gathering it takes at most
+    half of the host memory budget (``host_memory_limit``, else what is available now), and the sharded format
+    otherwise.
 
     Raises:
-        RatelPlanError: that is more than the host memory available now.
+        RatelPlanError: ``"full"`` was asked for and the checkpoint would not fit in the available host memory.
     """
-    params = sum(p.numel() * p.dtype.itemsize for p in module.parameters())
-    needed = params + 8 * sum(p.numel() for g in optimizer.param_groups for p in g["params"])
+    needed = gathered_checkpoint_bytes(module, optimizer)
     available = available_host_memory()
-    if available and needed > available:
-        raise RatelPlanError(
-            f"RatelStrategy: a checkpoint of this model gathers its parameters and Adam moments in host memory "
-            f"({format_bytes(needed)}), more than the {format_bytes(available)} available. Train without checkpoints "
-            "(Trainer(enable_checkpointing=False)) or on a machine with more memory."
-        )
+    if requested == "full":
+        if available and needed > available:
+            raise RatelPlanError(
+                f"RatelStrategy: a checkpoint of this model gathers its parameters and Adam moments in host memory "
+                f"({format_bytes(needed)}), more than the {format_bytes(available)} available. Use "
+                "RatelStrategy(checkpoint_format='sharded') (or 'auto'), which writes the state shard by shard."
+            )
+        return "full"
+    if requested == "sharded":
+        return "sharded"
+    budget = host_memory_limit if host_memory_limit is not None else available
+    return "sharded" if budget and needed > budget // 2 else "full"

@@ -20,6 +20,8 @@ ActivationPolicy = str | dict[str, str]
 ParamInitFn = Callable[[nn.Module], None]
 ParamCache = Literal["auto", "host", "ssd"]
 PARAM_CACHES: tuple[ParamCache, ...] = ("auto", "host", "ssd")
+CheckpointFormat = Literal["auto", "full", "sharded"]
+CHECKPOINT_FORMATS: tuple[CheckpointFormat, ...] = ("auto", "full", "sharded")
 
 
 @dataclass
@@ -44,6 +46,8 @@ class RatelConfig:
     blocks: BlockSpec = None
     param_cache: ParamCache = "auto"
     param_init_fn: ParamInitFn | None = None
+    pretrained: str | None = None
+    checkpoint_format: CheckpointFormat = "auto"
     name: str = "ratel"
 
     def __post_init__(self) -> None:
@@ -63,6 +67,10 @@ class RatelConfig:
             raise RatelConfigError(f"`param_cache` must be one of {PARAM_CACHES}, got {self.param_cache!r}")
         if self.param_init_fn is not None and not callable(self.param_init_fn):
             raise RatelConfigError(f"`param_init_fn` must be callable, got {type(self.param_init_fn).__name__}")
+        self.pretrained = _pretrained(self.pretrained)
+        if self.checkpoint_format not in CHECKPOINT_FORMATS:
+            raise RatelConfigError(
+                f"`checkpoint_format` must be one of {CHECKPOINT_FORMATS}, got {self.checkpoint_format!r}")
 
     @property
     def plans_automatically(self) -> bool:
@@ -87,6 +95,17 @@ def _paths(value: object) -> list[str] | None:
     if bad:
         raise RatelConfigError(f"`ssd_paths` must name directories (strings or paths), got {bad!r}")
     return [os.fspath(p) for p in value]
+
+
+def _pretrained(value: object) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+        raise RatelConfigError(f"`pretrained` must be the path of a Hugging Face checkpoint folder, got {value!r}")
+    path = os.path.abspath(os.fspath(value))
+    if not os.path.isdir(path):
+        raise RatelConfigError(f"`pretrained` must be a Hugging Face checkpoint folder; {path!r} is not a directory")
+    return path
 
 
 def _plan(value: object) -> str | Plan | None:

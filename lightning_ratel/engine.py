@@ -34,7 +34,7 @@ from lightning_ratel.checkpoint import ModelState
 from lightning_ratel.config import RatelConfig
 from lightning_ratel.errors import RatelConfigError
 from lightning_ratel.layout import build_layout
-from lightning_ratel.materialize import Materializer
+from lightning_ratel.materialize import Materializer, ValueSource
 from lightning_ratel.planner import Planner
 from lightning_ratel.runtime import gds
 from lightning_ratel.runtime.activations import ActivationCache
@@ -77,6 +77,9 @@ class RatelEngine:
         config: the strategy's settings, with the swap directories resolved.
         half_dtype: the 16-bit compute dtype of mixed precision, ``None`` for fp32.
         optimizer: the user's optimizer when fitting; ``None`` for evaluation-only runs (no store is created).
+        source: first values of the parameters (a pretrained folder, a checkpoint being resumed); ``None``: the
+            module's own values, or initialization for a model on the meta device.
+        progress: show a progress bar while the model is materialized.
     """
 
     def __init__(
@@ -86,6 +89,8 @@ class RatelEngine:
         config: RatelConfig,
         half_dtype: torch.dtype | None = None,
         optimizer: torch.optim.Optimizer | None = None,
+        source: ValueSource | None = None,
+        progress: bool = False,
     ) -> None:
         assert config.ssd_paths is not None
         self.module = module
@@ -98,7 +103,8 @@ class RatelEngine:
             raise RatelConfigError("the model has no parameters to manage")
         self.layout = build_layout(module, self.blocks, optimizer, half_dtype, config.param_cache,
                                    config.host_memory_limit, self.device.host_empty)
-        materializer = Materializer(module, self.blocks, self.layout, self.device.device, config.param_init_fn)
+        materializer = Materializer(module, self.blocks, self.layout, self.device.device, config.param_init_fn,
+                                    source, progress)
         self.store: TensorStore | None = None
         self.adam: CpuAdam | None = None
         self._switches = FitSwitches(module) if optimizer is not None else None

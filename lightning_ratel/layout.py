@@ -8,12 +8,20 @@ optimizer parameter group and a compute dtype form a *shard*, the grain of the o
 The compute dtype follows mixed precision: a parameter that autocast would cast to 16-bit anyway (a linear or
 convolution weight) is stored in 16-bit, bit-identical at half the bytes; everything else keeps its own dtype, so
 results match Lightning's own mixed precision exactly.
+
+Parameters outside the optimizer (frozen: ``requires_grad=False`` or in no parameter group) form *frozen shards*:
+they have no fp32 master and no moments, only their compute copy (in the host cache, or on the store with
+``param_cache="ssd"``), which nothing writes after the first time. That copy is their exact value when the dtype policy
+kept their dtype, and also when a 16-bit copy represents every value exactly (weights loaded from a bf16 checkpoint
+are, whatever dtype the module holds them in). Only where rounding to the compute dtype would change a value does the
+shard keep its values in their own dtype on the store as well (:class:`FrozenValues`), so that what the module gets
+back, what checkpoints hold and what an export writes are the values it started with.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info
@@ -32,6 +40,33 @@ _UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "differentiable", "capturable")
 HostAllocator = Callable[[int, torch.dtype], torch.Tensor]
 
 
+class FrozenValues:
+    """Where the exact values of frozen shards are, as materialization found them.
+
+    A frozen shard's compute copy is its value unless rounding to the compute dtype changed one of its parameters; such
+    a shard also keeps its values in their own dtype on the store, under :meth:`key`. Frozen parameters whose values
+    came from the ``pretrained`` folder are remembered by the tensor name there, so a checkpoint can refer to the folder
+    instead of copying weights that never change.
+    """
+
+    def __init__(self) -> None:
+        self.exact_copies: dict[int, torch.dtype] = {}
+        self.pretrained: dict[int, str] = {}
+
+    @staticmethod
+    def key(shard: Shard) -> str:
+        """The store key of a frozen shard's values in their own dtype."""
+        return shard.key("value")
+
+    def value_dtype(self, shard: Shard) -> torch.dtype:
+        """The dtype a frozen shard's exact values are read in: the kept copy's, or the compute copy's."""
+        return self.exact_copies.get(shard.index, shard.dtype)
+
+    def nbytes(self, shards: Sequence[Shard]) -> int:
+        """Store bytes of the kept copies among ``shards``."""
+        return sum(s.numel * self.exact_copies[s.index].itemsize for s in shards if s.index in self.exact_copies)
+
+
 @dataclass(frozen=True)
 class Layout:
     """Units and shards of one model.
@@ -44,6 +79,7 @@ class Layout:
         param_cache: ``"host"`` (compute copies live in the units' host caches) or ``"ssd"`` (read from the swap
             store on every page-in).
         orig_dtype: each parameter's own dtype, by parameter id (what the module holds outside training).
+        frozen_values: where the frozen shards' exact values are (filled in by materialization).
     """
 
     units: dict[int, Unit]
@@ -52,6 +88,7 @@ class Layout:
     frozen_shards: list[Shard]
     param_cache: ParamCache
     orig_dtype: dict[int, torch.dtype]
+    frozen_values: FrozenValues = field(default_factory=FrozenValues)
 
     @property
     def all_shards(self) -> list[Shard]:
@@ -74,6 +111,10 @@ class Layout:
     def param_nbytes(self) -> int:
         """Bytes of every parameter in its own dtype: what the module's full state takes in host memory."""
         return sum(s.numel * self.orig_dtype[id(s.param)].itemsize for s in self.slots)
+
+    def nbytes_of(self, shards: Sequence[Shard]) -> int:
+        """Bytes of the parameters of ``shards`` in their own dtypes."""
+        return sum(sp.numel * self.orig_dtype[id(sp.param)].itemsize for s in shards for sp in s.params)
 
     @property
     def compute_nbytes(self) -> int:
@@ -157,7 +198,8 @@ def build_layout(
         return p.dtype
 
     def group_of(p: nn.Parameter) -> int:
-        return groups[id(p)][0] if id(p) in groups else -1
+        # A parameter that needs no gradient is never updated, even when the optimizer holds it (AdamW skips it).
+        return groups[id(p)][0] if id(p) in groups and p.requires_grad else -1
 
     owner: dict[int, int] = {}
     owned: dict[int, list[nn.Parameter]] = {}
@@ -174,7 +216,7 @@ def build_layout(
             dtype_rank.setdefault(d, len(dtype_rank))
         # Sorted so that each (dtype, group) is one contiguous range: one shard, one kernel call, one output.
         order = sorted(range(len(params)),
-                       key=lambda i: (dtype_rank[dtypes[id(params[i])]], groups.get(id(params[i]), (1 << 30, 0))[0], i))
+                       key=lambda i: (dtype_rank[dtypes[id(params[i])]], group_of(params[i]) % (1 << 30), i))
         offsets: dict[torch.dtype, int] = {}
         slots = []
         run = None

@@ -9,12 +9,15 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import shutil
 from collections.abc import Callable, Mapping
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.utilities.types import _PATH
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.accelerators import Accelerator, CUDAAccelerator
 from lightning.pytorch.core.optimizer import LightningOptimizer
@@ -26,10 +29,16 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_ratel.callbacks import RatelProfiler
-from lightning_ratel.checkpoint import ensure_checkpoint_fits
-from lightning_ratel.config import ActivationPolicy, ParamCache, ParamInitFn, RatelConfig
+from lightning_ratel.checkpoint import choose_checkpoint_format
+from lightning_ratel.config import ActivationPolicy, CheckpointFormat, ParamCache, ParamInitFn, RatelConfig
+from lightning_ratel.convert import kept_metadata
 from lightning_ratel.engine import RatelEngine
 from lightning_ratel.errors import RatelConfigError
+from lightning_ratel.export import DEFAULT_SHARD_SIZE, LiveReader, ModuleReader, write_hf_folder
+from lightning_ratel.materialize import ValueSource, persistent_buffers
+from lightning_ratel.pretrained import PretrainedFolder, PretrainedSource, StateDictSource
+from lightning_ratel.sharded import ShardedReader, ShardedSource, is_sharded_checkpoint, load_moments, save_sharded
+from lightning_ratel.tensorfiles import parse_dtype
 from lightning_ratel.plan.search import Plan
 from lightning_ratel.planner import Planner
 from lightning_ratel.precision import RatelPrecision
@@ -70,9 +79,20 @@ class RatelStrategy(SingleDeviceStrategy):
             when the cache would take more than half of ``host_memory_limit``, or of the available host memory).
             Fitting only; evaluation runs keep them in host memory.
         param_init_fn: initializes one module whose parameters or buffers were on the meta device; called with the
-            module after its tensors got (uninitialized) host memory. ``None`` calls ``module.reset_parameters()``.
-            Build the model under ``torch.device("meta")`` to train a model larger than host memory: each block is
-            materialized, initialized and written to the swap files in turn.
+            module after its tensors got (uninitialized) host memory. ``None`` calls ``module.reset_parameters()``
+            (a peft LoRA adapter gets peft's initialization; with ``pretrained``, a module of a transformers model
+            without ``reset_parameters()`` gets the model's ``_init_weights``). Build the model under
+            ``torch.device("meta")`` to train a model larger than host memory: each block is materialized,
+            initialized and written to the swap files in turn.
+        pretrained: a Hugging Face checkpoint folder (``model.safetensors``, or shards with
+            ``model.safetensors.index.json``) whose weights the parameters start from, read block by block while the
+            model (typically built on the meta device) is materialized. Names match through the LightningModule's
+            attribute and peft's prefixes; trainable parameters the folder lacks (LoRA adapters, a new head) are
+            initialized, a frozen one missing or a tensor of the wrong shape is an error before training.
+        checkpoint_format: ``"full"``: Lightning's ordinary checkpoint file, gathered in host memory (loadable without
+            this plugin); ``"sharded"``: a directory written and read shard by shard (:mod:`lightning_ratel.sharded`;
+            ``python -m lightning_ratel.convert`` turns it into either of the others); ``"auto"``: ``"sharded"`` when
+            gathering the checkpoint would take more than half of the host memory budget.
     """
 
     strategy_name = "ratel"
@@ -91,6 +111,8 @@ class RatelStrategy(SingleDeviceStrategy):
         checkpoint_io: CheckpointIO | None = None,
         param_cache: ParamCache = "auto",
         param_init_fn: ParamInitFn | None = None,
+        pretrained: str | None = None,
+        checkpoint_format: CheckpointFormat = "auto",
     ) -> None:
         super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io)
         self.config = RatelConfig(
@@ -104,12 +126,20 @@ class RatelStrategy(SingleDeviceStrategy):
             blocks=blocks,
             param_cache=param_cache,
             param_init_fn=param_init_fn,
+            pretrained=pretrained,
+            checkpoint_format=checkpoint_format,
         )
         self._engine: RatelEngine | None = None
         self._exception: BaseException | None = None
         self._failure: BaseException | None = None
         # The device and allocator fraction that `device_memory_limit` replaced, to put back at teardown.
         self._replaced_memory_fraction: tuple[torch.device, float] | None = None
+        self._format: Literal["full", "sharded"] = "full"
+        self._pretrained: PretrainedFolder | None = None
+        # A checkpoint being resumed: its values reach the engine as it materializes the model.
+        self._resume: ShardedReader | None = None
+        self._resume_source: ValueSource | None = None
+        self._saved_step: int | None = None
 
     @property
     def ssd_paths(self) -> list[str] | None:
@@ -160,6 +190,16 @@ class RatelStrategy(SingleDeviceStrategy):
     def param_init_fn(self) -> ParamInitFn | None:
         """The initializer of modules on the meta device (``None``: their ``reset_parameters()``)."""
         return self.config.param_init_fn
+
+    @property
+    def pretrained(self) -> str | None:
+        """The Hugging Face folder the weights start from (absolute path), if any."""
+        return self.config.pretrained
+
+    @property
+    def checkpoint_format(self) -> CheckpointFormat:
+        """The checkpoint format asked for (the run's own is chosen at setup when this is ``"auto"``)."""
+        return self.config.checkpoint_format
 
     @property
     @override
@@ -225,9 +265,9 @@ class RatelStrategy(SingleDeviceStrategy):
             if len(self.optimizers) != 1:
                 raise RatelConfigError(f"RatelStrategy supports one optimizer, got {len(self.optimizers)}")
             optimizer = self.optimizers[0]
-            if trainer.checkpoint_callbacks:
-                # Refused now rather than at the first save, after hours of training.
-                ensure_checkpoint_fits(module, optimizer)
+            # A forced "full" that cannot be gathered is refused now rather than at the first save.
+            self._format = choose_checkpoint_format(self.config.checkpoint_format, module, optimizer,
+                                                    self.config.host_memory_limit)
         self.model_to_device()
         config = self.config
         if config.ssd_paths is None:
@@ -238,7 +278,15 @@ class RatelStrategy(SingleDeviceStrategy):
         precision = self.precision_plugin
         self._exception = None
         self._failure = None
-        self._engine = RatelEngine(module, self.root_device, config, precision.half_dtype, optimizer)
+        self._saved_step = None
+        if config.pretrained is not None and self._pretrained is None:
+            self._pretrained = PretrainedFolder(config.pretrained)
+        source = self._resume_source
+        if source is None and self._pretrained is not None:
+            source = PretrainedSource(self._pretrained)
+        self._resume_source = None
+        self._engine = RatelEngine(module, self.root_device, config, precision.half_dtype, optimizer, source,
+                                   progress=trainer.progress_bar_callback is not None)
         precision.bind(self._engine, self.root_device.type)
         if isinstance(config.plan, Plan):
             self._engine.planner.apply_plan(config.plan)
@@ -307,12 +355,30 @@ class RatelStrategy(SingleDeviceStrategy):
         """Bytes held right now on the device, in host memory and on disk (empty outside a run)."""
         return self._engine.byte_placement() if self._engine is not None else {}
 
+    @property
+    def sharded_checkpoints(self) -> bool:
+        """Whether this run writes sharded checkpoints (chosen at setup)."""
+        return self._engine is not None and self._engine.adam is not None and self._format == "sharded"
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if self._failure is not None:
             raise self._failure
         if self._engine is None:
+            module = self.lightning_module
+            assert module is not None
+            placeholders = [n for n, p in module.named_parameters() if p.numel() > 1 and not any(p.stride())]
+            if placeholders:
+                raise RatelConfigError(
+                    f"the module's parameters (e.g. {placeholders[0]}) were not copied back after training, so it "
+                    "cannot be saved now; save checkpoints during fit (ModelCheckpoint), or export the kept swap files "
+                    "with `python -m lightning_ratel.convert --swap ...` as the warning at the end of fit says")
             return super().lightning_module_state_dict()
+        if self.sharded_checkpoints:
+            # Parameters go to the shard files; the checkpoint dict keeps the persistent buffers.
+            module = self._engine.module
+            state = module.state_dict()
+            return {name: state[name] for name in persistent_buffers(module) if name in state}
         return self._from_engine(self._engine.state.state_dict)
 
     @override
@@ -322,8 +388,87 @@ class RatelStrategy(SingleDeviceStrategy):
         if self._failure is not None:
             raise self._failure
         if self._engine is not None and optimizer is self._engine.optimizer:
+            if self.sharded_checkpoints:
+                # Moments and step counts go to the shard files.
+                return {"state": {}, "param_groups": optimizer.state_dict()["param_groups"]}
             return self._from_engine(self._engine.state.optimizer_state_dict)
         return super().optimizer_state(optimizer)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH,
+                        storage_options: Any | None = None) -> None:
+        path = Path(filepath)
+        if self.sharded_checkpoints:
+            if storage_options is not None:
+                raise TypeError("RatelStrategy writes sharded checkpoints itself and takes no `storage_options`")
+            engine = self._engine
+            assert engine is not None
+            self._from_engine(lambda: {"path": save_sharded(
+                path, checkpoint, engine.state, engine.module, self._pretrained,
+                progress=self._progress())})
+        else:
+            if is_sharded_checkpoint(path):
+                shutil.rmtree(path)
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and self._engine is not None:
+            self._saved_step = trainer.global_step
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        if not is_sharded_checkpoint(checkpoint_path):
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._resume = ShardedReader(checkpoint_path, self._pretrained_folder())
+        return self._resume.meta()
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        # Parameter values reach the module as the engine materializes it; buffers come along.
+        module = self.lightning_module
+        assert module is not None
+        if self._resume is not None:
+            self._resume_source = ShardedSource(self._resume, dict(checkpoint.get("state_dict", {})))
+        elif self.config.pretrained is not None or any(p.is_meta for p in module.parameters()):
+            # Not into the module: a meta tensor holds no value, and the checkpoint outranks the pretrained folder.
+            self._resume_source = StateDictSource(dict(checkpoint["state_dict"]))
+        else:
+            super().load_model_state_dict(checkpoint, strict=strict)
+
+    def _pretrained_folder(self) -> PretrainedFolder | None:
+        if self.config.pretrained is not None and self._pretrained is None:
+            self._pretrained = PretrainedFolder(self.config.pretrained)
+        return self._pretrained
+
+    def _progress(self) -> bool:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        return trainer is not None and trainer.progress_bar_callback is not None
+
+    def save_pretrained(self, path: str | os.PathLike[str], dtype: str | torch.dtype = "bf16",
+                        max_shard_size: int | str = DEFAULT_SHARD_SIZE) -> Path:
+        """Write the trained weights as a Hugging Face folder, one shard at a time (``from_pretrained`` loads it).
+
+        During fit the weights are those of the last finished step, read from the swap files once every update has
+        landed; outside fit, the module's own parameters. ``config.json`` and ``generation_config.json`` are written
+        when the module holds a transformers model; a peft model's adapter goes to ``adapter/`` in peft's format.
+
+        Args:
+            path: the folder.
+            dtype: ``"bf16"`` (default), ``"fp16"`` or ``"fp32"``.
+            max_shard_size: the largest weight file; more is split into shards with an index.
+
+        Returns:
+            The folder.
+        """
+        dtype = parse_dtype(dtype)
+        engine = self._engine
+        if engine is not None and engine.adam is not None:
+            reader: Any = LiveReader(engine.state, engine.module)
+        else:
+            module = self.lightning_module
+            if module is None:
+                raise RatelConfigError("RatelStrategy.save_pretrained needs a LightningModule")
+            reader = ModuleReader(module)
+        return write_hf_folder(reader, path, dtype, max_shard_size, progress=self._progress())
 
     def _from_engine(self, read: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         """Read state for a checkpoint; if the engine cannot produce it, end the run's engine here.
@@ -349,6 +494,9 @@ class RatelStrategy(SingleDeviceStrategy):
         if self._engine is None or self._engine.optimizer is None:
             super().load_optimizer_state_dict(checkpoint)
             return
+        if self._resume is not None:
+            load_moments(self._engine.state, self._resume, checkpoint["optimizer_states"][0]["param_groups"])
+            return
         self._engine.state.load_optimizer_state_dict(checkpoint["optimizer_states"][0])
 
     @override
@@ -361,18 +509,63 @@ class RatelStrategy(SingleDeviceStrategy):
                 # The exception that stopped training matters more; the copy-back at teardown says what it finds.
                 rank_zero_warn(f"RatelStrategy could not roll the interrupted step back after {exception!r}: {err!r}")
 
+    def _keep_what_is_not_restored(self, engine: RatelEngine) -> None:
+        """Before the copy back: say what will not be restored and, where a result would be lost, keep the swap files
+        with what an export needs to read them."""
+        state = engine.state
+        if engine.adam is None or engine.store is None:
+            return
+        engine.abort_step()
+        plan = state.restore_plan()
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        saved = trainer is not None and self._saved_step == trainer.global_step
+        keep = self.config.keep_swap_files or (bool(plan.lost) and not saved)
+        if keep:
+            engine.store.set_metadata(kept_metadata(state, engine.module, self._pretrained))
+            engine.store.keep_at_close()
+        if plan.complete:
+            return
+        layout = engine.layout
+        if plan.trainable:
+            what = (f"the trainable parameters ({format_bytes(layout.nbytes_of(layout.shards))}) are copied back into "
+                    f"the module; the frozen ones ({format_bytes(layout.nbytes_of(layout.frozen_shards))}) are not "
+                    "copied back because they would not fit comfortably in host memory, and are NaN placeholders.")
+        else:
+            what = (f"the trained parameters ({format_bytes(layout.param_nbytes)}) are not copied back into the module "
+                    "after training because they would not fit comfortably in host memory; its parameters are NaN "
+                    "placeholders now.")
+        if not plan.lost and self._pretrained is not None:
+            where = (" The values of the parameters not copied back are those of the pretrained folder "
+                     f"{self._pretrained.path}.")
+        elif saved and not self.config.keep_swap_files:
+            where = " The checkpoint saved at the last step holds every value."
+        else:
+            dirs = " ".join(f"--swap {p}" for p in engine.store.paths)
+            name = "" if self.config.name == "ratel" else f" --name {self.config.name}"
+            where = (f" The swap files are kept, with their index, in {', '.join(map(str, engine.store.paths))}: "
+                     f"export the weights with `python -m lightning_ratel.convert {dirs}{name} OUT_DIR --to hf "
+                     "[--dtype fp32]`, then delete the swap files and their index. (RatelHFExport or "
+                     "strategy.save_pretrained() during fit, or a checkpoint at the last step, avoid keeping them.)")
+        rank_zero_warn(f"RatelStrategy: {what}{where}")
+
     @override
     def teardown(self) -> None:
         self._restore_device_memory()
         engine, self._engine = self._engine, None
         if engine is not None:
             try:
-                engine.close(restore=True)
+                try:
+                    self._keep_what_is_not_restored(engine)
+                finally:
+                    engine.close(restore=True)
             except Exception as err:
                 if self._exception is None:
                     raise
                 # Do not hide the error that stopped training; the last checkpoint holds the state.
                 rank_zero_warn(f"RatelStrategy could not restore the parameters after {self._exception!r}: {err!r}")
+        if self._resume is not None:
+            self._resume.close()
+            self._resume = None
         module = self.lightning_module
         if module is None or not any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers())):
             super().teardown()

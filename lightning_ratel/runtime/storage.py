@@ -1031,6 +1031,19 @@ class TensorStore:
             self._check_writable("set_metadata")
             self._metadata = copied
 
+    def keep_at_close(self) -> None:
+        """Keep the swap files at :meth:`close` as ``keep_files=True`` does (marked kept, with the index), decided
+        during the run: when they hold a result that exists nowhere else.
+
+        Raises:
+            RuntimeError: If the store is closed.
+            RatelStoreError: If the store is read-only (``EROFS``).
+        """
+        with self._lock:
+            self._check_open()
+            self._check_writable("keep_at_close")
+            self._keep_files = True
+
     def take_busy_intervals(self) -> list[tuple[float, float]]:
         """``time.perf_counter`` intervals during which a chunk transfer ran, since the last call."""
         with self._stats_lock:

@@ -1,0 +1,330 @@
+"""Fine-tune a pretrained Llama whose model states are more than twice this machine's RAM, end to end.
+
+Five phases, each streamed so that host memory holds a few blocks at a time, never the model:
+
+1. write   a bf16 Hugging Face checkpoint of a Llama-style model (random weights standing in for a published model:
+           sharded ``model-0000k-of-0000n.safetensors`` with an index and ``config.json``), one tensor at a time;
+2. load    ``RatelStrategy(pretrained=folder)`` on a model built on the meta device: each block's tensors are read
+           (``safe_open``, memory-mapped) and written to the swap files as fp32 masters;
+3. train   a few steps (``param_cache="ssd"``: compute copies read from the swap files; activations recomputed);
+4. checkpoint  a sharded checkpoint at the last step (fp32 masters, Adam moments, step counts, loop state, plan);
+5. export  a bf16 Hugging Face folder of the trained weights (``RatelHFExport``);
+
+then a second run resumes from the checkpoint (``resume``: masters and moments read back shard by shard) and trains
+one more step. The disk is measured first with the swap store's own probe (O_DIRECT, striped), so each phase's
+throughput is printed against it, with the peak resident set size of each phase (``VmHWM``, reset at every phase
+boundary through ``/proc/self/clear_refs``).
+
+The defaults are a 3.37B-parameter Llama (53.9 GB of model states at 16 bytes per parameter). Disk needed: the
+checkpoint folder (2 bytes per parameter), the swap files (24 bytes per parameter: master and moments in two slots,
+so a step commits as a whole), the sharded checkpoint (12) and the export (2): about 135 GB for the default size.
+Smaller sizes run the same code (``--layers 2 --hidden 256 --intermediate 512 --heads 4 --vocab 2048`` takes
+seconds).
+
+Run from the repository root:
+
+    .venv/bin/python examples/finetune_pretrained.py --work-dir /mnt/nvme0/ratel-finetune
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import os
+import shutil
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch.utils.data import DataLoader
+from transformers import LlamaConfig, LlamaForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from lightning_ratel import RatelHFExport, RatelStrategy  # noqa: E402
+from lightning_ratel.export import SAFE_INDEX, SAFE_WEIGHTS  # noqa: E402
+from lightning_ratel.runtime.probe import disk_bandwidth  # noqa: E402
+from lightning_ratel.tensorfiles import TensorFileWriter  # noqa: E402
+from text_data import TextDataModule  # noqa: E402
+
+GIB = 2**30
+GB = 1e9
+
+
+class Phases:
+    """Wall time and peak resident set size of each phase (``VmHWM``, reset when a phase starts)."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, dict[str, float]] = {}
+        self.current: str | None = None
+        self._start = 0.0
+
+    @staticmethod
+    def _status(field: str) -> int:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+        return 0
+
+    def begin(self, name: str) -> None:
+        self.end()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        self.current = name
+        self._start = time.perf_counter()
+
+    def end(self, nbytes: float = 0.0) -> None:
+        if self.current is None:
+            return
+        row = self.rows.setdefault(self.current, {"seconds": 0.0, "peak_rss": 0.0, "bytes": 0.0})
+        row["seconds"] += time.perf_counter() - self._start
+        row["peak_rss"] = max(row["peak_rss"], self._status("VmHWM"))
+        row["bytes"] += nbytes
+        self.current = None
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[dict[str, float]]:
+        moved = {"bytes": 0.0}
+        self.begin(name)
+        try:
+            yield moved
+        finally:
+            self.end(moved["bytes"])
+
+
+class RepeatedWindowLM(L.LightningModule):
+    """A causal LM trained with plain AdamW; nothing in it knows about Ratel."""
+
+    def __init__(self, config: LlamaConfig, lr: float) -> None:
+        super().__init__()
+        self.model = LlamaForCausalLM(config)
+        self.lr = lr
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self.model(input_ids=batch, labels=batch).loss
+        self.log("train_loss", loss, batch_size=batch.shape[0])
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.0)
+
+
+def write_checkpoint(config: LlamaConfig, folder: Path, max_shard_bytes: int, seed: int) -> int:
+    """A bf16 Hugging Face checkpoint of ``config`` with random weights, written one tensor at a time.
+
+    Returns:
+        Bytes of weights written.
+    """
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    tensors = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+    files: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    size = 0
+    for name, shape in tensors:
+        nbytes = torch.Size(shape).numel() * 2
+        if files[-1] and size + nbytes > max_shard_bytes:
+            files.append([])
+            size = 0
+        files[-1].append((name, shape))
+        size += nbytes
+    names = [SAFE_WEIGHTS] if len(files) == 1 else [
+        f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
+    folder.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(seed)
+    total = 0
+    for file, entries in zip(names, files):
+        writer = TensorFileWriter(folder / file, [(n, torch.bfloat16, s) for n, s in entries], {"format": "pt"})
+        for name, shape in entries:
+            if name.endswith("norm.weight"):
+                value = torch.ones(shape, dtype=torch.bfloat16)
+            else:
+                value = (torch.randn(shape, generator=generator) * config.initializer_range).to(torch.bfloat16)
+            writer.write(name, value)
+            total += value.numel() * 2
+            del value
+        writer.close()
+    if len(files) > 1:
+        weight_map = {n: f for f, entries in zip(names, files) for n, _ in entries}
+        (folder / SAFE_INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    config.save_pretrained(folder)
+    return total
+
+
+class Watch(Callback):
+    """Switches phases at Lightning's hooks and records the loss of each step."""
+
+    def __init__(self, phases: Phases, load_phase: str, train_phase: str) -> None:
+        self.phases = phases
+        self.load_phase = load_phase
+        self.train_phase = train_phase
+        self.losses: list[float] = []
+        self.step_seconds: list[float] = []
+        self._step_start = 0.0
+        self.store_written_at_load = 0
+        self.store_read_at_load = 0
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self.phases.begin(self.load_phase)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        store = trainer.strategy.engine.store
+        self.store_written_at_load = store.bytes_written
+        self.store_read_at_load = store.bytes_read
+        self.phases.end()
+        self.phases.begin(self.train_phase)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.phases.end()
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self._step_start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any) -> None:
+        self.losses.append(float(outputs["loss"]))
+        self.step_seconds.append(time.perf_counter() - self._step_start)
+        print(f"  step {trainer.global_step}: loss {self.losses[-1]:.4f}, {self.step_seconds[-1]:.1f} s", flush=True)
+
+
+def timed(phases: Phases, name: str, method: Any, strategy: RatelStrategy) -> Any:
+    """``method`` run as phase ``name`` (the phase that was running resumes afterwards). The updates of the step that
+    just ended finish first, in the phase that was running: they are the step's work, not the save's."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        outer = phases.current
+        if strategy.engine is not None:
+            strategy.engine.synchronize()
+        phases.end()
+        with phases.phase(name):
+            result = method(*args, **kwargs)
+        if outer is not None:
+            phases.begin(outer)
+        return result
+
+    return run
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work-dir", type=Path, default=Path("outputs") / "finetune-pretrained")
+    parser.add_argument("--layers", type=int, default=28)
+    parser.add_argument("--hidden", type=int, default=3072)
+    parser.add_argument("--intermediate", type=int, default=8192)
+    parser.add_argument("--heads", type=int, default=24)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=2, help="steps of the first run (the resumed run adds one)")
+    parser.add_argument("--lr", type=float, default=3e-5)
+    parser.add_argument("--max-shard-size", type=float, default=5.0, help="GB per file of the checkpoint folder")
+    parser.add_argument("--probe-gib", type=float, default=2.0, help="GiB the disk probe writes and reads")
+    parser.add_argument("--keep", action="store_true", help="keep the work directory (default: removed at the end)")
+    args = parser.parse_args()
+    L.seed_everything(0)
+    on_gpu = torch.cuda.is_available()
+    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                         num_key_value_heads=args.heads, max_position_embeddings=max(args.seq_len + 1, 128),
+                         tie_word_embeddings=False, attn_implementation="sdpa")
+    with torch.device("meta"):
+        params = sum(p.numel() for p in LlamaForCausalLM(config).parameters())
+    with open("/proc/meminfo") as f:
+        ram = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+    work = args.work_dir
+    work.mkdir(parents=True, exist_ok=True)
+    hf, swap, ckpt_dir, export_dir = work / "hf", work / "swap", work / "checkpoints", work / "export"
+    swap.mkdir(exist_ok=True)
+    print(f"Llama: {params:,} parameters; model states 16 B x P = {16 * params / GB:.1f} GB = "
+          f"{16 * params / ram:.2f} x this machine's RAM ({ram / GIB:.1f} GiB); {shutil.disk_usage(work).free / GB:.0f}"
+          f" GB free in {work}, about {40 * params / GB:.0f} GB needed")
+    phases = Phases()
+
+    probe = int(args.probe_gib * GIB)
+    with phases.phase("disk probe"):
+        read_bw, write_bw = disk_bandwidth([str(swap)], probe)
+    print(f"disk ({swap}, O_DIRECT, {args.probe_gib:g} GiB): read {read_bw / GB:.2f} GB/s, write {write_bw / GB:.2f} "
+          "GB/s", flush=True)
+
+    with phases.phase("write") as moved:
+        moved["bytes"] = write_checkpoint(config, hf, int(args.max_shard_size * GB), seed=0)
+    print(f"wrote {hf} ({folder_bytes(hf) / GB:.2f} GB)", flush=True)
+
+    window = TextDataModule(seq_len=args.seq_len, batch_size=1)
+    window.prepare_data()
+    window.setup()
+    assert window.train_set is not None
+    tokens = window.train_set[0]["input_ids"]
+
+    def run(steps: int, load_phase: str, train_phase: str, ckpt_path: str | None) -> Watch:
+        with torch.device("meta"):
+            module = RepeatedWindowLM(config, args.lr)
+        strategy = RatelStrategy(ssd_paths=[str(swap)], param_cache="ssd", activation_policy="recompute",
+                                 checkpoint_format="sharded", pretrained=str(hf) if ckpt_path is None else None)
+        # Timed as phases of their own: RatelHFExport and ModelCheckpoint call these.
+        setattr(strategy, "save_checkpoint", timed(phases, "checkpoint", strategy.save_checkpoint, strategy))
+        setattr(strategy, "save_pretrained", timed(phases, "export", strategy.save_pretrained, strategy))
+        watch = Watch(phases, load_phase, train_phase)
+        callbacks: list[Callback] = [watch]
+        if ckpt_path is None:
+            callbacks += [ModelCheckpoint(dirpath=str(ckpt_dir), every_n_train_steps=steps, save_top_k=-1),
+                          RatelHFExport(str(export_dir), dtype="bf16")]
+        trainer = L.Trainer(accelerator="gpu" if on_gpu else "cpu", devices=1, strategy=strategy,
+                            precision="bf16-mixed" if on_gpu else "32-true", max_steps=steps, logger=False,
+                            enable_checkpointing=ckpt_path is None, enable_progress_bar=sys.stderr.isatty(),
+                            enable_model_summary=False, callbacks=callbacks, default_root_dir=str(work))
+        loader = DataLoader([tokens] * (steps + 1), batch_size=1)
+        trainer.fit(module, train_dataloaders=loader, ckpt_path=ckpt_path)
+        phases.end()
+        # What the run copied back (when it fitted) is not needed any more: the trainer and module reference each
+        # other, and the C allocator keeps freed memory until asked to give it back.
+        del trainer, module, strategy
+        gc.collect()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        return watch
+
+    print("first run: load from the checkpoint folder, train, save a sharded checkpoint, export", flush=True)
+    first = run(args.steps, "load", "train", None)
+    checkpoint = next(ckpt_dir.glob(f"*step={args.steps}.ckpt"))
+    phases.rows["checkpoint"]["bytes"] = folder_bytes(checkpoint)
+    phases.rows["export"]["bytes"] = folder_bytes(export_dir / "final")
+    # Kept swap files of the first run hold nothing the checkpoint does not: remove them before the resume.
+    shutil.rmtree(swap)
+    swap.mkdir()
+    print(f"resumed run: from {checkpoint.name}, one more step", flush=True)
+    resumed = run(args.steps + 1, "resume", "train (resumed)", str(checkpoint))
+    phases.rows["resume"]["bytes"] = folder_bytes(checkpoint)
+
+    rows = phases.rows
+    rows["load"]["bytes"] = folder_bytes(hf)
+    print()
+    print(f"losses: first run {', '.join(f'{x:.4f}' for x in first.losses)}; resumed "
+          f"{', '.join(f'{x:.4f}' for x in resumed.losses)}")
+    print(f"{'phase':<16}{'seconds':>9}{'peak RSS':>11}{'GB':>9}{'GB/s':>8}  vs disk")
+    for name, row in rows.items():
+        rate = row["bytes"] / row["seconds"] / GB if row["seconds"] and row["bytes"] else 0.0
+        versus = {"write": write_bw, "load": read_bw, "checkpoint": write_bw, "export": write_bw,
+                  "resume": read_bw}.get(name)
+        ratio = f"{rate * GB / versus:6.0%} of {'read' if versus == read_bw else 'write'}" if versus and rate else ""
+        print(f"{name:<16}{row['seconds']:9.1f}{row['peak_rss'] / GIB:9.2f} G{row['bytes'] / GB:9.2f}{rate:8.2f}  "
+              f"{ratio}")
+    load = rows["load"]
+    moved = load["bytes"] + first.store_written_at_load
+    print(f"load moved {moved / GB:.2f} GB in all (folder read + swap files written): "
+          f"{moved / load['seconds'] / GB:.2f} GB/s; resume read {rows['resume']['bytes'] / GB:.2f} GB and wrote "
+          f"{resumed.store_written_at_load / GB:.2f} GB to the swap files")
+    if not args.keep:
+        shutil.rmtree(work)
+
+
+if __name__ == "__main__":
+    main()

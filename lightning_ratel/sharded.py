@@ -1,0 +1,381 @@
+"""Checkpoints that never gather the model: a directory written and read one shard at a time.
+
+A sharded checkpoint is a directory (named like the file Lightning asked for, as Lightning's FSDP strategy does for
+``state_dict_type="sharded"``):
+
+- ``unit-00000.safetensors``...: one file per block of the model, holding for each trainable parameter its fp32 master
+  (``master/<name>``) and, when the checkpoint has the optimizer state, its Adam moments (``exp_avg/<name>``,
+  ``exp_avg_sq/<name>``); for each frozen parameter its value (``value/<name>``), unless it came unchanged from the
+  ``pretrained`` folder, which the checkpoint then refers to instead of copying;
+- ``meta.pt``: everything else Lightning puts into a checkpoint (loop state, callbacks, among them the
+  :class:`~lightning_ratel.RatelProfiler` plan, LR schedulers, the precision plugin, the optimizer's parameter groups,
+  persistent buffers), as ``torch.save`` writes it;
+- ``ratel_checkpoint.json``: the index (every parameter's shape, dtype, step count, file; the pretrained folder
+  referred to; the Hugging Face layout for :mod:`lightning_ratel.convert`). It is written last, into a temporary
+  directory renamed into place once everything is on the drive, so a checkpoint directory with an index is complete.
+
+Writing reads the committed state of the last finished step from the store once the optimizer is idle
+(:meth:`~lightning_ratel.checkpoint.ModelState.stream`: two shards' worth of one state in host memory). Reading goes
+the other way: masters as the model is materialized (:class:`ShardedSource`), moments and step counts into the CPU
+optimizer's store shard by shard (:func:`load_moments`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_ratel.checkpoint import ModelState
+from lightning_ratel.errors import RatelConfigError
+from lightning_ratel.export import HFLayout, ParamRecord, hf_layout
+from lightning_ratel.layout import Layout
+from lightning_ratel.materialize import SourceValue, ValueSource
+from lightning_ratel.pretrained import PretrainedFolder
+from lightning_ratel.progress import progress_bar
+from lightning_ratel.runtime.storage import aligned_empty
+from lightning_ratel.runtime.units import ParamSlot, Shard
+from lightning_ratel.sizes import round_up
+from lightning_ratel.tensorfiles import TensorFileReader, TensorFileWriter
+
+INDEX = "ratel_checkpoint.json"
+META = "meta.pt"
+FORMAT = "lightning_ratel sharded checkpoint"
+VERSION = 1
+
+
+def is_sharded_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a sharded checkpoint directory written by this package."""
+    return Path(path).is_dir() and (Path(path) / INDEX).is_file()
+
+
+def tensor_name(what: str, name: str) -> str:
+    """The name of a parameter's state in a checkpoint file (``master``, ``exp_avg``, ``exp_avg_sq`` or ``value``)."""
+    return f"{what}/{name}"
+
+
+def save_sharded(path: str | os.PathLike[str], checkpoint: dict[str, Any], state: ModelState, module: nn.Module,
+                 pretrained: PretrainedFolder | None = None, progress: bool = False) -> Path:
+    """Write a sharded checkpoint of the committed state (see the module docstring).
+
+    Args:
+        path: the checkpoint directory (an existing checkpoint there is replaced once the new one is complete).
+        checkpoint: what Lightning dumped, minus parameter values and optimizer state (``state_dict`` holds the
+            persistent buffers, ``optimizer_states`` the parameter groups); saved as ``meta.pt``.
+        state: the engine's model state.
+        module: the LightningModule (names, aliases, the transformers model).
+        pretrained: the folder the run's frozen weights came from, referred to instead of copied.
+        progress: show a progress bar.
+
+    Returns:
+        The checkpoint directory.
+    """
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.parent / f".{target.name}.{secrets.token_hex(4)}.tmp"
+    staging.mkdir()
+    try:
+        index = _write_files(staging, checkpoint, state, module, pretrained, progress)
+        torch.save(checkpoint, staging / META)
+        _write_index(staging / INDEX, index)
+        _replace(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
+
+
+def _write_files(directory: Path, checkpoint: dict[str, Any], state: ModelState, module: nn.Module,
+                 pretrained: PretrainedFolder | None, progress: bool) -> dict[str, Any]:
+    layout = state.layout
+    state.quiesce()
+    with_moments = "optimizer_states" in checkpoint and state.adam is not None
+    aliases: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    referred = layout.frozen_values.pretrained if pretrained is not None else {}
+    records: list[dict[str, Any]] = []
+    files: list[str] = []
+    # (file, [(shard, state, tensor names)]) per unit, in block order.
+    plan: list[tuple[str, list[tuple[Shard, str, list[str]]], list[tuple[str, torch.dtype, Sequence[int]]]]] = []
+    unit_shards = layout.unit_shards()
+    for unit_index in sorted(unit_shards):
+        file = f"unit-{unit_index:05d}.safetensors"
+        jobs: list[tuple[Shard, str, list[str]]] = []
+        entries: list[tuple[str, torch.dtype, Sequence[int]]] = []
+        for shard in unit_shards[unit_index]:
+            trainable = shard.group >= 0
+            steps = state.param_steps(shard)
+            whats = ["master"]
+            if trainable and with_moments and state.has_moments(shard):
+                whats += ["exp_avg", "exp_avg_sq"]
+            dtype = state.dtype_of(shard, "master")
+            for what in whats:
+                names = [tensor_name(what if trainable else "value", sp.name) for sp in shard.params
+                         if trainable or id(sp.param) not in referred]
+                if names:
+                    jobs.append((shard, what, names))
+                    entries += [(tensor_name(what if trainable else "value", sp.name), dtype, sp.shape)
+                                for sp in shard.params if trainable or id(sp.param) not in referred]
+            for sp, step in zip(shard.params, steps):
+                location: dict[str, Any] = {"pretrained": referred[id(sp.param)]} if id(sp.param) in referred else {
+                    "file": file, "moments": len(whats) == 3}
+                records.append(ParamRecord(
+                    sp.name, tuple(sp.shape), layout.orig_dtype[id(sp.param)], trainable, aliases[id(sp.param)][1:],
+                    sp.index, step, dtype, location).to_json())
+        if entries:
+            plan.append((file, jobs, entries))
+            files.append(file)
+    items = [(shard, what) for _, jobs, _ in plan for shard, what, _ in jobs]
+    total = sum(s.numel * state.dtype_of(s, w).itemsize for s, w in items)
+    bar = progress_bar(total, f"RatelStrategy: checkpoint {directory.name.split('.tmp')[0].lstrip('.')}", progress)
+    stream = state.stream(items)
+    try:
+        for file, jobs, entries in plan:
+            writer = TensorFileWriter(directory / file, entries, metadata={"format": "pt"})
+            try:
+                for shard, what, names in jobs:
+                    got, _, flat = next(stream)
+                    assert got is shard
+                    if len(names) == len(shard.params):
+                        writer.write_run(names, flat[: shard.numel])
+                    else:
+                        wanted = set(names)
+                        for sp in shard.params:
+                            name = tensor_name("value", sp.name)
+                            if name in wanted:
+                                writer.write(name, sp.view(flat))
+                    bar.update(shard.numel * flat.element_size())
+            except BaseException:
+                writer.abort()
+                raise
+            writer.close()
+    finally:
+        stream.close()
+        bar.close()
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "global_step": checkpoint.get("global_step"),
+        "files": files,
+        "params": records,
+        "pretrained": pretrained.fingerprint() if pretrained is not None and referred else None,
+        "hf": hf_layout(module).to_json(),
+    }
+
+
+def _write_index(path: Path, index: dict[str, Any]) -> None:
+    with open(path, "w") as f:
+        json.dump(index, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _replace(staging: Path, target: Path) -> None:
+    """Move the finished checkpoint into place, replacing what was there only now."""
+    old = None
+    if target.is_dir() and not target.is_symlink():
+        old = target.parent / f".{target.name}.{secrets.token_hex(4)}.old"
+        os.replace(target, old)
+    elif target.exists() or target.is_symlink():
+        target.unlink()
+    os.replace(staging, target)
+    fd = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+class ShardedReader:
+    """A sharded checkpoint's parameters and their values, read one tensor at a time.
+
+    Args:
+        path: the checkpoint directory.
+        pretrained: the folder its frozen weights refer to, if not where the index says.
+
+    Raises:
+        RatelConfigError: the directory is not a complete sharded checkpoint of a version this package reads, or the
+            pretrained folder it refers to is missing or different.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], pretrained: PretrainedFolder | str | None = None) -> None:
+        self.path = Path(path)
+        if not is_sharded_checkpoint(self.path):
+            raise RatelConfigError(f"{self.path} is not a sharded checkpoint of lightning_ratel (no {INDEX}); an "
+                                   "interrupted save leaves no index")
+        index = json.loads((self.path / INDEX).read_text())
+        if index.get("format") != FORMAT or index.get("version") != VERSION:
+            raise RatelConfigError(f"{self.path / INDEX} is format {index.get('format')!r} version "
+                                   f"{index.get('version')!r}; this package reads {FORMAT!r} version {VERSION}")
+        self.index = index
+        self.records = [ParamRecord.from_json(r) for r in index["params"]]
+        self.hf = HFLayout.from_json(index.get("hf"))
+        self.by_name = {}
+        for record in self.records:
+            for name in [record.name, *record.aliases]:
+                self.by_name[name] = record
+        self.pretrained: PretrainedFolder | None = None
+        recorded = index.get("pretrained")
+        if recorded is not None:
+            folder = pretrained if pretrained is not None else recorded["path"]
+            try:
+                self.pretrained = folder if isinstance(folder, PretrainedFolder) else PretrainedFolder(folder)
+            except RatelConfigError as err:
+                raise RatelConfigError(f"the checkpoint {self.path} takes its frozen weights from the pretrained "
+                                       f"folder {recorded['path']}, which cannot be read: {err}") from err
+            self.pretrained.check_fingerprint(recorded)
+        self._readers: dict[str, TensorFileReader] = {}
+
+    def meta(self) -> dict[str, Any]:
+        """``meta.pt``: Lightning's checkpoint without parameter values and optimizer state."""
+        return torch.load(self.path / META, weights_only=False)
+
+    def _reader(self, file: str) -> TensorFileReader:
+        if file not in self._readers:
+            self._readers[file] = TensorFileReader(self.path / file)
+        return self._readers[file]
+
+    def close(self) -> None:
+        for reader in self._readers.values():
+            reader.close()
+        self._readers.clear()
+
+    def read_into(self, record: ParamRecord, what: str, out: torch.Tensor) -> torch.Tensor:
+        """Fill ``out`` with ``what`` (``master``, ``exp_avg``, ``exp_avg_sq``) of ``record`` (a frozen parameter's
+        ``master`` is its value), converting the dtype if needed."""
+        if "pretrained" in record.location:
+            assert self.pretrained is not None
+            with self.pretrained.read([record.location["pretrained"]]) as tensors:
+                return out.copy_(tensors[record.location["pretrained"]].to(record.dtype).view(out.shape))
+        name = tensor_name(what if record.trainable else "value", record.name)
+        return self._reader(record.location["file"]).read_into(name, out)
+
+    def values(self, records: Sequence[ParamRecord]) -> Iterator[tuple[ParamRecord, torch.Tensor]]:
+        """Each record's full-precision value (fp32 master, or a frozen parameter's value); each tensor is valid until
+        the next one is yielded."""
+        largest = max((r.numel * r.stored.itemsize for r in records), default=0)
+        buffer = aligned_empty(largest, torch.uint8)
+        for record in records:
+            yield record, self.read_into(record, "master", buffer.view(record.stored)[: record.numel])
+
+    def moments(self, records: Sequence[ParamRecord]) -> Iterator[tuple[ParamRecord, torch.Tensor, torch.Tensor]]:
+        """Each trainable record with stored moments: its ``exp_avg`` and ``exp_avg_sq`` (valid until the next)."""
+        largest = max((r.numel for r in records), default=0)
+        m, v = aligned_empty(largest, torch.float32), aligned_empty(largest, torch.float32)
+        for record in records:
+            if record.trainable and record.location.get("moments"):
+                yield (record, self.read_into(record, "exp_avg", m[: record.numel]),
+                       self.read_into(record, "exp_avg_sq", v[: record.numel]))
+
+
+class ShardedSource(ValueSource):
+    """The first values of a resumed run's parameters from a sharded checkpoint: trainable ones get their fp32 masters
+    as they are, frozen ones their values.
+
+    Args:
+        reader: the checkpoint.
+        buffers: the persistent buffers from its ``meta.pt``.
+    """
+
+    def __init__(self, reader: ShardedReader, buffers: dict[str, torch.Tensor]) -> None:
+        self.reader = reader
+        self.description = f"loading {reader.path.name}"
+        self._buffers = buffers
+        self._records: dict[int, ParamRecord] = {}
+
+    def prepare(self, names: dict[int, list[str]], layout: Layout, buffers: Sequence[str] = ()) -> None:
+        slots = {id(s.param): s for s in layout.slots}
+        missing, wrong = [], []
+        for pid, aliases in names.items():
+            record = next((self.reader.by_name[a] for a in aliases if a in self.reader.by_name), None)
+            if record is None:
+                missing.append(aliases[0])
+            elif tuple(record.shape) != tuple(slots[pid].shape):
+                wrong.append(f"{aliases[0]} {tuple(slots[pid].shape)} vs {tuple(record.shape)}")
+            else:
+                self._records[pid] = record
+        if missing or wrong:
+            problems = ([f"missing {', '.join(missing[:8])}"] if missing else []) + (
+                [f"different shapes {', '.join(wrong[:8])}"] if wrong else [])
+            raise RatelConfigError(f"the checkpoint {self.reader.path} does not fit the model: {'; '.join(problems)}")
+
+    def provides(self, param: nn.Parameter) -> bool:
+        return id(param) in self._records
+
+    @contextlib.contextmanager
+    def read(self, slots: Sequence[ParamSlot]) -> Iterator[dict[int, SourceValue]]:
+        records = [self._records[id(slot.param)] for slot in slots]
+        # One mapping for the block, unmapped when it is written: host memory holds one block of values.
+        buffer = aligned_empty(sum(round_up(r.numel * r.stored.itemsize, 64) for r in records), torch.uint8)
+        out = {}
+        offset = 0
+        for slot, record in zip(slots, records):
+            nbytes = record.numel * record.stored.itemsize
+            value = buffer[offset : offset + nbytes].view(record.stored).view(record.shape)
+            offset += round_up(nbytes, 64)
+            self.reader.read_into(record, "master", value)
+            out[id(slot.param)] = SourceValue(value, master=record.trainable and slot.param.requires_grad)
+        yield out
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        return dict(self._buffers)
+
+    def pretrained_key(self, param: nn.Parameter) -> str | None:
+        record = self._records.get(id(param))
+        return record.location.get("pretrained") if record is not None else None
+
+
+def load_moments(state: ModelState, reader: ShardedReader, param_groups: list[dict[str, Any]]) -> None:
+    """Put a sharded checkpoint's Adam moments, step counts and parameter groups into the run's optimizer, one shard at
+    a time (the next shard's moments are read while the current one's are written to the store)."""
+    assert state.optimizer is not None and state.adam is not None
+    adam = state.adam
+    state.quiesce()
+    state.optimizer.load_state_dict({"state": {}, "param_groups": param_groups})
+    jobs = []
+    for shard in state.layout.shards:
+        records = [reader.by_name.get(sp.name) for sp in shard.params]
+        stored = [r if r is not None and r.trainable and r.location.get("moments") else None for r in records]
+        if any(stored):
+            jobs.append((shard, stored))
+    if not jobs:
+        return
+    largest = max(shard.numel for shard, _ in jobs)
+    buffers = [(aligned_empty(largest, torch.float32), aligned_empty(largest, torch.float32)) for _ in range(2)]
+
+    def read(index: int) -> list[int]:
+        shard, stored = jobs[index]
+        m, v = (b[: shard.numel] for b in buffers[index % 2])
+        m.zero_()
+        v.zero_()
+        for sp, record in zip(shard.params, stored):
+            if record is not None:
+                reader.read_into(record, "exp_avg", sp.view(m))
+                reader.read_into(record, "exp_avg_sq", sp.view(v))
+        return [r.step if r is not None else 0 for r in stored]
+
+    with ThreadPoolExecutor(1, thread_name_prefix="ratel-checkpoint-read") as pool:
+        pending = pool.submit(read, 0)
+        for i, (shard, _) in enumerate(jobs):
+            steps = pending.result()
+            if i + 1 < len(jobs):
+                pending = pool.submit(read, i + 1)
+            m, v = (b[: shard.numel] for b in buffers[i % 2])
+            adam.load_state(shard, m, v, steps)
