@@ -84,7 +84,8 @@ class RatelPrecision(Precision):
         )
 
     def bind(self, engine: Any, device_type: str) -> None:
-        """Attach the engine that runs this fit, and the device type autocast must target."""
+        """Attach the engine that runs this fit (``None`` once it has ended), and the device type autocast must
+        target."""
         self._engine = engine
         self.device = device_type
 

@@ -496,6 +496,9 @@ class RatelStrategy(SingleDeviceStrategy):
             return
         if self._resume is not None:
             load_moments(self._engine.state, self._resume, checkpoint["optimizer_states"][0]["param_groups"])
+            # The last thing resuming reads from the checkpoint: its files need not stay open (and mapped) any more.
+            self._resume.close()
+            self._resume = None
             return
         self._engine.state.load_optimizer_state_dict(checkpoint["optimizer_states"][0])
 
@@ -566,6 +569,9 @@ class RatelStrategy(SingleDeviceStrategy):
         if self._resume is not None:
             self._resume.close()
             self._resume = None
+        if self._precision_plugin is not None:
+            # The ended engine must not stay reachable (with its buffers) through the plugin.
+            self.precision_plugin.bind(None, self.root_device.type)
         module = self.lightning_module
         if module is None or not any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers())):
             super().teardown()

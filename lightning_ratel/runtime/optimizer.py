@@ -369,8 +369,14 @@ class CpuAdam:
                     raise RuntimeError(f"the CPU optimizer worker stopped: {self._error!r}") from self._error
 
     def close(self) -> None:
+        """Stop the worker and free the buffers (whatever still references this object keeps no memory)."""
         self._jobs.put(_Stop())
         self._worker.join()
+        self._free.clear()
+        self._ahead.clear()
+        self._inflight.clear()
+        self._buffer_bytes = 0
+        self.grads.clear()
 
     def release_memory(self) -> None:
         """Free the state buffers and pooled gradient buffers once no more updates will run (before teardown gathers
