@@ -13,6 +13,7 @@ in their own dtype where the compute dtype rounds them (see :class:`~lightning_r
 
 from __future__ import annotations
 
+import abc
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
@@ -62,7 +63,7 @@ class SourceValue:
     master: bool = False
 
 
-class ValueSource:
+class ValueSource(abc.ABC):
     """Where parameters (and persistent buffers) get their first values from, read one block at a time.
 
     Subclasses implement :meth:`prepare`, :meth:`provides` and :meth:`read`.
@@ -70,6 +71,7 @@ class ValueSource:
 
     description = "loading"
 
+    @abc.abstractmethod
     def prepare(self, names: dict[int, list[str]], layout: Layout, buffers: Sequence[str] = ()) -> None:
         """Match the model's parameters to what the source holds, before anything is allocated or written.
 
@@ -81,15 +83,14 @@ class ValueSource:
         Raises:
             RatelConfigError: a tensor the model needs is missing or has the wrong shape.
         """
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def provides(self, param: nn.Parameter) -> bool:
         """Whether the source holds a value for ``param``."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def read(self, slots: Sequence[ParamSlot]) -> contextlib.AbstractContextManager[dict[int, SourceValue]]:
         """The values of those of ``slots`` the source provides, by parameter id, valid inside the ``with`` block."""
-        raise NotImplementedError
 
     def prefetch(self, slots: Sequence[ParamSlot]) -> None:
         """Start bringing the values of ``slots`` closer (the next block's, while this one is written); optional."""
