@@ -32,7 +32,6 @@ import argparse
 import ctypes
 import gc
 import json
-import os
 import shutil
 import sys
 import time
@@ -52,6 +51,7 @@ from lightning_ratel import RatelHFExport, RatelStrategy  # noqa: E402
 from lightning_ratel.export import SAFE_INDEX, SAFE_WEIGHTS  # noqa: E402
 from lightning_ratel.runtime.probe import disk_bandwidth  # noqa: E402
 from lightning_ratel.tensorfiles import TensorFileWriter  # noqa: E402
+from beyond_ram import RepeatedWindowLM  # noqa: E402
 from text_data import TextDataModule  # noqa: E402
 
 GIB = 2**30
@@ -114,23 +114,6 @@ class Phases:
             yield moved
         finally:
             self.end(moved["bytes"])
-
-
-class RepeatedWindowLM(L.LightningModule):
-    """A causal LM trained with plain AdamW; nothing in it knows about Ratel."""
-
-    def __init__(self, config: LlamaConfig, lr: float) -> None:
-        super().__init__()
-        self.model = LlamaForCausalLM(config)
-        self.lr = lr
-
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        loss = self.model(input_ids=batch, labels=batch).loss
-        self.log("train_loss", loss, batch_size=batch.shape[0])
-        return loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.0)
 
 
 def write_checkpoint(config: LlamaConfig, folder: Path, max_shard_bytes: int, seed: int) -> int:

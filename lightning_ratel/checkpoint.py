@@ -32,7 +32,6 @@ from lightning_ratel.runtime.units import Shard
 from lightning_ratel.sizes import format_bytes, round_up
 
 
-
 @dataclass
 class Restored:
     """What the copy back at the end of a run put into the module.
