@@ -145,16 +145,17 @@ class RatelEngine:
         self._step_plan = StepPlan([], overlap=False)
         self._pending_plan: StepPlan | None = None
         self._clip: tuple[float, str] | None = None
-        self._escapes_checked = False
 
     # ------------------------------------------------------------------ parameters used outside their block
 
     @contextlib.contextmanager
     def watch_forward(self, training: bool) -> Iterator[None]:
-        """Run one forward (a Lightning step) and, the first time, find parameters used outside their block.
+        """Run one forward (a Lightning step), finding parameters used outside their block.
 
         Such parameters are paged in on the spot for this pass, and from then on with the block whose forward uses
-        them (see :mod:`lightning_ratel.runtime.escapes`).
+        them (see :mod:`lightning_ratel.runtime.escapes`). Every pass is watched, not only the first: a model may
+        use a parameter elsewhere only when training, only in evaluation, or only from some step on, and its
+        placeholder must never reach compute. Only ops reach the watch, a few microseconds each.
 
         Args:
             training: a backward follows, which may read the parameters paged in on the spot; otherwise they are
@@ -164,16 +165,13 @@ class RatelEngine:
             RatelConfigError: a parameter is used outside every module's forward (in the LightningModule's step
                 itself), where no block can page it in.
         """
-        if self._escapes_checked:
-            yield
-            return
         detector = EscapeDetector(self.pager)
         with detector:
             yield
-        self._escapes_checked = True
-        self._adopt(detector.escapes)
-        if not training:
-            self.pager.release_all()
+        if detector.escapes:
+            self._adopt(detector.escapes)
+            if not training:
+                self.pager.release_all()
 
     def _adopt(self, escapes: list[Escape]) -> None:
         """Make each escaped parameter's unit part of the block whose forward used it: the innermost block running

@@ -147,6 +147,36 @@ def test_parameters_used_outside_their_block(tmp_path: Path, caplog: pytest.LogC
     assert os.listdir(tmp_path) == []
 
 
+class HeadSometimes(TiedInParent):
+    """Uses the embedding matrix outside its module only in training passes from the fourth forward on: after the
+    first forward of each kind (a sanity-check validation pass runs first) and after the plan was made."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Any:
+        self.calls += 1
+        if self.training and self.calls > 3:
+            return super().forward(input_ids, labels)
+        h = self.embed(input_ids)
+        for layer in self.layers:
+            h = h + layer(h)
+        return type("Out", (), {"loss": h.square().mean()})()
+
+
+MODELS["head-sometimes"] = HeadSometimes
+
+
+@pytest.mark.parametrize("plan", [{"plan": "auto"}, {"param_cache": "ssd"}], ids=["auto", "param-cache-ssd"])
+def test_parameter_used_outside_its_block_only_in_later_passes(tmp_path: Path, plan: dict) -> None:
+    later = {"max_steps": 6, "num_sanity_val_steps": 1, "limit_val_batches": 1, "val_check_interval": 2}
+    lm = LM("head-sometimes")
+    trainer(RatelStrategy(ssd_paths=[str(tmp_path)], **plan), **later).fit(lm)
+    assert all(torch.isfinite(p).all() for p in lm.parameters())
+    assert max_rel_err(plain("head-sometimes", **later), lm.state_dict()) <= 1e-5
+
+
 class UsesWeightInStep(LM):
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self.model(input_ids=batch, labels=batch).loss

@@ -5,11 +5,12 @@ a head computed in the parent's forward as ``h @ embed.weight.T``, or diffusers'
 ``transformer_blocks[0].norm1.emb`` after all blocks ran. There the parameter holds its paging placeholder, and its
 NaN would flow into the result.
 
-:class:`EscapeDetector` watches one forward pass (a ``TorchDispatchMode`` sees every op). When an op reads a
-placeholder, it pages that parameter's unit in on the spot (held until the pass ends, backward included), so the pass
-computes with the real values, and records the use with the module forwards that were running. The engine then makes
-the block that was running there (or the model's outermost running module, as a new block) page that unit in from
-then on, so later passes need no watching.
+:class:`EscapeDetector` watches one forward pass (a ``TorchDispatchMode`` sees every op; the engine watches every
+pass, since a model may take such a path only in some passes). When an op reads a placeholder, it pages that
+parameter's unit in on the spot (held until the pass ends, backward included), so the pass computes with the real
+values, and records the use with the module forwards that were running. The engine then makes the block that was
+running there (or the model's outermost running module, as a new block) page that unit in from then on, so later
+passes find nothing more.
 """
 
 from __future__ import annotations
