@@ -56,6 +56,9 @@ from text_data import TextDataModule  # noqa: E402
 
 GIB = 2**30
 GB = 1e9
+DISK_BYTES_PER_PARAM = 40
+"""Disk the example needs per parameter: the checkpoint folder (2), the swap files (24: master and moments in two
+slots), the sharded checkpoint (12) and the export (2)."""
 
 
 class Phases:
@@ -210,6 +213,18 @@ def timed(phases: Phases, name: str, method: Any, strategy: RatelStrategy) -> An
     return run
 
 
+def parameter_count(config: LlamaConfig) -> int:
+    with torch.device("meta"):
+        return sum(p.numel() for p in LlamaForCausalLM(config).parameters())
+
+
+def layers_that_fit(config: LlamaConfig, free: int) -> int:
+    """The most decoder layers (at the other sizes of ``config``) whose run fits in ``free`` bytes of disk."""
+    one, two = (parameter_count(LlamaConfig(**{**config.to_dict(), "num_hidden_layers": n})) for n in (1, 2))
+    per_layer, rest = two - one, 2 * one - two
+    return max(0, int((free / DISK_BYTES_PER_PARAM - rest) // per_layer))
+
+
 def folder_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 
@@ -235,17 +250,24 @@ def main() -> None:
                          num_hidden_layers=args.layers, num_attention_heads=args.heads,
                          num_key_value_heads=args.heads, max_position_embeddings=max(args.seq_len + 1, 128),
                          tie_word_embeddings=False, attn_implementation="sdpa")
-    with torch.device("meta"):
-        params = sum(p.numel() for p in LlamaForCausalLM(config).parameters())
+    params = parameter_count(config)
     with open("/proc/meminfo") as f:
         ram = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
     work = args.work_dir
     work.mkdir(parents=True, exist_ok=True)
     hf, swap, ckpt_dir, export_dir = work / "hf", work / "swap", work / "checkpoints", work / "export"
     swap.mkdir(exist_ok=True)
+    free = shutil.disk_usage(work).free
     print(f"Llama: {params:,} parameters; model states 16 B x P = {16 * params / GB:.1f} GB = "
-          f"{16 * params / ram:.2f} x this machine's RAM ({ram / GIB:.1f} GiB); {shutil.disk_usage(work).free / GB:.0f}"
-          f" GB free in {work}, about {40 * params / GB:.0f} GB needed")
+          f"{16 * params / ram:.2f} x this machine's RAM ({ram / GIB:.1f} GiB); {free / GB:.0f} GB free in {work}, "
+          f"about {DISK_BYTES_PER_PARAM * params / GB:.0f} GB needed")
+    if DISK_BYTES_PER_PARAM * params > free:
+        # Refused before anything is written: the strategy would refuse the swap files only after the checkpoint
+        # folder was written.
+        fits = layers_that_fit(config, free)
+        raise SystemExit(f"not enough disk in {work}: about {DISK_BYTES_PER_PARAM * params / GB:.0f} GB needed, "
+                         f"{free / GB:.0f} GB free. Point --work-dir at a larger drive, or shrink the model "
+                         + (f"(--layers {fits} fits)." if fits else "(--hidden, --intermediate, --vocab)."))
     phases = Phases()
 
     probe = int(args.probe_gib * GIB)
