@@ -237,8 +237,8 @@ def test_pretrained_peft_on_meta_device(tmp_path: Path) -> None:
 
 def tiny_gemma() -> GemmaForCausalLM:
     """Tied embeddings, and an embedding module that keeps its scale in a buffer ``reset_parameters()`` leaves alone."""
-    cfg = GemmaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=8, max_position_embeddings=SEQ)
+    cfg = GemmaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=SEQ)
     return GemmaForCausalLM(cfg)
 
 
