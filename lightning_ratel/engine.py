@@ -289,6 +289,11 @@ class RatelEngine:
         """Bytes the engine holds right now on the device, in host memory and on disk."""
         return self.accounts.held()
 
+    def user_settings(self) -> contextlib.AbstractContextManager[None]:
+        """The model's settings as the user made them, for the duration of the ``with`` block: what a checkpoint or
+        an export records is not what the fit switched off (:class:`~lightning_ratel.switches.FitSwitches`)."""
+        return self._switches.user_settings() if self._switches is not None else contextlib.nullcontext()
+
     # ------------------------------------------------------------------ teardown
 
     def close(self, restore: bool = True) -> None:

@@ -192,7 +192,8 @@ def hf_layout(module: nn.Module) -> HFLayout:
         hf_name, hf_model = found
         prefix = _prefix(hf_name)
         tied = _tied_targets(hf_model)
-        layout.config = _json(json.loads(hf_model.config.to_json_string(use_diff=False)))
+        # Only what differs from the defaults, as save_pretrained writes it.
+        layout.config = _json(json.loads(hf_model.config.to_json_string(use_diff=True)))
         layout.config["architectures"] = [type(hf_model).__name__]
         generation = getattr(hf_model, "generation_config", None)
         if generation is not None and hf_model.can_generate():

@@ -110,12 +110,15 @@ class DefaultInit:
     A peft LoRA adapter's matrices get peft's own initialization (A as ``nn.Linear`` does, or Gaussian; B zeros, so the
     adapted model starts as the base model); any other module its ``reset_parameters()``; with ``fallback`` (weights
     come from a file, so only buffers and new parameters are initialized here) a module inside a transformers model
-    that has no ``reset_parameters()`` gets the model's own ``_init_weights`` (rotary tables, RMSNorm weights).
+    gets the model's own ``_init_weights`` when it has no ``reset_parameters()`` (rotary tables, RMSNorm weights) or
+    holds buffers of its own on the meta device: ``reset_parameters()`` leaves buffers alone (Gemma's scaled embedding
+    keeps its scale in one), ``_init_weights`` sets them as ``from_pretrained`` does.
     """
 
     def __init__(self, root: nn.Module, fallback: bool) -> None:
         self._lora: dict[int, tuple[str, str, object, int]] = {}
         self._owner: dict[int, nn.Module] = {}
+        self._meta_buffers = {id(m) for m in root.modules() if any(b.is_meta for b in m.buffers(recurse=False))}
         for layer in root.modules():
             lora_a = getattr(layer, "lora_A", None)
             lora_b = getattr(layer, "lora_B", None)
@@ -161,12 +164,13 @@ class DefaultInit:
                 if bias is not None:
                     bias.zero_()
             return
-        if callable(getattr(module, "reset_parameters", None)):
-            module.reset_parameters()  # type: ignore[operator]
+        owner = self._owner.get(id(module))
+        reset = getattr(module, "reset_parameters", None)
+        if owner is not None and (id(module) in self._meta_buffers or not callable(reset)):
+            with torch.no_grad():
+                owner._init_weights(module)  # type: ignore[operator]
             return
-        owner = self._owner[id(module)]
-        with torch.no_grad():
-            owner._init_weights(module)  # type: ignore[operator]
+        reset()  # type: ignore[misc]
 
 
 def _lora_init(root: nn.Module, adapter: str) -> object:
@@ -208,6 +212,8 @@ class Materializer:
         self.init: Callable[[nn.Module], None] = param_init_fn or self._default  # type: ignore[assignment]
         self._meta = {id(s.param) for s in layout.slots if s.param.is_meta}
         self._was_meta = set(self._meta)
+        # Floating buffers given memory here, filled with NaN until something sets them (see _check_buffers).
+        self._new_buffers: list[tuple[nn.Module, str]] = []
         if source is not None:
             names: dict[int, list[str]] = {}
             for name, p in module.named_parameters(remove_duplicate=False):
@@ -256,7 +262,11 @@ class Materializer:
                 torch.utils.swap_tensors(p, nn.Parameter(torch.empty(p.shape, dtype=p.dtype), p.requires_grad))
                 self._meta.discard(id(p))
             for n in buffers:
-                m._buffers[n] = torch.empty_like(m._buffers[n], device="cpu")
+                if m._buffers[n].is_floating_point():
+                    m._buffers[n] = torch.full_like(m._buffers[n], float("nan"), device="cpu")
+                    self._new_buffers.append((m, n))
+                else:
+                    m._buffers[n] = torch.empty_like(m._buffers[n], device="cpu")
             if init:
                 self.init(m)
             for n in buffers:
@@ -272,6 +282,19 @@ class Materializer:
                 full = f"{name}.{n}" if name else n
                 if full in values and b is not None:
                     m._buffers[n] = values[full].to(device=b.device, dtype=b.dtype).clone()
+
+    def _check_buffers(self) -> None:
+        """Fail before training when a buffer that was on the meta device was set by nothing: ``reset_parameters()``
+        sets parameters only, and a value a module computes in its ``__init__`` is lost on the meta device."""
+        unset = [(m, n) for m, n in self._new_buffers if torch.isnan(m._buffers[n]).any()]  # type: ignore[arg-type]
+        if not unset:
+            return
+        names = {id(m): name for name, m in self.module.named_modules()}
+        shown = ", ".join(f"{names[id(m)]}.{n}".lstrip(".") + f" ({type(m).__name__})" for m, n in unset[:8])
+        raise RatelConfigError(
+            f"the model is on the meta device and {len(unset)} of its buffers were not set by the initialization, "
+            f"which sets only parameters: {shown}. Pass RatelStrategy(param_init_fn=...) that also sets them (for a "
+            "transformers model, its `_init_weights`), or build the modules holding them off the meta device.")
 
     def load(self, store: TensorStore | None) -> None:
         """Materialize meta parameters, fill the host caches and write masters (and stored compute copies).
@@ -328,6 +351,7 @@ class Materializer:
             # Buffers of modules outside every block (rotary tables, masks).
             self._materialize(list(self.module.modules()), everything=store is None)
             self._load_buffers()
+            self._check_buffers()
         finally:
             bar.close()
             writer.finish()

@@ -81,7 +81,8 @@ class RatelStrategy(SingleDeviceStrategy):
         param_init_fn: initializes one module whose parameters or buffers were on the meta device; called with the
             module after its tensors got (uninitialized) host memory. ``None`` calls ``module.reset_parameters()``
             (a peft LoRA adapter gets peft's initialization; with ``pretrained``, a module of a transformers model
-            without ``reset_parameters()`` gets the model's ``_init_weights``). Build the model under
+            without ``reset_parameters()`` or holding buffers gets the model's ``_init_weights``). A floating-point
+            buffer the initialization leaves unset raises ``RatelConfigError`` before training. Build the model under
             ``torch.device("meta")`` to train a model larger than host memory: each block is materialized,
             initialized and written to the swap files in turn.
         pretrained: a Hugging Face checkpoint folder (``model.safetensors``, or shards with
@@ -403,9 +404,13 @@ class RatelStrategy(SingleDeviceStrategy):
                 raise TypeError("RatelStrategy writes sharded checkpoints itself and takes no `storage_options`")
             engine = self._engine
             assert engine is not None
-            self._from_engine(lambda: {"path": save_sharded(
-                path, checkpoint, engine.state, engine.module, self._pretrained,
-                progress=self._progress())})
+
+            def save() -> dict[str, Any]:
+                with engine.user_settings():
+                    return {"path": save_sharded(path, checkpoint, engine.state, engine.module, self._pretrained,
+                                                 progress=self._progress())}
+
+            self._from_engine(save)
         else:
             if is_sharded_checkpoint(path):
                 shutil.rmtree(path)
@@ -462,7 +467,8 @@ class RatelStrategy(SingleDeviceStrategy):
         dtype = parse_dtype(dtype)
         engine = self._engine
         if engine is not None and engine.adam is not None:
-            reader: Any = LiveReader(engine.state, engine.module)
+            with engine.user_settings():
+                reader: Any = LiveReader(engine.state, engine.module)
         else:
             module = self.lightning_module
             if module is None:
@@ -524,7 +530,8 @@ class RatelStrategy(SingleDeviceStrategy):
         saved = trainer is not None and self._saved_step == trainer.global_step
         keep = self.config.keep_swap_files or (bool(plan.lost) and not saved)
         if keep:
-            engine.store.set_metadata(kept_metadata(state, engine.module, self._pretrained))
+            with engine.user_settings():
+                engine.store.set_metadata(kept_metadata(state, engine.module, self._pretrained))
             engine.store.keep_at_close()
         if plan.complete:
             return

@@ -8,6 +8,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 from lightning.fabric.utilities.rank_zero import rank_zero_info
@@ -22,10 +25,15 @@ class FitSwitches:
     """
 
     def __init__(self, module: nn.Module) -> None:
+        # A transformers model exists only once its modeling module is loaded (importing it here would cost seconds).
+        modeling = sys.modules.get("transformers.modeling_utils")
+        pretrained_model = getattr(modeling, "PreTrainedModel", None)
         self._kv_cache: list[Any] = []
         for m in module.modules():
-            config = getattr(m, "config", None)
-            if config is not None and getattr(config, "use_cache", False) is True and hasattr(m, "generation_config"):
+            # Every transformers model, not only those that generate: a sequence classifier's decoder fills a cache
+            # from its config as well.
+            config = getattr(m, "config", None) if pretrained_model and isinstance(m, pretrained_model) else None
+            if config is not None and getattr(config, "use_cache", False) is True:
                 config.use_cache = False
                 self._kv_cache.append(config)
         # transformers marks each layer that checkpoints itself with a ``gradient_checkpointing`` flag.
@@ -37,6 +45,19 @@ class FitSwitches:
                 f"RatelStrategy: the model's own gradient checkpointing ({len(self._checkpointing)} layers) is off "
                 "during fit; the plan decides what to recompute. It is back on when fit ends."
             )
+
+    @contextlib.contextmanager
+    def user_settings(self) -> Iterator[None]:
+        """The models' configurations as the user set them, for the duration of the ``with`` block (between steps:
+        a ``config.json`` written then must not turn the KV cache off for good)."""
+        configs = list(self._kv_cache)
+        for config in configs:
+            config.use_cache = True
+        try:
+            yield
+        finally:
+            for config in configs:
+                config.use_cache = False
 
     def restore(self) -> None:
         """Put every switched feature back as it was."""

@@ -21,13 +21,14 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
-from transformers import GPT2LMHeadModel, LlamaForCausalLM
+from transformers import (GemmaConfig, GemmaForCausalLM, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
+                          LlamaForSequenceClassification)
 
 from lightning_ratel import RatelConfigError, RatelHFExport, RatelStrategy, checkpoint, pretrained
 from lightning_ratel.convert import main as convert_main
 from lightning_ratel.convert import sharded_to_hf, sharded_to_lightning
 from lightning_ratel.sharded import INDEX, META, is_sharded_checkpoint
-from tests.models import LM, compare_states, final_state, max_rel_err, tiny_gpt2, tiny_llama, trainer
+from tests.models import SEQ, VOCAB, LM, compare_states, final_state, max_rel_err, tiny_gpt2, tiny_llama, trainer
 
 peft = pytest.importorskip("peft")
 
@@ -234,6 +235,51 @@ def test_pretrained_peft_on_meta_device(tmp_path: Path) -> None:
     assert params["model.base_model.model.model.layers.0.self_attn.q_proj.lora_B.default.weight"].abs().sum() > 0
 
 
+def tiny_gemma() -> GemmaForCausalLM:
+    """Tied embeddings, and an embedding module that keeps its scale in a buffer ``reset_parameters()`` leaves alone."""
+    cfg = GemmaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=SEQ)
+    return GemmaForCausalLM(cfg)
+
+
+def test_pretrained_meta_model_gets_buffers_its_reset_parameters_leaves(tmp_path: Path) -> None:
+    torch.manual_seed(1)
+    tiny_gemma().save_pretrained(tmp_path / "hf")
+    reference = LM("llama", n_batches=2)
+    reference.model = GemmaForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    t = trainer("auto", max_steps=2)
+    t.fit(reference)
+    with torch.device("meta"):
+        module = LM("llama", n_batches=2)
+        module.model = tiny_gemma()
+    t2 = trainer(RatelStrategy(ssd_paths=[swap(tmp_path)], pretrained=str(tmp_path / "hf")), max_steps=2)
+    t2.fit(module)
+    # The embedding's scale (sqrt(hidden)) is set as from_pretrained sets it, not left as uninitialized memory.
+    assert module.model.model.embed_tokens.embed_scale.item() == pytest.approx(32**0.5)
+    compare_states(final_state(reference, t), final_state(module, t2), 1e-5)
+
+
+class ScaledHead(nn.Linear):
+    """A layer whose buffer is computed in ``__init__`` only: on the meta device nothing can give it its value."""
+
+    def __init__(self, n_in: int, n_out: int) -> None:
+        super().__init__(n_in, n_out)
+        self.register_buffer("scale", torch.tensor(0.5), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.scale
+
+
+def test_meta_buffer_nothing_sets_is_rejected_before_training(tmp_path: Path) -> None:
+    with torch.device("meta"):
+        module = LM("mlp", n_batches=2)
+        module.model.head = ScaledHead(32, VOCAB)
+    counter = CountSteps()
+    with pytest.raises(RatelConfigError, match=r"model\.head\.scale \(ScaledHead\).*param_init_fn"):
+        trainer(RatelStrategy(ssd_paths=[swap(tmp_path)]), max_steps=1, callbacks=[counter]).fit(module)
+    assert counter.steps == 0
+
+
 # ------------------------------------------------------------------------------------------------ sharded checkpoints
 
 
@@ -422,6 +468,47 @@ def test_export_round_trips_bitwise(tmp_path: Path) -> None:
         again = LlamaForCausalLM.from_pretrained(tmp_path / folder, dtype=torch.float32)
         for name, p in again.named_parameters():
             assert torch.equal(p, trained[name]), (folder, name)
+
+
+def test_exported_config_is_the_users_not_the_fits(tmp_path: Path) -> None:
+    module = LM("llama", n_batches=2)
+    assert module.model.config.use_cache is True
+    module.model.config.save_pretrained(tmp_path / "expected")
+    expected = json.loads((tmp_path / "expected" / "config.json").read_text())
+    checkpoints = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=1)
+    strategy = RatelStrategy(ssd_paths=[swap(tmp_path)], checkpoint_format="sharded")
+    trainer(strategy, max_steps=1, enable_checkpointing=True,
+            callbacks=[RatelHFExport(str(tmp_path / "out"), dtype="fp32"), checkpoints]).fit(module)
+    sharded_to_hf(step_dir(tmp_path / "ckpt", 1), tmp_path / "converted")
+    for folder, dtype in ((tmp_path / "out" / "final", "float32"), (tmp_path / "converted", "bfloat16")):
+        config = json.loads((folder / "config.json").read_text())
+        # What save_pretrained writes: the KV cache the fit switched off is on, no defaults spelled out.
+        assert config == {**expected, "architectures": ["LlamaForCausalLM"], "dtype": dtype}, folder
+
+
+def test_sequence_classifier_trains_without_filling_a_kv_cache(tmp_path: Path) -> None:
+    def classifier() -> LM:
+        module = LM("llama", n_batches=2)
+        cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ, num_labels=3,
+                          pad_token_id=0)
+        torch.manual_seed(0)
+        module.model = LlamaForSequenceClassification(cfg)
+        return module
+
+    class Classify(LM):
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            return self.model(input_ids=batch, labels=batch[:, 0] % 3).loss
+
+    reference, module = classifier(), classifier()
+    reference.__class__ = module.__class__ = Classify
+    t = trainer("auto", max_steps=2)
+    t.fit(reference)
+    # A replayed forward would append to the cache the first pass filled.
+    t2 = trainer(RatelStrategy(ssd_paths=[swap(tmp_path)], activation_policy="recompute"), max_steps=2)
+    t2.fit(module)
+    compare_states(final_state(reference, t), final_state(module, t2), 1e-5)
+    assert module.model.config.use_cache is True
 
 
 def test_export_writes_tied_weights_once(tmp_path: Path) -> None:
