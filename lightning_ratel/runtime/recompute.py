@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.flop_counter import flop_registry
@@ -106,8 +107,9 @@ class ForwardRecord:
     # the block's module name, for messages
     name: str = ""
     ops: list[OpRecord] = field(default_factory=list)
-    # storage pointer -> (op index, output index) of the op that last wrote the storage
-    owner: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # storage pointer -> (op index, output index, weak reference to the storage) of the op that last wrote the
+    # storage; an entry whose storage has been freed is stale (its memory may hold another tensor by now)
+    owner: dict[int, tuple[int, int, StorageWeakRef]] = field(default_factory=dict)
     # id(tensor) -> (weak reference, op index): the op whose output is this very tensor object
     direct: dict[int, tuple[Any, int]] = field(default_factory=dict)
     # ops whose single tensor output was stored whole: the replay hands these back instead of running the op
@@ -158,7 +160,18 @@ class ForwardRecord:
         """The (op, output) that wrote ``t``'s storage in this forward, or ``None`` for a tensor from outside."""
         if t.numel() == 0:
             return None
-        return self.owner.get(t.untyped_storage().data_ptr())
+        return self.writer(t.untyped_storage().data_ptr())
+
+    def writer(self, storage: int) -> tuple[int, int] | None:
+        """The (op, output) that last wrote the live storage at pointer ``storage`` in this forward, or ``None``.
+
+        The allocator hands a freed storage's memory to the next tensor, and a tensor made without an op the tracker
+        sees (the index tensor ``x[..., [0]]`` builds from a list) must not inherit the dead storage's producer.
+        """
+        entry = self.owner.get(storage)
+        if entry is None or entry[2].expired():
+            return None
+        return entry[0], entry[1]
 
     def count_saved(self, storage: int, op: int, nbytes: int) -> None:
         """Add ``nbytes`` saved from ``op``'s output (-1: the inputs), once per storage."""
@@ -388,7 +401,7 @@ class OpTracker(TorchDispatchMode):
                     in_storages.add(ptr)
                     if ptr in record.input_storages:
                         record.input_readers.add(k)
-                    written = record.owner.get(ptr)
+                    written = record.writer(ptr)
                     if op is not None and written is not None and written[0] > op:
                         # Written in place after the op that returned this tensor (through another view of the
                         # memory): the replay must run that write too. A tensor from outside the block already
@@ -405,7 +418,7 @@ class OpTracker(TorchDispatchMode):
                     ptr = leaf.untyped_storage().data_ptr()
                     # A view keeps its base's owner; a fresh result or an in-place write makes this op the owner.
                     if ptr not in in_storages or mutates:
-                        record.owner[ptr] = (k, i)
+                        record.owner[ptr] = (k, i, StorageWeakRef(leaf.untyped_storage()))
                     if mutates and ptr in record.input_storages and record.input_written is None:
                         record.input_written = k
             else:
