@@ -1,7 +1,9 @@
 """Model features that must be off while the engine trains a model, switched off for the fit and back on after.
 
 - transformers' KV cache: a training step never reads it, but filling it is a side effect a replayed forward would
-  repeat (transformers itself turns it off under gradient checkpointing).
+  repeat (transformers itself turns it off under gradient checkpointing). It is switched off in every config of the
+  model, not only the top one: an encoder-decoder (T5) gives its decoder stack a copy of the config, and the stack
+  decides by its own copy.
 - transformers' own gradient (activation) checkpointing: the plan decides per op what is kept, moved or recomputed;
   the model's checkpointing would hide what its layers save from the planner and recompute whole layers on top.
 """
@@ -25,7 +27,7 @@ class FitSwitches:
         self._kv_cache: list[Any] = []
         for m in module.modules():
             config = getattr(m, "config", None)
-            if config is not None and getattr(config, "use_cache", False) is True and hasattr(m, "generation_config"):
+            if getattr(config, "use_cache", False) is True:
                 config.use_cache = False
                 self._kv_cache.append(config)
         # transformers marks each layer that checkpoints itself with a ``gradient_checkpointing`` flag.

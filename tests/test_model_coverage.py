@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.utils.checkpoint
 from torch import nn
-from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, T5Config, T5ForConditionalGeneration
 
 from lightning_ratel import RatelConfigError, RatelStrategy
 from tests.models import LM, MODELS, SEQ, VOCAB, final_state, max_rel_err, trainer
@@ -22,6 +22,12 @@ def tiny_neox() -> nn.Module:
     cfg = GPTNeoXConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                         intermediate_size=64, max_position_embeddings=SEQ)
     return GPTNeoXForCausalLM(cfg)
+
+
+def tiny_t5() -> nn.Module:
+    cfg = T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+                   dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
+    return T5ForConditionalGeneration(cfg)
 
 
 class SelfCheckpointing(nn.Module):
@@ -45,6 +51,7 @@ class SelfCheckpointing(nn.Module):
 
 MODELS.update({
     "neox": tiny_neox,
+    "t5": tiny_t5,
     "self-ckpt-reentrant": functools.partial(SelfCheckpointing, True),
     "self-ckpt": functools.partial(SelfCheckpointing, False),
 })
@@ -160,3 +167,14 @@ def test_parameter_used_outside_every_forward_is_refused_before_the_first_update
         trainer(RatelStrategy(ssd_paths=[str(tmp_path)])).fit(lm)
     for name, p in lm.named_parameters():
         assert torch.equal(p, before[name]), name
+
+
+def test_encoder_decoder_cache_is_off_in_the_decoders_own_config(tmp_path: Path) -> None:
+    """T5 gives its decoder stack a copy of the config, which alone decides whether the stack fills a KV cache: left
+    on, a replay of a decoder block appends its keys a second time and recomputation fails."""
+    lm = LM("t5")
+    decoder_config = lm.model.decoder.config
+    assert decoder_config is not lm.model.config and decoder_config.use_cache
+    trainer(RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy="recompute"), max_steps=2).fit(lm)
+    assert max_rel_err(plain("t5", max_steps=2), lm.state_dict()) <= 1e-5
+    assert decoder_config.use_cache and lm.model.config.use_cache
