@@ -168,8 +168,14 @@ class RatelEngine:
             yield
             return
         detector = EscapeDetector(self.pager)
-        with detector:
-            yield
+        # Prefetching follows the registration order until a pass teaches the real one: it could page in a block
+        # whose forward never runs just before another module reads its parameters, and hide that use.
+        self.scheduler.prefetching = False
+        try:
+            with detector:
+                yield
+        finally:
+            self.scheduler.prefetching = True
         self._escapes_checked = True
         self._adopt(detector.escapes)
         if not training:
