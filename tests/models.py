@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import lightning as L
@@ -115,11 +116,14 @@ def final_state(module: L.LightningModule, trainer_: L.Trainer) -> tuple[dict[st
 
 
 def max_rel_err(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """The largest relative difference over the tensors of ``a`` and ``b``; ``inf`` where either holds a NaN (which
+    ``max`` would otherwise skip)."""
     assert a.keys() == b.keys()
     worst = 0.0
     for k in a:
         scale = a[k].abs().max().clamp(min=1e-12)
-        worst = max(worst, ((a[k].float() - b[k].float()).abs().max() / scale).item())
+        err = ((a[k].float() - b[k].float()).abs().max() / scale).item()
+        worst = max(worst, err) if not math.isnan(err) else math.inf
     return worst
 
 
