@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.utils.checkpoint
 from torch import nn
-from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, T5Config, T5ForConditionalGeneration
+from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
 from lightning_ratel import RatelConfigError, RatelStrategy
 from lightning_ratel.blocks import discover_blocks
@@ -23,12 +23,6 @@ def tiny_neox() -> nn.Module:
     cfg = GPTNeoXConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                         intermediate_size=64, max_position_embeddings=SEQ)
     return GPTNeoXForCausalLM(cfg)
-
-
-def tiny_t5() -> nn.Module:
-    cfg = T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
-                   dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
-    return T5ForConditionalGeneration(cfg)
 
 
 class SelfCheckpointing(nn.Module):
@@ -52,7 +46,6 @@ class SelfCheckpointing(nn.Module):
 
 MODELS.update({
     "neox": tiny_neox,
-    "t5": tiny_t5,
     "self-ckpt-reentrant": functools.partial(SelfCheckpointing, True),
     "self-ckpt": functools.partial(SelfCheckpointing, False),
 })
