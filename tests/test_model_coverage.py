@@ -226,3 +226,13 @@ def test_parameter_of_a_block_that_never_runs_is_found(tmp_path: Path, caplog: p
         trainer(RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy="host"), **clipping).fit(lm)
     assert any("model.proj.weight is used by the forward of model" in r.getMessage() for r in caplog.records)
     assert max_rel_err(plain("stages", **clipping), lm.state_dict()) <= 1e-5
+
+
+def test_encoder_output_cast_twice_under_autocast_is_recomputed(tmp_path: Path) -> None:
+    """A T5 decoder block projects the encoder's output to keys and to values, and autocast casts it to bf16 for each
+    projection. A replay that made this input a graph leaf requiring gradients got the second cast from autocast's
+    cache (kept for weights) and diverged from the forward's ops."""
+    bf16 = {"precision": "bf16-mixed", "max_steps": 2}
+    lm = LM("t5")
+    trainer(RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy="recompute"), **bf16).fit(lm)
+    assert max_rel_err(plain("t5", **bf16), lm.state_dict()) <= 1e-5

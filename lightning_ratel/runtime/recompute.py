@@ -123,6 +123,8 @@ class ForwardRecord:
     kwargs: Any = None
     # per leaf of (args, kwargs): whether a tensor required gradients, None for anything else
     input_grads: list[bool | None] = field(default_factory=list)
+    # per leaf of (args, kwargs): whether a tensor was a leaf of the autograd graph
+    input_leaves: list[bool] = field(default_factory=list)
     # storage pointers of the input tensors; ops that read them; the first op that wrote one
     input_storages: set[int] = field(default_factory=set)
     input_readers: set[int] = field(default_factory=set)
@@ -153,6 +155,7 @@ class ForwardRecord:
         leaves, spec = tree_flatten((args, kwargs))
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
         self.input_grads = [t.requires_grad if isinstance(t, torch.Tensor) else None for t in leaves]
+        self.input_leaves = [isinstance(t, torch.Tensor) and t.is_leaf for t in leaves]
         self.input_storages = {t.untyped_storage().data_ptr() for t in tensors if t.numel()}
         self.args, self.kwargs = tree_unflatten([keep(t) if isinstance(t, torch.Tensor) else t for t in leaves], spec)
 
@@ -244,11 +247,15 @@ class ForwardRecord:
         self.replay_watch = watch.stop()
 
     def _with_autograd_state(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
-        """The restored inputs, each requiring gradients as the forward's own did."""
+        """The restored inputs, each requiring gradients as the forward's own did, and a graph leaf only where it was
+        one: autocast caches its casts of leaves that require gradients (it takes them for weights), so a second cast
+        of a non-leaf input made a leaf (T5's encoder output, projected to keys and to values) is a cache hit in the
+        replay where the forward ran ``_to_copy``."""
         leaves, spec = tree_flatten((args, kwargs))
-        for i, (t, requires_grad) in enumerate(zip(leaves, self.input_grads)):
+        for i, (t, requires_grad, leaf) in enumerate(zip(leaves, self.input_grads, self.input_leaves)):
             if isinstance(t, torch.Tensor) and requires_grad is not None:
-                leaves[i] = t.detach().requires_grad_(requires_grad)
+                restored = t.detach().requires_grad_(requires_grad)
+                leaves[i] = restored if leaf or not requires_grad else restored.view_as(restored)
         return tree_unflatten(leaves, spec)
 
     def _unpack_dropped(self, packed: None) -> torch.Tensor:
