@@ -2,7 +2,8 @@
 
 The repeated layers (a transformers model's decoder layers, or the largest ``nn.ModuleList`` of same-class modules)
 become one block each. Every parameter outside them lands in a block of its own module (embeddings, final norm, the
-head), so the whole model is covered and no module has to change.
+head), so the whole model is covered and no module has to change. A block is a module whose forward runs: the
+children of an ``nn.ModuleList`` or ``nn.ModuleDict`` (diffusers' ``down_blocks``) are blocks, never the list.
 """
 
 from __future__ import annotations
@@ -87,7 +88,10 @@ def discover_blocks(model: nn.Module, spec: BlockSpec = None) -> list[Block]:
     blocks: list[Block] = []
 
     def visit(name: str, module: nn.Module) -> None:
-        if name in layer_names or (not holds_layer(name) and any(True for _ in module.parameters())):
+        # A container without a forward of its own (nn.ModuleList, nn.ModuleDict) is never called, so hooks on it
+        # never run: its children are the blocks.
+        called = type(module).forward is not nn.Module.forward
+        if name in layer_names or (called and not holds_layer(name) and any(True for _ in module.parameters())):
             blocks.append(Block(len(blocks), name, module, direct_only=False))
             return
         if any(True for _ in module.parameters(recurse=False)):

@@ -145,6 +145,7 @@ class RatelEngine:
         self._step_plan = StepPlan([], overlap=False)
         self._pending_plan: StepPlan | None = None
         self._clip: tuple[float, str] | None = None
+        self._passes_seen = False
 
     # ------------------------------------------------------------------ parameters used outside their block
 
@@ -166,8 +167,15 @@ class RatelEngine:
                 itself), where no block can page it in.
         """
         detector = EscapeDetector(self.pager)
-        with detector:
-            yield
+        # Prefetching follows the registration order until a pass teaches the real one: it could page in a block
+        # whose forward never runs just before another module reads its parameters, and hide that use.
+        self.scheduler.prefetching = self._passes_seen
+        try:
+            with detector:
+                yield
+        finally:
+            self.scheduler.prefetching = True
+        self._passes_seen = True
         if detector.escapes:
             self._adopt(detector.escapes)
             if not training:

@@ -81,6 +81,8 @@ class BlockScheduler:
         self._held: list[int] = []
         self._current: int | None = None
         self.profiling = False
+        # Off while the engine looks for parameters used outside their block (see ``RatelEngine.watch_forward``).
+        self.prefetching = True
         self.block_times: dict[int, dict[str, float]] = {}
         self._entered: float | None = None
         self._allocated = 0
@@ -134,9 +136,10 @@ class BlockScheduler:
         # A forward run again inside backward (the user's own torch.utils.checkpoint) neither prefetches the blocks
         # after it (backward goes the other way) nor changes the pass's order.
         if self.state is not TrainingState.BACKWARD:
-            pos = self.position(b)
-            for nxt in self.order[pos + 1 : pos + 1 + self.prefetch_depth]:
-                self.pager.prefetch(nxt)
+            if self.prefetching:
+                pos = self.position(b)
+                for nxt in self.order[pos + 1 : pos + 1 + self.prefetch_depth]:
+                    self.pager.prefetch(nxt)
             if not torch.is_grad_enabled():
                 return
             self.state = TrainingState.FORWARD

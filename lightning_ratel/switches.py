@@ -1,7 +1,9 @@
 """Model features that must be off while the engine trains a model, switched off for the fit and back on after.
 
 - transformers' KV cache: a training step never reads it, but filling it is a side effect a replayed forward would
-  repeat (transformers itself turns it off under gradient checkpointing).
+  repeat (transformers itself turns it off under gradient checkpointing). It is switched off in every config of the
+  model, not only the top one: an encoder-decoder (T5) gives its decoder stack a copy of the config, and the stack
+  decides by its own copy.
 - transformers' own gradient (activation) checkpointing: the plan decides per op what is kept, moved or recomputed;
   the model's checkpointing would hide what its layers save from the planner and recompute whole layers on top.
 """
@@ -9,7 +11,6 @@
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,15 +26,12 @@ class FitSwitches:
     """
 
     def __init__(self, module: nn.Module) -> None:
-        # A transformers model exists only once its modeling module is loaded (importing it here would cost seconds).
-        modeling = sys.modules.get("transformers.modeling_utils")
-        pretrained_model = getattr(modeling, "PreTrainedModel", None)
         self._kv_cache: list[Any] = []
         for m in module.modules():
-            # Every transformers model, not only those that generate: a sequence classifier's decoder fills a cache
-            # from its config as well.
-            config = getattr(m, "config", None) if pretrained_model and isinstance(m, pretrained_model) else None
-            if config is not None and getattr(config, "use_cache", False) is True:
+            # Every config in the model, not only the top one's: T5's decoder stack decides by its own copy, and a
+            # sequence classifier's decoder fills a cache as well as a generating model's.
+            config = getattr(m, "config", None)
+            if getattr(config, "use_cache", False) is True:
                 config.use_cache = False
                 self._kv_cache.append(config)
         # transformers marks each layer that checkpoints itself with a ``gradient_checkpointing`` flag.

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import lightning as L
 import torch
 from torch import nn
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, T5Config,
+                          T5ForConditionalGeneration)
 
 VOCAB = 64
 SEQ = 16
@@ -24,6 +26,13 @@ def tiny_gpt2() -> nn.Module:
     cfg = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=SEQ, resid_pdrop=0.0,
                      embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True)
     return GPT2LMHeadModel(cfg)
+
+
+def tiny_t5() -> nn.Module:
+    """An encoder-decoder: two lists of blocks, the decoder's with cross-attention, a shared embedding."""
+    cfg = T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+                   dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
+    return T5ForConditionalGeneration(cfg)
 
 
 class MLP(nn.Module):
@@ -45,7 +54,7 @@ class MLP(nn.Module):
 
 
 MODELS = {"llama": tiny_llama, "llama8": lambda: tiny_llama(8), "llama16": lambda: tiny_llama(16), "gpt2": tiny_gpt2,
-          "mlp": MLP}
+          "t5": tiny_t5, "mlp": MLP}
 
 
 class LM(L.LightningModule):
@@ -115,11 +124,14 @@ def final_state(module: L.LightningModule, trainer_: L.Trainer) -> tuple[dict[st
 
 
 def max_rel_err(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """The largest relative difference over the tensors of ``a`` and ``b``; ``inf`` where either holds a NaN (which
+    ``max`` would otherwise skip)."""
     assert a.keys() == b.keys()
     worst = 0.0
     for k in a:
         scale = a[k].abs().max().clamp(min=1e-12)
-        worst = max(worst, ((a[k].float() - b[k].float()).abs().max() / scale).item())
+        err = ((a[k].float() - b[k].float()).abs().max() / scale).item()
+        worst = max(worst, err) if not math.isnan(err) else math.inf
     return worst
 
 

@@ -119,3 +119,40 @@ def test_ssd_tensors_come_back_after_the_staging_copy_is_gone(tmp_path: Path) ->
     finally:
         cache.close()
         store.close()
+
+
+class _SavesTransposed(torch.autograd.Function):
+    """Saves a transposed (non-contiguous) view and records the strides backward gets it back with."""
+
+    strides: list[tuple[int, ...]] = []
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x.t())
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (saved,) = ctx.saved_tensors
+        _SavesTransposed.strides.append(tuple(saved.stride()))
+        return grad * saved.t()
+
+
+@pytest.mark.parametrize("placement", ["host", "ssd"])
+def test_saved_tensor_comes_back_with_its_strides(tmp_path: Path, placement: str, simulated_streams: None) -> None:
+    """A copy comes back with the layout the tensor was saved with, not row-major: backward kernels take other paths
+    on another layout (attention's transposed heads), and their results round differently from plain training's."""
+    x = torch.randn(16, 64)
+    _net, _pager, cache, store = _setup(tmp_path, placement)
+    _SavesTransposed.strides = []
+    try:
+        xg = x.clone().requires_grad_()
+        with cache.hooks(0):
+            y = _SavesTransposed.apply(xg)
+        y.sum().backward()
+        cache.end_pass()
+        assert _SavesTransposed.strides == [(1, 64)]
+        assert torch.equal(xg.grad, x)
+    finally:
+        cache.close()
+        store.close()

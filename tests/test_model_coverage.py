@@ -15,6 +15,7 @@ from torch import nn
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
 from lightning_ratel import RatelConfigError, RatelStrategy
+from lightning_ratel.blocks import discover_blocks
 from tests.models import LM, MODELS, SEQ, VOCAB, final_state, max_rel_err, trainer
 
 
@@ -190,3 +191,78 @@ def test_parameter_used_outside_every_forward_is_refused_before_the_first_update
         trainer(RatelStrategy(ssd_paths=[str(tmp_path)])).fit(lm)
     for name, p in lm.named_parameters():
         assert torch.equal(p, before[name]), name
+
+
+def test_encoder_decoder_cache_is_off_in_the_decoders_own_config(tmp_path: Path) -> None:
+    """T5 gives its decoder stack a copy of the config, which alone decides whether the stack fills a KV cache: left
+    on, a replay of a decoder block appends its keys a second time and recomputation fails."""
+    lm = LM("t5")
+    decoder_config = lm.model.decoder.config
+    assert decoder_config is not lm.model.config and decoder_config.use_cache
+    trainer(RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy="recompute"), max_steps=2).fit(lm)
+    assert max_rel_err(plain("t5", max_steps=2), lm.state_dict()) <= 1e-5
+    assert decoder_config.use_cache and lm.model.config.use_cache
+
+
+class _Gate(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(32, 32)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h * torch.sigmoid(self.proj(h))
+
+
+class Stages(nn.Module):
+    """Stages of different classes in an ``nn.ModuleList`` the parent iterates (diffusers' ``UNet2DConditionModel``
+    ``down_blocks``), before repeated layers; ``proj``'s forward never runs: the parent multiplies by its weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 32)
+        self.proj = nn.Linear(32, 32, bias=False)
+        self.stages = nn.ModuleList([nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 32)), _Gate()])
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)) for _ in range(2))
+        self.head = nn.Linear(32, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Any:
+        h = self.embed(input_ids) @ self.proj.weight.T
+        for stage in self.stages:
+            h = h + stage(h)
+        for layer in self.layers:
+            h = h + layer(h)
+        loss = nn.functional.cross_entropy(self.head(h).view(-1, VOCAB), labels.view(-1))
+        return type("Out", (), {"loss": loss})()
+
+
+MODELS["stages"] = Stages
+
+
+def test_children_of_a_module_list_are_blocks() -> None:
+    """A list is never called, so hooks on it never run: each stage in it is a block."""
+    names = [b.name for b in discover_blocks(LM("stages"))]
+    assert "model.stages" not in names
+    assert {"model.stages.0", "model.stages.1", "model.layers.0", "model.layers.1", "model.proj"} <= set(names)
+
+
+def test_parameter_of_a_block_that_never_runs_is_found(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """``proj`` comes right after the embedding in registration order, so prefetching by that order (before a pass
+    taught the real one) paged it in just before the parent read it, and its use outside every block went unseen;
+    with clipping, whose updates run after backward, a later forward then read its NaN placeholder."""
+    clipping = {"gradient_clip_val": 0.05}
+    with caplog.at_level(logging.INFO):
+        lm = LM("stages")
+        trainer(RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy="host"), **clipping).fit(lm)
+    assert any("model.proj.weight is used by the forward of model" in r.getMessage() for r in caplog.records)
+    assert max_rel_err(plain("stages", **clipping), lm.state_dict()) <= 1e-5
+
+
+def test_encoder_output_cast_twice_under_autocast_is_recomputed(tmp_path: Path) -> None:
+    """A T5 decoder block projects the encoder's output to keys and to values, and autocast casts it to bf16 for each
+    projection. A replay that made this input a graph leaf requiring gradients got the second cast from autocast's
+    cache (kept for weights) and diverged from the forward's ops."""
+    bf16 = {"precision": "bf16-mixed", "max_steps": 2}
+    lm = LM("t5")
+    trainer(RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy="recompute"), **bf16).fit(lm)
+    assert max_rel_err(plain("t5", **bf16), lm.state_dict()) <= 1e-5

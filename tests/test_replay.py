@@ -6,6 +6,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+import numpy
 import pytest
 import torch
 from torch import nn
@@ -291,3 +292,21 @@ def test_forward_that_writes_its_input_cannot_be_recomputed(tmp_path):
         _fit(tmp_path, "scale_input", activation_policy="recompute")
     # Stored instead, the activations give plain training's numbers.
     compare_states(_plain("scale_input"), _fit(tmp_path, "scale_input", activation_policy="host"), 1e-5)
+
+
+def test_memory_of_a_freed_output_has_no_producer():
+    """A tensor placed in the memory of an op's output that was freed (a recomputed output is not kept) was not
+    produced by that op. Falcon's ``fused_qkv[..., [-2], :]`` builds its int64 index without an op the tracker sees,
+    and the allocator may put it there: attributing it to the dead output's op hands that op's float output back as
+    the index when backward recomputes it."""
+    memory = numpy.zeros(4, dtype=numpy.float32)
+    record = recompute.ForwardRecord(0)
+    with recompute.OpTracker(record, lambda: ""):
+        out = torch.from_numpy(memory)
+        torch.mul(torch.ones(4), 2.0, out=out)
+        written = record.producer(out)
+        assert written is not None and record.ops[written[0]].name == "mul"
+        del out
+        # The same memory, in a tensor no op of the block made.
+        index = torch.from_numpy(memory).view(torch.int32)
+        assert record.producer(index) is None

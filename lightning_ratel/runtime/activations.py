@@ -59,6 +59,8 @@ class _HostRef:
     host: torch.Tensor
     # Completes when the device->host copy has filled ``host``.
     event: Any
+    # The saved tensor's strides, which its copy back gets again.
+    stride: tuple[int, ...]
 
 
 @dataclass
@@ -76,6 +78,8 @@ class _SsdRef:
     write: Future | None = None
     read: Future | None = None
     read_buffer: torch.Tensor | None = None
+    # The saved tensor's strides (what is written is its elements in row-major order).
+    stride: tuple[int, ...] = ()
 
 
 @dataclass
@@ -87,6 +91,17 @@ class _RecomputeRef:
     size: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int
+
+
+def _laid_out(t: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
+    """``t`` (a saved tensor brought back in row-major order) with the strides it was saved with: backward kernels
+    take other paths on another layout (a transposed operand of a matmul), and their results round differently.
+
+    A tensor that overlapped itself (expanded) comes back row-major: its layout cannot be written into.
+    """
+    if tuple(t.stride()) == stride or any(s == 0 and n > 1 for n, s in zip(t.shape, stride)):
+        return t
+    return torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device).copy_(t)
 
 
 def _is_ref(x: Any) -> bool:
@@ -232,7 +247,7 @@ class ActivationCache:
             return t
         if tier == "host":
             host, event = self.device.to_host(t.detach())
-            ref: Any = _HostRef(block, host, event)
+            ref: Any = _HostRef(block, host, event, tuple(t.stride()))
         else:
             ref = self._pack_ssd(block, t.detach(), nbytes)
         self._dedup[id(t)] = (weakref.ref(t), ref)
@@ -245,7 +260,7 @@ class ActivationCache:
         if self._device_direct:
             # The store orders its transfer after the work queued on this stream, so it is submitted from here.
             flat = t.reshape(-1)
-            ref = _SsdRef(block, key, tuple(t.shape), t.dtype, None, device=flat)
+            ref = _SsdRef(block, key, tuple(t.shape), t.dtype, None, device=flat, stride=tuple(t.stride()))
             ref.write = store.write(key, flat)
         else:
             # The store reads raw bytes of a contiguous tensor. With separate device memory they are staged into a
@@ -253,7 +268,7 @@ class ActivationCache:
             # bounce); on the CPU the tensor already is host memory and is written as it is (kept alive until the
             # write lands; the store bounces blocks that are not page-aligned).
             staged, event = self.device.to_host(t.reshape(-1))
-            ref = _SsdRef(block, key, tuple(t.shape), t.dtype, staged, event)
+            ref = _SsdRef(block, key, tuple(t.shape), t.dtype, staged, event, stride=tuple(t.stride()))
 
             def write() -> None:
                 event.synchronize()
@@ -312,7 +327,10 @@ class ActivationCache:
             ref.record.replay(self._unpack, self._restore)
             return ref.record.recomputed(ref.op, ref.index).as_strided(ref.size, ref.stride, ref.offset)
         if isinstance(ref, _HostRef):
-            return self._to_device(ref.host, ref.event)
+            return _laid_out(self._to_device(ref.host, ref.event), ref.stride)
+        return _laid_out(self._unpack_ssd(ref), ref.stride)
+
+    def _unpack_ssd(self, ref: _SsdRef) -> torch.Tensor:
         # Taken once: the write's completion callback may clear them meanwhile.
         host, on_device = ref.host, ref.device
         if on_device is not None:

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.flop_counter import flop_registry
@@ -106,8 +107,9 @@ class ForwardRecord:
     # the block's module name, for messages
     name: str = ""
     ops: list[OpRecord] = field(default_factory=list)
-    # storage pointer -> (op index, output index) of the op that last wrote the storage
-    owner: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # storage pointer -> (op index, output index, weak reference to the storage) of the op that last wrote the
+    # storage; an entry whose storage has been freed is stale (its memory may hold another tensor by now)
+    owner: dict[int, tuple[int, int, StorageWeakRef]] = field(default_factory=dict)
     # id(tensor) -> (weak reference, op index): the op whose output is this very tensor object
     direct: dict[int, tuple[Any, int]] = field(default_factory=dict)
     # ops whose single tensor output was stored whole: the replay hands these back instead of running the op
@@ -121,6 +123,8 @@ class ForwardRecord:
     kwargs: Any = None
     # per leaf of (args, kwargs): whether a tensor required gradients, None for anything else
     input_grads: list[bool | None] = field(default_factory=list)
+    # per leaf of (args, kwargs): whether a tensor was a leaf of the autograd graph
+    input_leaves: list[bool] = field(default_factory=list)
     # storage pointers of the input tensors; ops that read them; the first op that wrote one
     input_storages: set[int] = field(default_factory=set)
     input_readers: set[int] = field(default_factory=set)
@@ -151,6 +155,7 @@ class ForwardRecord:
         leaves, spec = tree_flatten((args, kwargs))
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
         self.input_grads = [t.requires_grad if isinstance(t, torch.Tensor) else None for t in leaves]
+        self.input_leaves = [isinstance(t, torch.Tensor) and t.is_leaf for t in leaves]
         self.input_storages = {t.untyped_storage().data_ptr() for t in tensors if t.numel()}
         self.args, self.kwargs = tree_unflatten([keep(t) if isinstance(t, torch.Tensor) else t for t in leaves], spec)
 
@@ -158,7 +163,18 @@ class ForwardRecord:
         """The (op, output) that wrote ``t``'s storage in this forward, or ``None`` for a tensor from outside."""
         if t.numel() == 0:
             return None
-        return self.owner.get(t.untyped_storage().data_ptr())
+        return self.writer(t.untyped_storage().data_ptr())
+
+    def writer(self, storage: int) -> tuple[int, int] | None:
+        """The (op, output) that last wrote the live storage at pointer ``storage`` in this forward, or ``None``.
+
+        The allocator hands a freed storage's memory to the next tensor, and a tensor made without an op the tracker
+        sees (the index tensor ``x[..., [0]]`` builds from a list) must not inherit the dead storage's producer.
+        """
+        entry = self.owner.get(storage)
+        if entry is None or entry[2].expired():
+            return None
+        return entry[0], entry[1]
 
     def count_saved(self, storage: int, op: int, nbytes: int) -> None:
         """Add ``nbytes`` saved from ``op``'s output (-1: the inputs), once per storage."""
@@ -231,11 +247,15 @@ class ForwardRecord:
         self.replay_watch = watch.stop()
 
     def _with_autograd_state(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
-        """The restored inputs, each requiring gradients as the forward's own did."""
+        """The restored inputs, each requiring gradients as the forward's own did, and a graph leaf only where it was
+        one: autocast caches its casts of leaves that require gradients (it takes them for weights), so a second cast
+        of a non-leaf input made a leaf (T5's encoder output, projected to keys and to values) is a cache hit in the
+        replay where the forward ran ``_to_copy``."""
         leaves, spec = tree_flatten((args, kwargs))
-        for i, (t, requires_grad) in enumerate(zip(leaves, self.input_grads)):
+        for i, (t, requires_grad, leaf) in enumerate(zip(leaves, self.input_grads, self.input_leaves)):
             if isinstance(t, torch.Tensor) and requires_grad is not None:
-                leaves[i] = t.detach().requires_grad_(requires_grad)
+                restored = t.detach().requires_grad_(requires_grad)
+                leaves[i] = restored if leaf or not requires_grad else restored.view_as(restored)
         return tree_unflatten(leaves, spec)
 
     def _unpack_dropped(self, packed: None) -> torch.Tensor:
@@ -388,7 +408,7 @@ class OpTracker(TorchDispatchMode):
                     in_storages.add(ptr)
                     if ptr in record.input_storages:
                         record.input_readers.add(k)
-                    written = record.owner.get(ptr)
+                    written = record.writer(ptr)
                     if op is not None and written is not None and written[0] > op:
                         # Written in place after the op that returned this tensor (through another view of the
                         # memory): the replay must run that write too. A tensor from outside the block already
@@ -405,7 +425,7 @@ class OpTracker(TorchDispatchMode):
                     ptr = leaf.untyped_storage().data_ptr()
                     # A view keeps its base's owner; a fresh result or an in-place write makes this op the owner.
                     if ptr not in in_storages or mutates:
-                        record.owner[ptr] = (k, i)
+                        record.owner[ptr] = (k, i, StorageWeakRef(leaf.untyped_storage()))
                     if mutates and ptr in record.input_storages and record.input_written is None:
                         record.input_written = k
             else:
