@@ -18,12 +18,12 @@ from collections.abc import Sequence
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 
-from lightning_ratel import ops
 from lightning_ratel.accounting import ByteAccount, StepBreakdown
 from lightning_ratel.blocks import Block
 from lightning_ratel.config import RatelConfig
 from lightning_ratel.errors import RatelConfigError
 from lightning_ratel.layout import Layout
+from lightning_ratel.ops import adamw_step
 from lightning_ratel.placement import (
     CONTAINER_OP,
     INPUT_OP,
@@ -129,7 +129,7 @@ class Planner:
         threads = self.adam.threads if self.adam is not None else torch.get_num_threads()
         assert self.config.ssd_paths is not None
         return measure_hardware(self.device, self.config.ssd_paths,
-                                functools.partial(ops.adamw_step(), num_threads=threads))
+                                functools.partial(adamw_step(), num_threads=threads))
 
     def begin_profile(self) -> None:
         """Run the next passes under the safe default, timing every op and counting its FLOPs and saved bytes."""

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from lightning_ratel import ops
+from lightning_ratel.ops import adamw_step
 from lightning_ratel.runtime.pool import BufferPool
 from lightning_ratel.runtime.storage import ALIGNMENT, TensorStore, aligned_empty
 from lightning_ratel.runtime.timeline import Timeline
@@ -776,7 +776,7 @@ class CpuAdam:
 
     def _adamw(self, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                out: torch.Tensor | None, h: GroupHyper, step: int) -> None:
-        step_fn = ops.adamw_step()
+        step_fn = adamw_step()
         step_fn(master, grad, exp_avg, exp_avg_sq, out, lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
                 weight_decay=h.weight_decay, step=step, decoupled=h.decoupled, num_threads=self.threads)
 
