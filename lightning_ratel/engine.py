@@ -146,6 +146,7 @@ class RatelEngine:
         self._pending_plan: StepPlan | None = None
         self._clip: tuple[float, str] | None = None
         self._passes_seen = False
+        self._ran_watched: set[int] = set()
 
     # ------------------------------------------------------------------ parameters used outside their block
 
@@ -156,7 +157,9 @@ class RatelEngine:
         Such parameters are paged in on the spot for this pass, and from then on with the block whose forward uses
         them (see :mod:`lightning_ratel.runtime.escapes`). Every pass is watched, not only the first: a model may
         use a parameter elsewhere only when training, only in evaluation, or only from some step on, and its
-        placeholder must never reach compute. Only ops reach the watch, a few microseconds each.
+        placeholder must never reach compute. A block's own forward is watched the first time it runs; after that
+        only the code around the blocks is (where a parent's forward reads a head or an embedding), since a watched
+        op costs a few microseconds and the blocks run most ops.
 
         Args:
             training: a backward follows, which may read the parameters paged in on the spot; otherwise they are
@@ -166,7 +169,10 @@ class RatelEngine:
             RatelConfigError: a parameter is used outside every module's forward (in the LightningModule's step
                 itself), where no block can page it in.
         """
-        detector = EscapeDetector(self.pager)
+        # A block's forward is watched until it has run once (see EscapeDetector); what runs between and around the
+        # blocks always is.
+        unwatched = [b.module for b in self.blocks if not b.direct_only and id(b.module) in self._ran_watched]
+        detector = EscapeDetector(self.pager, unwatched)
         # Prefetching follows the registration order until a pass teaches the real one: it could page in a block
         # whose forward never runs just before another module reads its parameters, and hide that use.
         self.scheduler.prefetching = self._passes_seen
@@ -176,6 +182,7 @@ class RatelEngine:
         finally:
             self.scheduler.prefetching = True
         self._passes_seen = True
+        self._ran_watched |= detector.ran
         if detector.escapes:
             self._adopt(detector.escapes)
             if not training:

@@ -178,6 +178,51 @@ def test_parameter_used_outside_its_block_only_in_later_passes(tmp_path: Path, p
     assert max_rel_err(plain("head-sometimes", **later), lm.state_dict()) <= 1e-5
 
 
+class LateBlock(nn.Module):
+    """A block that reads a weight of another block (held outside its module tree)."""
+
+    def __init__(self, other: nn.Linear) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(32)
+        object.__setattr__(self, "other", other)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.norm(h @ self.other.weight.T @ self.other.weight)
+
+
+class BlockFirstRunLater(nn.Module):
+    """A block whose forward first runs in the fourth pass, and reads a parameter of another block there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 32)
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)) for _ in range(3))
+        self.late = nn.ModuleList([LateBlock(self.layers[0][1])])
+        self.head = nn.Linear(32, VOCAB)
+        self.calls = 0
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Any:
+        self.calls += 1
+        h = self.embed(input_ids)
+        for layer in self.layers:
+            h = h + layer(h)
+        if self.calls > 3:
+            h = self.late[0](h)
+        loss = nn.functional.cross_entropy(self.head(h).view(-1, VOCAB), labels.view(-1))
+        return type("Out", (), {"loss": loss})()
+
+
+MODELS["block-first-run-later"] = BlockFirstRunLater
+
+
+def test_a_block_whose_forward_first_runs_later_is_watched_then(tmp_path: Path) -> None:
+    lm = LM("block-first-run-later")
+    trainer(RatelStrategy(ssd_paths=[str(tmp_path)]), max_steps=6).fit(lm)
+    assert all(torch.isfinite(p).all() for p in lm.parameters())
+    assert max_rel_err(plain("block-first-run-later", max_steps=6), lm.state_dict()) <= 1e-5
+
+
 class UsesWeightInStep(LM):
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self.model(input_ids=batch, labels=batch).loss

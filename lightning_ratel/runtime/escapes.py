@@ -15,12 +15,13 @@ passes find nothing more.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_ratel.runtime.pager import ParameterPager
@@ -47,21 +48,34 @@ class EscapeDetector(TorchDispatchMode):
 
     Args:
         pager: the parameter pager (placeholders, and units held until it releases everything).
+        unwatched: modules whose forwards are not watched (the detector leaves the mode stack while they run): blocks
+            that ran watched before, whose own parameters and those of other units their forwards used are paged in
+            around them. Every op costs a trip through Python while watched, and blocks run most of a model's ops.
     """
 
-    def __init__(self, pager: ParameterPager) -> None:
+    def __init__(self, pager: ParameterPager, unwatched: Sequence[nn.Module] = ()) -> None:
         super().__init__()
         self.pager = pager
+        self._unwatched = unwatched
+        # Per unwatched forward running: whether this detector left the mode stack for it.
+        self._left: list[bool] = []
         self.escapes: list[Escape] = []
+        # ``id`` of every module whose forward ran in the pass.
+        self.ran: set[int] = set()
         self._stack: list[nn.Module] = []
         self._handles: list[Any] = []
         self._seen: set[int] = set()
 
     def __enter__(self) -> EscapeDetector:
         self._handles = [
-            nn.modules.module.register_module_forward_pre_hook(lambda m, args: self._stack.append(m)),
+            nn.modules.module.register_module_forward_pre_hook(lambda m, args: self._enter(m)),
             nn.modules.module.register_module_forward_hook(lambda m, args, out: self._leave(m), always_call=True),
         ]
+        for module in self._unwatched:
+            # First of the pre-hooks and last of the post-hooks: the block's own modes (the op tracker) go on the
+            # stack above this detector's place and come off before it returns.
+            self._handles.append(module.register_forward_pre_hook(self._pause, prepend=True))
+            self._handles.append(module.register_forward_hook(self._resume, always_call=True))
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
@@ -71,9 +85,25 @@ class EscapeDetector(TorchDispatchMode):
         self._stack = []
         super().__exit__(*exc)
 
+    def _enter(self, module: nn.Module) -> None:
+        self._stack.append(module)
+        self.ran.add(id(module))
+
     def _leave(self, module: nn.Module) -> None:
         if self._stack and self._stack[-1] is module:
             self._stack.pop()
+
+    def _pause(self, module: nn.Module, args: Any) -> None:
+        # Only from the top of the stack: a mode entered inside this pass (a user's) stays where it is, and so does
+        # this detector then.
+        top = _get_current_dispatch_mode() is self
+        if top:
+            TorchDispatchMode.__exit__(self, None, None, None)
+        self._left.append(top)
+
+    def _resume(self, module: nn.Module, args: Any, out: Any) -> None:
+        if self._left and self._left.pop():
+            TorchDispatchMode.__enter__(self)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
