@@ -129,6 +129,31 @@ class StepReport(L.Callback):
         self.disk_bytes = trainer.strategy.byte_placement()["disk"]
 
 
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The Llama's sizes (defaults: 3.37B parameters) and the training window's length."""
+    parser.add_argument("--layers", type=int, default=28)
+    parser.add_argument("--hidden", type=int, default=3072)
+    parser.add_argument("--intermediate", type=int, default=8192)
+    parser.add_argument("--heads", type=int, default=24)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--seq-len", type=int, default=64)
+
+
+def llama_config(args: argparse.Namespace) -> LlamaConfig:
+    """The Llama that :func:`add_model_arguments` describes."""
+    return LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.heads,
+        max_position_embeddings=max(args.seq_len + 1, 128),
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
+
+
 def memory_total() -> int:
     with open("/proc/meminfo") as meminfo:
         for line in meminfo:
@@ -149,12 +174,7 @@ def training_window(seq_len: int) -> torch.Tensor:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--swap-dir", type=Path, default=DEFAULT_SWAP, help="directory for the swap files")
-    parser.add_argument("--layers", type=int, default=28)
-    parser.add_argument("--hidden", type=int, default=3072)
-    parser.add_argument("--intermediate", type=int, default=8192)
-    parser.add_argument("--heads", type=int, default=24)
-    parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--seq-len", type=int, default=64)
+    add_model_arguments(parser)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--lr", type=float, default=3e-5)
     parser.add_argument("--activation-policy", default="recompute", choices=["keep", "host", "ssd", "recompute"])
@@ -162,17 +182,7 @@ def main() -> None:
     args = parser.parse_args()
     L.seed_everything(args.seed)
 
-    config = LlamaConfig(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.heads,
-        max_position_embeddings=max(args.seq_len + 1, 128),
-        tie_word_embeddings=False,
-        attn_implementation="sdpa",
-    )
+    config = llama_config(args)
     # On the meta device the model takes no memory; RatelStrategy materializes it block by block.
     with torch.device("meta"):
         module = RepeatedWindowLM(config, args.lr)

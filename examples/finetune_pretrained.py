@@ -51,8 +51,13 @@ from lightning_ratel import RatelHFExport, RatelStrategy  # noqa: E402
 from lightning_ratel.export import SAFE_INDEX, SAFE_WEIGHTS  # noqa: E402
 from lightning_ratel.runtime.probe import disk_bandwidth  # noqa: E402
 from lightning_ratel.tensorfiles import TensorFileWriter  # noqa: E402
-from beyond_ram import RepeatedWindowLM  # noqa: E402
-from text_data import TextDataModule  # noqa: E402
+from beyond_ram import (  # noqa: E402
+    RepeatedWindowLM,
+    add_model_arguments,
+    llama_config,
+    memory_total,
+    training_window,
+)
 
 GIB = 2**30
 GB = 1e9
@@ -232,12 +237,7 @@ def folder_bytes(path: Path) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work-dir", type=Path, default=Path("outputs") / "finetune-pretrained")
-    parser.add_argument("--layers", type=int, default=28)
-    parser.add_argument("--hidden", type=int, default=3072)
-    parser.add_argument("--intermediate", type=int, default=8192)
-    parser.add_argument("--heads", type=int, default=24)
-    parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--seq-len", type=int, default=64)
+    add_model_arguments(parser)
     parser.add_argument("--steps", type=int, default=2, help="steps of the first run (the resumed run adds one)")
     parser.add_argument("--lr", type=float, default=3e-5)
     parser.add_argument("--max-shard-size", type=float, default=5.0, help="GB per file of the checkpoint folder")
@@ -246,13 +246,9 @@ def main() -> None:
     args = parser.parse_args()
     L.seed_everything(0)
     on_gpu = torch.cuda.is_available()
-    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                         num_key_value_heads=args.heads, max_position_embeddings=max(args.seq_len + 1, 128),
-                         tie_word_embeddings=False, attn_implementation="sdpa")
+    config = llama_config(args)
     params = parameter_count(config)
-    with open("/proc/meminfo") as f:
-        ram = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+    ram = memory_total()
     work = args.work_dir
     work.mkdir(parents=True, exist_ok=True)
     hf, swap, ckpt_dir, export_dir = work / "hf", work / "swap", work / "checkpoints", work / "export"
@@ -280,11 +276,7 @@ def main() -> None:
         moved["bytes"] = write_checkpoint(config, hf, int(args.max_shard_size * GB), seed=0)
     print(f"wrote {hf} ({folder_bytes(hf) / GB:.2f} GB)", flush=True)
 
-    window = TextDataModule(seq_len=args.seq_len, batch_size=1)
-    window.prepare_data()
-    window.setup()
-    assert window.train_set is not None
-    tokens = window.train_set[0]["input_ids"]
+    tokens = training_window(args.seq_len)
 
     def run(steps: int, load_phase: str, train_phase: str, ckpt_path: str | None) -> Watch:
         with torch.device("meta"):
