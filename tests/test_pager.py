@@ -75,6 +75,38 @@ def test_shared_unit_stays_resident_while_any_user_holds_it() -> None:
     assert pager.holds_placeholder(module.embed.weight)
 
 
+def test_a_unit_a_block_gains_while_resident_is_released_only_by_references_taken_after() -> None:
+    module = Tied()
+    layout, pager, values = _paged(module)
+    first, last = _block(layout, module, "layers.0"), _block(layout, module, "layers.2")
+    pager.acquire(last)
+    pager.hold(first)
+    # The block's forward used a parameter of another unit: from now on it pages that unit in too.
+    layout.block_units[last].append(first)
+    pager.release(last)
+    # The reference taken before the change did not hold layers.0's unit; the hold does, until release_all.
+    assert torch.equal(module.layers[0].weight, values["layers.0.weight"])
+    pager.release_all()
+    assert pager.holds_placeholder(module.layers[0].weight) and pager.resident_bytes == 0
+    pager.acquire(last)
+    assert torch.equal(module.layers[0].weight, values["layers.0.weight"])
+    pager.release(last)
+    assert pager.holds_placeholder(module.layers[0].weight) and pager.resident_bytes == 0
+
+
+def test_a_prefetch_made_before_the_block_gained_a_unit_pages_that_unit_in_at_acquire() -> None:
+    module = Tied()
+    layout, pager, values = _paged(module)
+    first, last = _block(layout, module, "layers.0"), _block(layout, module, "layers.2")
+    pager.prefetch(last)
+    layout.block_units[last].append(first)
+    pager.acquire(last)
+    assert torch.equal(module.layers[0].weight, values["layers.0.weight"])
+    assert torch.equal(module.layers[2].weight, values["layers.2.weight"])
+    pager.release(last)
+    assert pager.resident_bytes == 0
+
+
 def test_prefetch_is_taken_over_by_acquire_and_undone_by_release_all() -> None:
     module = Tied()
     layout, pager, _ = _paged(module)

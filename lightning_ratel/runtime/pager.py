@@ -81,8 +81,10 @@ class ParameterPager:
         # mapped memory.
         self.pool = device.pool
         self._state = {index: _Residency() for index in units}
-        self._prefetched: set[int] = set()
-        self._acquired: dict[int, int] = {}
+        # The units each reference took, dropped as taken: a block's units may grow between taking and dropping
+        # (a unit adopted while the block is resident, see the engine's escape handling).
+        self._prefetched: dict[int, tuple[int, ...]] = {}
+        self._acquired: dict[int, list[tuple[int, ...]]] = {}
         # Units whose store reads are in flight and whose upload starts once they have landed (separate memory).
         self._reading: set[int] = set()
         self._storage_to_unit: dict[int, tuple[int, torch.dtype]] = {}
@@ -218,15 +220,17 @@ class ParameterPager:
         state.event = None
         self.resident_bytes -= unit.nbytes
 
-    def _take(self, block: int) -> None:
-        for u in self.block_units[block]:
+    def _take(self, block: int) -> tuple[int, ...]:
+        units = tuple(self.block_units[block])
+        for u in units:
             state = self._state[u]
             if state.refs == 0 and state.flats is None:
                 self._page_in(self.units[u])
             state.refs += 1
+        return units
 
-    def _drop(self, block: int) -> None:
-        for u in self.block_units[block]:
+    def _drop(self, units: tuple[int, ...]) -> None:
+        for u in units:
             state = self._state[u]
             state.refs -= 1
             if state.refs == 0:
@@ -238,21 +242,23 @@ class ParameterPager:
         A block whose optimizer update is still running is left alone: prefetching it would block the caller.
         """
         self._start_uploads()
-        if block in self._prefetched or self._acquired.get(block, 0):
+        if block in self._prefetched or block in self._acquired:
             return
         if not all(self.units[u].ready.is_set() for u in self.block_units[block]):
             return
-        self._take(block)
-        self._prefetched.add(block)
+        self._prefetched[block] = self._take(block)
 
     def acquire(self, block: int) -> None:
         """Make ``block``'s parameters usable by work queued on the current stream from now on."""
-        if block in self._prefetched:
-            self._prefetched.discard(block)
-        else:
-            self._take(block)
-        self._acquired[block] = self._acquired.get(block, 0) + 1
-        for u in self.block_units[block]:
+        units = self._prefetched.pop(block, None)
+        if units != tuple(self.block_units[block]):
+            # Not prefetched, or prefetched before the block gained a unit: take it whole (before dropping the
+            # prefetch, so that units in both stay resident).
+            stale, units = units, self._take(block)
+            if stale is not None:
+                self._drop(stale)
+        self._acquired.setdefault(block, []).append(units)
+        for u in units:
             unit = self.units[u]
             self._complete(unit)
             state = self._state[u]
@@ -264,24 +270,23 @@ class ParameterPager:
     def release(self, block: int) -> None:
         """Drop one reference taken by :meth:`acquire`; parameters leave the device with the last one."""
         self._start_uploads()
-        count = self._acquired.get(block, 0)
-        if count == 0:
+        taken = self._acquired.get(block)
+        if not taken:
             return
-        if count == 1:
+        units = taken.pop()
+        if not taken:
             del self._acquired[block]
-        else:
-            self._acquired[block] = count - 1
-        self._drop(block)
+        self._drop(units)
 
     def release_all(self) -> None:
         """Return every block (and every unit held on its own) to the host (end of a pass, or after an error)."""
-        for block in list(self._prefetched):
-            self._prefetched.discard(block)
-            self._drop(block)
-        for block, count in list(self._acquired.items()):
-            for _ in range(count):
-                self._drop(block)
-        self._acquired.clear()
+        prefetched, self._prefetched = self._prefetched, {}
+        for units in prefetched.values():
+            self._drop(units)
+        acquired, self._acquired = self._acquired, {}
+        for taken in acquired.values():
+            for units in taken:
+                self._drop(units)
         held, self._held = self._held, []
         for unit in held:
             state = self._state[unit]
