@@ -35,13 +35,17 @@ def tiny_t5() -> nn.Module:
     return T5ForConditionalGeneration(cfg)
 
 
+def mlp_layers(count: int) -> nn.ModuleList:
+    """``count`` residual MLP layers of width 32, for models the tests build by hand."""
+    return nn.ModuleList(nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+                         for _ in range(count))
+
+
 class MLP(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, 32)
-        self.layers = nn.ModuleList(
-            nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)) for _ in range(3)
-        )
+        self.layers = mlp_layers(3)
         self.head = nn.Linear(32, VOCAB)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Any:

@@ -16,7 +16,7 @@ from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
 from lightning_ratel import RatelConfigError, RatelStrategy
 from lightning_ratel.blocks import discover_blocks
-from tests.models import LM, MODELS, SEQ, VOCAB, final_state, max_rel_err, trainer
+from tests.models import LM, MLP, MODELS, SEQ, VOCAB, final_state, max_rel_err, mlp_layers, trainer
 
 
 def tiny_neox() -> nn.Module:
@@ -32,8 +32,7 @@ class SelfCheckpointing(nn.Module):
         super().__init__()
         self.reentrant = reentrant
         self.embed = nn.Embedding(VOCAB, 32)
-        self.layers = nn.ModuleList(
-            nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)) for _ in range(3))
+        self.layers = mlp_layers(3)
         self.head = nn.Linear(32, VOCAB)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Any:
@@ -95,8 +94,7 @@ class TiedInParent(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, 32)
-        self.layers = nn.ModuleList(
-            nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)) for _ in range(3))
+        self.layers = mlp_layers(3)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Any:
         h = self.embed(input_ids)
@@ -190,16 +188,12 @@ class LateBlock(nn.Module):
         return h + self.norm(h @ self.other.weight.T @ self.other.weight)
 
 
-class BlockFirstRunLater(nn.Module):
+class BlockFirstRunLater(MLP):
     """A block whose forward first runs in the fourth pass, and reads a parameter of another block there."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.embed = nn.Embedding(VOCAB, 32)
-        self.layers = nn.ModuleList(
-            nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)) for _ in range(3))
         self.late = nn.ModuleList([LateBlock(self.layers[0][1])])
-        self.head = nn.Linear(32, VOCAB)
         self.calls = 0
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Any:
@@ -267,8 +261,7 @@ class Stages(nn.Module):
         self.embed = nn.Embedding(VOCAB, 32)
         self.proj = nn.Linear(32, 32, bias=False)
         self.stages = nn.ModuleList([nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 32)), _Gate()])
-        self.layers = nn.ModuleList(
-            nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)) for _ in range(2))
+        self.layers = mlp_layers(2)
         self.head = nn.Linear(32, VOCAB)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Any:
