@@ -145,7 +145,7 @@ class RatelEngine:
         self._step_plan = StepPlan([], overlap=False)
         self._pending_plan: StepPlan | None = None
         self._clip: tuple[float, str] | None = None
-        self._passes_seen = False
+        # ``id`` of every module whose forward ran in a watched pass (empty before the first pass).
         self._ran_watched: set[int] = set()
 
     # ------------------------------------------------------------------ parameters used outside their block
@@ -175,13 +175,12 @@ class RatelEngine:
         detector = EscapeDetector(self.pager, unwatched)
         # Prefetching follows the registration order until a pass teaches the real one: it could page in a block
         # whose forward never runs just before another module reads its parameters, and hide that use.
-        self.scheduler.prefetching = self._passes_seen
+        self.scheduler.prefetching = bool(self._ran_watched)
         try:
             with detector:
                 yield
         finally:
             self.scheduler.prefetching = True
-        self._passes_seen = True
         self._ran_watched |= detector.ran
         if detector.escapes:
             self._adopt(detector.escapes)
