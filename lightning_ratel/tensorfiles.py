@@ -25,6 +25,7 @@ import torch
 
 from lightning_ratel.errors import RatelConfigError, RatelStoreError
 from lightning_ratel.runtime.storage import ALIGNMENT, aligned_empty
+from lightning_ratel.sizes import round_up
 
 DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -233,7 +234,7 @@ class TensorFileWriter:
             size = self._written + self._fill
             if self._fill:
                 # Direct I/O writes whole blocks: the last one is padded, then the file is cut to its size.
-                padded = -(-self._fill // self._alignment) * self._alignment
+                padded = round_up(self._fill, self._alignment)
                 self._views[self._current][self._fill : padded] = bytes(padded - self._fill)
                 self._flush(padded)
             if self._pending is not None:
@@ -365,7 +366,7 @@ class TensorFileReader:
         done = 0
         while done < len(out):
             skip = offset + done - position
-            want = min(len(bounce), -(-(skip + len(out) - done) // ALIGNMENT) * ALIGNMENT)
+            want = min(len(bounce), round_up(skip + len(out) - done, ALIGNMENT))
             try:
                 n = os.preadv(self._direct_fd, [bounce[:want]], position)
             except OSError as err:
