@@ -800,7 +800,7 @@ def machine_info(ssd: Sequence[Path], device_memory: int) -> dict[str, Any]:
         "host_memory_available": _available_host_memory(),
         "ssd_free": {str(p): shutil.disk_usage(p).free for p in ssd},
     }
-    for package in ("deepspeed", "lightning", "transformers", "kvikio-cu12", "kvikio"):
+    for package in ("deepspeed", "lightning", "transformers", "kvikio-cu13", "kvikio-cu12", "kvikio"):
         try:
             info[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:

@@ -61,16 +61,39 @@ class FakeCuFile:
             self.closed = True
 
 
-@pytest.fixture
-def fake_kvikio(monkeypatch):
+def _kvikio_module(monkeypatch: pytest.MonkeyPatch, defaults: types.ModuleType | types.SimpleNamespace,
+                   api: str) -> types.ModuleType:
+    """A stand-in ``kvikio`` package in ``sys.modules`` shaped like a release line: ``"26"`` leaves ``defaults`` an
+    importable submodule the package does not import (kvikio 26.x), ``"older"`` sets it as an attribute."""
     module = types.ModuleType("kvikio")
+    module.__path__ = []  # a package, so that ``kvikio.defaults`` is a submodule
     module.CuFile = FakeCuFile
-    module.defaults = types.SimpleNamespace(compat_mode=lambda: True)
+    if api == "26":
+        submodule = types.ModuleType("kvikio.defaults")
+        submodule.__dict__.update(vars(defaults))
+        monkeypatch.setitem(sys.modules, "kvikio.defaults", submodule)
+    else:
+        module.defaults = defaults
+        monkeypatch.setitem(sys.modules, "kvikio.defaults", defaults)
+    monkeypatch.setitem(sys.modules, "kvikio", module)
+    return module
+
+
+# The compatibility-mode query of each kvikio release line the code supports, all answering "POSIX path".
+KVIKIO_APIS = {
+    "26": types.SimpleNamespace(is_compat_mode_preferred=lambda: True),
+    "24": types.SimpleNamespace(get=lambda key: types.SimpleNamespace(name="ON")),
+    "older": types.SimpleNamespace(compat_mode=lambda: True),
+}
+
+
+@pytest.fixture(params=sorted(KVIKIO_APIS))
+def fake_kvikio(monkeypatch, request):
+    module = _kvikio_module(monkeypatch, KVIKIO_APIS[request.param], "26" if request.param == "26" else "older")
     FakeCuFile.opened = []
     FakeCuFile.calls = []
     FakeCuFile.fail = {}
     FakeCuFile.short_reads = False
-    monkeypatch.setitem(sys.modules, "kvikio", module)
     kvikio_unavailable_reason.cache_clear()
     yield module
     kvikio_unavailable_reason.cache_clear()
@@ -255,8 +278,9 @@ def test_kvikio_open_failure_cleans_up(fake_kvikio, dirs, monkeypatch):
         (types.SimpleNamespace(compat_mode=lambda: True), False),
     ],
 )
-def test_gds_mode_detection(defaults, expected):
-    assert gds._uses_gds(types.SimpleNamespace(defaults=defaults)) is expected
+@pytest.mark.parametrize("api", ["26", "older"])
+def test_gds_mode_detection(monkeypatch, defaults, expected, api):
+    assert gds._uses_gds(_kvikio_module(monkeypatch, defaults, api)) is expected
 
 
 def test_measure_compares_both_routes(fake_kvikio, dirs):

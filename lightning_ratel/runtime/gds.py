@@ -23,6 +23,7 @@ from __future__ import annotations
 import concurrent.futures
 import errno
 import functools
+import importlib
 import os
 import tempfile
 from collections.abc import Callable, Sequence
@@ -45,7 +46,11 @@ from lightning_ratel.runtime.storage import (
     tensor_checksum,
 )
 
-_INSTALL_HINT = "Install it with `pip install lightning_ratel[gds]` (kvikio-cu12) on a machine with a CUDA driver."
+def install_hint() -> str:
+    """How to install the kvikio build that matches this torch's CUDA major version."""
+    major = (torch.version.cuda or "13").split(".")[0]
+    return (f"Install it with `pip install 'lightning_ratel[gds-cu{major}]'` (kvikio-cu{major}, for this torch's "
+            f"CUDA {major}) on a machine with a CUDA driver.")
 
 
 def _import_kvikio() -> ModuleType:
@@ -53,18 +58,23 @@ def _import_kvikio() -> ModuleType:
     try:
         import kvikio
     except Exception as exc:  # a broken install can fail with OSError from a missing shared library, not ImportError
-        raise RatelConfigError(f"kvikio cannot be imported ({type(exc).__name__}: {exc}). {_INSTALL_HINT}") from exc
+        raise RatelConfigError(f"kvikio cannot be imported ({type(exc).__name__}: {exc}). {install_hint()}") from exc
     return kvikio
+
+
+def _defaults(kvikio: ModuleType) -> ModuleType:
+    """kvikio's ``defaults`` submodule, which current releases (26.x) do not import with the package."""
+    return importlib.import_module(f"{kvikio.__name__}.defaults")
 
 
 def _uses_gds(kvikio: ModuleType) -> bool:
     """Whether kvikio reads and writes through cuFile (GPUDirect Storage) rather than its POSIX compatibility path.
 
-    The query moved between kvikio releases: ``defaults.is_compat_mode_preferred()`` (25.x), ``defaults.get(
+    The query moved between kvikio releases: ``defaults.is_compat_mode_preferred()`` (25.x, 26.x), ``defaults.get(
     "compat_mode")`` returning a ``CompatMode``, or ``defaults.compat_mode()`` returning a bool (older releases). A
     ``CompatMode.AUTO`` that cannot be resolved counts as the compatibility path.
     """
-    defaults = kvikio.defaults
+    defaults = _defaults(kvikio)
     preferred = getattr(defaults, "is_compat_mode_preferred", None)
     if preferred is not None:
         return not preferred()

@@ -46,9 +46,9 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
-from torch.utils.flop_counter import flop_registry
 
 from lightning_ratel.runtime.device import Stopwatch
+from lightning_ratel.runtime.flops import count_flops
 
 # Aliasing no-ops that are not part of a block's op sequence: autograd detaches a tensor it saves when no saved-tensor
 # hook is set, so whether they are issued depends on the hooks, which differ between the forward and the replay.
@@ -430,8 +430,6 @@ class OpTracker(TorchDispatchMode):
                         record.input_written = k
             else:
                 meta.append(leaf)
-        flops = 0.0
-        if self.profile and func.overloadpacket in flop_registry:
-            flops = float(flop_registry[func.overloadpacket](*args, **kwargs, out_val=out))
+        flops = count_flops(func, args, kwargs, out) if self.profile else 0.0
         record.ops.append(OpRecord(name, func, sorted(set(inputs)), spec, meta, elapsed, flops))
         return out
