@@ -511,6 +511,8 @@ class RatelStrategy(SingleDeviceStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         self._exception = exception
+        if isinstance(exception, torch.cuda.OutOfMemoryError):
+            _explain_out_of_memory(exception, self.config.device_memory_limit)
         if self._engine is not None:
             try:
                 self._engine.abort_step()
@@ -598,3 +600,29 @@ class RatelStrategy(SingleDeviceStrategy):
         strategy_registry.register(
             cls.strategy_name, cls, description="Model states on NVMe, paged parameters, overlapped CPU AdamW"
         )
+
+
+def _explain_out_of_memory(exception: BaseException, device_memory_limit: int | None) -> None:
+    """Add to a device out-of-memory error what RatelStrategy knows of it and what to change.
+
+    The plan places what the blocks hold; the model's output and its loss run outside every block and grow with the
+    micro-batch (a causal LM's fp32 logits take batch x sequence x vocabulary x 4 bytes, the loss's softmax and the
+    gradient as much again), so a micro-batch too large for them fails in the first step, before any plan exists. The
+    step is rolled back whole, so nothing is lost.
+    """
+    figures = ""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        cap = device_memory_limit or torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        figures = (f" With a device cap of {format_bytes(cap)}, {format_bytes(torch.cuda.memory_allocated())} were "
+                   f"allocated at the failure, {format_bytes(torch.cuda.max_memory_allocated())} at the peak.")
+    advice = (f"RatelStrategy: the step ran out of device memory and was rolled back, nothing of it applied.{figures} "
+              "Outside the blocks the plan places, the model's output and loss take device memory that grows with "
+              "the micro-batch (the fp32 logits of a causal LM: batch x sequence x vocabulary x 4 bytes, and as much "
+              "again for the loss's softmax and for their gradient). Lower the DataLoader's batch size and raise the "
+              "Trainer's accumulate_grad_batches by the same factor (same numbers, same global batch), compute the "
+              "loss in chunks of the sequence, or raise device_memory_limit.")
+    if hasattr(exception, "add_note"):
+        exception.add_note(advice)
+    else:  # Python 3.10: no exception notes
+        rank_zero_warn(advice)
+

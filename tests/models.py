@@ -113,6 +113,54 @@ class LM(L.LightningModule):
         return self._loader()
 
 
+class HostAdamW(torch.optim.AdamW):
+    """torch's AdamW stepping fp32 copies of the parameters in host memory with torch's CPU (single-tensor) arithmetic,
+    wherever the parameters are: plain training with the arithmetic of RatelStrategy's CPU optimizer, so that on a GPU
+    a run under RatelStrategy and a plain run with this optimizer differ only where the training step's path does.
+
+    The hyperparameters (and any scheduler's changes to them) are this optimizer's; ``state_dict`` gives the host
+    copies' state under these param groups.
+    """
+
+    def __init__(self, params: Any, **kwargs: Any) -> None:
+        super().__init__(params, **kwargs)
+        host_groups = []
+        for group in self.param_groups:
+            host = [nn.Parameter(p.detach().to("cpu", torch.float32, copy=True)) for p in group["params"]]
+            host_groups.append({**group, "params": host, "foreach": False, "fused": None})
+        self.host = torch.optim.AdamW(host_groups)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        pairs = []
+        for group, host_group in zip(self.param_groups, self.host.param_groups):
+            host_group.update({k: v for k, v in group.items() if k not in ("params", "foreach", "fused")})
+            for p, h in zip(group["params"], host_group["params"]):
+                h.grad = None if p.grad is None else p.grad.to("cpu", torch.float32)
+                pairs.append((p, h))
+        self.host.step()
+        for p, h in pairs:
+            p.copy_(h)
+        return loss
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"state": self.host.state_dict()["state"], "param_groups": super().state_dict()["param_groups"]}
+
+
+class HostAdamLM(LM):
+    """:class:`LM` whose optimizer is :class:`HostAdamW` with the same groups and scheduler."""
+
+    def configure_optimizers(self) -> Any:
+        config = super().configure_optimizers()
+        opt = HostAdamW(config["optimizer"].param_groups)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
 def trainer(strategy: Any = "auto", **kwargs: Any) -> L.Trainer:
     defaults = dict(accelerator="cpu", max_steps=4, logger=False, enable_checkpointing=False,
                     enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,

@@ -16,11 +16,14 @@ scale's device copy is made once and changed in place, so scaling the loss copie
 
 from __future__ import annotations
 
+import fcntl
 import gc
 import os
+import tempfile
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -32,7 +35,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from lightning_ratel import RatelConfigError, RatelStrategy
 from lightning_ratel.callbacks import RatelProfiler
 from lightning_ratel.runtime import gds
-from tests.models import LM, SEQ, VOCAB, final_state, max_rel_err, trainer
+from tests.models import LM, SEQ, VOCAB, HostAdamLM, final_state, max_rel_err, trainer
+from tests.syncs import SyncCounter, extra_syncs
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -42,10 +46,15 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 # Every tier at once: a block's activations on disk, one recomputed, the rest in host memory.
 MIXED_POLICY = {"*layers.0": "ssd", "*.h.0": "ssd", "*layers.1": "recompute", "*.h.1": "recompute", "*": "host"}
 
-# fp32: both runs compute identical gradients (deterministic kernels, the same shapes); the optimizers differ, CUDA's
-# AdamW against the engine's CPU AdamW, by rounding only. bf16: such a last-bit difference in an fp32 master now and
-# then rounds to the neighbouring bf16 value, which every later step sees.
+# The yardstick on CUDA is plain Lightning's own spread: its default AdamW (foreach CUDA kernels) against the same
+# AdamW computed on the CPU (``HostAdamW``), which is RatelStrategy's arithmetic. Rounding differences of the last bit
+# grow over steps, in bf16 by far (a master that moves by one fp32 ulp now and then rounds to the neighbouring bf16
+# value, and Adam's normalised update turns tiny gradient differences into updates of the learning rate's size), so
+# the test allows plain's own spread with a margin, and the tight check is against plain with the CPU arithmetic.
+SPREAD_MARGIN = 2.0
 TOLERANCE = {"32-true": 1e-5, "bf16-mixed": 1e-3}
+# RatelStrategy against plain Lightning stepping the same AdamW on the CPU: the training step's own path on CUDA.
+SAME_ARITHMETIC = {"32-true": 1e-6, "bf16-mixed": 1e-6}
 
 
 class Quiet(LM):
@@ -78,8 +87,25 @@ def swap_dirs(tmp_path: Any, count: int = 2) -> list[str]:
     return [str(p) for p in paths]
 
 
+# Under ``pytest -n N`` the workers share the device: a test that caps its process's device memory takes the device
+# alone (an exclusive lock), every other CUDA test shares it (a shared lock), so no allocation of another worker's test
+# runs beside a capped one.
+DEVICE_LOCK = Path(tempfile.gettempdir()) / "lightning_ratel_test_cuda.lock"
+
+
 @pytest.fixture(autouse=True)
-def _fresh_device() -> Iterator[None]:
+def _device_share(request: pytest.FixtureRequest) -> Iterator[None]:
+    alone = request.node.get_closest_marker("device_alone") is not None
+    with open(DEVICE_LOCK, "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_device(_device_share: None) -> Iterator[None]:
     """Each test starts with nothing cached and ends with the whole device and no debug mode."""
     gc.collect()
     torch.cuda.empty_cache()
@@ -116,14 +142,19 @@ class SyncTrap(L.Callback):
     [("llama", "bf16-mixed", None), ("gpt2", "32-true", MIXED_POLICY), ("mlp", "16-mixed", MIXED_POLICY)],
 )
 def test_no_host_sync_in_steady_state(tmp_path, model, precision, policy):
+    """RatelStrategy adds no host sync to a steady-state step: each place that syncs (transformers' GPT-2 mask code
+    does, once per forward) syncs as often under plain Lightning on the same model."""
     # plan=auto profiles micro-batches 0 and 1 and plans after batch 1; batch 2 is the first under the plan.
-    trap = SyncTrap(first=3)
+    plain = SyncCounter(first=3)
+    gpu_trainer("auto", precision=precision, max_steps=8, callbacks=[plain]).fit(Quiet(model))
+    ratel = SyncCounter(first=3)
     strategy = RatelStrategy(ssd_paths=swap_dirs(tmp_path), activation_policy=policy)
-    # The trap after the profiler, so the profiler's per-step breakdown is inside the checked span too. The span
+    # The counter after the profiler, so the profiler's per-step breakdown is inside the checked span too. The span
     # ends before Lightning copies the next batch from pageable memory, which is a sync of Lightning's.
-    callbacks = [RatelProfiler(report=False), trap]
-    gpu_trainer(strategy, precision=precision, max_steps=8, callbacks=callbacks).fit(Quiet(model))
-    assert trap.checked == 5
+    gpu_trainer(strategy, precision=precision, max_steps=8,
+                callbacks=[RatelProfiler(report=False), ratel]).fit(Quiet(model))
+    assert ratel.checked == plain.checked == 5
+    assert extra_syncs(ratel, plain) == {}, f"syncs beyond plain Lightning's: {dict(extra_syncs(ratel, plain))}"
 
 
 class EventSyncTrap(L.Callback):
@@ -221,11 +252,19 @@ def _on_host(state: tuple[dict, dict]) -> tuple[dict, dict]:
     return {k: v.cpu() for k, v in params.items()}, {**optimizer, "state": moved}
 
 
-def _fit(strategy: Any, model: str, precision: str) -> tuple[dict, dict]:
-    module = LM(model)
+def _fit(strategy: Any, module: LM, precision: str) -> tuple[dict, dict]:
     t = gpu_trainer(strategy, precision=precision)
     t.fit(module)
     return _on_host(final_state(module, t))
+
+
+def _moment_error(ref: dict, got: dict) -> float:
+    worst = 0.0
+    for i in ref["state"]:
+        for key in ("exp_avg", "exp_avg_sq"):
+            scale = ref["state"][i][key].abs().max().clamp(min=1e-20)
+            worst = max(worst, ((ref["state"][i][key] - got["state"][i][key]).abs().max() / scale).item())
+    return worst
 
 
 @pytest.mark.parametrize("plan", ["every tier", "auto"])
@@ -234,19 +273,20 @@ def _fit(strategy: Any, model: str, precision: str) -> tuple[dict, dict]:
 def test_matches_plain_lightning_on_cuda(tmp_path, model, precision, plan):
     policy = MIXED_POLICY if plan == "every tier" else None
     with reproducible():
-        ref = _fit("auto", model, precision)
-        got = _fit(RatelStrategy(ssd_paths=swap_dirs(tmp_path), activation_policy=policy), model, precision)
-    tol = TOLERANCE[precision]
+        ref = _fit("auto", LM(model), precision)
+        host = _fit("auto", HostAdamLM(model), precision)
+        got = _fit(RatelStrategy(ssd_paths=swap_dirs(tmp_path), activation_policy=policy), LM(model), precision)
+    spread = max_rel_err(ref[0], host[0])
+    allowed = max(TOLERANCE[precision], SPREAD_MARGIN * spread)
     error = max_rel_err(ref[0], got[0])
-    assert error <= tol, f"parameters differ by {error:.3g} (relative to each tensor's largest value)"
+    assert error <= allowed, f"parameters differ by {error:.3g}; plain's CUDA and CPU AdamW by {spread:.3g}"
+    same = max_rel_err(host[0], got[0])
+    assert same <= SAME_ARITHMETIC[precision], f"{same:.3g} from plain Lightning with the CPU AdamW arithmetic"
+    assert _moment_error(host[1], got[1]) <= SAME_ARITHMETIC[precision]
     ref_state, got_state = ref[1]["state"], got[1]["state"]
     assert ref_state.keys() == got_state.keys()
     for i in ref_state:
         assert got_state[i]["step"].item() == ref_state[i]["step"].item()
-        for key in ("exp_avg", "exp_avg_sq"):
-            scale = ref_state[i][key].abs().max().clamp(min=1e-20)
-            moment_error = ((ref_state[i][key] - got_state[i][key]).abs().max() / scale).item()
-            assert moment_error <= tol, (i, key, moment_error)
     assert got[1]["param_groups"] == ref[1]["param_groups"]
     assert all(os.listdir(path) == [] for path in (tmp_path / "swap0", tmp_path / "swap1"))
 
@@ -254,6 +294,7 @@ def test_matches_plain_lightning_on_cuda(tmp_path, model, precision, plan):
 # ---------------------------------------------------------------------------------------------------- memory cap
 
 
+@pytest.mark.device_alone
 def test_device_memory_limit_caps_the_allocator_and_the_plan(tmp_path):
     limit = 128 << 20
     module = Wide()
@@ -271,6 +312,7 @@ def test_device_memory_limit_caps_the_allocator_and_the_plan(tmp_path):
     assert plan.memory["device"] <= limit
 
 
+@pytest.mark.device_alone
 def test_device_memory_limit_is_undone_after_a_failed_setup(tmp_path):
     strategy = RatelStrategy(ssd_paths=swap_dirs(tmp_path, 1), device_memory_limit=128 << 20, blocks=["no.such"])
     with pytest.raises(RatelConfigError, match="does not have"):
@@ -278,6 +320,7 @@ def test_device_memory_limit_is_undone_after_a_failed_setup(tmp_path):
     assert torch.cuda.get_per_process_memory_fraction(0) == 1.0
 
 
+@pytest.mark.device_alone
 def test_device_memory_limit_above_the_device_is_refused(tmp_path):
     total = torch.cuda.get_device_properties(0).total_memory
     strategy = RatelStrategy(ssd_paths=swap_dirs(tmp_path, 1), device_memory_limit=2 * total)

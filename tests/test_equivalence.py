@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_ratel import RatelPrecision, RatelStrategy, ops
-from tests.models import LM, final_state, gradscaler_reference, max_rel_err, trainer
+from tests.models import LM, HostAdamLM, final_state, gradscaler_reference, max_rel_err, trainer
 from tests.models import compare_states as _compare
 
 # Every tier at once: a block's activations on disk, one recomputed, the rest in host memory.
@@ -223,3 +223,16 @@ def test_mixed_precision_masters_stay_on_disk(tmp_path):
     assert half and not any(s.master_in_host for s in half)
     assert all(s.master_in_host for s in probe.engine.layout.shards if s.dtype == torch.float32)
     assert probe.reserved >= 12 * sum(s.numel for s in half)
+
+
+def test_host_adamw_reference_is_plain_cpu_adamw_and_ratel(tmp_path):
+    """The CUDA tests' yardstick for RatelStrategy (plain training with the optimizer's arithmetic on the CPU) is, on
+    the CPU, plain Lightning's AdamW exactly, and RatelStrategy's numbers exactly."""
+    host = HostAdamLM("llama")
+    trainer("auto").fit(host)
+    plain = LM("llama")
+    trainer("auto").fit(plain)
+    ratel = LM("llama")
+    trainer(RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy="host")).fit(ratel)
+    assert max_rel_err(plain.state_dict(), host.state_dict()) == 0.0
+    assert max_rel_err(ratel.state_dict(), host.state_dict()) == 0.0

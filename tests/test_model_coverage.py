@@ -232,15 +232,27 @@ def test_parameter_used_outside_every_forward_is_refused_before_the_first_update
         assert torch.equal(p, before[name]), name
 
 
+def _cache_off(module: nn.Module) -> None:
+    for sub in module.modules():
+        config = getattr(sub, "config", None)
+        if config is not None and hasattr(config, "use_cache"):
+            config.use_cache = False
+
+
 def test_encoder_decoder_cache_is_off_in_the_decoders_own_config(tmp_path: Path) -> None:
     """T5 gives its decoder stack a copy of the config, which alone decides whether the stack fills a KV cache: left
-    on, a replay of a decoder block appends its keys a second time and recomputation fails."""
+    on, a replay of a decoder block appends its keys a second time and recomputation fails. With the cache off, T5
+    computes slightly differently (transformers 5.24: 2.8e-5 to 4.0e-5 relative after two fp32 steps, see README),
+    so the reference is plain Lightning with the cache off too."""
     lm = LM("t5")
     decoder_config = lm.model.decoder.config
     assert decoder_config is not lm.model.config and decoder_config.use_cache
     trainer(RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy="recompute"), max_steps=2).fit(lm)
-    assert max_rel_err(plain("t5", max_steps=2), lm.state_dict()) <= 1e-5
     assert decoder_config.use_cache and lm.model.config.use_cache
+    reference = LM("t5")
+    _cache_off(reference)
+    trainer("auto", max_steps=2).fit(reference)
+    assert max_rel_err(reference.state_dict(), lm.state_dict()) == 0.0
 
 
 class _Gate(nn.Module):

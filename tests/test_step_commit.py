@@ -207,3 +207,25 @@ def test_fault_inside_an_accumulation_window_resumes_like_plain(tmp_path: Path, 
     assert max_rel_err(ref_left, got_left) <= 1e-5
     _close(ref, *got)
     assert os.listdir(swap) == []
+
+
+class LogitsTooLarge(LM):
+    """Runs out of device memory in the loss of its third step, as a causal LM head whose logits do not fit."""
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self.model(input_ids=batch, labels=batch).loss
+        if batch_idx == 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 6.14 GiB.")
+        return loss
+
+
+def test_out_of_device_memory_says_what_to_change_and_loses_nothing(tmp_path: Path) -> None:
+    module = LogitsTooLarge()
+    with pytest.raises(torch.cuda.OutOfMemoryError) as caught:
+        trainer(RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy="host")).fit(module)
+    advice = "\n".join(getattr(caught.value, "__notes__", []))
+    assert "rolled back" in advice and "accumulate_grad_batches" in advice and "device_memory_limit" in advice
+    # The two committed steps, as a plain run of two steps has them.
+    two_steps = LM()
+    trainer(max_steps=2).fit(two_steps)
+    assert max_rel_err(two_steps.state_dict(), module.state_dict()) == 0.0
