@@ -113,6 +113,14 @@ class LM(L.LightningModule):
         return self._loader()
 
 
+def cache_off(module: nn.Module) -> None:
+    """Turn the KV cache off in every transformers config of ``module``, as RatelStrategy does during fit."""
+    for sub in module.modules():
+        config = getattr(sub, "config", None)
+        if config is not None and hasattr(config, "use_cache"):
+            config.use_cache = False
+
+
 class HostAdamW(torch.optim.AdamW):
     """torch's AdamW stepping fp32 copies of the parameters in host memory with torch's CPU (single-tensor) arithmetic,
     wherever the parameters are: plain training with the arithmetic of RatelStrategy's CPU optimizer, so that on a GPU

@@ -35,7 +35,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from lightning_ratel import RatelConfigError, RatelStrategy
 from lightning_ratel.callbacks import RatelProfiler
 from lightning_ratel.runtime import gds
-from tests.models import LM, SEQ, VOCAB, HostAdamLM, final_state, max_rel_err, trainer
+from tests.models import LM, SEQ, VOCAB, HostAdamLM, cache_off, final_state, max_rel_err, trainer
 from tests.syncs import SyncCounter, extra_syncs
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -118,25 +118,6 @@ def _fresh_device(_device_share: None) -> Iterator[None]:
 # ---------------------------------------------------------------------------------------------------- host syncs
 
 
-class SyncTrap(L.Callback):
-    """Makes any synchronizing CUDA call an error during the micro-batches from ``first`` on."""
-
-    def __init__(self, first: int) -> None:
-        self.first = first
-        self.checked = 0
-
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
-        if batch_idx >= self.first:
-            torch.cuda.set_sync_debug_mode("error")
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        torch.cuda.set_sync_debug_mode("default")
-        if batch_idx >= self.first:
-            self.checked += 1
-
-
 @pytest.mark.parametrize(
     ("model", "precision", "policy"),
     [("llama", "bf16-mixed", None), ("gpt2", "32-true", MIXED_POLICY), ("mlp", "16-mixed", MIXED_POLICY)],
@@ -146,7 +127,11 @@ def test_no_host_sync_in_steady_state(tmp_path, model, precision, policy):
     does, once per forward) syncs as often under plain Lightning on the same model."""
     # plan=auto profiles micro-batches 0 and 1 and plans after batch 1; batch 2 is the first under the plan.
     plain = SyncCounter(first=3)
-    gpu_trainer("auto", precision=precision, max_steps=8, callbacks=[plain]).fit(Quiet(model))
+    reference = Quiet(model)
+    # The model as RatelStrategy trains it: with the KV cache off, transformers checks the position ids for packed
+    # sequences (``find_packed_sequence_indices``, one sync per forward), as under plain training with use_cache=False.
+    cache_off(reference)
+    gpu_trainer("auto", precision=precision, max_steps=8, callbacks=[plain]).fit(reference)
     ratel = SyncCounter(first=3)
     strategy = RatelStrategy(ssd_paths=swap_dirs(tmp_path), activation_policy=policy)
     # The counter after the profiler, so the profiler's per-step breakdown is inside the checked span too. The span
@@ -192,12 +177,13 @@ def test_no_event_waits_on_the_training_thread(tmp_path, monkeypatch, param_cach
     """Page-outs hand staging buffers back without waiting for their uploads, and nothing else on the training thread
     waits for an event in a steady-state step (with every tier, fp16 loss scaling and paging from the swap files)."""
     events = EventSyncTrap(first=3, monkeypatch=monkeypatch)
-    trap = SyncTrap(first=3)
+    trap = SyncCounter(first=3)
     strategy = RatelStrategy(ssd_paths=swap_dirs(tmp_path), activation_policy=MIXED_POLICY, param_cache=param_cache)
     gpu_trainer(strategy, precision="16-mixed", max_steps=8,
                 callbacks=[RatelProfiler(report=False), events, trap]).fit(Quiet("mlp"))
     assert events.checked == trap.checked == 5
     assert events.caught == []
+    assert trap.places == {}, f"host syncs on the training thread: {dict(trap.places)}"
 
 
 def test_pinned_memory_is_the_pool_sized_exactly(tmp_path):

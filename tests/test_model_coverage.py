@@ -16,7 +16,7 @@ from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
 from lightning_ratel import RatelConfigError, RatelStrategy
 from lightning_ratel.blocks import discover_blocks
-from tests.models import LM, MLP, MODELS, SEQ, VOCAB, final_state, max_rel_err, mlp_layers, trainer
+from tests.models import LM, MLP, MODELS, SEQ, VOCAB, cache_off, final_state, max_rel_err, mlp_layers, trainer
 
 
 def tiny_neox() -> nn.Module:
@@ -232,13 +232,6 @@ def test_parameter_used_outside_every_forward_is_refused_before_the_first_update
         assert torch.equal(p, before[name]), name
 
 
-def _cache_off(module: nn.Module) -> None:
-    for sub in module.modules():
-        config = getattr(sub, "config", None)
-        if config is not None and hasattr(config, "use_cache"):
-            config.use_cache = False
-
-
 def test_encoder_decoder_cache_is_off_in_the_decoders_own_config(tmp_path: Path) -> None:
     """T5 gives its decoder stack a copy of the config, which alone decides whether the stack fills a KV cache: left
     on, a replay of a decoder block appends its keys a second time and recomputation fails. With the cache off, T5
@@ -250,7 +243,7 @@ def test_encoder_decoder_cache_is_off_in_the_decoders_own_config(tmp_path: Path)
     trainer(RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy="recompute"), max_steps=2).fit(lm)
     assert decoder_config.use_cache and lm.model.config.use_cache
     reference = LM("t5")
-    _cache_off(reference)
+    cache_off(reference)
     trainer("auto", max_steps=2).fit(reference)
     assert max_rel_err(reference.state_dict(), lm.state_dict()) == 0.0
 

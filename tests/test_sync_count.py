@@ -3,6 +3,7 @@ model's own syncs cancel against plain Lightning's, and one more sync under the 
 
 from __future__ import annotations
 
+import threading
 import warnings
 from typing import Any
 
@@ -54,3 +55,21 @@ def test_a_sync_beyond_plains_is_reported_with_its_place(tmp_path):
     more = _count(RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy="host"), SyncingModel(extra=True), [])
     extra = extra_syncs(more, plain)
     assert sum(extra.values()) == 2 and all(place.startswith(__file__) for place in extra)
+
+
+class ThreadSyncingModel(SyncingModel):
+    """Also "syncs" on a thread of its own in each step, as the swap store's I/O threads do by design."""
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        worker = threading.Thread(target=warnings.warn, args=(SYNC_MESSAGE,))
+        worker.start()
+        worker.join()
+        return super().training_step(batch, batch_idx)
+
+
+def test_only_the_training_threads_syncs_count(tmp_path):
+    plain = _count("auto", SyncingModel(), [])
+    threaded = _count("auto", ThreadSyncingModel(), [])
+    assert extra_syncs(threaded, plain) == {}
+    assert sum(threaded.other_threads.values()) == 2 and not plain.other_threads
+
