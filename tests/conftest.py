@@ -1,9 +1,9 @@
 """Shared pytest setup: the simulated-streams mode.
 
 ``pytest --simulate-streams`` (or ``RATEL_SIMULATE_STREAMS=1`` in the environment) runs every test on a CPU device that
-simulates CUDA's streams (see :mod:`lightning_ratel.runtime.device`): copies run asynchronously on worker threads,
+simulates CUDA's streams (see :mod:`lightning_ratel.runtime.simulation`): copies run asynchronously on worker threads,
 and memory that CUDA could hand out again is poisoned, so a missing wait or ``keep_alive`` makes results wrong or
-raises :class:`~lightning_ratel.runtime.device.StreamOrderError`. The ``simulated_streams`` fixture does the same for
+raises :class:`~lightning_ratel.runtime.simulation.StreamOrderError`. The ``simulated_streams`` fixture does the same for
 one test.
 """
 
@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from lightning_ratel.runtime.device import SIMULATE_STREAMS_ENV, take_simulation_errors
+from lightning_ratel.runtime.simulation import SIMULATE_STREAMS_ENV, take_simulation_errors
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
