@@ -23,7 +23,7 @@ from lightning_ratel.blocks import Block
 from lightning_ratel.config import RatelConfig
 from lightning_ratel.errors import RatelConfigError
 from lightning_ratel.layout import Layout
-from lightning_ratel.ops import adamw_step
+from lightning_ratel.runtime.adamw import adamw_step
 from lightning_ratel.placement import (
     CONTAINER_OP,
     INPUT_OP,

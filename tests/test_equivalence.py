@@ -8,7 +8,8 @@ import lightning as L
 import pytest
 import torch
 
-from lightning_ratel import RatelPrecision, RatelStrategy, ops
+from lightning_ratel import RatelPrecision, RatelStrategy
+from lightning_ratel.runtime import adamw as ops
 from tests.models import LM, HostAdamLM, final_state, gradscaler_reference, max_rel_err, trainer
 from tests.models import compare_states as _compare
 

@@ -1,4 +1,4 @@
-"""Tests of the fused host-side Adam/AdamW step (lightning_ratel.ops and the lightning_ratel._C kernel)."""
+"""Tests of the fused host-side Adam/AdamW step (lightning_ratel.runtime.adamw and the lightning_ratel._C kernel)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import warnings
 import pytest
 import torch
 
-from lightning_ratel import ops
+from lightning_ratel.runtime import adamw as ops
 
 SIZES = (1, 7, 15, 16, 17, 1023, 100_003)
 OFFSETS = (0, 1, 3)

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from lightning_ratel.ops import adamw_step
+from lightning_ratel.runtime.adamw import adamw_step
 from lightning_ratel.runtime.pool import BufferPool
 from lightning_ratel.runtime.storage import ALIGNMENT, TensorStore, aligned_empty
 from lightning_ratel.runtime.timeline import Timeline
