@@ -8,14 +8,12 @@ children of an ``nn.ModuleList`` or ``nn.ModuleDict`` (diffusers' ``down_blocks`
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from torch import nn
 
+from lightning_ratel.config import BlockSpec
 from lightning_ratel.errors import RatelConfigError
-
-BlockSpec = Sequence[str] | Callable[[nn.Module], Sequence[str]] | None
 
 
 @dataclass

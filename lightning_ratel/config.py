@@ -10,17 +10,16 @@ from typing import Literal
 
 from torch import nn
 
-from lightning_ratel.blocks import BlockSpec
 from lightning_ratel.errors import RatelConfigError
-from lightning_ratel.placement import check_policy
 from lightning_ratel.plan.search import Plan
 from lightning_ratel.sizes import parse_bytes
+from lightning_ratel.tiers import PARAM_CACHES, ParamCache, check_policy
 
 ActivationPolicy = str | dict[str, str]
 ParamInitFn = Callable[[nn.Module], None]
-ParamCache = Literal["auto", "host", "ssd"]
-PARAM_CACHES: tuple[ParamCache, ...] = ("auto", "host", "ssd")
 CheckpointFormat = Literal["auto", "full", "sharded"]
+BlockSpec = Sequence[str] | Callable[[nn.Module], Sequence[str]] | None
+"""The blocks a user names: module names, a callable returning them from the module, or ``None`` to detect them."""
 CHECKPOINT_FORMATS: tuple[CheckpointFormat, ...] = ("auto", "full", "sharded")
 
 

@@ -28,12 +28,12 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_ratel.blocks import Block
-from lightning_ratel.config import ParamCache
 from lightning_ratel.errors import RatelConfigError
 from lightning_ratel.runtime.probe import available_host_memory
 from lightning_ratel.runtime.storage import ALIGNMENT
 from lightning_ratel.runtime.units import ParamSlot, Shard, ShardParam, Unit
 from lightning_ratel.sizes import format_bytes, round_up
+from lightning_ratel.tiers import ParamCache
 
 SUPPORTED_OPTIMIZERS = (torch.optim.AdamW, torch.optim.Adam)
 _UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "differentiable", "capturable")

@@ -24,13 +24,7 @@ from lightning_ratel.config import RatelConfig
 from lightning_ratel.errors import RatelConfigError
 from lightning_ratel.layout import Layout
 from lightning_ratel.runtime.adamw import adamw_step
-from lightning_ratel.placement import (
-    CONTAINER_OP,
-    INPUT_OP,
-    plan_placements,
-    profiling_placements,
-    resolve_policies,
-)
+from lightning_ratel.placement import plan_placements, profiling_placements, resolve_policies
 from lightning_ratel.plan.cost import DeviceOverhead
 from lightning_ratel.plan.profile import HardwareProfile, LayerProfile, OpProfile
 from lightning_ratel.plan.search import Plan, search
@@ -40,6 +34,7 @@ from lightning_ratel.runtime.device import Device
 from lightning_ratel.runtime.optimizer import CpuAdam
 from lightning_ratel.runtime.probe import measure_hardware
 from lightning_ratel.schedule import BlockScheduler
+from lightning_ratel.tiers import CONTAINER_OP, INPUT_OP
 
 
 class Planner:

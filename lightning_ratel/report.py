@@ -11,7 +11,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only
 from rich.console import Console
 from rich.table import Table
 
-from lightning_ratel.placement import TIERS
+from lightning_ratel.tiers import TIERS
 from lightning_ratel.plan.cost import bottleneck
 from lightning_ratel.plan.search import Plan
 

@@ -30,7 +30,7 @@ from typing_extensions import override
 
 from lightning_ratel.callbacks import RatelProfiler
 from lightning_ratel.checkpoint import choose_checkpoint_format
-from lightning_ratel.config import ActivationPolicy, CheckpointFormat, ParamCache, ParamInitFn, RatelConfig
+from lightning_ratel.config import ActivationPolicy, CheckpointFormat, ParamInitFn, RatelConfig
 from lightning_ratel.convert import kept_metadata
 from lightning_ratel.engine import RatelEngine
 from lightning_ratel.errors import RatelConfigError
@@ -44,6 +44,7 @@ from lightning_ratel.planner import Planner
 from lightning_ratel.precision import RatelPrecision
 from lightning_ratel.report import show_plan
 from lightning_ratel.sizes import format_bytes
+from lightning_ratel.tiers import ParamCache
 
 
 class RatelStrategy(SingleDeviceStrategy):

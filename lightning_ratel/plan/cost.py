@@ -19,11 +19,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from lightning_ratel.errors import RatelConfigError
-from lightning_ratel.placement import DEFAULT_TIER, INPUT_OP, STORED_TIERS, TIERS, placement_key
+from lightning_ratel.tiers import DEFAULT_TIER, INPUT_OP, PARAM_CACHE_TIERS, STORED_TIERS, TIERS, placement_key
 from lightning_ratel.plan.profile import HardwareProfile, LayerProfile, validate_layers
 
-PARAM_CACHES = ("host", "ssd")
-"""Where the compute copies live between uses: a host cache, or the SSDs (read again in forward and in backward)."""
 CORE_RESOURCES = ("compute", "h2d", "d2h", "cpu_optimizer")
 """The resources that run on the compute cores where the device is the CPU (unified memory)."""
 OPTIMIZER_MEMORY_BYTES_PER_PARAM = 28
@@ -281,7 +279,8 @@ class CostModel:
 
     Raises:
         RatelConfigError: the profiles are inconsistent (see :func:`~lightning_ratel.plan.profile.validate_layers`),
-            ``prefetch_depth`` or a host bandwidth is negative, or ``param_cache`` is not one of :data:`PARAM_CACHES`.
+            ``prefetch_depth`` or a host bandwidth is negative, or ``param_cache`` is not one of
+            :data:`~lightning_ratel.tiers.PARAM_CACHE_TIERS`.
     """
 
     def __init__(
@@ -301,8 +300,8 @@ class CostModel:
         validate_layers(list(layers))
         if prefetch_depth < 0:
             raise RatelConfigError(f"prefetch_depth must be >= 0, got {prefetch_depth}")
-        if param_cache not in PARAM_CACHES:
-            raise RatelConfigError(f"param_cache must be one of {PARAM_CACHES}, got {param_cache!r}")
+        if param_cache not in PARAM_CACHE_TIERS:
+            raise RatelConfigError(f"param_cache must be one of {PARAM_CACHE_TIERS}, got {param_cache!r}")
         if min(hw.host_io_bandwidth, hw.host_memory_bandwidth) < 0:
             raise RatelConfigError("host_io_bandwidth and host_memory_bandwidth cannot be negative (0: no limit)")
         self.hw = hw

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from lightning_ratel.errors import RatelConfigError
-from lightning_ratel.placement import CONTAINER_OP, INPUT_OP, placement_key
+from lightning_ratel.tiers import CONTAINER_OP, INPUT_OP, placement_key
 
 
 @dataclass

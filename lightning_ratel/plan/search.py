@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import NoReturn
 
 from lightning_ratel.errors import RatelConfigError, RatelPlanError
-from lightning_ratel.placement import INPUT_OP, STORED_TIERS, TIERS, placement_key
+from lightning_ratel.tiers import INPUT_OP, STORED_TIERS, TIERS, placement_key
 from lightning_ratel.plan.cost import (
     OPTIMIZER_MEMORY_BYTES_PER_PARAM,
     CostModel,

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
-from lightning_ratel.placement import Placement, tier_of
+from lightning_ratel.tiers import Placement, tier_of
 from lightning_ratel.runtime.device import Device
 from lightning_ratel.runtime.pager import ParameterPager
 from lightning_ratel.runtime.recompute import ForwardRecord
