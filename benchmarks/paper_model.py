@@ -75,7 +75,7 @@ from dataclasses import dataclass
 from rich.console import Console
 from rich.table import Table
 
-from lightning_ratel.plan.cost import CostModel, DeviceOverhead, bottleneck, largest_batch
+from lightning_ratel.plan.cost import CostModel, CostSettings, DeviceOverhead, bottleneck, largest_batch
 from lightning_ratel.plan.profile import HardwareProfile, LayerProfile, OpProfile
 from lightning_ratel.plan.search import Plan, search
 
@@ -262,8 +262,8 @@ def batch_limit(model: GPT, *, prefetch_depth: int = 1) -> int:
     """The largest batch the 4090's memory holds for ``model``, from one sample's and two samples' device bytes."""
 
     def fixed_at(batch: int) -> int:
-        cost = CostModel(paper_hardware(), gpt_layers(model, batch), prefetch_depth=prefetch_depth,
-                         device_overhead=device_overhead(model, batch))
+        cost = CostModel(paper_hardware(), gpt_layers(model, batch),
+                         CostSettings(prefetch_depth=prefetch_depth, device_overhead=device_overhead(model, batch)))
         return cost.fixed_device_bytes
 
     per_sample = fixed_at(2) - fixed_at(1)
@@ -276,9 +276,10 @@ def plan(model: GPT, batch: int, ssds: int = 12) -> Plan:
     hw = paper_hardware(ssds)
     return search(hw, gpt_layers(model, batch), device_budget=hw.device_memory_free,
                   host_budget=HOST_STATIC_BYTES + int(0.9 * hw.host_memory_free), store_budget=int(0.95 * hw.ssd_free),
-                  host_static_bytes=HOST_STATIC_BYTES, state_read_bytes_per_param=STATE_READ_BYTES,
-                  state_write_bytes_per_param=STATE_WRITE_BYTES, param_cache="ssd", state_spill=True,
-                  device_overhead=device_overhead(model, batch))
+                  settings=CostSettings(host_static_bytes=HOST_STATIC_BYTES,
+                                        state_read_bytes_per_param=STATE_READ_BYTES,
+                                        state_write_bytes_per_param=STATE_WRITE_BYTES, param_cache="ssd",
+                                        state_spill=True, device_overhead=device_overhead(model, batch)))
 
 
 @dataclass

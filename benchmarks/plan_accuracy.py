@@ -53,11 +53,11 @@ from rich.table import Table
 from examples.lm_module import CausalLMModule
 from examples.text_data import TextDataModule
 from lightning_ratel import Plan, RatelProfiler, RatelStrategy
-from lightning_ratel.placement import TIERS
-from lightning_ratel.plan.cost import CostModel, Prediction, predict
+from lightning_ratel.plan.cost import CostModel, CostSettings, Prediction, predict
 from lightning_ratel.plan.search import candidate_order, storing
 from lightning_ratel.report import plan_table
 from lightning_ratel.sizes import format_bytes, parse_bytes
+from lightning_ratel.tiers import TIERS
 
 MIB = 1 << 20
 VARIANTS = {"tiered": ("device", "host", "ssd"), "ssd": ("ssd",)}
@@ -212,7 +212,8 @@ class Runner:
 def default_headroom(plan: Plan) -> int:
     """Host bytes beyond the engine's own that hold the compute working set but only half of the activations."""
     static = plan.budgets["host_static"]
-    model = CostModel(plan.hardware, plan.layers, prefetch_depth=plan.prefetch_depth, host_static_bytes=static)
+    model = CostModel(plan.hardware, plan.layers,
+                      CostSettings(prefetch_depth=plan.prefetch_depth, host_static_bytes=static))
     nothing_saved = model.memory([dict.fromkeys(TIERS, 0) for _ in plan.layers])["host"]
     return nothing_saved - static + sum(layer.saved_bytes for layer in plan.layers) // 2
 
@@ -245,7 +246,7 @@ def sweep_points(plan: Plan, fractions: Sequence[Fraction], variants: Sequence[s
     sizes = {f"{layer.name}/{op.name}": op.saved_bytes for layer in layers for op in layer.ops}
     order = candidate_order(layers)
     total = sum(sizes[key] for key in order)
-    common = {"prefetch_depth": plan.prefetch_depth, "host_static_bytes": plan.budgets["host_static"]}
+    common = CostSettings(prefetch_depth=plan.prefetch_depth, host_static_bytes=plan.budgets["host_static"])
     placements: list[tuple[str, dict[str, str]]] = []
     for variant in variants:
         for fraction in fractions:
@@ -258,7 +259,7 @@ def sweep_points(plan: Plan, fractions: Sequence[Fraction], variants: Sequence[s
                 stored.append(key)
             placement = storing(plan.hardware, layers, stored, device_budget=plan.budgets["device"],
                                 host_budget=plan.budgets["host"], store_budget=plan.budgets["ssd"],
-                                tiers=VARIANTS[variant], keep_staging=True, **common)
+                                tiers=VARIANTS[variant], keep_staging=True, settings=common)
             placements.append((f"{variant} {fraction_text(fraction)}", placement))
     placements.append(("planner", plan.activation_placement))
     points: list[Point] = []
@@ -267,7 +268,7 @@ def sweep_points(plan: Plan, fractions: Sequence[Fraction], variants: Sequence[s
         if same is not None:
             same.labels.append(label)
             continue
-        points.append(Point([label], placement, predict(plan.hardware, layers, placement, **common)))
+        points.append(Point([label], placement, predict(plan.hardware, layers, placement, common)))
     return points
 
 

@@ -25,7 +25,7 @@ from lightning_ratel.errors import RatelConfigError
 from lightning_ratel.layout import Layout
 from lightning_ratel.runtime.adamw import adamw_step
 from lightning_ratel.placement import plan_placements, profiling_placements, resolve_policies
-from lightning_ratel.plan.cost import DeviceOverhead
+from lightning_ratel.plan.cost import CostSettings, DeviceOverhead
 from lightning_ratel.plan.profile import HardwareProfile, LayerProfile, OpProfile
 from lightning_ratel.plan.search import Plan, search
 from lightning_ratel.report import show_plan
@@ -217,14 +217,16 @@ class Planner:
         masters = sum(s.numel * 4 for s in shards if not s.master_in_host)
         copies = sum(s.numel * s.dtype.itemsize for s in shards
                      if self.layout.param_cache == "ssd" and s.dtype != torch.float32)
+        settings = CostSettings(
+            prefetch_depth=self.config.prefetch_depth, host_static_bytes=static,
+            state_read_bytes_per_param=round(8 + masters / trainable),
+            state_write_bytes_per_param=round(12 + copies / trainable),
+            param_cache=self.layout.param_cache,
+            # Write-backs are waited for only by the next update of the same shard.
+            state_spill=True,
+            device_overhead=self._device_overhead(layers) if self.device.is_cuda else None)
         plan = search(hardware, layers, device_budget=device_budget, host_budget=host_budget,
-                      store_budget=store_budget, prefetch_depth=self.config.prefetch_depth, host_static_bytes=static,
-                      state_read_bytes_per_param=round(8 + masters / trainable),
-                      state_write_bytes_per_param=round(12 + copies / trainable),
-                      param_cache=self.layout.param_cache,
-                      # Write-backs are waited for only by the next update of the same shard.
-                      state_spill=True,
-                      device_overhead=self._device_overhead(layers) if self.device.is_cuda else None)
+                      store_budget=store_budget, settings=settings)
         plan.budgets["host_static"] = static
         return plan
 

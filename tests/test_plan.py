@@ -18,7 +18,7 @@ from lightning_ratel.plan import (
     recompute_ops,
     search,
 )
-from lightning_ratel.plan.cost import CostModel, DeviceOverhead, bottleneck, largest_batch, layer_cost
+from lightning_ratel.plan.cost import CostModel, CostSettings, DeviceOverhead, bottleneck, largest_batch, layer_cost
 
 BIG = 1 << 50  # a budget that never binds
 
@@ -78,8 +78,9 @@ def _hand_predict(device_type: str, *, host_io: float = 0.0, dram: float = 0.0, 
                          ssd_write_bandwidth=50, adam_params_per_s=1000, host_memory_free=BIG, device_memory_free=BIG,
                          host_io_bandwidth=host_io, host_memory_bandwidth=dram)
     layers = [_hand_layer("b.0", 0), _hand_layer("b.1", 1)]
-    return predict(hw, layers, HAND_PLACEMENT, prefetch_depth=1, state_read_bytes_per_param=4,
-                   state_write_bytes_per_param=2, host_static_bytes=50, **options)
+    settings = CostSettings(prefetch_depth=1, state_read_bytes_per_param=4, state_write_bytes_per_param=2,
+                            host_static_bytes=50, **options)
+    return predict(hw, layers, HAND_PLACEMENT, settings)
 
 
 def test_recompute_ops_closure():
@@ -219,7 +220,8 @@ def test_device_budget_shortfall_is_reported():
 def test_host_budget_shortfall_is_reported():
     layers = [_chain(i, [1e-3] * 3, 1000, 1000) for i in range(2)]
     with pytest.raises(RatelPlanError, match=r"host budget.*short by 77 B.*host_memory_limit"):
-        search(_hw(), layers, device_budget=BIG, host_budget=5000, store_budget=BIG, host_static_bytes=5077)
+        search(_hw(), layers, device_budget=BIG, host_budget=5000, store_budget=BIG,
+               settings=CostSettings(host_static_bytes=5077))
 
 
 def test_unified_memory_counts_compute_against_the_host_budget():
@@ -259,7 +261,8 @@ def test_fixed():
 
 def test_plan_json_round_trip_and_placement_default(tmp_path):
     layers = [_hand_layer("b.0", 0), _hand_layer("b.1", 1), _container(2, 50)]
-    plan = search(_hw(), layers, device_budget=BIG, host_budget=BIG, store_budget=BIG, prefetch_depth=2)
+    plan = search(_hw(), layers, device_budget=BIG, host_budget=BIG, store_budget=BIG,
+                  settings=CostSettings(prefetch_depth=2))
     again = Plan.from_json(plan.to_json())
     assert again == plan
     assert isinstance(again.hardware, HardwareProfile) and again.layers[0].ops[1].inputs == ["input"]
@@ -355,8 +358,8 @@ def _spill_case(read: int, write: int) -> CostModel:
     hw = HardwareProfile(device_type="cuda", h2d_bandwidth=1e12, d2h_bandwidth=1e12, ssd_read_bandwidth=100,
                          ssd_write_bandwidth=100, adam_params_per_s=1e12, host_memory_free=BIG,
                          device_memory_free=BIG)
-    return CostModel(hw, [layer], state_read_bytes_per_param=read, state_write_bytes_per_param=write,
-                     state_spill=True)
+    return CostModel(hw, [layer], CostSettings(state_read_bytes_per_param=read, state_write_bytes_per_param=write,
+                                               state_spill=True))
 
 
 def test_state_writes_that_do_not_fit_in_backward_spill_into_the_next_forward():
@@ -387,8 +390,8 @@ def test_device_overhead_counts_workspaces_logits_temporaries_and_fragmentation(
     assert plain == 4300
     # Working set 1000 + 500 + 600 + 300 of gradient temporaries; 194 B of workspaces, logits and autocast cache;
     # then 10% of the 4794 B allocated for fragmentation.
-    assert predict(_hw(), layers, HAND_PLACEMENT, device_overhead=overhead).memory["device"] == 4794 + 480
-    model = CostModel(_hw(), layers, device_overhead=overhead)
+    assert predict(_hw(), layers, HAND_PLACEMENT, CostSettings(device_overhead=overhead)).memory["device"] == 4794 + 480
+    model = CostModel(_hw(), layers, CostSettings(device_overhead=overhead))
     assert model.fixed_device_bytes == 2000 + 2400 + 194
     with pytest.raises(RatelConfigError, match="negative"):
         DeviceOverhead(fragmentation=-0.1)
@@ -416,7 +419,8 @@ def test_search_refuses_a_device_budget_the_overhead_does_not_fit():
     assert search(_hw(), layers, device_budget=need, host_budget=BIG, store_budget=BIG).memory["device"] <= need
     with pytest.raises(RatelPlanError, match=r"gradient temporaries \(0.5 of its saved bytes\), workspaces 100 B, "
                                              r"10% for allocator fragmentation.*short by"):
-        search(_hw(), layers, device_budget=need, host_budget=BIG, store_budget=BIG, device_overhead=overhead)
+        search(_hw(), layers, device_budget=need, host_budget=BIG, store_budget=BIG,
+               settings=CostSettings(device_overhead=overhead))
 
 
 def test_largest_batch():

@@ -258,14 +258,15 @@ def bottleneck(resources: Mapping[str, float], *, unified: bool) -> str:
     return max(lanes, key=lambda name: lanes[name])
 
 
-class CostModel:
-    """The placement-independent part of the model, computed once so a search can evaluate many placements cheaply.
+@dataclass(frozen=True)
+class CostSettings:
+    """What the cost model needs to know of a run besides the machine and the blocks: one definition for
+    :class:`CostModel`, :func:`predict` and :func:`~lightning_ratel.plan.search.search`.
 
-    Args:
-        hw: the machine.
-        layers: the blocks.
+    Attributes:
         prefetch_depth: blocks paged in ahead of the one computing.
-        state_read_bytes_per_param: optimizer-state bytes read from the SSD per trainable parameter and step.
+        state_read_bytes_per_param: optimizer-state bytes read from the SSD per trainable parameter and step (fp32
+            master and two moments: 12).
         state_write_bytes_per_param: optimizer-state bytes written to the SSD per trainable parameter and step.
         host_static_bytes: host memory the rest of the run holds (parameter cache, optimizer buffers, ...).
         param_cache: ``"host"``: compute copies are paged to the device from host memory; ``"ssd"``: they are read
@@ -275,7 +276,27 @@ class CostModel:
         state_spill: optimizer-state writes that do not fit in backward are deferred into the next forward (as much
             as makes the iteration shortest). Reads are never deferred: the update they feed has to finish before
             the next forward uses its parameters.
-        device_overhead: device memory beyond paging buffers and one block's working set (``None``: nothing more).
+        device_overhead: device memory beyond paging buffers and one block's working set (workspaces, logits,
+            autocast cache, gradient temporaries, fragmentation); ``None``: nothing more.
+    """
+
+    prefetch_depth: int = 1
+    state_read_bytes_per_param: int = 12
+    state_write_bytes_per_param: int = 12
+    host_static_bytes: int = 0
+    param_cache: str = "host"
+    optimizer_memory_bytes_per_param: int = OPTIMIZER_MEMORY_BYTES_PER_PARAM
+    state_spill: bool = False
+    device_overhead: DeviceOverhead | None = None
+
+
+class CostModel:
+    """The placement-independent part of the model, computed once so a search can evaluate many placements cheaply.
+
+    Args:
+        hw: the machine.
+        layers: the blocks.
+        settings: the run's settings (``None``: the defaults of :class:`CostSettings`).
 
     Raises:
         RatelConfigError: the profiles are inconsistent (see :func:`~lightning_ratel.plan.profile.validate_layers`),
@@ -283,20 +304,9 @@ class CostModel:
             :data:`~lightning_ratel.tiers.PARAM_CACHE_TIERS`.
     """
 
-    def __init__(
-        self,
-        hw: HardwareProfile,
-        layers: Sequence[LayerProfile],
-        *,
-        prefetch_depth: int = 1,
-        state_read_bytes_per_param: int = 12,
-        state_write_bytes_per_param: int = 12,
-        host_static_bytes: int = 0,
-        param_cache: str = "host",
-        optimizer_memory_bytes_per_param: int = OPTIMIZER_MEMORY_BYTES_PER_PARAM,
-        state_spill: bool = False,
-        device_overhead: DeviceOverhead | None = None,
-    ) -> None:
+    def __init__(self, hw: HardwareProfile, layers: Sequence[LayerProfile], settings: CostSettings | None = None) -> None:
+        settings = settings or CostSettings()
+        prefetch_depth, param_cache = settings.prefetch_depth, settings.param_cache
         validate_layers(list(layers))
         if prefetch_depth < 0:
             raise RatelConfigError(f"prefetch_depth must be >= 0, got {prefetch_depth}")
@@ -306,11 +316,12 @@ class CostModel:
             raise RatelConfigError("host_io_bandwidth and host_memory_bandwidth cannot be negative (0: no limit)")
         self.hw = hw
         self.layers = list(layers)
+        self.settings = settings
         self.prefetch_depth = prefetch_depth
-        self.host_static_bytes = host_static_bytes
+        self.host_static_bytes = settings.host_static_bytes
         self.param_cache = param_cache
-        self.state_spill = state_spill
-        self.overhead = device_overhead or DeviceOverhead()
+        self.state_spill = settings.state_spill
+        self.overhead = settings.device_overhead or DeviceOverhead()
         self.buffers = prefetch_depth + 1
         param_bytes = sum(layer.param_bytes for layer in self.layers)
         numel = sum(layer.trainable_numel for layer in self.layers)
@@ -320,12 +331,12 @@ class CostModel:
         self._param_bytes = param_bytes
         self._grad_bytes = sum(layer.grad_bytes for layer in self.layers)
         self._backward_d2h = _seconds(self._grad_bytes, hw.d2h_bandwidth)
-        self._state_read = numel * state_read_bytes_per_param
-        self._state_write = numel * state_write_bytes_per_param
+        self._state_read = numel * settings.state_read_bytes_per_param
+        self._state_write = numel * settings.state_write_bytes_per_param
         self._state_ssd = (_seconds(self._state_read, hw.ssd_read_bandwidth)
                            + _seconds(self._state_write, hw.ssd_write_bandwidth))
         self._cpu_optimizer = _seconds(numel, hw.adam_params_per_s)
-        self._optimizer_memory = numel * optimizer_memory_bytes_per_param
+        self._optimizer_memory = numel * settings.optimizer_memory_bytes_per_param
         # Compute copies read from the SSDs for each pass.
         self._param_ssd = _seconds(param_bytes, hw.ssd_read_bandwidth) if param_cache == "ssd" else 0.0
         self._param_ssd_bytes = param_bytes if param_cache == "ssd" else 0
@@ -453,35 +464,15 @@ class CostModel:
         )
 
 
-def predict(
-    hw: HardwareProfile,
-    layers: Sequence[LayerProfile],
-    placement: Mapping[str, str],
-    *,
-    prefetch_depth: int = 1,
-    state_read_bytes_per_param: int = 12,
-    state_write_bytes_per_param: int = 12,
-    host_static_bytes: int = 0,
-    param_cache: str = "host",
-    optimizer_memory_bytes_per_param: int = OPTIMIZER_MEMORY_BYTES_PER_PARAM,
-    state_spill: bool = False,
-    device_overhead: DeviceOverhead | None = None,
-) -> Prediction:
+def predict(hw: HardwareProfile, layers: Sequence[LayerProfile], placement: Mapping[str, str],
+            settings: CostSettings | None = None) -> Prediction:
     """Predict one micro-batch's times and memory under an activation placement.
 
     Args:
         hw: the machine.
         layers: the blocks in any order.
         placement: ``"<block>/<op>"`` -> tier; ops it does not mention count as ``"device"``.
-        prefetch_depth: blocks paged in ahead of the one computing.
-        state_read_bytes_per_param: optimizer-state bytes read from the SSD per trainable parameter (fp32 master and
-            two moments: 12).
-        state_write_bytes_per_param: optimizer-state bytes written back per trainable parameter.
-        host_static_bytes: host memory the rest of the run holds.
-        param_cache: where compute copies live between uses, ``"host"`` or ``"ssd"`` (see :class:`CostModel`).
-        optimizer_memory_bytes_per_param: host DRAM bytes one AdamW update touches per parameter.
-        state_spill: defer optimizer-state writes that do not fit in backward into the next forward.
-        device_overhead: device memory beyond paging buffers and one block's working set.
+        settings: the run's settings (``None``: the defaults of :class:`CostSettings`).
 
     Returns:
         The prediction.
@@ -489,8 +480,5 @@ def predict(
     Raises:
         RatelConfigError: inconsistent profiles or an invalid placement.
     """
-    model = CostModel(hw, layers, prefetch_depth=prefetch_depth, state_read_bytes_per_param=state_read_bytes_per_param,
-                      state_write_bytes_per_param=state_write_bytes_per_param, host_static_bytes=host_static_bytes,
-                      param_cache=param_cache, optimizer_memory_bytes_per_param=optimizer_memory_bytes_per_param,
-                      state_spill=state_spill, device_overhead=device_overhead)
+    model = CostModel(hw, layers, settings)
     return model.evaluate([layer_cost(layer, placement) for layer in model.layers])

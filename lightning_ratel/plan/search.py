@@ -15,10 +15,9 @@ from dataclasses import asdict, dataclass, field
 from typing import NoReturn
 
 from lightning_ratel.errors import RatelConfigError, RatelPlanError
-from lightning_ratel.tiers import INPUT_OP, STORED_TIERS, TIERS, placement_key
 from lightning_ratel.plan.cost import (
-    OPTIMIZER_MEMORY_BYTES_PER_PARAM,
     CostModel,
+    CostSettings,
     DeviceOverhead,
     Prediction,
     largest_batch,
@@ -27,6 +26,7 @@ from lightning_ratel.plan.cost import (
 )
 from lightning_ratel.plan.profile import HardwareProfile, LayerProfile, OpProfile
 from lightning_ratel.sizes import format_bytes, round_up
+from lightning_ratel.tiers import INPUT_OP, STORED_TIERS, TIERS, placement_key
 
 PLAN_FORMAT = 1
 """Version of the plan file format :meth:`Plan.to_json` writes; a file of another version is refused."""
@@ -388,22 +388,8 @@ def _staging_reserve(model: CostModel) -> int:
     return model.buffers * max((layer.saved_bytes for layer in model.layers), default=0)
 
 
-def search(
-    hw: HardwareProfile,
-    layers: Sequence[LayerProfile],
-    *,
-    device_budget: int,
-    host_budget: int,
-    store_budget: int,
-    prefetch_depth: int = 1,
-    host_static_bytes: int = 0,
-    state_read_bytes_per_param: int = 12,
-    state_write_bytes_per_param: int = 12,
-    param_cache: str = "host",
-    optimizer_memory_bytes_per_param: int = OPTIMIZER_MEMORY_BYTES_PER_PARAM,
-    state_spill: bool = False,
-    device_overhead: DeviceOverhead | None = None,
-) -> Plan:
+def search(hw: HardwareProfile, layers: Sequence[LayerProfile], *, device_budget: int, host_budget: int,
+           store_budget: int, settings: CostSettings | None = None) -> Plan:
     """Find the activation placement with the least predicted iteration time within the budgets.
 
     Args:
@@ -413,17 +399,8 @@ def search(
             share ``host_budget``).
         host_budget: bytes of host memory the run may use.
         store_budget: bytes the swap directories may hold for activations.
-        prefetch_depth: blocks paged in ahead of the one computing.
-        host_static_bytes: host memory the rest of the run holds (parameter cache, optimizer buffers, ...).
-        state_read_bytes_per_param: optimizer-state bytes read from the SSD per trainable parameter and step.
-        state_write_bytes_per_param: optimizer-state bytes written back per trainable parameter and step.
-        param_cache: where compute copies live between uses: ``"host"``, or ``"ssd"`` (read from the SSDs in forward
-            and again in backward).
-        optimizer_memory_bytes_per_param: host DRAM bytes one AdamW update touches per parameter (counted where
-            ``hw.host_memory_bandwidth`` is set).
-        state_spill: defer optimizer-state writes that do not fit in backward into the next forward.
-        device_overhead: device memory a step needs beyond paging buffers and one block's working set (workspaces,
-            logits, autocast cache, gradient temporaries, fragmentation); ``None``: nothing more.
+        settings: the run's settings (``None``: the defaults of
+            :class:`~lightning_ratel.plan.cost.CostSettings`).
 
     Returns:
         The plan at the best point of the search, with the whole curve.
@@ -433,10 +410,7 @@ def search(
             what to change.
         RatelConfigError: the profiles are inconsistent.
     """
-    model = CostModel(hw, layers, prefetch_depth=prefetch_depth, state_read_bytes_per_param=state_read_bytes_per_param,
-                      state_write_bytes_per_param=state_write_bytes_per_param, host_static_bytes=host_static_bytes,
-                      param_cache=param_cache, optimizer_memory_bytes_per_param=optimizer_memory_bytes_per_param,
-                      state_spill=state_spill, device_overhead=device_overhead)
+    model = CostModel(hw, layers, settings)
     walk, candidates = _start(model, device_budget, host_budget, store_budget)
     order = [candidates[key] for key in candidate_order(model.layers) if key in candidates]
 
@@ -459,7 +433,7 @@ def search(
         budgets=dict(walk.budgets),
         curve=best.curve,
         chosen=best.chosen,
-        prefetch_depth=prefetch_depth,
+        prefetch_depth=model.prefetch_depth,
         hardware=hw,
         layers=list(layers),
         blocks=[layer.name for layer in layers],
@@ -491,11 +465,9 @@ def storing(
     device_budget: int,
     host_budget: int,
     store_budget: int,
-    prefetch_depth: int = 1,
-    host_static_bytes: int = 0,
+    settings: CostSettings | None = None,
     tiers: Sequence[str] = STORED_TIERS,
     keep_staging: bool = False,
-    device_overhead: DeviceOverhead | None = None,
 ) -> dict[str, str]:
     """The placement that stores the candidate ops ``stored`` and recomputes the other candidates.
 
@@ -511,12 +483,10 @@ def storing(
         device_budget: bytes of device memory (ignored on unified memory, as in :func:`search`).
         host_budget: bytes of host memory.
         store_budget: bytes the swap directories may hold for activations.
-        prefetch_depth: blocks paged in ahead of the one computing.
-        host_static_bytes: host memory the rest of the run holds.
+        settings: the run's settings, as for :func:`search`.
         tiers: where stored ops may go, tried in this order; a subset of ``("device", "host", "ssd")``.
         keep_staging: keep host room for one block's SSD staging from the start, as the search's second walk
             does, so that ops can still spill to the SSDs once the faster tiers are full.
-        device_overhead: device memory beyond paging buffers and one block's working set, as in :func:`search`.
 
     Returns:
         ``"<block>/<op>"`` -> tier for every op of every block.
@@ -533,8 +503,7 @@ def storing(
     unknown = set(stored) - set(order)
     if unknown:
         raise RatelConfigError(f"{sorted(unknown)} are not ops that can be either stored or recomputed")
-    model = CostModel(hw, layers, prefetch_depth=prefetch_depth, host_static_bytes=host_static_bytes,
-                      device_overhead=device_overhead)
+    model = CostModel(hw, layers, settings)
     walk, where = _start(model, device_budget, host_budget, store_budget)
     reserve = _staging_reserve(model)
     if keep_staging and reserve and walk.copy(reserve).fits():
