@@ -128,9 +128,9 @@ def test_release_memory_drops_states_read_ahead(tmp_path: Path) -> None:
         _step(adam, shards, [torch.ones(n) for n in SIZES], list(range(len(SIZES))))
         adam.begin(StepPlan([HYPER], overlap=True))
         adam.barrier()
-        assert adam._ahead
+        assert adam.buffers.ahead
         adam.release_memory()
-        assert not adam._ahead and not adam._free
+        assert not adam.buffers.ahead and not adam.buffers.free
     finally:
         adam.close()
         store.close()

@@ -27,11 +27,17 @@ updates that already ran (puts the committed values back where the pager reads c
 while backward runs: committing costs the second slot on disk, and writing fp32 masters kept in the host cache
 back to the store each step.
 
-Threads. Jobs reach the worker as typed records through one queue. ``_ShardState`` (per-shard gradient, arrival and
-step counts), the buffer sets and the reads ahead belong to the worker thread. The training thread touches shard
-states only while the worker is idle: :meth:`CpuAdam.unscale_`, :meth:`CpuAdam.clip_`, :meth:`CpuAdam.param_steps`,
-:meth:`CpuAdam.load_state` and :meth:`CpuAdam.moments_on_store` first wait for everything handed over so far. The
-byte counters of the gradient budget are shared under ``_cond``.
+The parts, each in its own module: gradient accumulation and back-pressure
+(:mod:`~lightning_ratel.runtime.accumulation`), the commit/abort ledger (:mod:`~lightning_ratel.runtime.ledger`), the
+buffer sets and reads ahead (:mod:`~lightning_ratel.runtime.state_buffers`) and the AdamW arithmetic
+(:mod:`~lightning_ratel.runtime.adamw`). This module holds the worker: its jobs, their dispatch, and the update with
+its write-back.
+
+Threads. Jobs reach the worker as typed records through one queue. The accumulator, the ledger and the buffer sets
+belong to the worker thread. The training thread reads them only while the worker is idle:
+:meth:`CpuAdam.unscale_`, :meth:`CpuAdam.clip_`, :meth:`CpuAdam.param_steps`, :meth:`CpuAdam.load_state` and
+:meth:`CpuAdam.moments_on_store` first wait for everything handed over so far. The gradient budget is the one object
+both threads use, under its own lock.
 """
 
 from __future__ import annotations
@@ -41,17 +47,19 @@ import threading
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from lightning_ratel.runtime.accumulation import GradientAccumulator, GradientBudget
 from lightning_ratel.runtime.adamw import adamw_step
+from lightning_ratel.runtime.ledger import StepLedger
 from lightning_ratel.runtime.pool import BufferPool
-from lightning_ratel.runtime.storage import ALIGNMENT, TensorStore, aligned_empty
+from lightning_ratel.runtime.state_buffers import BUFFER_SETS, Loaded, StateBuffers, StateBufferSet
+from lightning_ratel.runtime.storage import TensorStore, aligned_empty
 from lightning_ratel.runtime.timeline import Timeline
 from lightning_ratel.runtime.units import Shard
-from lightning_ratel.sizes import round_up
 
 _OPENMP_BACKEND = "parallel backend: OpenMP" in torch.__config__.parallel_info()
 
@@ -95,36 +103,6 @@ class StepPlan:
 
 
 @dataclass(frozen=True)
-class _Version:
-    """One state of a shard in the store: which slot holds it, ``torch.optim.AdamW``'s step count of each parameter,
-    and whether moments were ever written (otherwise they are zeros)."""
-
-    slot: int
-    steps: tuple[int, ...]
-    moments: bool
-
-
-@dataclass
-class _ShardState:
-    """What the worker knows about one shard between steps (worker thread only; see the module docstring)."""
-
-    committed: _Version
-    # The newest state: ``committed`` unless an update of a step not committed yet has run.
-    latest: _Version
-    # Taken from the gradient pool with the first gradient of a window, given back after the update.
-    grad: torch.Tensor | None = None
-    arrived: int = 0
-    scheduled: bool = False
-    # An update is queued and has not run: its state in the store is about to change.
-    outstanding: bool = False
-    last_write: Future | None = None
-    # Per parameter: whether a gradient is accumulated in ``grad`` this window, and whether one arrived in the
-    # current micro-batch.
-    has_grad: list[bool] = field(default_factory=list)
-    seen: list[bool] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
 class _Gradient:
     shard: Shard
     position: int
@@ -154,8 +132,8 @@ class _Abort:
 
 
 @dataclass(frozen=True)
-class _Freed:
-    buffers: _Buffers
+class _Written:
+    buffers: StateBufferSet
 
 
 @dataclass(frozen=True)
@@ -169,22 +147,17 @@ class _Stop:
     pass
 
 
-_Job = _Gradient | _Begin | _Schedule | _Discard | _Abort | _Freed | _Barrier | _Stop
+_Job = _Gradient | _Begin | _Schedule | _Discard | _Abort | _Written | _Barrier | _Stop
 
 
-class _Buffers:
-    def __init__(self, numel: int, master_numel: int, compute_bytes: int) -> None:
-        self.master = aligned_empty(master_numel, torch.float32, huge=True)
-        self.exp_avg = aligned_empty(numel, torch.float32, huge=True)
-        self.exp_avg_sq = aligned_empty(numel, torch.float32, huge=True)
-        # The new 16-bit compute copy on its way to the store (only when the pager reads compute copies from there).
-        # Whole pages, so any compute dtype can view it.
-        pages = round_up(compute_bytes, ALIGNMENT)
-        self.compute = aligned_empty(pages, torch.uint8, huge=True) if compute_bytes else None
+@dataclass(frozen=True)
+class _Queued:
+    """An update waiting for a buffer set (``loaded`` is ``None``) or for its reads and its turn."""
 
-    @property
-    def nbytes(self) -> int:
-        return 3 * self.master.numel() * 4 + (self.compute.numel() if self.compute is not None else 0)
+    shard: Shard
+    plan: StepPlan
+    step: int
+    loaded: Loaded | None = None
 
 
 class CpuAdam:
@@ -205,52 +178,28 @@ class CpuAdam:
             region of the forward and backward then waits for sleeping threads to wake.
     """
 
-    def __init__(self, shards: Sequence[Shard], store: TensorStore, depth: int = 3,
+    def __init__(self, shards: Sequence[Shard], store: TensorStore, depth: int = BUFFER_SETS,
                  timeline: Timeline | None = None, compute_on_store: bool = False,
                  grad_budget_bytes: int | None = None, threads: int | None = None) -> None:
         self.shards = list(shards)
         self.threads = threads if threads is not None else torch.get_num_threads()
         self.store = store
         self.compute_on_store = compute_on_store
-        self.grad_budget_bytes = grad_budget_bytes
-        fresh = {s.index: _Version(0, (0,) * len(s.params), False) for s in self.shards}
-        self._state = {
-            s.index: _ShardState(fresh[s.index], fresh[s.index], has_grad=[False] * len(s.params),
-                                 seen=[False] * len(s.params))
-            for s in self.shards
-        }
+        self.timeline = timeline if timeline is not None else Timeline()
+        self.ledger = StepLedger(self.shards)
         self._reserve_slots()
-        largest = max((s.numel for s in self.shards), default=1)
-        largest_master = max((s.numel for s in self.shards if not s.master_in_host), default=0)
-        compute_bytes = max((s.numel * s.dtype.itemsize for s in self.shards
-                             if compute_on_store and s.dtype != torch.float32), default=0)
-        self._free = [_Buffers(largest, largest_master, compute_bytes) for _ in range(depth)]
-        self._buffer_bytes = sum(b.nbytes for b in self._free)
-        self.grads = BufferPool()
-        self._queued_grad_bytes = 0
-        self._pending_updates = 0
+        self.accumulator = GradientAccumulator(self.shards)
+        self.budget = GradientBudget(grad_budget_bytes, lambda: self.accumulator.pool.nbytes_in_use)
+        self.buffers = StateBuffers(self.shards, store, self.ledger, self.timeline, depth, compute_on_store)
         self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
-        self._ready: deque[tuple[Shard, StepPlan, int]] = deque()
-        self._inflight: deque[tuple[Shard, StepPlan, int, _Buffers, list[Future]]] = deque()
-        # Steps (numbered by boundary micro-batch) whose updates are not all committed: the training thread finished
-        # them (``_decided``), updates queued and not run (``_outstanding``), shards updated (``_updated``).
-        self._step = 0
-        self._decided: set[int] = set()
-        self._outstanding: dict[int, int] = {}
-        self._updated: dict[int, list[Shard]] = {}
-        # Read-ahead: states read before the shard's gradient is complete, by shard index; only between the start of
-        # a boundary micro-batch and its schedule, so nothing else writes those states meanwhile.
-        self._ahead: dict[int, tuple[_Buffers, list[Future]]] = {}
-        self._reading_ahead = False
-        # The order the last step's updates ran in (backward's order), and this step's so far.
-        self._order: list[Shard] = list(reversed(self.shards))
-        self._ran: list[Shard] = []
-        self._writes_pending = 0
+        # Updates waiting for a buffer set, then for their reads and their turn (worker thread).
+        self._ready: deque[_Queued] = deque()
+        self._inflight: deque[_Queued] = deque()
+        # Shards whose update of this window is queued (or found nothing to do).
+        self._scheduled: set[int] = set()
         self._barriers: list[_Barrier] = []
         self._error: BaseException | None = None
         self._plan: StepPlan | None = None
-        self._cond = threading.Condition()
-        self.timeline = timeline if timeline is not None else Timeline()
         self._worker = threading.Thread(target=self._run, name="ratel-cpu-adam", daemon=True)
         self._worker.start()
 
@@ -268,26 +217,22 @@ class CpuAdam:
             write.result()
 
     @property
+    def grads(self) -> BufferPool:
+        """The pool of gradient buffers."""
+        return self.accumulator.pool
+
+    @property
     def host_buffer_bytes(self) -> int:
         """Host bytes of the state buffer sets and the gradient pool."""
-        return self._buffer_bytes + self.grads.nbytes
+        return self.buffers.nbytes + self.accumulator.nbytes
 
     # ------------------------------------------------------------------ autograd thread
 
     def gradient(self, shard: Shard, position: int, grad: torch.Tensor, event: Any) -> None:
-        """Hand over the gradient of ``shard.params[position]``, already on (or travelling to) host memory.
-
-        Waits first while the gradients held exceed the budget and the worker has something that may release some:
-        pending updates, or gradients not taken in yet (which may complete a shard). Once neither is left nothing would
-        release memory (deferred updates, accumulation), so it goes on over budget rather than wait forever.
-        """
-        nbytes = grad.numel() * grad.element_size()
-        with self._cond:
-            if self.grad_budget_bytes is not None:
-                while ((self._pending_updates or self._queued_grad_bytes) and self._error is None
-                       and self._queued_grad_bytes + self.grads.nbytes_in_use + nbytes > self.grad_budget_bytes):
-                    self._cond.wait()
-            self._queued_grad_bytes += nbytes
+        """Hand over the gradient of ``shard.params[position]``, already on (or travelling to) host memory; waits
+        first while the gradients held exceed the budget (see :class:`~lightning_ratel.runtime.accumulation.
+        GradientBudget`)."""
+        self.budget.wait_for_room(grad.numel() * grad.element_size())
         self._jobs.put(_Gradient(shard, position, grad, event))
 
     # ------------------------------------------------------------------ training thread
@@ -345,16 +290,9 @@ class CpuAdam:
                 g.clamp_(min=-value, max=value)
 
     def _ordered_grads(self, shards: Sequence[Shard]) -> list[torch.Tensor]:
-        """After every gradient is taken in: the views of the gradients that arrived, in the optimizer's parameter
-        order, as torch's clipping and unscaling see them (the rest of a pooled buffer holds whatever its last user
-        left there)."""
+        """After every gradient is taken in: the gradients that arrived, in the optimizer's parameter order."""
         self.barrier()
-        views = []
-        for shard in shards:
-            state = self._state[shard.index]
-            assert state.grad is not None
-            views.extend((sp.index, sp.view(state.grad)) for sp, has in zip(shard.params, state.has_grad) if has)
-        return [v for _, v in sorted(views, key=lambda t: t[0])]
+        return self.accumulator.views(shards)
 
     def barrier(self, include_writes: bool = False) -> None:
         """Wait until all work handed over so far is done (and, optionally, written back); re-raise its error."""
@@ -372,11 +310,9 @@ class CpuAdam:
         """Stop the worker and free the buffers (whatever still references this object keeps no memory)."""
         self._jobs.put(_Stop())
         self._worker.join()
-        self._free.clear()
-        self._ahead.clear()
+        self.buffers.release_memory()
         self._inflight.clear()
-        self._buffer_bytes = 0
-        self.grads.clear()
+        self.accumulator.release_memory()
 
     def release_memory(self) -> None:
         """Free the state buffers and pooled gradient buffers once no more updates will run (before teardown gathers
@@ -384,9 +320,8 @@ class CpuAdam:
         # A run stopped inside a boundary micro-batch may still hold states read ahead.
         self.discard([])
         self.barrier(include_writes=True)
-        self._free.clear()
-        self._buffer_bytes = 0
-        self.grads.clear()
+        self.buffers.release_memory()
+        self.accumulator.release_memory()
 
     def check(self) -> None:
         """Raise the worker's error, if it had one."""
@@ -396,26 +331,25 @@ class CpuAdam:
     def state_key(self, shard: Shard, what: str) -> str:
         """The store key holding ``shard``'s committed ``master``, ``exp_avg`` or ``exp_avg_sq`` (the values of the
         last step taken). Every update handed over so far must have run: call :meth:`barrier` first."""
-        return shard.key(what, self._state[shard.index].committed.slot)
+        return shard.key(what, self.ledger.committed(shard).slot)
 
     def param_steps(self, shard: Shard) -> list[int]:
         """``torch.optim.AdamW``'s committed step count of each parameter of ``shard`` (0: never updated)."""
         self.barrier(include_writes=True)
-        return list(self._state[shard.index].committed.steps)
+        return list(self.ledger.committed(shard).steps)
 
     def moments_on_store(self, shard: Shard) -> bool:
         """Whether ``shard``'s committed moments were ever written (otherwise they are zeros)."""
         self.barrier(include_writes=True)
-        return self._state[shard.index].committed.moments
+        return self.ledger.committed(shard).moments
 
     def load_state(self, shard: Shard, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, steps: Sequence[int]) -> None:
         """Replace ``shard``'s committed moments and step counts (from a checkpoint)."""
         self.barrier(include_writes=True)
-        state = self._state[shard.index]
-        slot = state.committed.slot
+        slot = self.ledger.committed(shard).slot
         self.store.write(shard.key("exp_avg", slot), exp_avg).result()
         self.store.write(shard.key("exp_avg_sq", slot), exp_avg_sq).result()
-        state.committed = state.latest = _Version(slot, tuple(steps), True)
+        self.ledger.load(shard, steps)
 
     # ------------------------------------------------------------------ worker thread
 
@@ -442,11 +376,10 @@ class CpuAdam:
                 self._barriers = []
 
     def _fail(self, err: BaseException) -> None:
-        with self._cond:
-            if self._error is None:
-                self._error = err
-            # Nobody may wait forever for an update that will not come.
-            self._cond.notify_all()
+        if self._error is None:
+            self._error = err
+        # Nobody may wait forever for an update that will not come.
+        self.budget.fail()
         for shard in self.shards:
             shard.unit.ready.fail(err)
         self._ready.clear()
@@ -456,138 +389,92 @@ class CpuAdam:
             self._take_gradient(job)
         elif isinstance(job, _Begin):
             self._plan = job.plan
-            self._drop_ahead()
-            self._reading_ahead = self._plan is not None
-            if self._plan is not None:
-                self._step += 1
-            if self._reading_ahead and self._ran:
-                ran = {s.index for s in self._ran}
-                self._order = self._ran + [s for s in self._order if s.index not in ran]
-                self._ran = []
-            for state in self._state.values():
-                state.arrived = 0
-                state.scheduled = False
-                state.seen = [False] * len(state.seen)
+            if job.plan is not None:
+                self.ledger.open_step()
+            self.buffers.start_micro_batch(boundary=job.plan is not None)
+            self._scheduled.clear()
+            self.accumulator.new_micro_batch()
         elif isinstance(job, _Schedule):
             for shard in job.shards:
-                if not self._state[shard.index].scheduled:
+                if shard.index not in self._scheduled:
                     self._enqueue(shard, job.plan)
             # Every update of the step is queued: states read ahead for shards without one are dropped.
-            self._reading_ahead = False
-            for index in [i for i in self._ahead if not self._state[i].outstanding]:
-                self._release_ahead(index)
-            self._decided.add(self._step)
+            pending = {shard.index for shard in self.shards if self.ledger.pending(shard)}
+            self.buffers.stop_reading_ahead(keep=pending.__contains__)
+            self.ledger.decide()
             self._commit()
         elif isinstance(job, _Discard):
             for shard in job.shards:
-                state = self._state[shard.index]
-                state.has_grad = [False] * len(state.has_grad)
-                self._release_grad(shard)
-            self._reading_ahead = False
-            self._drop_ahead()
+                self.accumulator.clear(shard)
+            self.buffers.reading_ahead = False
+            self.buffers.drop_ahead()
         elif isinstance(job, _Abort):
             self._abort()
             job.future.set_result(None)
-        elif isinstance(job, _Freed):
-            self._free.append(job.buffers)
-            self._writes_pending -= 1
+        elif isinstance(job, _Written):
+            self.buffers.written(job.buffers)
         elif isinstance(job, _Barrier):
             self._barriers.append(job)
 
     def _take_gradient(self, job: _Gradient) -> None:
         shard, position, grad = job.shard, job.position, job.grad
-        with self._cond:
-            self._queued_grad_bytes -= grad.numel() * grad.element_size()
-            self._cond.notify_all()
+        self.budget.taken(grad.numel() * grad.element_size())
         if self._error is not None:
             return
         job.event.synchronize()
-        state = self._state[shard.index]
         plan = self._plan
-        if state.scheduled and plan is not None and plan.overlap:
+        overlap = plan is not None and plan.overlap
+        if overlap and shard.index in self._scheduled:
             raise RuntimeError(
                 f"a gradient of {shard.params[position].name} arrived after its shard was updated; RatelStrategy "
                 "expects each parameter's gradient once per backward pass"
             )
-        if state.grad is None:
-            state.grad = self.grads.take(shard.numel, torch.float32)
-        view = shard.params[position].view(state.grad)
-        if state.has_grad[position]:
-            view.add_(grad)
-        else:
-            view.copy_(grad)
-            state.has_grad[position] = True
-        if not state.seen[position]:
-            state.seen[position] = True
-            state.arrived += 1
-        if plan is not None and plan.overlap and state.arrived == len(shard.params) and not state.scheduled:
+        complete = self.accumulator.add(shard, position, grad)
+        if overlap and complete:
+            assert plan is not None
             self._enqueue(shard, plan)
 
     def _enqueue(self, shard: Shard, plan: StepPlan) -> None:
-        state = self._state[shard.index]
-        state.scheduled = True
-        if any(state.has_grad):
-            state.outstanding = True
-            self._ready.append((shard, plan, self._step))
-            self._outstanding[self._step] = self._outstanding.get(self._step, 0) + 1
-            self._ran.append(shard)
-            with self._cond:
-                self._pending_updates += 1
+        self._scheduled.add(shard.index)
+        if self.accumulator.holds(shard):
+            step = self.ledger.queue(shard)
+            self._ready.append(_Queued(shard, plan, step))
+            self.buffers.queued(shard)
+            self.budget.updates_queued(1)
 
     def _commit(self) -> None:
-        """Commit, oldest first, every finished step whose updates have all run."""
-        for step in sorted(self._decided):
-            if self._outstanding.get(step, 0):
-                return
-            self._decided.discard(step)
-            self._outstanding.pop(step, None)
-            for shard in self._updated.pop(step, []):
-                state = self._state[shard.index]
-                state.committed = state.latest
+        for step in self.ledger.commit():
             self.timeline.record(f"commit:{step}")
 
     def _abort(self) -> None:
         """See :meth:`abort` (worker thread)."""
-        step = self._step
-        if step in self._decided:
-            # Finished by the training thread: it completes and commits.
-            step = -1
-        ready = [item for item in self._ready if item[2] == step]
-        inflight = [item for item in self._inflight if item[2] == step]
-        self._ready = deque(item for item in self._ready if item[2] != step)
-        self._inflight = deque(item for item in self._inflight if item[2] != step)
-        for shard, *_ in ready:
-            self._state[shard.index].outstanding = False
-        for shard, _, _, buffers, reads in inflight:
-            self._state[shard.index].outstanding = False
-            for read in reads:
-                read.exception()
-            self._free.append(buffers)
-        with self._cond:
-            self._pending_updates -= len(ready) + len(inflight)
-            self._cond.notify_all()
-        self._outstanding.pop(step, None)
-        for shard in self._updated.pop(step, []):
-            self._revert(shard)
+        step, reverted = None, []
+        if not self.ledger.decided(self.ledger.step):
+            dropped = [item for item in (*self._ready, *self._inflight) if item.step == self.ledger.step]
+            self._ready = deque(item for item in self._ready if item.step != self.ledger.step)
+            self._inflight = deque(item for item in self._inflight if item.step != self.ledger.step)
+            for item in dropped:
+                if item.loaded is not None:
+                    self.buffers.give_back(item.loaded)
+            self.budget.updates_queued(-len(dropped))
+            step, reverted = self.ledger.abort(item.shard for item in dropped)
+            for shard in reverted:
+                self._revert(shard)
         for shard in self.shards:
-            state = self._state[shard.index]
             # The gradients of a finished step's update still to run are its input.
-            if not state.outstanding:
-                state.has_grad = [False] * len(state.has_grad)
-                state.scheduled = False
-                self._release_grad(shard)
-        self._reading_ahead = False
-        self._drop_ahead()
-        self._ran = []
-        self.timeline.record(f"abort:{step}")
+            if not self.ledger.pending(shard):
+                self.accumulator.clear(shard)
+                self._scheduled.discard(shard.index)
+        self.buffers.reading_ahead = False
+        self.buffers.drop_ahead()
+        self.buffers.forget_order()
+        self.timeline.record(f"abort:{step if step is not None else -1}")
 
     def _revert(self, shard: Shard) -> None:
-        """Put ``shard``'s committed values back where the pager reads its compute copy, and forget its update."""
-        state = self._state[shard.index]
-        if state.last_write is not None:
-            state.last_write.exception()
-        state.latest = state.committed
-        master_key = shard.key("master", state.committed.slot)
+        """Put ``shard``'s committed values back where the pager reads its compute copy (the ledger already forgot its
+        update)."""
+        self.buffers.settle(shard)
+        master_key = shard.key("master", self.ledger.committed(shard).slot)
         if shard.master_in_host:
             self.store.read(master_key, shard.host_master()).result()
             shard.unit.ready.retract()
@@ -604,107 +491,43 @@ class CpuAdam:
             shard.compute_view(shard.unit.host[shard.dtype]).copy_(master)
         shard.unit.ready.retract()
 
-    def _release_grad(self, shard: Shard) -> None:
-        state = self._state[shard.index]
-        if state.grad is not None:
-            self.grads.give(state.grad)
-            state.grad = None
-
     def _advance(self) -> None:
         while True:
             while self._ready and self._error is None:
-                shard, plan, step = self._ready[0]
-                ahead = self._ahead.pop(shard.index, None)
-                if ahead is None:
-                    if not self._free and not self._evict_ahead():
-                        break
-                    buffers = self._free.pop()
-                    ahead = (buffers, self._read(shard, buffers))
-                self._ready.popleft()
-                self._inflight.append((shard, plan, step, *ahead))
-            if self._reading_ahead and self._error is None:
-                self._read_ahead()
+                loaded = self.buffers.take(self._ready[0].shard)
+                if loaded is None:
+                    break
+                item = self._ready.popleft()
+                self._inflight.append(_Queued(item.shard, item.plan, item.step, loaded))
+            if self._error is None:
+                self.buffers.read_ahead(
+                    skip=lambda shard: shard.index in self._scheduled or self.ledger.pending(shard))
             # Gradients are cheap to take in and unblock backward's memory; updates wait for an empty queue.
             if not self._inflight or not self._jobs.empty() or self._error is not None:
                 return
-            shard, plan, step, buffers, reads = self._inflight.popleft()
-            self._update(shard, plan, buffers, reads)
-            self._outstanding[step] -= 1
-            self._updated.setdefault(step, []).append(shard)
+            item = self._inflight.popleft()
+            assert item.loaded is not None
+            self._update(item.shard, item.plan, item.step, *item.loaded)
             self._commit()
 
-    def _read_ahead(self) -> None:
-        """Fill free buffer sets with the states of the shards expected next, in last step's order."""
-        if not self._free:
-            return
-        for shard in self._order:
-            state = self._state[shard.index]
-            # A shard whose update has not run yet would be read before it changes.
-            if state.scheduled or state.outstanding or shard.index in self._ahead:
-                continue
-            if state.last_write is not None and not state.last_write.done():
-                # Its previous write-back is still landing; later shards must not take the buffer it will need.
-                return
-            buffers = self._free.pop()
-            self.timeline.record(f"read_ahead:{shard.index}")
-            self._ahead[shard.index] = (buffers, self._read(shard, buffers))
-            if not self._free:
-                return
-
-    def _evict_ahead(self) -> bool:
-        """A ready shard needs a buffer set and none will come back from a write: free the read-ahead expected
-        last. Returns whether one was freed."""
-        if self._writes_pending or not self._ahead:
-            return False
-        position = {s.index: i for i, s in enumerate(self._order)}
-        index = max(self._ahead, key=lambda i: position.get(i, len(position)))
-        self._release_ahead(index)
-        return True
-
-    def _drop_ahead(self) -> None:
-        for index in list(self._ahead):
-            self._release_ahead(index)
-
-    def _release_ahead(self, index: int) -> None:
-        buffers, reads = self._ahead.pop(index)
-        # The buffers are reused only once the reads stop writing them; a read error does not matter, the data is
-        # never used.
-        for read in reads:
-            read.exception()
-        self._free.append(buffers)
-
-    def _read(self, shard: Shard, b: _Buffers) -> list[Future]:
-        """Start reading ``shard``'s newest state into ``b``."""
-        state = self._state[shard.index]
-        if state.last_write is not None:
-            state.last_write.result()
-        n = shard.numel
-        slot = state.latest.slot
-        reads = [] if shard.master_in_host else [self.store.read(shard.key("master", slot), b.master[:n])]
-        if state.latest.moments:
-            reads.append(self.store.read(shard.key("exp_avg", slot), b.exp_avg[:n]))
-            reads.append(self.store.read(shard.key("exp_avg_sq", slot), b.exp_avg_sq[:n]))
-        return reads
-
-    def _update(self, shard: Shard, plan: StepPlan, b: _Buffers, reads: list[Future]) -> None:
+    def _update(self, shard: Shard, plan: StepPlan, step: int, b: StateBufferSet, reads: list[Future]) -> None:
         for r in reads:
             r.result()
         self.timeline.record(f"update_start:{shard.index}")
-        state = self._state[shard.index]
+        version = self.ledger.latest(shard)
         n = shard.numel
         master = shard.host_master() if shard.master_in_host else b.master[:n]
         exp_avg, exp_avg_sq = b.exp_avg[:n], b.exp_avg_sq[:n]
-        if not state.latest.moments:
+        if not version.moments:
             exp_avg.zero_()
             exp_avg_sq.zero_()
-        grad = state.grad
-        assert grad is not None
+        grad = self.accumulator.grad(shard)
         if plan.clip_value is not None:
             grad.clamp_(min=-plan.clip_value, max=plan.clip_value)
         hyper = plan.hyper[shard.group]
         out = self._compute_out(shard, b)
-        with_grad = [i for i, has in enumerate(state.has_grad) if has]
-        steps = list(state.latest.steps)
+        with_grad = self.accumulator.with_grad(shard)
+        steps = list(version.steps)
         if len(with_grad) == len(shard.params) and len({steps[i] for i in with_grad}) == 1:
             self._adamw(master, grad, exp_avg, exp_avg_sq, out, hyper, steps[0] + 1)
         else:
@@ -718,29 +541,23 @@ class CpuAdam:
                             hyper, steps[i] + 1)
         for i in with_grad:
             steps[i] += 1
-            state.has_grad[i] = False
-        slot = 1 - state.latest.slot
-        state.latest = _Version(slot, tuple(steps), True)
-        state.outstanding = False
-        self._release_grad(shard)
+        slot = self.ledger.ran(shard, step, steps).slot
+        self.accumulator.clear(shard)
         self.timeline.record(f"update_end:{shard.index}")
         writes = [self.store.write(shard.key("exp_avg", slot), exp_avg),
                   self.store.write(shard.key("exp_avg_sq", slot), exp_avg_sq),
                   self.store.write(shard.key("master", slot), master)]
         if out is not None and self.compute_on_store:
             writes.append(self.store.write(shard.compute_key, out))
-        self._writes_pending += 1
         done = self._joined(writes, b)
-        state.last_write = done
-        # Only now, with ``last_write`` set: a pager reading compute copies from the store waits for that write (an
-        # fp32 shard's compute copy is its master, in the new slot).
+        self.buffers.writing(shard, done)
+        # Only now, with the write-back recorded: a pager reading compute copies from the store waits for that write
+        # (an fp32 shard's compute copy is its master, in the new slot).
         moved = shard.key("master", slot) if self.compute_on_store and shard.dtype == torch.float32 else None
         shard.unit.ready.complete(done if self.compute_on_store else None, shard, moved)
-        with self._cond:
-            self._pending_updates -= 1
-            self._cond.notify_all()
+        self.budget.updates_queued(-1)
 
-    def _joined(self, writes: list[Future], buffers: _Buffers) -> Future:
+    def _joined(self, writes: list[Future], buffers: StateBufferSet) -> Future:
         """A future that completes when every write has (with the first error), handing ``buffers`` back then."""
         done: Future = Future()
         remaining = [len(writes)]
@@ -752,17 +569,17 @@ class CpuAdam:
                 last = remaining[0] == 0
             if f.exception() is not None and not done.done():
                 done.set_exception(f.exception())
-                self._jobs.put(_Freed(buffers))
+                self._jobs.put(_Written(buffers))
                 return
             if last and not done.done():
                 done.set_result(None)
-                self._jobs.put(_Freed(buffers))
+                self._jobs.put(_Written(buffers))
 
         for w in writes:
             w.add_done_callback(finished)
         return done
 
-    def _compute_out(self, shard: Shard, b: _Buffers) -> torch.Tensor | None:
+    def _compute_out(self, shard: Shard, b: StateBufferSet) -> torch.Tensor | None:
         """Where the update writes the shard's new compute copy: the host cache, a staging buffer bound for the
         store, or nowhere when the master itself is the compute copy."""
         if shard.master_in_host:
@@ -788,16 +605,13 @@ class CpuAdam:
         for barrier in self._barriers:
             if self._error is not None:
                 barrier.future.set_exception(self._error)
-            elif busy or not self._jobs.empty() or (barrier.include_writes and self._writes_pending):
+            elif busy or not self._jobs.empty() or (barrier.include_writes and self.buffers.writes_pending):
                 keep.append(barrier)
             else:
-                for state in self._state.values():
-                    if state.last_write is not None and state.last_write.done():
-                        err = state.last_write.exception()
-                        if err is not None:
-                            self._fail(err)
-                            barrier.future.set_exception(err)
-                            break
+                err = self.buffers.write_error()
+                if err is not None:
+                    self._fail(err)
+                    barrier.future.set_exception(err)
                 else:
                     barrier.future.set_result(None)
         self._barriers = keep
