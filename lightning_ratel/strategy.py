@@ -293,6 +293,8 @@ class RatelStrategy(SingleDeviceStrategy):
             self._engine.planner.apply_plan(config.plan)
             show_plan(config.plan)
         self.setup_precision_plugin()
+        # From here on, code between the engine's passes (hooks, callbacks) reads the parameters' real values.
+        self._engine.reads.open()
         placement = self._engine.byte_placement()
         rank_zero_info(
             f"RatelStrategy: {len(self._engine.blocks)} blocks on {self.root_device}; "
@@ -332,7 +334,21 @@ class RatelStrategy(SingleDeviceStrategy):
         assert self._engine is not None
         self._engine.begin_micro_batch()
         with self._engine.watch_forward(training=True):
-            return super().training_step(*args, **kwargs)
+            output = super().training_step(*args, **kwargs)
+        loss = output.get("loss") if isinstance(output, Mapping) else output
+        self._engine.note_loss(loss if isinstance(loss, torch.Tensor) else None)
+        return output
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: torch.optim.Optimizer | None, *args: Any,
+                 **kwargs: Any) -> torch.Tensor:
+        try:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        except BaseException:
+            # The engine's pass stopped: the user's hooks (on_exception) read the committed values again.
+            if self._engine is not None:
+                self._engine.reads.resume()
+            raise
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -351,6 +367,10 @@ class RatelStrategy(SingleDeviceStrategy):
 
     def _watch(self) -> contextlib.AbstractContextManager[None]:
         return self._engine.watch_forward(training=False) if self._engine is not None else contextlib.nullcontext()
+
+    def _internal(self) -> contextlib.AbstractContextManager[None]:
+        """The strategy's own whole-model work: parameters are the engine's, not read as the user's code reads them."""
+        return self._engine.reads.bypass() if self._engine is not None else contextlib.nullcontext()
 
     def byte_placement(self) -> dict[str, int]:
         """Bytes held right now on the device, in host memory and on disk (empty outside a run)."""
@@ -378,7 +398,8 @@ class RatelStrategy(SingleDeviceStrategy):
         if self.sharded_checkpoints:
             # Parameters go to the shard files; the checkpoint dict keeps the persistent buffers.
             module = self._engine.module
-            state = module.state_dict()
+            with self._internal():
+                state = module.state_dict()
             return {name: state[name] for name in persistent_buffers(module) if name in state}
         return self._from_engine(self._engine.state.state_dict)
 
@@ -466,15 +487,16 @@ class RatelStrategy(SingleDeviceStrategy):
         """
         dtype = parse_dtype(dtype)
         engine = self._engine
-        if engine is not None and engine.adam is not None:
-            with engine.user_settings():
-                reader: Any = LiveReader(engine.state, engine.module)
-        else:
-            module = self.lightning_module
-            if module is None:
-                raise RatelConfigError("RatelStrategy.save_pretrained needs a LightningModule")
-            reader = ModuleReader(module)
-        return write_hf_folder(reader, path, dtype, max_shard_size, progress=self._progress())
+        with self._internal():
+            if engine is not None and engine.adam is not None:
+                with engine.user_settings():
+                    reader: Any = LiveReader(engine.state, engine.module)
+            else:
+                module = self.lightning_module
+                if module is None:
+                    raise RatelConfigError("RatelStrategy.save_pretrained needs a LightningModule")
+                reader = ModuleReader(module)
+            return write_hf_folder(reader, path, dtype, max_shard_size, progress=self._progress())
 
     def _from_engine(self, read: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         """Read state for a checkpoint; if the engine cannot produce it, end the run's engine here.
@@ -484,7 +506,8 @@ class RatelStrategy(SingleDeviceStrategy):
         remembered: a later save must not fall back to the module's paging placeholders.
         """
         try:
-            return read()
+            with self._internal():
+                return read()
         except BaseException as err:
             self._failure = err
             engine, self._engine = self._engine, None
@@ -512,6 +535,8 @@ class RatelStrategy(SingleDeviceStrategy):
     def on_exception(self, exception: BaseException) -> None:
         self._exception = exception
         if self._engine is not None:
+            # Stopped inside a pass: OnExceptionCheckpoint and the user's hooks read the committed values again.
+            self._engine.reads.resume()
             try:
                 self._engine.abort_step()
             except Exception as err:
@@ -563,6 +588,7 @@ class RatelStrategy(SingleDeviceStrategy):
         self._restore_device_memory()
         engine, self._engine = self._engine, None
         if engine is not None:
+            engine.reads.close()
             try:
                 try:
                     self._keep_what_is_not_restored(engine)
