@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import sysconfig
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -32,17 +33,19 @@ CACHED_UNITS = 2
 """Units whose values stay in host memory between reads: code walking the parameters in order reads each unit once,
 and host memory holds about two units, not the model."""
 
-# Frames of these packages are not the user's code that read a parameter.
-_LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch,) if m.__file__) + (
-    os.path.dirname(os.path.abspath(__file__)) + os.sep,)
+# Frames of these are not the user's code that read a parameter: torch, this package, Python's own library.
+_LIBRARY_DIRS = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.abspath(__file__)) + os.sep,
+                 sysconfig.get_paths()["stdlib"] + os.sep)
+_LIGHTNING = (f"{os.sep}lightning{os.sep}", f"{os.sep}pytorch_lightning{os.sep}")
 
 
 def reader() -> str:
-    """Where the user's code that runs the current op is: the innermost frame outside torch and this package."""
+    """Where the user's code that runs the current op is: the innermost frame outside torch, Lightning, Python's
+    library and this package."""
     frame = sys._getframe(1)
     while frame is not None:
         file = frame.f_code.co_filename
-        if not file.startswith(_LIBRARY_DIRS) and "/lightning/" not in file:
+        if not file.startswith(_LIBRARY_DIRS) and not any(part in file for part in _LIGHTNING):
             return f"{frame.f_code.co_name} ({file}:{frame.f_lineno})"
         frame = frame.f_back
     return "Lightning"
@@ -156,9 +159,11 @@ class ParameterReads(TorchDispatchMode):
         kwargs = kwargs or {}
         if self._bypass:
             return func(*args, **kwargs)
-        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        found = {id(t): self.pager.placeholder_slot(t) for t in tensors}
-        found = {k: v for k, v in found.items() if v is not None}
+        found = {}
+        for t in tree_flatten((args, kwargs))[0]:
+            slot = self._placeholder(t)
+            if slot is not None:
+                found[id(t)] = slot
         if found or self._storages:
             self._check_writes(func, args, kwargs, found)
         if not found:
@@ -179,6 +184,16 @@ class ParameterReads(TorchDispatchMode):
         args, kwargs = tree_map(real, (args, kwargs))
         return func(*args, **kwargs)
 
+    def _placeholder(self, t: Any) -> Any:
+        """The unit and slot of the placeholder ``t`` is (or views), ``None`` for anything else."""
+        # Placeholders are dense, and stride 0 wherever they have a dimension; anything else is never one (and a
+        # tensor without storage cannot be asked for its address).
+        if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided:
+            return None
+        if t.dim() and 0 not in t.stride():
+            return None
+        return self.pager.placeholder_slot(t)
+
     def _check_writes(self, func: Any, args: Any, kwargs: Any, found: dict[int, Any]) -> None:
         schema = getattr(func, "_schema", None)
         if schema is None or not schema.is_mutable:
@@ -193,6 +208,7 @@ class ParameterReads(TorchDispatchMode):
                     continue
                 if id(t) in found:
                     self._refuse_write(func, found[id(t)][1].name)
-                name = self._storages.get(t.untyped_storage().data_ptr()) if t.numel() else None
-                if name is not None:
-                    self._refuse_write(func, name)
+                if type(t) is torch.Tensor and t.layout == torch.strided and t.numel():
+                    name = self._storages.get(t.untyped_storage().data_ptr())
+                    if name is not None:
+                        self._refuse_write(func, name)

@@ -125,3 +125,14 @@ def test_a_nan_loss_after_unwatched_forwards_is_reported_and_the_next_pass_watch
     # The watched pass found the read: the bias is paged in with the reading block from then on.
     assert any("model.layers.0.1.bias is used by the forward of model.late.0" in r.getMessage()
                for r in caplog.records)
+
+
+class WritesThroughARead(L.Callback):
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        with torch.no_grad():
+            pl_module.model.model.norm.weight.detach().zero_()
+
+
+def test_a_write_through_a_value_read_between_steps_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match=r"writes parameter model\.model\.norm\.weight"):
+        trainer(RatelStrategy(ssd_paths=[str(tmp_path)]), callbacks=[WritesThroughARead()]).fit(LM("llama"))

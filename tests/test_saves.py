@@ -74,6 +74,23 @@ def test_a_full_checkpoint_disk_leaves_the_run_recoverable(tmp_path: Path, monke
     assert os.listdir(swap) == []
 
 
+def test_a_full_disk_for_the_on_exception_checkpoint_too_still_restores_the_module(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    swap, disk = tmp_path / "swap", tmp_path / "full"
+    swap.mkdir()
+    _failing_writes(monkeypatch, disk,
+                    tensorfiles._io_error(OSError(errno.ENOSPC, "No space left on device"), "write", disk, 0))
+    module = LM("llama")
+    callbacks = [ModelCheckpoint(dirpath=disk / "ckpt", every_n_train_steps=2), OnExceptionCheckpoint(disk / "exc")]
+    strategy = RatelStrategy(ssd_paths=[str(swap)], param_cache="ssd", **SHARDED)
+    with pytest.raises(OSError) as raised:
+        trainer(strategy, callbacks=callbacks, enable_checkpointing=True).fit(module)
+    assert raised.value.errno == errno.ENOSPC
+    # Lightning skips teardown after a failed on-exception save: the strategy restored the module itself.
+    assert max_rel_err(plain_params(2), module.state_dict()) <= 1e-5
+    assert os.listdir(swap) == []
+
+
 class TruncateSwap(L.Callback):
     """Cuts the swap file short after the second step (a full or failing swap disk)."""
 
