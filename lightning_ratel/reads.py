@@ -6,9 +6,10 @@ While a run trains, a parameter outside its block's forward and backward holds a
 statistics). :class:`ParameterReads` is a ``TorchDispatchMode`` on the stack for the whole run except while a
 forward or backward of the engine runs (it steps aside there, so the blocks' ops pay nothing): every op that reads a
 placeholder is given the parameter's value of the last committed step in the parameter's own dtype (the fp32 master
-under mixed precision, as plain Lightning holds it), read from the swap files unit by unit. A write to a placeholder,
-or to a value handed out this way, would not reach the swap files: it raises, naming the parameter, the code writing
-and what to do.
+under mixed precision, as plain Lightning holds it) on the parameters' device, read from the swap files unit by unit
+(:data:`CACHED_UNITS` kept). A write to a placeholder, or to a value handed out this way, would not reach the swap
+files: it raises, naming the parameter, the code writing and what to do (:meth:`ParameterReads._refuse_write` is where
+a write path to the masters and the optimizer would go).
 
 Values handed out are copies: a view taken between steps (``p.detach()``) keeps the values of that moment.
 """
@@ -138,7 +139,9 @@ class ParameterReads(TorchDispatchMode):
         if not self._settled:
             self._settle()
             self._settled = True
-        values = self._values(unit)
+        # Where the parameters live during fit (the placeholders' device), as the code reading them expects.
+        device = self.pager.device.device
+        values = {pid: value.to(device) for pid, value in self._values(unit).items()}
         self._cache[unit] = values
         while len(self._cache) > CACHED_UNITS:
             for value in self._cache.popitem(last=False)[1].values():

@@ -12,8 +12,8 @@ A sharded checkpoint is a directory (named like the file Lightning asked for, as
   persistent buffers), as ``torch.save`` writes it;
 - ``ratel_checkpoint.json``: the index (every parameter's shape, dtype, step count, file; the pretrained folder
   referred to; the Hugging Face layout for :mod:`lightning_ratel.convert`; the xxh3-64 checksum of every tensor's
-  bytes, of ``meta.pt`` and of the index's own content, verified whenever they are read). It is written last, into a temporary
-  directory swapped into place in one step once everything is on the drive
+  bytes, of ``meta.pt`` and of the index's own content, verified whenever they are read). It is written last, into a
+  temporary directory swapped into place in one step once everything is on the drive
   (:func:`~lightning_ratel.tensorfiles.replace_directory`): a checkpoint directory with an index is complete, and
   replacing one (``last.ckpt``) never leaves neither.
 
@@ -66,7 +66,10 @@ def is_sharded_checkpoint(path: str | os.PathLike[str]) -> bool:
 
 
 def not_a_checkpoint(path: Path) -> str:
-    """Why a directory given as a checkpoint cannot be resumed from, and what to do."""
+    """Why a path given as a sharded checkpoint is not one, and what to do."""
+    if not path.is_dir():
+        return (f"{path} is not a sharded checkpoint of lightning_ratel (a directory with {INDEX}): "
+                f"{'an ordinary checkpoint file, which needs no conversion' if path.is_file() else 'it does not exist'}")
     if path.name.startswith(".") and path.name.endswith((".tmp", ".old")):
         return (f"{path} is the staging directory of a checkpoint save that did not finish (or the replaced one); "
                 "it is not a checkpoint. Resume from a complete checkpoint beside it; the next save removes it.")
@@ -207,7 +210,8 @@ def _write_bytes(path: Path, data: bytes | memoryview) -> int:
 
 def _index_checksum(index: dict[str, Any]) -> int:
     """The checksum of an index's content (without its own checksum), independent of the JSON's layout."""
-    content = {k: v for k, v in index.items() if k != "checksum"}
+    # Through JSON first, so the index being written (tuples, integer keys) and the one read back hash the same.
+    content = json.loads(json.dumps({k: v for k, v in index.items() if k != "checksum"}))
     return xxhash.xxh3_64_intdigest(json.dumps(content, sort_keys=True, separators=(",", ":")).encode())
 
 

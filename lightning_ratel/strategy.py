@@ -37,8 +37,8 @@ from lightning_ratel.errors import RatelConfigError
 from lightning_ratel.export import DEFAULT_SHARD_SIZE, LiveReader, ModuleReader, write_hf_folder
 from lightning_ratel.materialize import ValueSource, persistent_buffers
 from lightning_ratel.pretrained import PretrainedFolder, PretrainedSource, StateDictSource
-from lightning_ratel.sharded import (ShardedReader, ShardedSource, is_sharded_checkpoint, load_moments, not_a_checkpoint,
-                                     save_sharded)
+from lightning_ratel.sharded import (ShardedReader, ShardedSource, is_sharded_checkpoint, load_moments,
+                                     not_a_checkpoint, save_sharded)
 from lightning_ratel.tensorfiles import parse_dtype
 from lightning_ratel.plan.search import Plan
 from lightning_ratel.planner import Planner
@@ -346,7 +346,8 @@ class RatelStrategy(SingleDeviceStrategy):
         try:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         except BaseException:
-            # The engine's pass stopped: the user's hooks (on_exception) read the committed values again.
+            # The engine's pass stopped: the user's hooks (on_exception, OnExceptionCheckpoint's) read the committed
+            # values again. A forward that raises resumes them itself (RatelEngine.watch_forward).
             if self._engine is not None:
                 self._engine.reads.resume()
             raise
@@ -568,8 +569,6 @@ class RatelStrategy(SingleDeviceStrategy):
     def on_exception(self, exception: BaseException) -> None:
         self._exception = exception
         if self._engine is not None:
-            # Stopped inside a pass: OnExceptionCheckpoint and the user's hooks read the committed values again.
-            self._engine.reads.resume()
             try:
                 self._engine.abort_step()
             except Exception as err:
