@@ -6,6 +6,8 @@ import errno
 import functools
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ from lightning_ratel.export import ModuleReader, write_hf_folder
 from tests.models import LM, final_state, max_rel_err, trainer
 
 SHARDED = {"checkpoint_format": "sharded"}
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @functools.lru_cache(maxsize=None)
@@ -282,3 +285,41 @@ def test_stale_staging_directories_are_cleaned_by_the_next_save(tmp_path: Path) 
         path.mkdir()
     _sharded(tmp_path, steps=1)
     assert not any(p.exists() for p in stale)
+
+
+_CTRL_C_IN_THE_WRITER = """
+import os, signal, sys, time
+from pathlib import Path
+sys.path.insert(0, {root!r})
+from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
+from lightning_ratel import RatelStrategy, tensorfiles
+from tests.models import LM, trainer
+
+write = tensorfiles.pwrite_all
+
+def interrupted(fd, data, offset, path):
+    if Path(path).is_relative_to({ckpt!r}):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)
+    write(fd, data, offset, path)
+
+tensorfiles.pwrite_all = interrupted
+callbacks = [ModelCheckpoint(dirpath={ckpt!r}, every_n_train_steps=2), OnExceptionCheckpoint({exc!r})]
+t = trainer(RatelStrategy(ssd_paths=[{swap!r}], param_cache="ssd", checkpoint_format="sharded"), callbacks=callbacks,
+            enable_checkpointing=True)
+t.fit(LM("llama"))
+"""
+
+
+def test_ctrl_c_in_the_checkpoint_writer_leaves_the_run_recoverable(tmp_path: Path) -> None:
+    swap, ckpt, exc = tmp_path / "swap", tmp_path / "ckpt", tmp_path / "exc"
+    swap.mkdir()
+    script = _CTRL_C_IN_THE_WRITER.format(root=str(ROOT), swap=str(swap), ckpt=str(ckpt), exc=str(exc))
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "KeyboardInterrupt" in run.stdout + run.stderr
+    saved = _lightning_state(exc / "on_exception.ckpt", tmp_path)
+    assert saved["global_step"] == 2
+    assert max_rel_err(plain_params(2), saved["state_dict"]) <= 1e-5
+    assert not ckpt.exists() or list(ckpt.iterdir()) == []
+    assert os.listdir(swap) == []
