@@ -291,8 +291,8 @@ def write_hf_folder(reader: StateReader, path: str | os.PathLike[str], dtype: to
     The export is built in a fresh staging directory beside ``path`` and swapped into place in one step
     (:func:`~lightning_ratel.tensorfiles.replace_directory`): a reader, or a kill at any moment, finds the earlier
     export whole or this one whole, never weights of two steps. Files of the folder that this export does not write
-    (a tokenizer) are carried over (hard links where possible); weight files of an earlier export that this one does not
-    use are not.
+    (a tokenizer) are carried over (hard links where possible); the weight files and the adapter of an earlier export
+    are not.
 
     Args:
         reader: where the weights come from.
@@ -380,10 +380,12 @@ def write_hf_folder(reader: StateReader, path: str | os.PathLike[str], dtype: to
 
 def _carry_over(out: Path, staging: Path, written: set[str]) -> None:
     """Link (or copy) into ``staging`` the entries of the earlier folder ``out`` that the new export neither writes nor
-    replaces: everything but its own names and an earlier export's weight files and index."""
+    replaces: everything but its own names and an earlier export's weights, index and adapter (weights of another
+    step)."""
     for entry in out.iterdir():
         name = entry.name
-        if name in written or name == SAFE_INDEX or (name.startswith("model") and name.endswith(".safetensors")):
+        if name in written or name in (SAFE_INDEX, ADAPTER_DIR) or (
+                name.startswith("model") and name.endswith(".safetensors")):
             continue
         if entry.is_dir() and not entry.is_symlink():
             shutil.copytree(entry, staging / name, symlinks=True, copy_function=_link_or_copy)
