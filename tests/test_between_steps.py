@@ -136,3 +136,17 @@ class WritesThroughARead(L.Callback):
 def test_a_write_through_a_value_read_between_steps_is_refused(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match=r"writes parameter model\.model\.norm\.weight"):
         trainer(RatelStrategy(ssd_paths=[str(tmp_path)]), callbacks=[WritesThroughARead()]).fit(LM("llama"))
+
+
+class SavesAWeightNorm(LM):
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["head_norm"] = self.model.lm_head.weight.norm().item()
+
+
+def test_on_save_checkpoint_reads_the_weights_like_plain(tmp_path: Path) -> None:
+    norms = []
+    for name, strategy in [("plain", "auto"), ("ratel", RatelStrategy(ssd_paths=[str(tmp_path)]))]:
+        callback = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / name, every_n_train_steps=2, save_top_k=-1)
+        trainer(strategy, callbacks=[callback], enable_checkpointing=True).fit(SavesAWeightNorm("llama"))
+        norms.append([torch.load(path, weights_only=False)["head_norm"] for path in sorted((tmp_path / name).iterdir())])
+    assert len(norms[0]) == 2 and norms[1] == pytest.approx(norms[0], rel=1e-6)

@@ -323,3 +323,34 @@ def test_ctrl_c_in_the_checkpoint_writer_leaves_the_run_recoverable(tmp_path: Pa
     assert max_rel_err(plain_params(2), saved["state_dict"]) <= 1e-5
     assert not ckpt.exists() or list(ckpt.iterdir()) == []
     assert os.listdir(swap) == []
+
+
+def test_replacing_a_directory_where_the_filesystem_cannot_swap(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without RENAME_EXCHANGE the old directory is renamed aside first: a kill between the renames leaves no target
+    (never a mix) and the old one beside it; the next save of that name removes the leftovers."""
+    monkeypatch.setattr(tensorfiles, "_exchange", lambda a, b: False)
+    target = tmp_path / "last.ckpt"
+    for step in (1, 2):
+        staging = tensorfiles.staging_path(target)
+        staging.mkdir()
+        (staging / "step").write_text(str(step))
+        tensorfiles.replace_directory(staging, target)
+        assert (target / "step").read_text() == str(step)
+    staging = tensorfiles.staging_path(target)
+    staging.mkdir()
+    replace = os.replace
+
+    def killed_after_the_first(source: Any, destination: Any) -> None:
+        if Path(source) == staging:
+            raise KeyboardInterrupt
+        replace(source, destination)
+
+    monkeypatch.setattr(os, "replace", killed_after_the_first)
+    with pytest.raises(KeyboardInterrupt):
+        tensorfiles.replace_directory(staging, target)
+    monkeypatch.setattr(os, "replace", replace)
+    assert not target.exists()
+    assert [p.name.endswith(".old") for p in tmp_path.glob(".last.ckpt.*")].count(True) == 1
+    tensorfiles.remove_stale_staging(target)
+    assert list(tmp_path.iterdir()) == []
