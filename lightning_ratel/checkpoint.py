@@ -175,6 +175,20 @@ class ModelState:
                 values[id(sp.param)] = sp.view(flat).to(self.layout.orig_dtype[id(sp.param)]).clone()
         return values
 
+    def unit_values(self, unit: int) -> dict[int, torch.Tensor]:
+        """The committed values of one unit's parameters, by parameter id, each a tensor of its own in the parameter's
+        own dtype (what the module holds outside training). Every update handed over must have landed
+        (:meth:`quiesce`)."""
+        slots = self.layout.units[unit].slots
+        if self.adam is None:
+            return {id(s.param): self._originals[id(s.param)].view(s.shape).clone() for s in slots}
+        values: dict[int, torch.Tensor] = {}
+        for shard in self.layout.unit_shards().get(unit, ()):
+            flat = self.read_flat(shard, "master")
+            for sp in shard.params:
+                values[id(sp.param)] = sp.view(flat).to(self.layout.orig_dtype[id(sp.param)], copy=True)
+        return values
+
     def _ensure_fits(self, nbytes: int, what: str) -> None:
         available = available_host_memory()
         if self.adam is not None and available and nbytes > available:

@@ -25,7 +25,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 
 import torch
-from lightning.fabric.utilities.rank_zero import rank_zero_info
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_ratel.accounting import ByteAccount, StepBreakdown
@@ -36,8 +36,9 @@ from lightning_ratel.errors import RatelConfigError
 from lightning_ratel.layout import build_layout
 from lightning_ratel.materialize import Materializer, ValueSource
 from lightning_ratel.planner import Planner
+from lightning_ratel.reads import ParameterReads
 from lightning_ratel.runtime import gds
-from lightning_ratel.runtime.activations import ActivationCache
+from lightning_ratel.runtime.activations import ActivationCache, PlaceholderRead
 from lightning_ratel.runtime.device import Device
 from lightning_ratel.runtime.escapes import Escape, EscapeDetector
 from lightning_ratel.runtime.gradients import GradientOffload
@@ -132,6 +133,8 @@ class RatelEngine:
                                     store=self.store if self.layout.param_cache == "ssd" else None,
                                     unit_shards=self.layout.unit_shards())
         self.state = ModelState(module, self.layout, self.pager, self.store, self.adam, optimizer, originals)
+        # Between passes the user's code reads the committed values instead of the paging placeholders.
+        self.reads = ParameterReads(self.pager, self.state.unit_values, self.state.quiesce)
         self.cache = ActivationCache(self.device, self.pager, [], _activation_store(self.device, config))
         self.scheduler = BlockScheduler(self.blocks, self.pager, self.cache, self.device, config.prefetch_depth,
                                         self.timeline, check=self.adam.check if self.adam is not None else lambda: None)
@@ -147,6 +150,9 @@ class RatelEngine:
         self._clip: tuple[float, str] | None = None
         # ``id`` of every module whose forward ran in a watched pass (empty before the first pass).
         self._ran_watched: set[int] = set()
+        # Whether block forwards ran unwatched in the last pass, and that (training) pass's loss if they did.
+        self._unwatched_ran = False
+        self._last_loss: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ parameters used outside their block
 
@@ -169,6 +175,8 @@ class RatelEngine:
             RatelConfigError: a parameter is used outside every module's forward (in the LightningModule's step
                 itself), where no block can page it in.
         """
+        if training:
+            self._check_last_loss()
         # A block's forward is watched until it has run once (see EscapeDetector); what runs between and around the
         # blocks always is.
         unwatched = [b.module for b in self.blocks if not b.direct_only and id(b.module) in self._ran_watched]
@@ -176,16 +184,49 @@ class RatelEngine:
         # Prefetching follows the registration order until a pass teaches the real one: it could page in a block
         # whose forward never runs just before another module reads its parameters, and hide that use.
         self.scheduler.prefetching = bool(self._ran_watched)
+        self.cache.unwatched = {b.index for b in self.blocks if id(b.module) in {id(m) for m in unwatched}}
+        self.reads.pause()
         try:
             with detector:
                 yield
+        except PlaceholderRead as err:
+            raise RatelConfigError(
+                f"the forward of block {self.blocks[err.block].name} read parameter {err.name}, which is paged in "
+                "with another block, only after its first forward: RatelStrategy watches a block's forward for such "
+                "reads the first time it runs (to keep the per-op cost off the blocks), so the read found the "
+                "parameter's paging placeholder. Make the forward read it from its first run on, or make one block of "
+                "the modules using it: RatelStrategy(blocks=[...]) naming a module that holds both."
+            ) from err
         finally:
             self.scheduler.prefetching = True
+            self.cache.unwatched = set()
+            self.reads.resume()
+        self._unwatched_ran = any(id(m) in detector.ran for m in unwatched)
         self._ran_watched |= detector.ran
         if detector.escapes:
             self._adopt(detector.escapes)
             if not training:
                 self.pager.release_all()
+
+    def note_loss(self, loss: torch.Tensor | None) -> None:
+        """Keep the loss of a training pass in which block forwards ran unwatched, to check it before the next pass
+        (by then it is computed: checking costs no wait)."""
+        self._last_loss = loss.detach() if loss is not None and self._unwatched_ran else None
+
+    def _check_last_loss(self) -> None:
+        """A NaN or infinite loss of a pass with unwatched block forwards may come from a paging placeholder read in
+        one of them (a read that saved nothing for backward): say so, and watch every forward of the next pass, which
+        pages such a read in and adopts the parameter into that block from then on."""
+        loss, self._last_loss = self._last_loss, None
+        if loss is None or bool(torch.isfinite(loss).all()):
+            return
+        self._ran_watched = set()
+        rank_zero_warn(
+            "RatelStrategy: the loss of the last training step is not finite. Besides the usual causes, a block's "
+            "forward that reads a parameter of another block only from some step on reads that parameter's paging "
+            "placeholder (NaN): this pass watches every block's forward to find such a read (it is paged in and "
+            "reported as 'paged in with that block')."
+        )
 
     def _adopt(self, escapes: list[Escape]) -> None:
         """Make each escaped parameter's unit part of the block whose forward used it: the innermost block running
@@ -255,6 +296,7 @@ class RatelEngine:
 
     def pre_backward(self) -> None:
         """Backward of a micro-batch is about to run."""
+        self.reads.pause()
         self.scheduler.begin_backward()
 
     def post_backward(self) -> None:
@@ -262,6 +304,7 @@ class RatelEngine:
         self.scheduler.end_backward()
         self.planner.record_pass()
         self.cache.end_pass()
+        self.reads.resume()
 
     def finish_step(self, loss_scale: torch.Tensor | None = None) -> bool:
         """Run (or finish) the updates of the boundary micro-batch.
@@ -318,6 +361,7 @@ class RatelEngine:
                 After an I/O error the store may be unreadable; the last checkpoint then holds the state.
         """
         try:
+            self.reads.close()
             self.scheduler.close()
             if self.gradients is not None:
                 self.gradients.remove()

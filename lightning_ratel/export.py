@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,7 +31,8 @@ from lightning_ratel.checkpoint import ModelState
 from lightning_ratel.errors import RatelConfigError
 from lightning_ratel.progress import progress_bar
 from lightning_ratel.sizes import parse_bytes
-from lightning_ratel.tensorfiles import TensorFileWriter, dtype_name, dtype_of, numel_of
+from lightning_ratel.tensorfiles import (TensorFileWriter, dtype_name, dtype_of, numel_of, remove_stale_staging,
+                                         replace_directory, staging_path)
 
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
@@ -286,8 +288,11 @@ def write_hf_folder(reader: StateReader, path: str | os.PathLike[str], dtype: to
                     max_shard_size: int | str = DEFAULT_SHARD_SIZE, progress: bool = False) -> Path:
     """Write ``reader``'s weights as a Hugging Face folder (see the module docstring).
 
-    Files are written under temporary names and renamed into place at the end; weight files of an earlier export in
-    ``path`` that this one does not use are removed, other files are left alone.
+    The export is built in a fresh staging directory beside ``path`` and swapped into place in one step
+    (:func:`~lightning_ratel.tensorfiles.replace_directory`): a reader, or a kill at any moment, finds the earlier
+    export whole or this one whole, never weights of two steps. Files of the folder that this export does not write
+    (a tokenizer) are carried over (hard links where possible); the weight files and the adapter of an earlier export
+    are not.
 
     Args:
         reader: where the weights come from.
@@ -303,7 +308,6 @@ def write_hf_folder(reader: StateReader, path: str | os.PathLike[str], dtype: to
     limit = parse_bytes(max_shard_size, "max_shard_size")
     assert limit is not None
     out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
     hf = reader.hf
     model = [r for r in reader.records if r.name in hf.names]
     adapter = [r for r in reader.records if r.name in hf.adapter]
@@ -315,15 +319,17 @@ def write_hf_folder(reader: StateReader, path: str | os.PathLike[str], dtype: to
         file_names = [SAFE_WEIGHTS]
     else:
         file_names = [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
-    token = secrets.token_hex(4)
-    temporary = {name: out / f".{name}.{token}.tmp" for name in file_names}
     file_of = {n: file_names[i] for i, names in enumerate(files) for n in names}
     remaining = {name: len(names) for name, names in zip(file_names, files)}
     writers: dict[str, TensorFileWriter] = {}
     adapter_values: dict[str, torch.Tensor] = {}
     total = sum(r.numel * r.stored.itemsize for r in model + adapter)
-    bar = progress_bar(total, f"RatelStrategy: exporting to {out}", progress)
     wanted = [r for r in reader.records if r.name in hf.names or r.name in hf.adapter]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_staging(out)
+    staging = staging_path(out)
+    staging.mkdir()
+    bar = progress_bar(total, f"RatelStrategy: exporting to {out}", progress)
     try:
         for record, value in reader.values(wanted):
             if record.name in hf.adapter:
@@ -334,52 +340,74 @@ def write_hf_folder(reader: StateReader, path: str | os.PathLike[str], dtype: to
                 writer = writers.get(file)
                 if writer is None:
                     writer = writers[file] = TensorFileWriter(
-                        temporary[file], [(n, dtype, by_hf[n].shape) for n in files[file_names.index(file)]],
+                        staging / file, [(n, dtype, by_hf[n].shape) for n in files[file_names.index(file)]],
                         metadata={"format": "pt"})
                 writer.write(name, value.reshape(record.shape).to(dtype))
                 remaining[file] -= 1
                 if remaining[file] == 0:
                     writer.close()
             bar.update(record.numel * record.stored.itemsize)
+        written = set(file_names)
         if adapter:
-            _write_adapter(out / ADAPTER_DIR, adapter_values, hf.adapter_config or {}, token)
+            _write_adapter(staging / ADAPTER_DIR, adapter_values, hf.adapter_config or {})
+            written.add(ADAPTER_DIR)
+        if len(files) > 1:
+            data = {"metadata": {"total_size": sum(r.numel * dtype.itemsize for r in model)},
+                    "weight_map": {n: file_of[n] for n in sorted(file_of)}}
+            _write_json(staging / SAFE_INDEX, data)
+        if hf.config is not None:
+            config = dict(hf.config)
+            config["dtype"] = str(dtype).removeprefix("torch.")
+            config.pop("torch_dtype", None)
+            _write_json(staging / "config.json", config)
+            written.add("config.json")
+        if hf.generation_config is not None:
+            _write_json(staging / "generation_config.json", hf.generation_config)
+            written.add("generation_config.json")
+        if out.is_dir():
+            _carry_over(out, staging, written)
+        replace_directory(staging, out)
     except BaseException:
         for file, writer in writers.items():
             if remaining[file]:
                 writer.abort()
-        for tmp in temporary.values():
-            tmp.unlink(missing_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)
         raise
     finally:
         bar.close()
-    for name in file_names:
-        os.replace(temporary[name], out / name)
-    index = out / SAFE_INDEX
-    if len(files) > 1:
-        data = {"metadata": {"total_size": sum(r.numel * dtype.itemsize for r in model)},
-                "weight_map": {n: file_of[n] for n in sorted(file_of)}}
-        _write_json(index, data)
-    else:
-        index.unlink(missing_ok=True)
-    for stale in out.glob("model*.safetensors"):
-        if stale.name not in file_names:
-            stale.unlink()
-    if hf.config is not None:
-        config = dict(hf.config)
-        config["dtype"] = str(dtype).removeprefix("torch.")
-        config.pop("torch_dtype", None)
-        _write_json(out / "config.json", config)
-    if hf.generation_config is not None:
-        _write_json(out / "generation_config.json", hf.generation_config)
-    _fsync_dir(out)
     return out
 
 
-def _write_adapter(directory: Path, values: dict[str, torch.Tensor], config: dict[str, Any], token: str) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
+def _carry_over(out: Path, staging: Path, written: set[str]) -> None:
+    """Link (or copy) into ``staging`` the entries of the earlier folder ``out`` that the new export neither writes nor
+    replaces: everything but its own names and an earlier export's weights, index and adapter (weights of another
+    step)."""
+    for entry in out.iterdir():
+        name = entry.name
+        if name in written or name in (SAFE_INDEX, ADAPTER_DIR) or (
+                name.startswith("model") and name.endswith(".safetensors")):
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.copytree(entry, staging / name, symlinks=True, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(entry, staging / name)
+
+
+def _link_or_copy(source: str | os.PathLike[str], destination: str | os.PathLike[str]) -> None:
+    if os.path.islink(source):
+        os.symlink(os.readlink(source), destination)
+        return
+    try:
+        os.link(source, destination)
+    except OSError:
+        shutil.copy2(source, destination)
+
+
+def _write_adapter(directory: Path, values: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+    directory.mkdir()
     names = list(values)
-    tmp = directory / f".{ADAPTER_WEIGHTS}.{token}.tmp"
-    writer = TensorFileWriter(tmp, [(n, values[n].dtype, values[n].shape) for n in names], metadata={"format": "pt"})
+    writer = TensorFileWriter(directory / ADAPTER_WEIGHTS, [(n, values[n].dtype, values[n].shape) for n in names],
+                              metadata={"format": "pt"})
     try:
         for n in names:
             writer.write(n, values[n])
@@ -387,7 +415,6 @@ def _write_adapter(directory: Path, values: dict[str, torch.Tensor], config: dic
         writer.abort()
         raise
     writer.close()
-    os.replace(tmp, directory / ADAPTER_WEIGHTS)
     _write_json(directory / ADAPTER_CONFIG, config)
 
 
@@ -399,14 +426,6 @@ def _write_json(path: Path, data: Any) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class ModuleReader:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.rank_zero import rank_zero_info
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_ratel.errors import RatelConfigError
@@ -224,6 +224,14 @@ class PretrainedSource(ValueSource):
             norm = _normalize(name)
             if norm.startswith(prefix) and norm[len(prefix):] in entries:
                 self._buffers[name] = norm[len(prefix):]
+        # Every name the model has for its tensors (tied aliases included), as transformers matches them.
+        known = {_normalize(a)[len(prefix):] for aliases in names.values() for a in aliases
+                 if _normalize(a).startswith(prefix)}
+        unused = sorted(set(entries) - known - set(self._buffers.values()))
+        if unused:
+            rank_zero_warn(f"RatelStrategy: {len(unused)} tensors of the pretrained folder {self.folder.path} match no "
+                           f"parameter or buffer of the model and are not used: {_listing(unused)}. Check that the "
+                           "folder is the model's (as transformers' from_pretrained reports them).")
 
     def provides(self, param: nn.Parameter) -> bool:
         return id(param) in self._keys

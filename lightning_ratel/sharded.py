@@ -11,8 +11,11 @@ A sharded checkpoint is a directory (named like the file Lightning asked for, as
   :class:`~lightning_ratel.RatelProfiler` plan, LR schedulers, the precision plugin, the optimizer's parameter groups,
   persistent buffers), as ``torch.save`` writes it;
 - ``ratel_checkpoint.json``: the index (every parameter's shape, dtype, step count, file; the pretrained folder
-  referred to; the Hugging Face layout for :mod:`lightning_ratel.convert`). It is written last, into a temporary
-  directory renamed into place once everything is on the drive, so a checkpoint directory with an index is complete.
+  referred to; the Hugging Face layout for :mod:`lightning_ratel.convert`; the xxh3-64 checksum of every tensor's
+  bytes, of ``meta.pt`` and of the index's own content, verified whenever they are read). It is written last, into a
+  temporary directory swapped into place in one step once everything is on the drive
+  (:func:`~lightning_ratel.tensorfiles.replace_directory`): a checkpoint directory with an index is complete, and
+  replacing one (``last.ckpt``) never leaves neither.
 
 Writing reads the committed state of the last finished step from the store once the optimizer is idle
 (:meth:`~lightning_ratel.checkpoint.ModelState.stream`: two shards' worth of one state in host memory). Reading goes
@@ -23,9 +26,9 @@ optimizer's store shard by shard (:func:`load_moments`).
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
-import secrets
 import shutil
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 from torch import nn
 
 from lightning_ratel.checkpoint import ModelState
@@ -45,17 +49,32 @@ from lightning_ratel.progress import progress_bar
 from lightning_ratel.runtime.storage import aligned_empty
 from lightning_ratel.runtime.units import ParamSlot, Shard
 from lightning_ratel.sizes import round_up
-from lightning_ratel.tensorfiles import TensorFileReader, TensorFileWriter
+from lightning_ratel.tensorfiles import (TensorFileReader, TensorFileWriter, remove_stale_staging, replace_directory,
+                                         staging_path)
 
 INDEX = "ratel_checkpoint.json"
 META = "meta.pt"
 FORMAT = "lightning_ratel sharded checkpoint"
-VERSION = 1
+VERSION = 2
+"""Version 2 added the checksums; version 1 checkpoints are read without them."""
+READS = (1, 2)
 
 
 def is_sharded_checkpoint(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` is a sharded checkpoint directory written by this package."""
     return Path(path).is_dir() and (Path(path) / INDEX).is_file()
+
+
+def not_a_checkpoint(path: Path) -> str:
+    """Why a path given as a sharded checkpoint is not one, and what to do."""
+    if not path.is_dir():
+        return (f"{path} is not a sharded checkpoint of lightning_ratel (a directory with {INDEX}): "
+                f"{'an ordinary checkpoint file, which needs no conversion' if path.is_file() else 'it does not exist'}")
+    if path.name.startswith(".") and path.name.endswith((".tmp", ".old")):
+        return (f"{path} is the staging directory of a checkpoint save that did not finish (or the replaced one); "
+                "it is not a checkpoint. Resume from a complete checkpoint beside it; the next save removes it.")
+    return (f"{path} is a directory without {INDEX}, so not a sharded checkpoint of lightning_ratel (an interrupted "
+            "save never leaves one under the checkpoint's name). Resume from a complete checkpoint.")
 
 
 def tensor_name(what: str, name: str) -> str:
@@ -81,13 +100,17 @@ def save_sharded(path: str | os.PathLike[str], checkpoint: dict[str, Any], state
     """
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = target.parent / f".{target.name}.{secrets.token_hex(4)}.tmp"
+    remove_stale_staging(target)
+    staging = staging_path(target)
     staging.mkdir()
     try:
         index = _write_files(staging, checkpoint, state, module, pretrained, progress)
-        torch.save(checkpoint, staging / META)
-        _write_index(staging / INDEX, index)
-        _replace(staging, target)
+        meta = io.BytesIO()
+        torch.save(checkpoint, meta)
+        index["meta_checksum"] = _write_bytes(staging / META, meta.getbuffer())
+        index["checksum"] = _index_checksum(index)
+        _write_bytes(staging / INDEX, json.dumps(index, indent=1).encode())
+        replace_directory(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -105,6 +128,7 @@ def _write_files(directory: Path, checkpoint: dict[str, Any], state: ModelState,
     referred = layout.frozen_values.pretrained if pretrained is not None else {}
     records: list[dict[str, Any]] = []
     files: list[str] = []
+    checksums: dict[str, dict[str, int]] = {}
     # (file, [(shard, state, tensor names)]) per unit, in block order.
     plan: list[tuple[str, list[tuple[Shard, str, list[str]]], list[tuple[str, torch.dtype, Sequence[int]]]]] = []
     unit_shards = layout.unit_shards()
@@ -159,6 +183,7 @@ def _write_files(directory: Path, checkpoint: dict[str, Any], state: ModelState,
                 writer.abort()
                 raise
             writer.close()
+            checksums[file] = writer.checksums
     finally:
         stream.close()
         bar.close()
@@ -167,40 +192,27 @@ def _write_files(directory: Path, checkpoint: dict[str, Any], state: ModelState,
         "version": VERSION,
         "global_step": checkpoint.get("global_step"),
         "files": files,
+        "checksums": checksums,
         "params": records,
         "pretrained": pretrained.fingerprint() if pretrained is not None and referred else None,
         "hf": hf_layout(module).to_json(),
     }
 
 
-def _write_index(path: Path, index: dict[str, Any]) -> None:
-    with open(path, "w") as f:
-        json.dump(index, f, indent=1)
+def _write_bytes(path: Path, data: bytes | memoryview) -> int:
+    """Write a small file durably; returns the xxh3-64 of its bytes."""
+    with open(path, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    return xxhash.xxh3_64_intdigest(data)
 
 
-def _replace(staging: Path, target: Path) -> None:
-    """Move the finished checkpoint into place, replacing what was there only now."""
-    old = None
-    if target.is_dir() and not target.is_symlink():
-        old = target.parent / f".{target.name}.{secrets.token_hex(4)}.old"
-        os.replace(target, old)
-    elif target.exists() or target.is_symlink():
-        target.unlink()
-    os.replace(staging, target)
-    fd = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+def _index_checksum(index: dict[str, Any]) -> int:
+    """The checksum of an index's content (without its own checksum), independent of the JSON's layout."""
+    # Through JSON first, so the index being written (tuples, integer keys) and the one read back hash the same.
+    content = json.loads(json.dumps({k: v for k, v in index.items() if k != "checksum"}))
+    return xxhash.xxh3_64_intdigest(json.dumps(content, sort_keys=True, separators=(",", ":")).encode())
 
 
 class ShardedReader:
@@ -218,15 +230,15 @@ class ShardedReader:
     def __init__(self, path: str | os.PathLike[str], pretrained: PretrainedFolder | str | None = None) -> None:
         self.path = Path(path)
         if not is_sharded_checkpoint(self.path):
-            raise RatelConfigError(f"{self.path} is not a sharded checkpoint of lightning_ratel (no {INDEX}); an "
-                                   "interrupted save leaves no index")
-        index = json.loads((self.path / INDEX).read_text())
-        if index.get("format") != FORMAT or index.get("version") != VERSION:
-            raise RatelConfigError(f"{self.path / INDEX} is format {index.get('format')!r} version "
-                                   f"{index.get('version')!r}; this package reads {FORMAT!r} version {VERSION}")
+            raise RatelConfigError(not_a_checkpoint(self.path))
+        index = self._read_index()
         self.index = index
-        self.records = [ParamRecord.from_json(r) for r in index["params"]]
-        self.hf = HFLayout.from_json(index.get("hf"))
+        try:
+            self.records = [ParamRecord.from_json(r) for r in index["params"]]
+            self.hf = HFLayout.from_json(index.get("hf"))
+            self._checksums: dict[str, dict[str, int]] | None = index["checksums"] if index["version"] >= 2 else None
+        except (KeyError, TypeError, ValueError) as err:
+            raise self._damaged(self.path / INDEX, f"an entry is missing or malformed ({err!r})") from err
         self.by_name = {}
         for record in self.records:
             for name in [record.name, *record.aliases]:
@@ -243,9 +255,44 @@ class ShardedReader:
             self.pretrained.check_fingerprint(recorded)
         self._readers: dict[str, TensorFileReader] = {}
 
+    def _damaged(self, file: Path, what: str) -> RatelConfigError:
+        return RatelConfigError(f"the checkpoint file {file} is damaged or was edited: {what}. Resume from another "
+                                "checkpoint (or write this one again).")
+
+    def _read_index(self) -> dict[str, Any]:
+        path = self.path / INDEX
+        try:
+            index = json.loads(path.read_bytes().decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as err:
+            raise self._damaged(path, f"it is not JSON ({err})") from err
+        except OSError as err:
+            raise RatelConfigError(f"cannot read {path}: {err.strerror}") from err
+        if not isinstance(index, dict) or index.get("format") != FORMAT:
+            raise self._damaged(path, f"it is not the index of a {FORMAT}")
+        if index.get("version") not in READS:
+            raise RatelConfigError(f"{path} is version {index.get('version')!r} of the {FORMAT}; this package reads "
+                                   f"versions {', '.join(map(str, READS))}: use the lightning_ratel that wrote it")
+        if index["version"] >= 2 and index.get("checksum") != _index_checksum(index):
+            raise self._damaged(path, "its content does not match its checksum")
+        return index
+
     def meta(self) -> dict[str, Any]:
-        """``meta.pt``: Lightning's checkpoint without parameter values and optimizer state."""
-        return torch.load(self.path / META, weights_only=False)
+        """``meta.pt``: Lightning's checkpoint without parameter values and optimizer state.
+
+        Raises:
+            RatelConfigError: the file is missing, damaged or not the one the index was written with.
+        """
+        path = self.path / META
+        try:
+            data = path.read_bytes()
+        except OSError as err:
+            raise RatelConfigError(f"cannot read {path}: {err.strerror}") from err
+        if self._checksums is not None and xxhash.xxh3_64_intdigest(data) != self.index.get("meta_checksum"):
+            raise self._damaged(path, "its bytes do not match the checksum in the index")
+        try:
+            return torch.load(io.BytesIO(data), weights_only=False)
+        except Exception as err:
+            raise self._damaged(path, f"it cannot be unpickled ({err!r})") from err
 
     def _reader(self, file: str) -> TensorFileReader:
         if file not in self._readers:
@@ -265,7 +312,15 @@ class ShardedReader:
             with self.pretrained.read([record.location["pretrained"]]) as tensors:
                 return out.copy_(tensors[record.location["pretrained"]].to(record.dtype).view(out.shape))
         name = tensor_name(what if record.trainable else "value", record.name)
-        return self._reader(record.location["file"]).read_into(name, out)
+        file = record.location.get("file")
+        if not isinstance(file, str) or "/" in file or file not in self.index.get("files", []):
+            raise self._damaged(self.path / INDEX, f"{record.name} has no valid file ({file!r})")
+        checksum = None
+        if self._checksums is not None:
+            checksum = self._checksums.get(file, {}).get(name)
+            if checksum is None:
+                raise self._damaged(self.path / INDEX, f"no checksum for {name} in {file}")
+        return self._reader(file).read_into(name, out, checksum)
 
     def values(self, records: Sequence[ParamRecord]) -> Iterator[tuple[ParamRecord, torch.Tensor]]:
         """Each record's full-precision value (fp32 master, or a frozen parameter's value); each tensor is valid until
@@ -348,7 +403,16 @@ def load_moments(state: ModelState, reader: ShardedReader, param_groups: list[di
     assert state.optimizer is not None and state.adam is not None
     adam = state.adam
     state.quiesce()
-    state.optimizer.load_state_dict({"state": {}, "param_groups": param_groups})
+    try:
+        state.optimizer.load_state_dict({"state": {}, "param_groups": param_groups})
+    except ValueError as err:
+        sizes = [len(g["params"]) for g in state.optimizer.param_groups]
+        saved = [len(g.get("params", [])) for g in param_groups]
+        raise RatelConfigError(
+            f"the checkpoint {reader.path} was written for another model or optimizer: its parameter groups hold "
+            f"{saved} parameters, this run's optimizer {sizes} ({err}). Resume it with the model and "
+            "configure_optimizers() that wrote it, or start from its weights alone (strategy `pretrained` or a "
+            "converted checkpoint).") from err
     jobs = []
     for shard in state.layout.shards:
         records = [reader.by_name.get(sp.name) for sp in shard.params]

@@ -23,7 +23,7 @@ from lightning.pytorch.accelerators import Accelerator, CUDAAccelerator
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import nn
 from typing_extensions import override
@@ -37,7 +37,8 @@ from lightning_ratel.errors import RatelConfigError
 from lightning_ratel.export import DEFAULT_SHARD_SIZE, LiveReader, ModuleReader, write_hf_folder
 from lightning_ratel.materialize import ValueSource, persistent_buffers
 from lightning_ratel.pretrained import PretrainedFolder, PretrainedSource, StateDictSource
-from lightning_ratel.sharded import ShardedReader, ShardedSource, is_sharded_checkpoint, load_moments, save_sharded
+from lightning_ratel.sharded import (ShardedReader, ShardedSource, is_sharded_checkpoint, load_moments,
+                                     not_a_checkpoint, save_sharded)
 from lightning_ratel.tensorfiles import parse_dtype
 from lightning_ratel.plan.search import Plan
 from lightning_ratel.planner import Planner
@@ -294,6 +295,8 @@ class RatelStrategy(SingleDeviceStrategy):
             self._engine.planner.apply_plan(config.plan)
             show_plan(config.plan)
         self.setup_precision_plugin()
+        # From here on, code between the engine's passes (hooks, callbacks) reads the parameters' real values.
+        self._engine.reads.open()
         placement = self._engine.byte_placement()
         rank_zero_info(
             f"RatelStrategy: {len(self._engine.blocks)} blocks on {self.root_device}; "
@@ -333,7 +336,22 @@ class RatelStrategy(SingleDeviceStrategy):
         assert self._engine is not None
         self._engine.begin_micro_batch()
         with self._engine.watch_forward(training=True):
-            return super().training_step(*args, **kwargs)
+            output = super().training_step(*args, **kwargs)
+        loss = output.get("loss") if isinstance(output, Mapping) else output
+        self._engine.note_loss(loss if isinstance(loss, torch.Tensor) else None)
+        return output
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: torch.optim.Optimizer | None, *args: Any,
+                 **kwargs: Any) -> torch.Tensor:
+        try:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        except BaseException:
+            # The engine's pass stopped: the user's hooks (on_exception, OnExceptionCheckpoint's) read the committed
+            # values again. A forward that raises resumes them itself (RatelEngine.watch_forward).
+            if self._engine is not None:
+                self._engine.reads.resume()
+            raise
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -352,6 +370,10 @@ class RatelStrategy(SingleDeviceStrategy):
 
     def _watch(self) -> contextlib.AbstractContextManager[None]:
         return self._engine.watch_forward(training=False) if self._engine is not None else contextlib.nullcontext()
+
+    def _internal(self) -> contextlib.AbstractContextManager[None]:
+        """The strategy's own whole-model work: parameters are the engine's, not read as the user's code reads them."""
+        return self._engine.reads.bypass() if self._engine is not None else contextlib.nullcontext()
 
     def byte_placement(self) -> dict[str, int]:
         """Bytes held right now on the device, in host memory and on disk (empty outside a run)."""
@@ -379,7 +401,8 @@ class RatelStrategy(SingleDeviceStrategy):
         if self.sharded_checkpoints:
             # Parameters go to the shard files; the checkpoint dict keeps the persistent buffers.
             module = self._engine.module
-            state = module.state_dict()
+            with self._internal():
+                state = module.state_dict()
             return {name: state[name] for name in persistent_buffers(module) if name in state}
         return self._from_engine(self._engine.state.state_dict)
 
@@ -423,6 +446,8 @@ class RatelStrategy(SingleDeviceStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         if not is_sharded_checkpoint(checkpoint_path):
+            if Path(checkpoint_path).is_dir():
+                raise RatelConfigError(not_a_checkpoint(Path(checkpoint_path)))
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         self._resume = ShardedReader(checkpoint_path, self._pretrained_folder())
         return self._resume.meta()
@@ -467,34 +492,66 @@ class RatelStrategy(SingleDeviceStrategy):
         """
         dtype = parse_dtype(dtype)
         engine = self._engine
-        if engine is not None and engine.adam is not None:
-            with engine.user_settings():
-                reader: Any = LiveReader(engine.state, engine.module)
-        else:
-            module = self.lightning_module
-            if module is None:
-                raise RatelConfigError("RatelStrategy.save_pretrained needs a LightningModule")
-            reader = ModuleReader(module)
-        return write_hf_folder(reader, path, dtype, max_shard_size, progress=self._progress())
+        with self._internal():
+            if engine is not None and engine.adam is not None:
+                with engine.user_settings():
+                    reader: Any = LiveReader(engine.state, engine.module)
+            else:
+                module = self.lightning_module
+                if module is None:
+                    raise RatelConfigError("RatelStrategy.save_pretrained needs a LightningModule")
+                reader = ModuleReader(module)
+            return write_hf_folder(reader, path, dtype, max_shard_size, progress=self._progress())
 
     def _from_engine(self, read: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-        """Read state for a checkpoint; if the engine cannot produce it, end the run's engine here.
+        """Read state for a checkpoint (or write one); a failure leaves the run as a plain run's would be.
 
-        Lightning saves from ``on_exception`` callbacks (``OnExceptionCheckpoint``) and skips ``teardown`` when such a
-        save raises, so waiting for teardown would leave the swap files and the directory lock behind. The failure is
+        A failed write of the checkpoint itself (a full disk, Ctrl-C in the writer) changes nothing: the exception
+        goes on to Lightning, whose ``OnExceptionCheckpoint`` can still save the last committed step and whose
+        teardown copies the parameters back. Two cases end the engine here: the engine's own state cannot be read
+        (its swap files or its optimizer failed), and a save from an ``on_exception`` callback failed (Lightning
+        skips ``teardown`` then, which would leave the swap files and the directory lock behind). The failure is
         remembered: a later save must not fall back to the module's paging placeholders.
         """
         try:
-            return read()
+            with self._internal():
+                return read()
         except BaseException as err:
+            engine = self._engine
+            if engine is None:
+                raise
+            broken = self._engine_broken(engine, err)
+            trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+            interrupted = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
+            if not broken and not interrupted:
+                raise
             self._failure = err
-            engine, self._engine = self._engine, None
-            if engine is not None:
+            self._engine = None
+            if broken:
+                rank_zero_warn(
+                    f"RatelStrategy: the run's state could not be read back ({err!r}), so no checkpoint of it can be "
+                    "written now and the module's parameters are not the trained values after this fit. Resume from "
+                    "the last checkpoint written before the failure.")
                 try:
                     engine.close(restore=False)
                 except Exception as cleanup:
                     err.__notes__ = [*getattr(err, "__notes__", []), f"Closing the swap store failed too: {cleanup!r}"]
+            else:
+                self._end_engine(engine, err)
             raise
+
+    @staticmethod
+    def _engine_broken(engine: RatelEngine, err: BaseException) -> bool:
+        """Whether ``err`` says the engine's own state is unreadable (a swap file, the optimizer), not the output."""
+        if engine.adam is not None:
+            try:
+                engine.adam.check()
+            except BaseException:
+                return True
+        filename = getattr(err, "filename", None)
+        if not isinstance(err, OSError) or not filename or engine.store is None:
+            return False
+        return any(Path(filename).is_relative_to(directory) for directory in engine.store.paths)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -561,21 +618,31 @@ class RatelStrategy(SingleDeviceStrategy):
                      "strategy.save_pretrained() during fit, or a checkpoint at the last step, avoid keeping them.)")
         rank_zero_warn(f"RatelStrategy: {what}{where}")
 
+    def _end_engine(self, engine: RatelEngine, exception: BaseException | None) -> None:
+        """Copy the parameters back (keeping the swap files where a result would be lost) and close the engine.
+
+        Args:
+            engine: the run's engine, no longer reachable from the strategy.
+            exception: the error that stopped training, if one did: a failure to restore is then only warned about.
+        """
+        engine.reads.close()
+        try:
+            try:
+                self._keep_what_is_not_restored(engine)
+            finally:
+                engine.close(restore=True)
+        except Exception as err:
+            if exception is None:
+                raise
+            # Do not hide the error that stopped training; the last checkpoint holds the state.
+            rank_zero_warn(f"RatelStrategy could not restore the parameters after {exception!r}: {err!r}")
+
     @override
     def teardown(self) -> None:
         self._restore_device_memory()
         engine, self._engine = self._engine, None
         if engine is not None:
-            try:
-                try:
-                    self._keep_what_is_not_restored(engine)
-                finally:
-                    engine.close(restore=True)
-            except Exception as err:
-                if self._exception is None:
-                    raise
-                # Do not hide the error that stopped training; the last checkpoint holds the state.
-                rank_zero_warn(f"RatelStrategy could not restore the parameters after {self._exception!r}: {err!r}")
+            self._end_engine(engine, self._exception)
         if self._resume is not None:
             self._resume.close()
             self._resume = None

@@ -11,9 +11,11 @@ beyond the page cache's.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import json
 import os
+import shutil
 import struct
 import threading
 from collections.abc import Iterable, Sequence
@@ -22,9 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import xxhash
 
 from lightning_ratel.errors import RatelConfigError, RatelStoreError
-from lightning_ratel.runtime.storage import ALIGNMENT, aligned_empty
+from lightning_ratel.runtime.storage import ALIGNMENT, aligned_empty, space_detail
 from lightning_ratel.sizes import round_up
 
 DTYPE_NAMES: dict[torch.dtype, str] = {
@@ -86,9 +89,76 @@ class TensorEntry:
         return self.end - self.begin
 
 
-def _io_error(err: OSError, what: str, path: Path | str, offset: int) -> RatelStoreError:
+def _io_error(err: OSError, what: str, path: Path | str, offset: int, missing: int = 0) -> RatelStoreError:
     return RatelStoreError(err.errno or errno.EIO, f"{what} of {path} failed at offset {offset}: "
-                           f"{err.strerror or err}", str(path))
+                           f"{err.strerror or err}{space_detail(err, path, missing)}", str(path))
+
+
+def staging_path(target: Path) -> Path:
+    """A fresh hidden sibling of ``target`` to build its replacement in (see :func:`replace_directory`)."""
+    return target.parent / f".{target.name}.{os.urandom(4).hex()}.tmp"
+
+
+def remove_stale_staging(target: Path) -> None:
+    """Remove what interrupted writes of ``target`` left beside it (staging and replaced directories)."""
+    for pattern in (f".{target.name}.*.tmp", f".{target.name}.*.old"):
+        for stale in target.parent.glob(pattern):
+            if stale.is_dir() and not stale.is_symlink():
+                shutil.rmtree(stale, ignore_errors=True)
+            else:
+                stale.unlink(missing_ok=True)
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (Linux ``renameat2(RENAME_EXCHANGE)``); ``False`` where the system cannot."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, f"cannot swap {a} into place: {os.strerror(err)}", str(b))
+
+
+def fsync_directory(path: Path) -> None:
+    """Make the entries of directory ``path`` (renames, new files) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def replace_directory(staging: Path, target: Path) -> None:
+    """Put the complete directory ``staging`` at ``target``, replacing what is there in one step.
+
+    An existing ``target`` is swapped with ``staging`` atomically (``renameat2(RENAME_EXCHANGE)``), so that a reader or
+    a kill at any moment finds either the old directory or the new one, never neither nor a mix. Where the filesystem
+    cannot swap, the old one is renamed aside first: a kill between the two renames leaves no ``target`` (a reader
+    finds nothing rather than a mix) and the old directory beside it as ``.<name>.*.old``.
+    """
+    fsync_directory(staging)
+    if target.is_dir() and not target.is_symlink():
+        if not _exchange(staging, target):
+            old = target.parent / f".{target.name}.{os.urandom(4).hex()}.old"
+            os.replace(target, old)
+            os.replace(staging, target)
+            staging = old
+        fsync_directory(target.parent)
+        shutil.rmtree(staging, ignore_errors=True)
+        return
+    if target.exists() or target.is_symlink():
+        target.unlink()
+    os.replace(staging, target)
+    fsync_directory(target.parent)
 
 
 def _bytes_view(tensor: torch.Tensor) -> memoryview:
@@ -104,7 +174,7 @@ def pwrite_all(fd: int, data: memoryview, offset: int, path: Path | str) -> None
         try:
             n = os.pwrite(fd, data[done:], offset + done)
         except OSError as err:
-            raise _io_error(err, "write", path, offset + done) from err
+            raise _io_error(err, "write", path, offset + done, len(data) - done) from err
         done += n
 
 
@@ -158,6 +228,8 @@ class TensorFileWriter:
         self._data_start = 8 + len(text)
         self._order = list(self.entries)
         self._next = 0
+        # xxh3-64 of each tensor's bytes, as written (the store's checksum), for the caller's index.
+        self.checksums: dict[str, int] = {}
         self._alignment = ALIGNMENT
         staging_bytes = max(ALIGNMENT, staging_bytes - staging_bytes % ALIGNMENT)
         self._staging = [aligned_empty(staging_bytes, torch.uint8) for _ in range(2)]
@@ -195,6 +267,10 @@ class TensorFileWriter:
         wanted = self.entries[names[-1]].end - self.entries[names[0]].begin
         if len(data) != wanted:
             raise ValueError(f"{names[0]!r}...: {len(data)} bytes given, {wanted} declared")
+        start = self.entries[names[0]].begin
+        for n in names:
+            entry = self.entries[n]
+            self.checksums[n] = xxhash.xxh3_64_intdigest(data[entry.begin - start : entry.end - start])
         self._append(data)
         self._next += len(names)
 
@@ -379,22 +455,37 @@ class TensorFileReader:
             done += usable
             position += n
 
-    def read_into(self, name: str, out: torch.Tensor) -> torch.Tensor:
+    def read_into(self, name: str, out: torch.Tensor, checksum: int | None = None) -> torch.Tensor:
         """Fill ``out`` (contiguous, CPU) with tensor ``name``, converting the dtype if they differ.
+
+        Args:
+            name: the tensor.
+            out: where it goes.
+            checksum: the xxh3-64 its bytes must have (:attr:`TensorFileWriter.checksums`); ``None`` checks nothing.
 
         Returns:
             ``out``.
+
+        Raises:
+            RatelConfigError: the file has no such tensor, or not of that size.
+            RatelStoreError: its bytes differ from ``checksum`` (``EBADMSG``), or reading failed.
         """
-        entry = self.entries[name]
-        if out.numel() != numel_of(entry.shape):
-            raise ValueError(f"{self.path}: {name!r} has {numel_of(entry.shape)} elements, the output "
-                             f"{out.numel()}")
-        if out.dtype == entry.dtype and out.is_contiguous():
-            self._read(_bytes_view(out), self.data_start + entry.begin)
-            return out
-        staging = torch.empty(numel_of(entry.shape), dtype=entry.dtype)
-        self._read(_bytes_view(staging), self.data_start + entry.begin)
-        out.copy_(staging.view(out.shape))
+        entry = self.entries.get(name)
+        if entry is None:
+            raise RatelConfigError(f"{self.path} has no tensor {name!r}: the file does not belong to this checkpoint")
+        if out.numel() != numel_of(entry.shape) or entry.nbytes != numel_of(entry.shape) * entry.dtype.itemsize:
+            raise RatelConfigError(f"{self.path}: {name!r} has {numel_of(entry.shape)} elements of {entry.dtype} in "
+                                   f"{entry.nbytes} bytes, {out.numel()} were expected")
+        direct = out.dtype == entry.dtype and out.is_contiguous()
+        target = out if direct else torch.empty(numel_of(entry.shape), dtype=entry.dtype)
+        data = _bytes_view(target)
+        self._read(data, self.data_start + entry.begin)
+        if checksum is not None and xxhash.xxh3_64_intdigest(data) != checksum:
+            raise RatelStoreError(errno.EBADMSG, f"{self.path}: the bytes of {name!r} (offset "
+                                  f"{self.data_start + entry.begin}) do not match their checksum: the file was "
+                                  "changed or damaged since it was written", str(self.path))
+        if not direct:
+            out.copy_(target.view(out.shape))
         return out
 
     def read(self, name: str) -> torch.Tensor:

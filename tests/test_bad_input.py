@@ -263,6 +263,8 @@ def test_io_error_during_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert failures, "the fault was never hit"
     assert info.value.errno == code, repr(info.value)
     assert str(ssd.resolve()) in str(info.value), str(info.value)
+    if code == errno.ENOSPC:
+        assert "more bytes" in str(info.value) and "free on its filesystem" in str(info.value), str(info.value)
     assert lm.training_steps < 6
 
     # The last checkpoint written before the fault is intact and holds exactly 2 plain steps.

@@ -198,6 +198,18 @@ def test_pretrained_mismatch_rejected_before_training(tmp_path: Path, damage: st
     assert os.listdir(tmp_path / "swap") == []
 
 
+def test_pretrained_tensors_the_model_does_not_use_are_listed(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    folder = save_llama(tmp_path / "hf")
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.layers.9.extra.weight"] = torch.zeros(2)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    strategy = RatelStrategy(ssd_paths=[swap(tmp_path)], pretrained=str(folder))
+    with pytest.warns(UserWarning, match=r"1 tensors of the pretrained folder .* not used: model\.layers\.9\.extra"):
+        trainer(strategy, max_steps=1).fit(meta_lm())
+
+
 def test_pretrained_folder_checked_at_construction(tmp_path: Path) -> None:
     with pytest.raises(RatelConfigError, match="not a directory"):
         RatelStrategy(pretrained=str(tmp_path / "nowhere"))

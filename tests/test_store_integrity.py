@@ -165,6 +165,8 @@ def test_failed_write_leaves_the_chunk_undefined_until_written_again(
         with pytest.raises(RatelStoreError) as info:
             store.write("w", _random(NUMEL, torch.float32, seed=2)).result()
         assert info.value.errno == errno.ENOSPC
+        # The message says how much more space the write needed, and how much is free.
+        assert f"{STRIPE} more bytes" in str(info.value) and "free on its filesystem" in str(info.value)
         with pytest.raises(RatelStoreError, match="holds no defined data because its last write failed") as info:
             store.read("w", torch.empty(NUMEL)).result()
         assert info.value.errno == errno.EIO

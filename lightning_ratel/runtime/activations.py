@@ -2,6 +2,8 @@
 
 Each block runs under its own pack/unpack hooks. What autograd saves is one of:
 
+- a paging placeholder, in a block whose forward runs unwatched (see :mod:`lightning_ratel.runtime.escapes`): never;
+  the block read a parameter that is not paged in with it, and computed with its NaN (:class:`PlaceholderRead`);
 - a view of a paged parameter: saved as a reference and rebuilt from the resident copy in backward (saving it would
   pin the whole parameter on the device and defeat paging);
 - a tensor placed by the block's placement: ``device`` (left where it is), ``host`` (copied to host memory on the
@@ -104,6 +106,21 @@ def _laid_out(t: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
     return torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device).copy_(t)
 
 
+class PlaceholderRead(RuntimeError):
+    """An op of a block's forward saved a parameter's paging placeholder for backward: the block read a parameter that
+    was not paged in with it, and computed with its NaN.
+
+    Attributes:
+        block: the block whose forward read it.
+        name: the parameter's name.
+    """
+
+    def __init__(self, block: int, name: str) -> None:
+        super().__init__(f"block {block} read the paging placeholder of {name}")
+        self.block = block
+        self.name = name
+
+
 def _is_ref(x: Any) -> bool:
     return isinstance(x, (_ParamRef, _HostRef, _SsdRef, _RecomputeRef))
 
@@ -150,6 +167,8 @@ class ActivationCache:
         # bytes packed off the device (or kept) per block, for the profile of blocks that are not tracked op by op
         self.saved_by_block: dict[int, int] = {}
         self._stall = 0.0
+        # Blocks whose forwards run unwatched in the current pass: a placeholder they save is a read nobody paged in.
+        self.unwatched: set[int] = set()
 
     def hooks(self, block: int) -> torch.autograd.graph.saved_tensors_hooks:
         """The saved-tensor hooks context for one forward pass of ``block``."""
@@ -210,6 +229,10 @@ class ActivationCache:
             record.paused = False
 
     def _place(self, block: int, record: ForwardRecord | None, t: torch.Tensor) -> Any:
+        if block in self.unwatched:
+            placeholder = self.pager.placeholder_slot(t)
+            if placeholder is not None:
+                raise PlaceholderRead(block, placeholder[1].name)
         storage = t.untyped_storage().data_ptr()
         located = self.pager.param_view(storage)
         if located is not None:

@@ -212,6 +212,19 @@ def tensor_checksum(data: torch.Tensor) -> int:
 
 
 @functools.lru_cache(maxsize=16)
+def space_detail(err: OSError, path: Path | str, missing: int) -> str:
+    """For a write that ran out of space (``ENOSPC``): how many bytes it still needed and how many are free where
+    ``path`` lives; empty for any other error."""
+    if err.errno != errno.ENOSPC:
+        return ""
+    try:
+        free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
+    except OSError:
+        return f"; {missing} more bytes ({format_bytes(missing)}) were to be written"
+    return (f"; {missing} more bytes ({format_bytes(missing)}) were to be written and {free} bytes "
+            f"({format_bytes(free)}) are free on its filesystem")
+
+
 def _checksum_of_zeros(algorithm: str, nbytes: int) -> int:
     """What a chunk of ``nbytes`` that was reserved but never written holds: zeros (the file was created empty)."""
     if algorithm == XXH3_64:
@@ -1409,7 +1422,7 @@ class TensorStore:
                 raise RatelStoreError(
                     exc.errno or errno.EIO,
                     f"{operation} of key {request.key!r} failed in {swap.path} at offset {position}: "
-                    f"{exc.strerror or exc}",
+                    f"{exc.strerror or exc}{space_detail(exc, swap.path, needed - done)}",
                     str(swap.path),
                 ) from exc
             if count == 0:

@@ -1,0 +1,152 @@
+"""The user's code between steps reads the real parameters; a read of a paging placeholder is never a silent NaN."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+from lightning_ratel import RatelConfigError, RatelStrategy
+from tests.models import LM, MLP, MODELS, VOCAB, final_state, max_rel_err, trainer
+
+
+class WeightEMA(L.Callback):
+    """An exponential moving average of the weights updated after every batch, as timm's ``ModelEma`` does it."""
+
+    def __init__(self, decay: float = 0.5) -> None:
+        self.decay = decay
+        self.ema: dict[str, torch.Tensor] = {}
+        self.validation_norms: list[float] = []
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.ema = {k: v.detach().clone().float() for k, v in pl_module.state_dict().items()}
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        with torch.no_grad():
+            for name, value in pl_module.state_dict().items():
+                self.ema[name].mul_(self.decay).add_(value.float(), alpha=1 - self.decay)
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.validation_norms.append(sum(p.detach().float().norm().item() for p in pl_module.parameters()))
+
+
+def _fit_with_ema(strategy: Any, **kwargs: Any) -> tuple[WeightEMA, tuple[dict, dict]]:
+    ema = WeightEMA()
+    module = LM("llama")
+    t = trainer(strategy, callbacks=[ema], limit_val_batches=1, val_check_interval=2, **kwargs)
+    t.fit(module)
+    return ema, final_state(module, t)
+
+
+@pytest.mark.parametrize("settings", [{"precision": "32-true"}, {"precision": "bf16-mixed"},
+                                      {"precision": "bf16-mixed", "param_cache": "ssd"}],
+                         ids=["fp32", "bf16", "bf16-param-cache-ssd"])
+def test_ema_callback_reads_the_weights_like_plain(tmp_path: Path, settings: dict) -> None:
+    precision = settings["precision"]
+    plain_ema, plain_state = _fit_with_ema("auto", precision=precision)
+    strategy = RatelStrategy(ssd_paths=[str(tmp_path)], **{k: v for k, v in settings.items() if k != "precision"})
+    ema, state = _fit_with_ema(strategy, precision=precision)
+    assert max_rel_err(plain_ema.ema, ema.ema) <= 1e-5
+    assert max_rel_err(plain_state[0], state[0]) <= 1e-5
+    assert ema.validation_norms == pytest.approx(plain_ema.validation_norms, rel=1e-5)
+
+
+class WritesWeights(L.Callback):
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        with torch.no_grad():
+            pl_module.model.lm_head.weight.mul_(0.5)
+
+
+def test_a_write_between_steps_is_refused_naming_the_parameter_and_the_writer(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match=r"writes parameter model\.lm_head\.weight.*on_train_batch_end"):
+        trainer(RatelStrategy(ssd_paths=[str(tmp_path)]), callbacks=[WritesWeights()]).fit(LM("llama"))
+
+
+class LateReader(nn.Module):
+    """A block that starts reading another block's weight (held outside its module tree) in its second forward."""
+
+    def __init__(self, other: nn.Linear, through_matmul: bool) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(32)
+        self.through_matmul = through_matmul
+        self.calls = 0
+        object.__setattr__(self, "other", other)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls < 2:
+            return h + self.norm(h)
+        if self.through_matmul:
+            return h + self.norm(h @ self.other.weight.T @ self.other.weight)
+        # An addition saves nothing for backward: no saved-tensor hook sees the placeholder.
+        return h + self.norm(h + self.other.bias[:32])
+
+
+class LateCrossBlockRead(MLP):
+    def __init__(self, through_matmul: bool = True) -> None:
+        super().__init__()
+        self.late = nn.ModuleList([LateReader(self.layers[0][1], through_matmul)])
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Any:
+        h = self.embed(input_ids)
+        for layer in self.layers:
+            h = h + layer(h)
+        h = self.late[0](h)
+        loss = nn.functional.cross_entropy(self.head(h).view(-1, VOCAB), labels.view(-1))
+        return type("Out", (), {"loss": loss})()
+
+
+MODELS["late-cross-block-read"] = LateCrossBlockRead
+MODELS["late-cross-block-add"] = lambda: LateCrossBlockRead(through_matmul=False)
+
+
+def test_a_late_read_of_another_blocks_weight_raises_at_the_read(tmp_path: Path) -> None:
+    module = LM("late-cross-block-read")
+    with pytest.raises(RatelConfigError, match=r"block model\.late\.0 read parameter model\.layers\.0\.1\.weight"
+                                               r".*blocks="):
+        trainer(RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy="host")).fit(module)
+    # The first step committed; the failed pass left nothing half-applied.
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+
+
+def test_a_nan_loss_after_unwatched_forwards_is_reported_and_the_next_pass_watched(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    module = LM("late-cross-block-add")
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.INFO):
+        warnings.simplefilter("always")
+        trainer(RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy="host"), max_steps=3).fit(module)
+    assert any("loss of the last training step is not finite" in str(w.message) for w in caught)
+    # The watched pass found the read: the bias is paged in with the reading block from then on.
+    assert any("model.layers.0.1.bias is used by the forward of model.late.0" in r.getMessage()
+               for r in caplog.records)
+
+
+class WritesThroughARead(L.Callback):
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        with torch.no_grad():
+            pl_module.model.model.norm.weight.detach().zero_()
+
+
+def test_a_write_through_a_value_read_between_steps_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match=r"writes parameter model\.model\.norm\.weight"):
+        trainer(RatelStrategy(ssd_paths=[str(tmp_path)]), callbacks=[WritesThroughARead()]).fit(LM("llama"))
+
+
+class SavesAWeightNorm(LM):
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["head_norm"] = self.model.lm_head.weight.norm().item()
+
+
+def test_on_save_checkpoint_reads_the_weights_like_plain(tmp_path: Path) -> None:
+    norms = []
+    for name, strategy in [("plain", "auto"), ("ratel", RatelStrategy(ssd_paths=[str(tmp_path)]))]:
+        callback = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / name, every_n_train_steps=2, save_top_k=-1)
+        trainer(strategy, callbacks=[callback], enable_checkpointing=True).fit(SavesAWeightNorm("llama"))
+        norms.append([torch.load(path, weights_only=False)["head_norm"] for path in sorted((tmp_path / name).iterdir())])
+    assert len(norms[0]) == 2 and norms[1] == pytest.approx(norms[0], rel=1e-6)
