@@ -29,7 +29,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from lightning_ratel.runtime.storage import TensorStore, aligned_empty
+from lightning_ratel.runtime.hostmem import aligned_empty
+from lightning_ratel.runtime.storage import TensorStore
 
 MIB = 1 << 20
 GIB = 1 << 30

@@ -10,7 +10,7 @@ written as they are read. From the command line::
 ``--to lightning`` writes the checkpoint Lightning itself would have written (``torch.load`` reads it; the parameters,
 the Adam state in ``torch.optim.AdamW``'s format, and everything in ``meta.pt``): it is loadable without this plugin,
 on a machine where the model fits. ``--swap`` reads the files a run kept because its result was not copied back
-(:meth:`~lightning_ratel.runtime.storage.TensorStore.open_kept`): they hold the committed weights of its last step.
+(:class:`~lightning_ratel.runtime.kept.KeptStore`): they hold the committed weights of its last step.
 ``--pretrained FOLDER`` names the folder frozen weights come from when it moved since the run.
 """
 
@@ -35,7 +35,8 @@ from lightning_ratel.export import DEFAULT_SHARD_SIZE, HFLayout, ParamRecord, hf
 from lightning_ratel.layout import FrozenValues
 from lightning_ratel.pretrained import PretrainedFolder
 from lightning_ratel.progress import progress_bar
-from lightning_ratel.runtime.storage import TensorStore, aligned_empty
+from lightning_ratel.runtime.hostmem import aligned_empty
+from lightning_ratel.runtime.kept import KeptStore
 from lightning_ratel.sharded import ShardedReader
 from lightning_ratel.tensorfiles import parse_dtype
 
@@ -95,7 +96,7 @@ class KeptReader:
 
     def __init__(self, paths: Sequence[str | os.PathLike[str]], name: str = "ratel",
                  pretrained: PretrainedFolder | str | None = None) -> None:
-        self.store = TensorStore.open_kept(list(paths), name)
+        self.store = KeptStore(list(paths), name)
         meta = self.store.metadata
         if meta.get("format") != KEPT_FORMAT:
             self.store.close()

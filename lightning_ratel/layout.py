@@ -30,7 +30,7 @@ from torch import nn
 from lightning_ratel.blocks import Block
 from lightning_ratel.errors import RatelConfigError
 from lightning_ratel.runtime.probe import available_host_memory
-from lightning_ratel.runtime.storage import ALIGNMENT
+from lightning_ratel.runtime.hostmem import ALIGNMENT
 from lightning_ratel.runtime.units import ParamSlot, Shard, ShardParam, Unit
 from lightning_ratel.sizes import format_bytes, round_up
 from lightning_ratel.tiers import ParamCache

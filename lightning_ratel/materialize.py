@@ -27,7 +27,8 @@ from lightning_ratel.config import ParamInitFn
 from lightning_ratel.errors import RatelConfigError
 from lightning_ratel.layout import Layout
 from lightning_ratel.progress import progress_bar
-from lightning_ratel.runtime.storage import ALIGNMENT, TensorStore, aligned_empty
+from lightning_ratel.runtime.hostmem import ALIGNMENT, aligned_empty
+from lightning_ratel.runtime.storage import TensorStore
 from lightning_ratel.runtime.units import ParamSlot, Shard
 from lightning_ratel.sizes import round_up
 

@@ -46,7 +46,7 @@ from lightning_ratel.layout import Layout
 from lightning_ratel.materialize import SourceValue, ValueSource
 from lightning_ratel.pretrained import PretrainedFolder
 from lightning_ratel.progress import progress_bar
-from lightning_ratel.runtime.storage import aligned_empty
+from lightning_ratel.runtime.hostmem import aligned_empty
 from lightning_ratel.runtime.units import ParamSlot, Shard
 from lightning_ratel.sizes import round_up
 from lightning_ratel.tensorfiles import (TensorFileReader, TensorFileWriter, remove_stale_staging, replace_directory,

@@ -27,7 +27,8 @@ import torch
 import xxhash
 
 from lightning_ratel.errors import RatelConfigError, RatelStoreError
-from lightning_ratel.runtime.storage import ALIGNMENT, aligned_empty, space_detail
+from lightning_ratel.runtime.hostmem import ALIGNMENT, aligned_empty
+from lightning_ratel.runtime.swapfile import space_detail
 from lightning_ratel.sizes import round_up
 
 DTYPE_NAMES: dict[torch.dtype, str] = {

@@ -22,6 +22,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lightning_ratel import RatelConfigError, RatelStrategy
 from lightning_ratel.runtime import storage
+from lightning_ratel.runtime import swapfile
 from lightning_ratel.runtime.storage import TensorStore
 from tests.models import LM, final_state, max_rel_err, trainer
 
@@ -127,14 +128,14 @@ def test_unwritable_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     # chmod does not stop root, so make the store's own open() refuse files in that directory.
     readonly = tmp_path / "readonly"
     readonly.mkdir()
-    real_open = storage._open
+    real_open = swapfile.open_file
 
     def refusing_open(path: str, flags: int, mode: int = 0o600) -> int:
         if os.path.dirname(path) == str(readonly.resolve()) and flags & os.O_CREAT:
             raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
         return real_open(path, flags, mode)
 
-    monkeypatch.setattr(storage, "_open", refusing_open)
+    monkeypatch.setattr(swapfile, "open_file", refusing_open)
     error = fit_expecting_config_error([str(readonly)])
     assert str(readonly.resolve()) in str(error)
     assert "writable" in str(error) or "ermission" in str(error)

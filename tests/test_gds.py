@@ -13,8 +13,10 @@ import torch
 
 from lightning_ratel.errors import RatelConfigError, RatelStoreError
 from lightning_ratel.runtime import gds
+from lightning_ratel.runtime.checksum import tensor_checksum
 from lightning_ratel.runtime.gds import GdsStore, kvikio_available, kvikio_unavailable_reason
-from lightning_ratel.runtime.storage import HEADER_BYTES, TensorStore, tensor_checksum
+from lightning_ratel.runtime.kept import KeptStore
+from lightning_ratel.runtime.swapfile import HEADER_BYTES
 
 STRIPE = 4096
 
@@ -354,8 +356,8 @@ def test_kept_device_store_reads_back_into_host_tensors(fake_kvikio, dirs):
     with _store(dirs, keep_files=True) as store:
         store.write("x", data).result()
         store.write("y", small).result()
-    with TensorStore.open_kept(dirs) as kept:
-        assert type(kept) is TensorStore and kept.verify
+    with KeptStore(dirs) as kept:
+        assert type(kept) is KeptStore and kept.verify
         assert kept.keys() == ["x", "y"]
         assert torch.equal(kept.read("x", torch.empty_like(data)).result(), data)
         assert torch.equal(kept.read("y", torch.empty_like(small)).result(), small)

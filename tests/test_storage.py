@@ -18,7 +18,10 @@ import torch
 
 from lightning_ratel.errors import RatelConfigError, RatelStoreError
 from lightning_ratel.runtime import storage
-from lightning_ratel.runtime.storage import ALIGNMENT, HEADER_BYTES, TensorStore, aligned_empty, check_free_space
+from lightning_ratel.runtime import swapfile
+from lightning_ratel.runtime.hostmem import ALIGNMENT, aligned_empty
+from lightning_ratel.runtime.storage import TensorStore
+from lightning_ratel.runtime.swapfile import HEADER_BYTES, check_free_space
 
 STRIPE = 64 * 1024  # small stripes keep multi-stripe tensors small and the tests fast
 
@@ -73,7 +76,7 @@ def two_ssds(tmp_path: Path) -> list[Path]:
 @pytest.fixture
 def no_direct(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Make every O_DIRECT open fail with EINVAL, as on tmpfs; returns the messages the store reports."""
-    real_open = storage._open
+    real_open = swapfile.open_file
     messages: list[str] = []
 
     def refusing_open(path: str, flags: int, mode: int = 0o600) -> int:
@@ -81,7 +84,7 @@ def no_direct(monkeypatch: pytest.MonkeyPatch) -> list[str]:
             raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), path)
         return real_open(path, flags, mode)
 
-    monkeypatch.setattr(storage, "_open", refusing_open)
+    monkeypatch.setattr(swapfile, "open_file", refusing_open)
     monkeypatch.setattr(storage, "rank_zero_info", messages.append)
     return messages
 
@@ -352,14 +355,14 @@ def test_file_as_path(tmp_path: Path) -> None:
     ids=["EACCES", "EROFS"],
 )
 def test_unwritable_directory_simulated(ssd: Path, monkeypatch: pytest.MonkeyPatch, error: OSError) -> None:
-    real_open = storage._open
+    real_open = swapfile.open_file
 
     def refusing_probe(path: str, flags: int, mode: int = 0o600) -> int:
         if ".probe." in path:
             raise error
         return real_open(path, flags, mode)
 
-    monkeypatch.setattr(storage, "_open", refusing_probe)
+    monkeypatch.setattr(swapfile, "open_file", refusing_probe)
     with pytest.raises(RatelConfigError, match="not writable") as info:
         TensorStore([ssd])
     assert str(ssd) in str(info.value)

@@ -1,5 +1,5 @@
 """What the swap store reads is what it wrote, it writes only through files it created, and kept files can be read
-back later (lightning_ratel.runtime.storage: checksums, swap file headers, TensorStore.open_kept)."""
+back later (lightning_ratel.runtime.storage, swapfile and kept: checksums, swap file headers, KeptStore)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,10 @@ import torch
 
 from lightning_ratel.errors import RatelConfigError, RatelStoreError
 from lightning_ratel.runtime import storage
-from lightning_ratel.runtime.storage import HEADER_BYTES, TensorStore, aligned_empty
+from lightning_ratel.runtime.hostmem import aligned_empty
+from lightning_ratel.runtime.kept import KeptStore
+from lightning_ratel.runtime.storage import Chunk, TensorStore
+from lightning_ratel.runtime.swapfile import HEADER_BYTES
 from tests.test_storage import STRIPE, _buffer, _random
 
 NUMEL = 3 * STRIPE // 4 + 77  # three whole stripes of fp32 and a partial fourth
@@ -46,7 +49,7 @@ def _dirs(tmp_path: Path, count: int) -> list[Path]:
     return paths
 
 
-def _locate(store: TensorStore, key: str, key_byte: int) -> tuple[Path, int, storage.Chunk]:
+def _locate(store: TensorStore, key: str, key_byte: int) -> tuple[Path, int, Chunk]:
     """The swap file, file offset and chunk that hold byte ``key_byte`` of ``key``, from the store's layout."""
     for chunk in store._extents[key].chunks:
         if chunk.key_offset <= key_byte < chunk.key_offset + chunk.length:
@@ -67,7 +70,7 @@ def _patch(path: Path, offset: int, data: bytes) -> bytes:
     return before
 
 
-def _assert_names(error: RatelStoreError, path: Path, key: str, chunk: storage.Chunk) -> None:
+def _assert_names(error: RatelStoreError, path: Path, key: str, chunk: Chunk) -> None:
     message = str(error)
     assert error.filename == str(path)
     assert str(path) in message
@@ -327,7 +330,7 @@ def test_kept_files_are_refused_and_left_alone(tmp_path: Path) -> None:
     with TensorStore([ssd], keep_files=True) as kept:
         kept.write("w", torch.ones(10)).result()
     before = {name: (ssd / name).read_bytes() for name in os.listdir(ssd)}
-    error = _refused(ssd, "was kept by", kept.run_id, "open_kept")
+    error = _refused(ssd, "was kept by", kept.run_id, "lightning_ratel.convert")
     assert str(ssd / "ratel.index.json") in str(error)
     assert {name: (ssd / name).read_bytes() for name in os.listdir(ssd)} == before
 
@@ -343,7 +346,7 @@ def test_files_of_a_crashed_run_that_wanted_to_keep_them_are_left_alone(tmp_path
     _refused(ssd, "was to be kept by", crashed.run_id, "ended without closing its store")
     assert (ssd / "ratel.swap").read_bytes() == left_behind
     with pytest.raises(RatelConfigError, match="not marked as kept"):
-        TensorStore.open_kept([ssd])
+        KeptStore([ssd])
 
 
 def test_swap_file_header(tmp_path: Path) -> None:
@@ -386,7 +389,7 @@ def test_kept_store_reads_back(tmp_path: Path, io_mode: bool) -> None:
                for data in files.values())
     assert stat.S_IMODE((paths[0] / "ratel.index.json").stat().st_mode) == 0o600
     # The directories may come in any order: each file's header names its slot.
-    with TensorStore.open_kept(list(reversed(paths)), direct=io_mode) as kept:
+    with KeptStore(list(reversed(paths)), direct=io_mode) as kept:
         assert kept.read_only and kept.verify and kept.direct == io_mode
         assert kept.paths == tuple(path.resolve() for path in paths)
         assert kept.keys() == ["never_written", *written]
@@ -431,7 +434,7 @@ def test_kept_store_detects_corruption(tmp_path: Path) -> None:
 def test_kept_store_without_verification_reads_unchecked(tmp_path: Path) -> None:
     paths = _dirs(tmp_path, 1)
     written = _kept_store(paths, verify=False)
-    with TensorStore.open_kept(paths) as kept:
+    with KeptStore(paths) as kept:
         assert not kept.verify
         assert torch.equal(kept.read("exp_avg.0", torch.empty(1001)).result(), written["exp_avg.0"])
 
@@ -443,15 +446,15 @@ def test_open_kept_refuses_what_does_not_fit(tmp_path: Path) -> None:
     index = json.loads(index_path.read_text())
 
     with pytest.raises(RatelConfigError, match="slots \\[0\\]; add the directories of slots \\[1\\]"):
-        TensorStore.open_kept(paths[:1])
+        KeptStore(paths[:1])
     with pytest.raises(RatelConfigError, match="no swap file"):
-        TensorStore.open_kept(paths, name="other")
+        KeptStore(paths, name="other")
     index_path.write_text(json.dumps({**index, "run_id": "0123456789abcdef"}))
     with pytest.raises(RatelConfigError, match="is of run '0123456789abcdef'"):
-        TensorStore.open_kept(paths)
+        KeptStore(paths)
     index_path.unlink()
     with pytest.raises(RatelConfigError, match="has no index"):
-        TensorStore.open_kept(paths)
+        KeptStore(paths)
 
     # Files of another run in one directory.
     (tmp_path / "other").mkdir()
@@ -459,7 +462,7 @@ def test_open_kept_refuses_what_does_not_fit(tmp_path: Path) -> None:
     _kept_store(other)
     os.replace(other[1] / "ratel.swap", paths[1] / "ratel.swap")
     with pytest.raises(RatelConfigError, match="different runs"):
-        TensorStore.open_kept(paths)
+        KeptStore(paths)
 
 
 def test_open_kept_refuses_a_store_that_was_not_kept(tmp_path: Path) -> None:
@@ -467,8 +470,8 @@ def test_open_kept_refuses_a_store_that_was_not_kept(tmp_path: Path) -> None:
     with TensorStore([ssd]) as store:
         store.write("w", torch.ones(10)).result()
         with pytest.raises(RatelConfigError, match="not marked as kept"):
-            TensorStore.open_kept([ssd])
+            KeptStore([ssd])
     (ssd / "foreign").mkdir()
     (ssd / "foreign" / "ratel.swap").write_bytes(b"no header")
     with pytest.raises(RatelConfigError, match="not a swap file of store 'ratel'"):
-        TensorStore.open_kept([ssd / "foreign"])
+        KeptStore([ssd / "foreign"])

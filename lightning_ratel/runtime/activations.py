@@ -42,7 +42,8 @@ from lightning_ratel.tiers import Placement, tier_of
 from lightning_ratel.runtime.device import Device
 from lightning_ratel.runtime.pager import ParameterPager
 from lightning_ratel.runtime.recompute import ForwardRecord
-from lightning_ratel.runtime.storage import TensorStore, aligned_empty
+from lightning_ratel.runtime.hostmem import aligned_empty
+from lightning_ratel.runtime.storage import TensorStore
 
 
 @dataclass

@@ -51,7 +51,7 @@ from lightning_ratel.runtime.simulation import (
     simulating,
     take_simulation_errors,
 )
-from lightning_ratel.runtime.storage import aligned_empty
+from lightning_ratel.runtime.hostmem import aligned_empty
 
 class _DoneEvent:
     """Stands in for an event where every copy has completed when it returns (the CPU)."""

@@ -10,7 +10,7 @@ Everything else is the store's: swap files ``<path>/<name>.swap`` (created exclu
 the directories in 4096-byte aligned chunks, an exclusive ``<name>.lock`` per directory, owner-only files removed at
 :meth:`~GdsStore.close`, futures that resolve once every chunk is done, a checksum per chunk verified on every read,
 busy intervals for the step breakdown and :class:`RatelStoreError` with path, errno and file offset for every failed
-transfer. The checksum is :func:`~lightning_ratel.runtime.storage.tensor_checksum`, computed with torch on the device
+transfer. The checksum is :func:`~lightning_ratel.runtime.checksum.tensor_checksum`, computed with torch on the device
 where the bytes are, so verifying costs no copy to the host.
 
 :func:`kvikio_available` tells whether kvikio can really move data on this machine (it imports on machines without a
@@ -35,16 +35,10 @@ import torch
 
 from lightning_ratel.errors import RatelConfigError, RatelStoreError
 from lightning_ratel.runtime.probe import best_time
-from lightning_ratel.runtime.storage import (
-    ALIGNMENT,
-    INT64_WEIGHTED,
-    Chunk,
-    Request,
-    SwapFile,
-    TensorStore,
-    aligned_empty,
-    tensor_checksum,
-)
+from lightning_ratel.runtime.checksum import INT64_WEIGHTED, tensor_checksum
+from lightning_ratel.runtime.hostmem import ALIGNMENT, aligned_empty
+from lightning_ratel.runtime.storage import Chunk, Request, TensorStore
+from lightning_ratel.runtime.swapfile import SwapFile
 
 def install_hint() -> str:
     """How to install the kvikio build that matches this torch's CUDA major version."""
@@ -168,7 +162,7 @@ class GdsStore(TensorStore):
             store's default, since each chunk costs a cuFile call (or a bounce-buffer round) of fixed overhead.
         io_threads_per_path: I/O threads per directory.
         keep_files: Leave the swap files in place at :meth:`close`, readable later with
-            :meth:`~lightning_ratel.runtime.storage.TensorStore.open_kept` (into CPU tensors).
+            :class:`~lightning_ratel.runtime.kept.KeptStore` (into CPU tensors).
         verify: Checksum every chunk written and verify every chunk read, on the tensor's device.
         device: Device type of the tensors: ``"cuda"``. ``"cpu"`` works only with a stand-in for kvikio (kvikio's
             raw calls take device memory only); the tests use it to run the store without a GPU.
@@ -322,7 +316,7 @@ class GdsStore(TensorStore):
         return checksum
 
     def _checksum(self, data: torch.Tensor) -> int:
-        """:func:`~lightning_ratel.runtime.storage.tensor_checksum` of ``data`` on its device.
+        """:func:`~lightning_ratel.runtime.checksum.tensor_checksum` of ``data`` on its device.
 
         On CUDA it runs on a stream of this I/O thread's own: the legacy default stream would wait for (and hold up)
         the training streams.

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from lightning_ratel.runtime.storage import ALIGNMENT, aligned_empty
+from lightning_ratel.runtime.hostmem import ALIGNMENT, aligned_empty
 from lightning_ratel.sizes import round_up
 
 _POISON = 0xFF

@@ -16,7 +16,8 @@ import torch
 
 from lightning_ratel.plan.profile import HardwareProfile
 from lightning_ratel.runtime.device import Device
-from lightning_ratel.runtime.storage import TensorStore, aligned_empty
+from lightning_ratel.runtime.hostmem import aligned_empty
+from lightning_ratel.runtime.storage import TensorStore
 
 
 def available_host_memory() -> int:

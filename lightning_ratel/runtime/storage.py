@@ -6,18 +6,17 @@ read or write keeps every drive busy. Chunks start at 4096-byte file offsets and
 lets the store use ``O_DIRECT`` and move data straight between the drive and the caller's buffer without passing
 through the page cache. Reads and writes run on a thread pool and return futures.
 
-Every chunk written gets a checksum, computed on the I/O thread just before the write and kept in memory beside the
-layout; every read verifies it, so data the drive or another process changed surfaces as :class:`RatelStoreError`
-(``EBADMSG``) naming the file, the key and the offset instead of as silently wrong weights.
+Every chunk written gets a checksum (:mod:`lightning_ratel.runtime.checksum`), computed on the I/O thread just before
+the write and kept in memory beside the layout; every read verifies it, so data the drive or another process changed
+surfaces as :class:`RatelStoreError` (``EBADMSG``) naming the file, the key and the offset instead of as silently
+wrong weights.
 
-A swap file starts with a 4096-byte header (a magic line, then JSON: format version, store name, a random run id,
-pid, host, slot and state) and holds data from offset 4096 on. The store creates its files exclusively and only ever
-removes a file whose header shows it is this plugin's, left by a run that died; anything else in the way is refused.
-A store kept at close (``keep_files=True``) marks its headers ``kept`` and writes ``<name>.index.json`` (keys, chunk
-layout, checksums) beside the first swap file; :meth:`TensorStore.open_kept` reads such a store back later.
+The files themselves (header, exclusive creation, locks, stale files) are :mod:`lightning_ratel.runtime.swapfile`'s;
+the memory the store reads into and writes from, :mod:`lightning_ratel.runtime.hostmem`'s. A store kept at close
+(``keep_files=True``) writes its index, and :class:`~lightning_ratel.runtime.kept.KeptStore` reads it back later.
 
-Subclasses (the device store in :mod:`lightning_ratel.runtime.gds`) build on :class:`Chunk`, :class:`SwapFile`,
-:class:`Request`, :func:`tensor_checksum` and the hooks that :class:`TensorStore` documents.
+Subclasses (the device store in :mod:`lightning_ratel.runtime.gds`) build on :class:`Chunk`, :class:`Request` and the
+hooks that :class:`TensorStore` documents.
 """
 
 from __future__ import annotations
@@ -25,59 +24,47 @@ from __future__ import annotations
 import concurrent.futures
 import ctypes
 import errno
-import fcntl
-import functools
 import itertools
 import json
-import mmap
 import os
 import queue
 import secrets
 import shutil
-import stat
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import torch
-import xxhash
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 
 from lightning_ratel.errors import RatelConfigError, RatelStoreError
+from lightning_ratel.runtime import swapfile
+from lightning_ratel.runtime.checksum import XXH3_64, checksum_of_zeros, host_checksum
+from lightning_ratel.runtime.hostmem import ALIGNMENT, aligned_empty, raw_memory
+from lightning_ratel.runtime.swapfile import (
+    FILE_MODE,
+    FORMAT_VERSION,
+    HEADER_BYTES,
+    IN_USE,
+    IN_USE_TO_KEEP,
+    INDEX_FORMAT,
+    KEPT,
+    SwapFile,
+    SwapHeader,
+    acquire_lock,
+    check_directory,
+    check_free_space,
+    check_unique,
+    create_swap,
+    resolve_directories,
+    space_detail,
+    write_block,
+)
 from lightning_ratel.sizes import format_bytes, round_up
-
-ALIGNMENT = 4096
-"""Byte alignment of file offsets, chunk sizes and buffers; covers the logical block size of NVMe drives."""
-
-HEADER_BYTES = ALIGNMENT
-"""Size of the header block at the start of every swap file; data starts at this offset."""
-
-XXH3_64 = "xxh3_64"
-"""Checksum of :class:`TensorStore`: xxHash XXH3, 64 bits, over a chunk's bytes in host memory."""
-
-INT64_WEIGHTED = "int64-weighted"
-"""Checksum of :func:`tensor_checksum`, computed with torch where the tensor lives (the device store's)."""
-
-_FILE_MODE = 0o600
-_HUGE_PAGE = 2 << 20
-_HEADER_MAGIC = b"lightning_ratel swap file\n"
-_INDEX_FORMAT = "lightning_ratel swap index"
-_FORMAT_VERSION = 1
-_IN_USE = "in use"
-_IN_USE_TO_KEEP = "in use, to be kept"
-_KEPT = "kept"
-# 2**64 divided by the golden ratio, as a signed 64-bit integer: consecutive multiples spread over all 64 bits.
-_GOLDEN = -7046029254386353131
-
-
-def _open(path: str, flags: int, mode: int = _FILE_MODE) -> int:
-    """Open ``path``; every file the store creates or opens goes through here so tests can make the filesystem
-    refuse."""
-    return os.open(path, flags, mode)
 
 
 def _pread(fd: int, buf: memoryview, offset: int) -> int:
@@ -93,150 +80,6 @@ def _pwrite(fd: int, buf: memoryview, offset: int) -> int:
 def add_note(error: BaseException, note: str) -> None:
     """Attach a PEP 678 note to ``error`` (shown with the traceback from Python 3.11; ``add_note`` itself is 3.11+)."""
     error.__notes__ = [*getattr(error, "__notes__", []), note]
-
-
-def _memory(address: int, nbytes: int) -> memoryview:
-    """A writable byte view of ``nbytes`` of raw memory at ``address`` (no copy, does not own the memory)."""
-    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
-
-
-class _PinnedMapping(mmap.mmap):
-    """An anonymous mapping registered with CUDA as page-locked memory; unregistered when collected."""
-
-    registered_address = 0
-
-    def __del__(self) -> None:
-        if self.registered_address:
-            torch.cuda.cudart().cudaHostUnregister(self.registered_address)
-
-
-def aligned_empty(numel: int, dtype: torch.dtype, *, pin: bool = False, huge: bool = False) -> torch.Tensor:
-    """Allocate an uninitialised 1-D CPU tensor suited to direct I/O.
-
-    The memory comes from its own anonymous mapping, so the data pointer is page (4096-byte) aligned and the
-    tensor's storage is padded to a multiple of 4096 bytes. :class:`TensorStore` reads and writes whole 4096-byte
-    blocks through such tensors without a bounce buffer; it may overwrite the padding after the last element.
-
-    Args:
-        numel: Number of elements.
-        dtype: Element type.
-        pin: Page-lock the memory for fast host-to-device copies. Ignored when CUDA is not available.
-        huge: Ask for transparent huge pages, for a buffer that is allocated once and reused: direct I/O through it
-            pins 512x fewer pages per byte, which on the development machine made O_DIRECT reads ~1.8x and writes
-            ~1.4x faster at ~40% less CPU, but where the kernel compacts memory on demand its first touch is several
-            times slower. Ignored below 2 MiB.
-
-    Returns:
-        A tensor of ``numel`` elements whose storage ends at the next 4096-byte boundary (at least 4096 bytes).
-
-    Raises:
-        ValueError: If ``numel`` is negative.
-        RuntimeError: If CUDA refuses to pin the memory.
-    """
-    if numel < 0:
-        raise ValueError(f"numel must be >= 0, got {numel}")
-    nbytes = round_up(max(numel * dtype.itemsize, 1), ALIGNMENT)
-    pin = pin and torch.cuda.is_available()
-    # MAP_PRIVATE keeps this ordinary process memory; a shared anonymous mapping would be shmem-backed.
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-    mapping = _PinnedMapping(-1, nbytes, flags=flags) if pin else mmap.mmap(-1, nbytes, flags=flags)
-    if huge and nbytes >= _HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE"):
-        mapping.madvise(mmap.MADV_HUGEPAGE)
-    # The tensor holds the mapping's buffer export, so the mapping lives exactly as long as the storage.
-    flat = torch.frombuffer(mapping, dtype=torch.uint8)
-    if pin:
-        status = int(torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), nbytes, 0))
-        if status != 0:
-            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {status}")
-        mapping.registered_address = flat.data_ptr()
-    return flat.view(dtype)[:numel]
-
-
-def check_free_space(paths: Sequence[str | os.PathLike[str]], nbytes_per_path: Sequence[int]) -> None:
-    """Check that each filesystem has room for what will still be written to it.
-
-    Paths on the same filesystem share its free space, so their needs are added up before comparing.
-
-    Args:
-        paths: Directories that will receive data.
-        nbytes_per_path: Bytes still to be allocated in each directory, in the order of ``paths``.
-
-    Raises:
-        ValueError: If the two sequences differ in length.
-        RatelConfigError: If a filesystem has fewer free bytes than its paths need together.
-    """
-    if len(paths) != len(nbytes_per_path):
-        raise ValueError(f"got {len(paths)} paths but {len(nbytes_per_path)} sizes")
-    by_device: dict[int, list[tuple[str, int]]] = {}
-    for path, nbytes in zip(paths, nbytes_per_path):
-        by_device.setdefault(os.stat(path).st_dev, []).append((os.fspath(path), nbytes))
-    for entries in by_device.values():
-        needed = sum(nbytes for _, nbytes in entries)
-        if needed == 0:
-            continue
-        free = shutil.disk_usage(entries[0][0]).free
-        if needed > free:
-            names = ", ".join(path for path, _ in entries)
-            raise RatelConfigError(
-                f"Not enough free space for the swap files: {needed} bytes ({format_bytes(needed)}) are needed on the "
-                f"filesystem holding {names}, but only {free} bytes ({format_bytes(free)}) are free. Free up space there, "
-                "or add ssd_paths on other drives so the data is spread over more space."
-            )
-
-
-def tensor_checksum(data: torch.Tensor) -> int:
-    """A 64-bit checksum of a 1-D ``uint8`` tensor, computed with torch where the tensor lives.
-
-    Each 64-bit word (and each byte of a tail shorter than a word) is multiplied by an odd weight that depends on its
-    position, and the products are summed modulo 2**64. A flipped bit changes one word by a power of two below 2**64,
-    hence one product by a nonzero amount, so any single flipped bit changes the sum; a replaced block leaves it
-    unchanged only by chance (about 2**-64 for random data). Integer sums are exact in any order, so the value is the
-    same on every device and for every reduction strategy.
-
-    Args:
-        data: The bytes, on any device. Memory not aligned to 8 bytes is copied once.
-
-    Returns:
-        The checksum as a signed 64-bit integer.
-    """
-    count = data.numel()
-    whole = count - count % 8
-    if data.storage_offset() % 8 or data.data_ptr() % 8:
-        data = data.clone()
-    weights = torch.arange(whole // 8 + count - whole, dtype=torch.int64, device=data.device)
-    weights.mul_(_GOLDEN).bitwise_or_(1)
-    total = (data[:whole].view(torch.int64) * weights[: whole // 8]).sum()
-    if whole < count:
-        total = total + (data[whole:].to(torch.int64) * weights[whole // 8 :]).sum()
-    return int(total)
-
-
-@functools.lru_cache(maxsize=16)
-def space_detail(err: OSError, path: Path | str, missing: int) -> str:
-    """For a write that ran out of space (``ENOSPC``): how many bytes it still needed and how many are free where
-    ``path`` lives; empty for any other error."""
-    if err.errno != errno.ENOSPC:
-        return ""
-    try:
-        free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
-    except OSError:
-        return f"; {missing} more bytes ({format_bytes(missing)}) were to be written"
-    return (f"; {missing} more bytes ({format_bytes(missing)}) were to be written and {free} bytes "
-            f"({format_bytes(free)}) are free on its filesystem")
-
-
-def _checksum_of_zeros(algorithm: str, nbytes: int) -> int:
-    """What a chunk of ``nbytes`` that was reserved but never written holds: zeros (the file was created empty)."""
-    if algorithm == XXH3_64:
-        return xxhash.xxh3_64_intdigest(bytes(nbytes))
-    return 0
-
-
-def _host_checksum(algorithm: str, data: memoryview) -> int:
-    """The ``algorithm`` checksum of bytes in host memory."""
-    if algorithm == XXH3_64:
-        return xxhash.xxh3_64_intdigest(data)
-    return tensor_checksum(torch.frombuffer(data, dtype=torch.uint8))
 
 
 @dataclass(frozen=True)
@@ -261,26 +104,17 @@ class _Undefined:
 
 _WRITE_FAILED = _Undefined("failed", "its last write failed part way")
 _WRITES_OVERLAPPED = _Undefined("overlapped", "two writes of the key ran at the same time, so either may have landed")
-_UNDEFINED = {entry.code: entry for entry in (_WRITE_FAILED, _WRITES_OVERLAPPED)}
+UNDEFINED = {entry.code: entry for entry in (_WRITE_FAILED, _WRITES_OVERLAPPED)}
 
 
 @dataclass(frozen=True)
-class _Extent:
+class Extent:
     """Where a key lives, and per chunk what it holds: ``None`` (never written, so zeros), the checksum of the last
     write, the :class:`Request` of a write in flight, or an :class:`_Undefined`."""
 
     nbytes: int
     chunks: tuple[Chunk, ...]
     sums: list[Any]
-
-
-@dataclass(frozen=True)
-class SwapFile:
-    """An open swap file: its path, descriptor and whether the descriptor uses ``O_DIRECT``."""
-
-    path: Path
-    fd: int
-    direct: bool
 
 
 class Request:
@@ -312,7 +146,7 @@ class _HostRequest(Request):
             padded = round_up(nbytes, ALIGNMENT)
             if storage.data_ptr() + storage.nbytes() == self.address + padded:
                 span = padded
-        self.view = _memory(self.address, span) if span else None
+        self.view = raw_memory(self.address, span) if span else None
 
 
 class _Gather:
@@ -349,383 +183,7 @@ class _Gather:
         self.future.set_exception(first)
 
 
-@dataclass(frozen=True)
-class _Header:
-    """What the first block of a swap file says about it."""
-
-    version: int
-    name: str
-    run_id: str
-    slot: int
-    files: int
-    stripe_bytes: int
-    pid: int
-    host: str
-    created: float
-    state: str
-
-    def encode(self) -> bytes:
-        data = _HEADER_MAGIC + json.dumps(asdict(self), sort_keys=True).encode() + b"\n"
-        if len(data) > HEADER_BYTES:
-            raise RatelConfigError(f"The swap file header for store {self.name!r} is longer than {HEADER_BYTES} bytes")
-        return data.ljust(HEADER_BYTES, b"\0")
-
-    def describe(self) -> str:
-        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.created))
-        return f"run {self.run_id} (pid {self.pid} on {self.host}, started {started})"
-
-
-def _decode_header(data: bytes) -> dict[str, Any] | None:
-    """The fields of a header block, or ``None`` when the block does not start like one of ours."""
-    if not data.startswith(_HEADER_MAGIC):
-        return None
-    body = data[len(_HEADER_MAGIC) :].split(b"\0", 1)[0]
-    try:
-        decoded = json.loads(body)
-    except ValueError:
-        return None
-    return decoded if isinstance(decoded, dict) else None
-
-
-def _header_from(decoded: dict[str, Any]) -> _Header | None:
-    """A :class:`_Header` from decoded fields of this format version, or ``None`` when they do not fit."""
-    expected = {field.name: field.type for field in fields(_Header)}
-    if set(decoded) != set(expected):
-        return None
-    kinds = {"int": int, "str": str, "float": (int, float)}
-    if not all(isinstance(decoded[name], kinds[kind]) for name, kind in expected.items()):
-        return None
-    return _Header(**decoded)
-
-
-def _write_block(fd: int, data: bytes) -> None:
-    """Write one header block at offset 0 from aligned memory (``fd`` may use ``O_DIRECT``)."""
-    with mmap.mmap(-1, HEADER_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) as block:
-        block[:] = data
-        if os.pwrite(fd, block, 0) != HEADER_BYTES:
-            raise OSError(errno.EIO, "short write of the swap file header")
-
-
-def _read_block(fd: int) -> bytes:
-    """Read the header block at offset 0 into aligned memory (``fd`` may use ``O_DIRECT``)."""
-    with mmap.mmap(-1, HEADER_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) as block:
-        count = os.preadv(fd, [block], 0)
-        return bytes(block[:count])
-
-
-def _same_file(fd: int, other: int) -> bool:
-    mine, theirs = os.fstat(fd), os.fstat(other)
-    return (mine.st_dev, mine.st_ino) == (theirs.st_dev, theirs.st_ino)
-
-
-def _check_directory(path: Path, name: str, *, writable: bool = True) -> None:
-    try:
-        info = os.stat(path)
-    except FileNotFoundError:
-        raise RatelConfigError(
-            f"Swap directory {path} does not exist. Create it (mkdir -p) or correct ssd_paths."
-        ) from None
-    except OSError as exc:
-        raise RatelConfigError(
-            f"Swap directory {path} cannot be accessed ({exc.strerror}). Fix the permissions or correct ssd_paths."
-        ) from exc
-    if not stat.S_ISDIR(info.st_mode):
-        raise RatelConfigError(
-            f"Swap path {path} is not a directory. ssd_paths must name directories on the SSDs, not files."
-        )
-    if not writable:
-        return
-    # os.access answers yes for root even on read-only mounts, so really create a file.
-    probe = path / f".{name}.probe.{os.getpid()}.{secrets.token_hex(4)}"
-    try:
-        fd = _open(str(probe), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC)
-    except OSError as exc:
-        raise RatelConfigError(
-            f"Swap directory {path} is not writable ({exc.strerror}). Fix its permissions or mount options, or "
-            "choose another directory in ssd_paths."
-        ) from exc
-    os.close(fd)
-    os.unlink(probe)
-
-
-def _directories(paths: Sequence[str | os.PathLike[str]], name: str) -> list[Path]:
-    """Check the directory list and the store name that both ways of opening a store take; resolved paths."""
-    if isinstance(paths, (str, os.PathLike)):
-        raise RatelConfigError(f"paths must be a sequence of directories, got the single path {paths!r}")
-    if not paths:
-        raise RatelConfigError("TensorStore needs at least one directory in paths")
-    if not name or name in (".", "..") or "/" in name or "\0" in name:
-        raise RatelConfigError(f"name must be a plain file name without '/', got {name!r}")
-    return [Path(os.fspath(path)).resolve() for path in paths]
-
-
-def _check_unique(directories: Sequence[Path]) -> None:
-    if len(set(directories)) != len(directories):
-        raise RatelConfigError(
-            f"A directory is listed more than once in paths {[str(d) for d in directories]}; list each once."
-        )
-
-
-def _read_pid(fd: int) -> str:
-    try:
-        text = os.pread(fd, 64, 0).decode("ascii", "replace").strip()
-    except OSError:
-        text = ""
-    return text or "unknown"
-
-
-def _not_ours(info: os.stat_result) -> str | None:
-    """Why a regular file found under one of the store's names must not be written or removed, or ``None``."""
-    if not stat.S_ISREG(info.st_mode):
-        return "it is not a regular file"
-    if info.st_nlink != 1:
-        return (
-            f"it has {info.st_nlink} hard links, so another name (possibly outside the directory) shares its data "
-            "and writing it would change that file too"
-        )
-    if info.st_uid != os.geteuid():
-        return f"it belongs to user id {info.st_uid}, not to this user ({os.geteuid()})"
-    return None
-
-
-def _acquire_lock(path: Path, directory: Path) -> int:
-    """Take the exclusive lock file of a store; returns its descriptor with our pid written inside."""
-    while True:
-        fd = _open(str(path), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _read_pid(fd)
-            os.close(fd)
-            raise RatelConfigError(
-                f"Swap directory {directory} is in use by another run (pid {holder}, lock file {path}). Wait for "
-                "that run to finish, or give this run a different directory or store name."
-            ) from None
-        except BaseException:
-            os.close(fd)
-            raise
-        # A releasing store unlinks the lock file before unlocking it; a lock won on that unlinked file is void.
-        try:
-            current = os.stat(path, follow_symlinks=False)
-        except FileNotFoundError:
-            current = None
-        mine = os.fstat(fd)
-        if current is not None and (current.st_dev, current.st_ino) == (mine.st_dev, mine.st_ino):
-            break
-        os.close(fd)
-    reason = _not_ours(mine)
-    if reason is not None:
-        os.close(fd)
-        raise RatelConfigError(
-            f"The lock file {path} cannot be used: {reason}. The store writes its pid into that file. Remove it "
-            f"(rm {path} removes only that name) or give this run a different directory or store name."
-        )
-    try:
-        os.fchmod(fd, _FILE_MODE)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
-    except BaseException:
-        os.unlink(path)
-        os.close(fd)
-        raise
-    return fd
-
-
-def _remove_stale(path: Path, name: str) -> str:
-    """Remove ``path`` if it is this plugin's swap file left by a run that died; returns what it was.
-
-    The caller holds the directory's lock, so no live store uses the file.
-
-    Raises:
-        RatelConfigError: If the file is not ours to remove (say what it is and what to do).
-    """
-    elsewhere = "or give this run a different directory or store name"
-    info = os.lstat(path)
-    if stat.S_ISLNK(info.st_mode):
-        raise RatelConfigError(
-            f"The swap file {path} is a symbolic link (to {os.readlink(path)}); the store never writes through a "
-            f"link. Remove the link (rm {path}) {elsewhere}."
-        )
-    reason = _not_ours(info)
-    if reason is not None:
-        raise RatelConfigError(
-            f"A file is in the way of the swap file {path} and is left alone: {reason}. Remove that name (rm {path} "
-            f"removes only this name, not data another link shares) {elsewhere}."
-        )
-    fd = _open(str(path), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
-    try:
-        opened = os.fstat(fd)
-        if (opened.st_dev, opened.st_ino) != (info.st_dev, info.st_ino):
-            raise RatelConfigError(f"The file {path} changed while it was inspected; another process is writing there.")
-        decoded = _decode_header(os.pread(fd, HEADER_BYTES, 0))
-    finally:
-        os.close(fd)
-    if decoded is None and opened.st_size == 0:
-        # A run that died between creating the file and writing its header; removing it loses no data.
-        os.unlink(path)
-        return f"removed the empty swap file {path} of a run that died while creating it."
-    if decoded is None:
-        raise RatelConfigError(
-            f"A file that is not a lightning_ratel swap file is in the way of {path} (it has no swap file header) and "
-            f"is left alone. Move or delete it if it is not needed (a swap file of a lightning_ratel release before "
-            f"headers looks like this too) {elsewhere}."
-        )
-    if decoded.get("version") != _FORMAT_VERSION:
-        raise RatelConfigError(
-            f"The swap file {path} was written in format version {decoded.get('version')!r}, which this release "
-            f"(version {_FORMAT_VERSION}) does not read. Delete it if it is not needed {elsewhere}."
-        )
-    header = _header_from(decoded)
-    if header is None or header.name != name:
-        raise RatelConfigError(
-            f"The swap file {path} has a damaged header or belongs to another store name, and is left alone. Delete "
-            f"it if it is not needed {elsewhere}."
-        )
-    if header.state == _KEPT:
-        index = path.parent / f"{name}.index.json"
-        raise RatelConfigError(
-            f"The swap file {path} was kept by {header.describe()} (keep_swap_files), so this run does not replace "
-            f"it. Read it with TensorStore.open_kept([...], name={name!r}); delete it and the swap files in the other "
-            f"directories of that run (and {index} in the first one) once they are no longer needed, {elsewhere}."
-        )
-    if header.state == _IN_USE_TO_KEEP:
-        raise RatelConfigError(
-            f"The swap file {path} was to be kept by {header.describe()} (keep_swap_files), but that run ended "
-            "without closing its store, so no index describes it and TensorStore.open_kept cannot read it. It is "
-            f"left alone as that run asked: delete it once it is no longer needed, {elsewhere}."
-        )
-    if header.state != _IN_USE:
-        raise RatelConfigError(
-            f"The swap file {path} is in the unknown state {header.state!r} and is left alone. Delete it if it is not "
-            f"needed {elsewhere}."
-        )
-    os.unlink(path)
-    return f"removed the swap file {path} left by {header.describe()}, which ended without closing its store."
-
-
-def _unlink_created(path: Path, fd: int) -> None:
-    """Remove ``path`` if it still names the file open as ``fd`` (one this store created)."""
-    try:
-        current = os.lstat(path)
-    except FileNotFoundError:
-        return
-    mine = os.fstat(fd)
-    if (current.st_dev, current.st_ino) == (mine.st_dev, mine.st_ino):
-        os.unlink(path)
-
-
-def _reopen_direct(path: Path, fd: int, direct: bool | None, *, header: bytes | None) -> int | None:
-    """A second descriptor of the file open as ``fd``, with ``O_DIRECT``; ``None`` where the filesystem refuses it.
-
-    Some filesystems accept ``O_DIRECT`` at open but refuse the I/O, so this writes ``header`` (or, read-only, reads
-    the header block) through the new descriptor.
-
-    Raises:
-        RatelConfigError: If ``direct`` is ``True`` and direct I/O is refused, or the path names another file now.
-    """
-    mode = os.O_RDWR if header is not None else os.O_RDONLY
-    direct_fd = None
-    try:
-        direct_fd = _open(str(path), mode | os.O_DIRECT | os.O_CLOEXEC | os.O_NOFOLLOW)
-        if not _same_file(fd, direct_fd):
-            raise RatelConfigError(
-                f"The swap file {path} was replaced while the store opened it; another process is writing into the "
-                "swap directory. Give this run a directory of its own."
-            )
-        if header is not None:
-            _write_block(direct_fd, header)
-        else:
-            _read_block(direct_fd)
-    except OSError as exc:
-        if direct_fd is not None:
-            os.close(direct_fd)
-        if exc.errno != errno.EINVAL:
-            raise
-        if direct:
-            raise RatelConfigError(
-                f"The filesystem of {path.parent} does not support direct I/O (O_DIRECT: {exc.strerror}). Put the "
-                "swap files on a filesystem that does (ext4, xfs on an NVMe drive) or pass direct=None to fall back "
-                "to buffered I/O."
-            ) from exc
-        return None
-    except BaseException:
-        if direct_fd is not None:
-            os.close(direct_fd)
-        raise
-    return direct_fd
-
-
-def _create_swap(path: Path, direct: bool | None, header: _Header) -> tuple[SwapFile, str | None]:
-    """Create the swap file ``path`` exclusively, owner-only, with its header; ``O_DIRECT`` when wanted and supported.
-
-    A stale file of a dead run is removed first (see :func:`_remove_stale`); nothing else already there is touched.
-
-    Returns:
-        The open swap file, and a sentence about the stale file it replaced (``None`` if there was none).
-    """
-    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
-    replaced = None
-    try:
-        fd = _open(str(path), flags)
-    except FileExistsError:
-        replaced = _remove_stale(path, header.name)
-        fd = _open(str(path), flags)
-    try:
-        # Owner-only whatever the umask.
-        os.fchmod(fd, _FILE_MODE)
-        block = header.encode()
-        _write_block(fd, block)
-        direct_fd = None if direct is False else _reopen_direct(path, fd, direct, header=block)
-    except BaseException:
-        try:
-            _unlink_created(path, fd)
-        finally:
-            os.close(fd)
-        raise
-    if direct_fd is None:
-        return SwapFile(path, fd, False), replaced
-    os.close(fd)
-    return SwapFile(path, direct_fd, True), replaced
-
-
-def _open_kept(path: Path, name: str, direct: bool | None) -> tuple[SwapFile, _Header]:
-    """Open a kept swap file read-only and check its header.
-
-    Raises:
-        RatelConfigError: If the file is missing, unreadable, a link, or not a swap file kept by store ``name``.
-    """
-    try:
-        fd = _open(str(path), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        raise RatelConfigError(f"There is no swap file {path} to open; check paths and name.") from None
-    except OSError as exc:
-        hint = " (a symbolic link: pass the directory that holds the file itself)" if exc.errno == errno.ELOOP else ""
-        raise RatelConfigError(f"The kept swap file {path} cannot be opened{hint}: {exc.strerror}") from exc
-    try:
-        data = os.pread(fd, HEADER_BYTES, 0)
-        decoded = _decode_header(data)
-        header = None if decoded is None else _header_from(decoded)
-        if header is None or header.version != _FORMAT_VERSION or header.name != name:
-            raise RatelConfigError(
-                f"{path} is not a swap file of store {name!r} in format version {_FORMAT_VERSION} (its header "
-                "does not match), so it cannot be opened as a kept store."
-            )
-        if header.state != _KEPT:
-            raise RatelConfigError(
-                f"The swap file {path} of {header.describe()} is not marked as kept: that run ended without closing "
-                "its store (or is still running), so its index and checksums were never written."
-            )
-        direct_fd = None if direct is False else _reopen_direct(path, fd, direct, header=None)
-    except BaseException:
-        os.close(fd)
-        raise
-    if direct_fd is None:
-        return SwapFile(path, fd, False), header
-    os.close(fd)
-    return SwapFile(path, direct_fd, True), header
-
-
-class _PriorityPool:
+class PriorityPool:
     """Worker threads running queued calls, urgent ones first and in submission order within a priority.
 
     A page-in that the computation is about to wait for must not queue behind write-backs and reads ahead of the
@@ -815,29 +273,29 @@ class TensorStore:
         keep_files: bool = False,
         verify: bool = True,
     ) -> None:
-        directories = _directories(paths, name)
+        directories = resolve_directories(paths, name)
         if stripe_bytes <= 0 or stripe_bytes % ALIGNMENT:
             raise RatelConfigError(f"stripe_bytes must be a positive multiple of {ALIGNMENT}, got {stripe_bytes}")
         if io_threads_per_path < 1:
             raise RatelConfigError(f"io_threads_per_path must be at least 1, got {io_threads_per_path}")
         for directory in directories:
-            _check_directory(directory, name)
-        _check_unique(directories)
+            check_directory(directory, name)
+        check_unique(directories)
         self._init_state(name, directories, stripe_bytes, keep_files=keep_files, verify=verify, read_only=False)
         try:
             # Every lock is taken before any swap file is touched, so a refused store removes nothing.
             for directory in directories:
                 lock_path = directory / f"{name}.lock"
                 try:
-                    self._locks.append((lock_path, _acquire_lock(lock_path, directory)))
+                    self._locks.append((lock_path, acquire_lock(lock_path, directory)))
                 except OSError as exc:
                     raise RatelConfigError(f"Cannot take the lock file {lock_path}: {exc.strerror}") from exc
             replaced = []
             for slot, directory in enumerate(directories):
                 swap_path = directory / f"{name}.swap"
                 try:
-                    state = _IN_USE_TO_KEEP if keep_files else _IN_USE
-                    swap, stale = _create_swap(swap_path, direct, self._header(slot, state))
+                    state = IN_USE_TO_KEEP if keep_files else IN_USE
+                    swap, stale = create_swap(swap_path, direct, self._header(slot, state))
                 except OSError as exc:
                     raise RatelConfigError(
                         f"Cannot create the swap file {swap_path}: {exc.strerror}. Remove or fix that file, or "
@@ -855,58 +313,19 @@ class TensorStore:
                     f"lightning_ratel: direct I/O (O_DIRECT) is not supported in {', '.join(buffered)}; the swap "
                     "store uses buffered I/O there, which goes through the page cache."
                 )
-            self._pool = _PriorityPool(io_threads_per_path * len(directories), f"ratel-io-{name}")
+            self._pool = PriorityPool(io_threads_per_path * len(directories), f"ratel-io-{name}")
         except BaseException as error:
             self._abandon(error)
             raise
 
     @classmethod
-    def open_kept(
-        cls,
-        paths: Sequence[str | os.PathLike[str]],
-        name: str = "ratel",
-        *,
-        io_threads_per_path: int = 4,
-        direct: bool | None = None,
-    ) -> TensorStore:
-        """Open the swap files a store kept at :meth:`close` (``keep_files=True``), read-only.
+    def open_kept(cls, paths: Sequence[str | os.PathLike[str]], name: str = "ratel", *, io_threads_per_path: int = 4,
+                  direct: bool | None = None) -> TensorStore:
+        """The kept store in ``paths``, read-only: :class:`~lightning_ratel.runtime.kept.KeptStore` (this name stays
+        for code written against earlier releases)."""
+        from lightning_ratel.runtime.kept import KeptStore
 
-        The files are opened ``O_RDONLY`` and nothing in the directories is created, changed or removed, also not at
-        :meth:`close`. Reads verify the checksums the store recorded (whichever store kept the files: a device
-        store's files are read into CPU tensors here too); :meth:`write`, :meth:`reserve` and :meth:`preallocate`
-        raise :class:`RatelStoreError` with ``EROFS``. :meth:`keys` and :meth:`nbytes` list what is there, and
-        :attr:`metadata` is what the store was given with :meth:`set_metadata` (for example how its keys map to model
-        parameters, for an export from the kept files).
-
-        Args:
-            paths: The directories of the kept store, in any order (each file's header names its slot).
-            name: The store's name.
-            io_threads_per_path: I/O threads per directory.
-            direct: As for the constructor.
-
-        Returns:
-            A read-only :class:`TensorStore` (always the host store, whatever class this is called on).
-
-        Raises:
-            RatelConfigError: If a directory or swap file is missing, a file is not a swap file of ``name`` marked as
-                kept, the files are not all of one run, a directory of that run is not among ``paths``, or the index
-                is missing or does not match the files.
-        """
-        directories = _directories(paths, name)
-        if io_threads_per_path < 1:
-            raise RatelConfigError(f"io_threads_per_path must be at least 1, got {io_threads_per_path}")
-        for directory in directories:
-            _check_directory(directory, name, writable=False)
-        _check_unique(directories)
-        store = TensorStore.__new__(TensorStore)
-        store._init_state(name, directories, ALIGNMENT, keep_files=True, verify=False, read_only=True)
-        try:
-            store._load_kept(direct)
-            store._pool = _PriorityPool(io_threads_per_path * len(directories), f"ratel-io-{name}")
-        except BaseException as error:
-            store._abandon(error)
-            raise
-        return store
+        return KeptStore(paths, name, io_threads_per_path=io_threads_per_path, direct=direct)
 
     def _init_state(
         self, name: str, directories: list[Path], stripe_bytes: int, *, keep_files: bool, verify: bool,
@@ -925,7 +344,7 @@ class TensorStore:
         self._stats_lock = threading.Lock()
         # Guards the start and end of chunk writes in the checksum table (reads only look at single entries).
         self._sums_lock = threading.Lock()
-        self._extents: dict[str, _Extent] = {}
+        self._extents: dict[str, Extent] = {}
         self._tails = [HEADER_BYTES] * len(directories)
         self._next_slot = 0
         self._nbytes_reserved = 0
@@ -934,15 +353,15 @@ class TensorStore:
         self._bytes_written = 0
         self._locks: list[tuple[Path, int]] = []
         self._files: list[SwapFile] = []
-        self._pool: _PriorityPool | None = None
+        self._pool: PriorityPool | None = None
         self._direct = False
         self._local = threading.local()
         self._closed = False
         self._metadata: dict[str, Any] = {}
 
-    def _header(self, slot: int, state: str) -> _Header:
-        return _Header(
-            version=_FORMAT_VERSION, name=self._name, run_id=self._run_id, slot=slot, files=len(self._paths),
+    def _header(self, slot: int, state: str) -> SwapHeader:
+        return SwapHeader(
+            version=FORMAT_VERSION, name=self._name, run_id=self._run_id, slot=slot, files=len(self._paths),
             stripe_bytes=self._stripe_bytes, pid=os.getpid(), host=os.uname().nodename, created=self._created,
             state=state,
         )
@@ -1217,7 +636,7 @@ class TensorStore:
                 str(path),
             )
 
-    def _reserve_locked(self, key: str, nbytes: int) -> _Extent:
+    def _reserve_locked(self, key: str, nbytes: int) -> Extent:
         extent = self._extents.get(key)
         if extent is not None:
             if extent.nbytes != nbytes:
@@ -1234,7 +653,7 @@ class TensorStore:
             self._next_slot = (slot + 1) % len(self._paths)
             chunks.append(Chunk(slot, self._tails[slot], key_offset, length, disk_length))
             self._tails[slot] += disk_length
-        extent = _Extent(nbytes, tuple(chunks), [None] * len(chunks))
+        extent = Extent(nbytes, tuple(chunks), [None] * len(chunks))
         self._extents[key] = extent
         self._nbytes_reserved += nbytes
         return extent
@@ -1275,7 +694,7 @@ class TensorStore:
                 self._pool.submit(urgent, self._run_chunk, request, gather, extent, index)
         return gather.future
 
-    def _run_chunk(self, request: Request, gather: _Gather, extent: _Extent, index: int) -> None:
+    def _run_chunk(self, request: Request, gather: _Gather, extent: Extent, index: int) -> None:
         error: BaseException | None = None
         chunk = extent.chunks[index]
         start = time.perf_counter()
@@ -1297,7 +716,7 @@ class TensorStore:
                     self._bytes_read += chunk.length
         gather.finish(error)
 
-    def _write_verified(self, request: Request, extent: _Extent, index: int) -> None:
+    def _write_verified(self, request: Request, extent: Extent, index: int) -> None:
         """Write one chunk and publish its checksum once the bytes are in the file.
 
         While the write runs the entry holds the request itself; a second write of the same chunk that starts before
@@ -1313,7 +732,7 @@ class TensorStore:
             with self._sums_lock:
                 sums[index] = outcome if sums[index] is request else _WRITES_OVERLAPPED
 
-    def _read_verified(self, request: Request, extent: _Extent, index: int) -> None:
+    def _read_verified(self, request: Request, extent: Extent, index: int) -> None:
         """Read one chunk and check it against the checksum of the last write (or of zeros, if never written)."""
         chunk = extent.chunks[index]
         path = self._files[chunk.slot].path
@@ -1339,7 +758,7 @@ class TensorStore:
                 str(path),
             )
         if expected is None:
-            expected = _checksum_of_zeros(self._algorithm, chunk.length)
+            expected = checksum_of_zeros(self._algorithm, chunk.length)
         if actual != expected:
             raise RatelStoreError(
                 errno.EBADMSG,
@@ -1357,10 +776,10 @@ class TensorStore:
         checksum = None
         if self._verify and request.is_write:
             # Right before the write, while the bytes are hot in cache for it.
-            checksum = _host_checksum(self._algorithm, data)
+            checksum = host_checksum(self._algorithm, data)
         self._move_chunk(request, chunk)
         if self._verify and not request.is_write:
-            checksum = _host_checksum(self._algorithm, data)
+            checksum = host_checksum(self._algorithm, data)
         return checksum
 
     def _move_chunk(self, request: _HostRequest, chunk: Chunk) -> None:
@@ -1402,7 +821,7 @@ class TensorStore:
         if not hasattr(local, "view"):
             local.tensor = aligned_empty(self._stripe_bytes, torch.uint8)
             local.address = local.tensor.data_ptr()
-            local.view = _memory(local.address, self._stripe_bytes)
+            local.view = raw_memory(local.address, self._stripe_bytes)
         return local.view, local.address
 
     def _transfer(
@@ -1435,14 +854,14 @@ class TensorStore:
             done += count
 
     def _index_path(self) -> Path:
-        return self._paths[0] / f"{self._name}.index.json"
+        return swapfile.index_path(self._paths[0], self._name)
 
     def _keep(self) -> list[tuple[OSError, Path, str]]:
         """Mark every swap file as kept (durably), then write the index; the failures, if any."""
         failures: list[tuple[OSError, Path, str]] = []
         for slot, swap in enumerate(self._files):
             try:
-                _write_block(swap.fd, self._header(slot, _KEPT).encode())
+                write_block(swap.fd, self._header(slot, KEPT).encode())
                 os.fsync(swap.fd)
             except OSError as exc:
                 failures.append((exc, swap.path, "marking as kept"))
@@ -1466,8 +885,8 @@ class TensorStore:
                 "chunks": [[chunk.slot, chunk.file_offset, entry] for chunk, entry in zip(extent.chunks, sums)],
             }
         index = {
-            "format": _INDEX_FORMAT,
-            "version": _FORMAT_VERSION,
+            "format": INDEX_FORMAT,
+            "version": FORMAT_VERSION,
             "name": self._name,
             "run_id": self._run_id,
             "stripe_bytes": self._stripe_bytes,
@@ -1478,10 +897,10 @@ class TensorStore:
         }
         data = json.dumps(index).encode()
         staging = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
-        fd = _open(str(staging), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd = swapfile.open_file(str(staging), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW)
         try:
             try:
-                os.fchmod(fd, _FILE_MODE)
+                os.fchmod(fd, FILE_MODE)
                 view = memoryview(data)
                 while view:
                     view = view[os.write(fd, view) :]
@@ -1498,105 +917,6 @@ class TensorStore:
             os.fsync(directory)
         finally:
             os.close(directory)
-
-    def _load_kept(self, direct: bool | None) -> None:
-        """Open the kept files of the directories (any order) and the index; lay out their keys."""
-        headers = []
-        for directory in self._paths:
-            swap, header = _open_kept(directory / f"{self._name}.swap", self._name, direct)
-            self._files.append(swap)
-            headers.append(header)
-        first = headers[0]
-        for swap, header in zip(self._files, headers):
-            if header.run_id != first.run_id:
-                raise RatelConfigError(
-                    f"The kept swap files {self._files[0].path} and {swap.path} come from different runs "
-                    f"({first.describe()} and {header.describe()}); pass the directories of one run."
-                )
-        slots = sorted(header.slot for header in headers)
-        if slots != list(range(first.files)):
-            missing = sorted(set(range(first.files)) - set(slots))
-            raise RatelConfigError(
-                f"The kept store {self._name!r} of {first.describe()} has {first.files} swap files, but paths "
-                f"{[str(d) for d in self._paths]} hold slots {slots}; add the directories of slots {missing}."
-            )
-        order = sorted(range(len(headers)), key=lambda i: headers[i].slot)
-        self._files = [self._files[i] for i in order]
-        self._paths = tuple(self._paths[i] for i in order)
-        self._run_id = first.run_id
-        self._created = first.created
-        self._direct = all(f.direct for f in self._files)
-        self._load_index(self._index_path(), first)
-
-    def _load_index(self, path: Path, header: _Header) -> None:
-        """Read the index of a kept store and rebuild its extents and checksums from it."""
-        try:
-            with open(path, "rb") as file:
-                index = json.loads(file.read())
-        except FileNotFoundError:
-            raise RatelConfigError(
-                f"The kept store {self._name!r} of {header.describe()} has no index {path}; without it the layout "
-                "of its keys is unknown."
-            ) from None
-        except (OSError, ValueError) as exc:
-            raise RatelConfigError(f"The index {path} of a kept store cannot be read: {exc}") from exc
-
-        def invalid(what: str) -> RatelConfigError:
-            return RatelConfigError(f"The index {path} does not match the kept swap files: {what}.")
-
-        if not isinstance(index, dict) or index.get("format") != _INDEX_FORMAT:
-            raise invalid("it is not a lightning_ratel swap index")
-        if index.get("version") != _FORMAT_VERSION or index.get("name") != self._name:
-            raise invalid(f"format version {index.get('version')!r} or store name {index.get('name')!r} differs")
-        if index.get("run_id") != header.run_id:
-            raise invalid(f"it is of run {index.get('run_id')!r}, the files of run {header.run_id}")
-        stripe = index.get("stripe_bytes")
-        if stripe != header.stripe_bytes or len(index.get("directories", ())) != header.files:
-            raise invalid("its stripe size or number of directories differs from the file headers")
-        algorithm = index.get("checksum")
-        if algorithm not in (XXH3_64, INT64_WEIGHTED, None):
-            raise invalid(f"checksum algorithm {algorithm!r} is unknown")
-        self._stripe_bytes = stripe
-        self._verify = algorithm is not None
-        self._algorithm = algorithm or self._checksum_algorithm
-        keys = index.get("keys")
-        if not isinstance(keys, dict):
-            raise invalid("it lists no keys")
-        metadata = index.get("metadata", {})
-        if not isinstance(metadata, dict):
-            raise invalid("its metadata is not a JSON object")
-        self._metadata = metadata
-        for key, entry in keys.items():
-            try:
-                self._extents[key] = self._kept_extent(entry, header.files)
-            except (TypeError, ValueError, KeyError) as exc:
-                raise invalid(f"the entry of key {key!r} is malformed ({exc})") from exc
-            self._nbytes_reserved += entry["nbytes"]
-        for extent in self._extents.values():
-            for chunk in extent.chunks:
-                self._tails[chunk.slot] = max(self._tails[chunk.slot], chunk.file_offset + chunk.disk_length)
-
-    def _kept_extent(self, entry: dict[str, Any], files: int) -> _Extent:
-        nbytes = entry["nbytes"]
-        listed = entry["chunks"]
-        if not isinstance(nbytes, int) or nbytes < 0 or len(listed) != round_up(nbytes, self._stripe_bytes) // self._stripe_bytes:
-            raise ValueError(f"{len(listed)} chunks for {nbytes!r} bytes")
-        chunks = []
-        sums: list[Any] = []
-        for index, (slot, file_offset, checksum) in enumerate(listed):
-            if not (isinstance(slot, int) and 0 <= slot < files):
-                raise ValueError(f"slot {slot!r}")
-            if not isinstance(file_offset, int) or file_offset < HEADER_BYTES or file_offset % ALIGNMENT:
-                raise ValueError(f"file offset {file_offset!r}")
-            if isinstance(checksum, str):
-                checksum = _UNDEFINED[checksum]
-            elif checksum is not None and not isinstance(checksum, int):
-                raise ValueError(f"checksum {checksum!r}")
-            key_offset = index * self._stripe_bytes
-            length = min(self._stripe_bytes, nbytes - key_offset)
-            chunks.append(Chunk(slot, file_offset, key_offset, length, round_up(length, ALIGNMENT)))
-            sums.append(checksum)
-        return _Extent(nbytes, tuple(chunks), sums)
 
     def _release(self) -> None:
         if self._pool is not None:
