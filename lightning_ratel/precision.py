@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Generator
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import lightning.pytorch as pl
 import torch
@@ -21,6 +21,21 @@ from typing_extensions import override
 from lightning_ratel.errors import RatelConfigError
 
 _PRECISION_INPUT = Literal["32-true", "bf16-mixed", "16-mixed"]
+
+
+class StepEngine(Protocol):
+    """What this plugin asks of the engine during a step (:class:`~lightning_ratel.engine.RatelEngine` is it)."""
+
+    def begin_step(self, optimizer: torch.optim.Optimizer, clip_val: float | None, clip_algorithm: str | None,
+                   deferred: bool) -> None: ...
+
+    def finish_step(self, loss_scale: Tensor | None = None) -> bool: ...
+
+    def request_clip(self, clip_val: float, algorithm: str) -> None: ...
+
+    def pre_backward(self) -> None: ...
+
+    def post_backward(self) -> None: ...
 _HALF = {"32-true": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
@@ -65,7 +80,7 @@ class RatelPrecision(Precision):
         self._scale = torch.full((), init_scale, dtype=torch.float32) if precision == "16-mixed" else None
         self._device_scale: Tensor | None = None
         self._growth_tracker = 0
-        self._engine: Any = None
+        self._engine: StepEngine | None = None
         self.steps_skipped = 0
 
     @classmethod
@@ -83,7 +98,7 @@ class RatelPrecision(Precision):
             f" (precision={getattr(plugin, 'precision', '?')!r})"
         )
 
-    def bind(self, engine: Any, device_type: str) -> None:
+    def bind(self, engine: StepEngine | None, device_type: str) -> None:
         """Attach the engine that runs this fit (``None`` once it has ended), and the device type autocast must
         target."""
         self._engine = engine
@@ -133,7 +148,7 @@ class RatelPrecision(Precision):
         closure: Callable[[], Any],
         **kwargs: Any,
     ) -> Any:
-        engine = self._engine
+        engine = self._bound()
         trainer = model.trainer
         deferred = self._deferred(model)
         algorithm = trainer.gradient_clip_algorithm
@@ -187,7 +202,13 @@ class RatelPrecision(Precision):
     ) -> None:
         if clip_val <= 0:
             return
-        self._engine.request_clip(clip_val, GradClipAlgorithmType(gradient_clip_algorithm).value)
+        self._bound().request_clip(clip_val, GradClipAlgorithmType(gradient_clip_algorithm).value)
+
+    def _bound(self) -> StepEngine:
+        if self._engine is None:
+            raise RuntimeError(
+                "RatelPrecision runs an optimizer step only inside a RatelStrategy fit (no engine is bound)")
+        return self._engine
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -1,0 +1,130 @@
+"""The step protocol between the precision plugin and the engine, with a stand-in engine: no Trainer, no threads.
+
+What is decided where: the plugin says whether updates must wait for the end of backward (norm clipping, a custom
+``configure_gradient_clipping``, fp16 loss scaling), hands a clipping request made after the closure to the engine,
+and moves the fp16 loss scale as ``torch.amp.GradScaler`` does from whether the engine took the step.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.utilities import GradClipAlgorithmType
+
+from lightning_ratel.precision import RatelPrecision
+
+
+class FakeEngine:
+    """Records the calls of a step; ``taken`` is what ``finish_step`` answers."""
+
+    def __init__(self, taken: bool = True) -> None:
+        self.taken = taken
+        self.calls: list[tuple[Any, ...]] = []
+
+    def begin_step(self, optimizer: Any, clip_val: Any, clip_algorithm: Any, deferred: bool) -> None:
+        self.calls.append(("begin", clip_val, clip_algorithm, deferred))
+
+    def finish_step(self, loss_scale: torch.Tensor | None = None) -> bool:
+        self.calls.append(("finish", None if loss_scale is None else float(loss_scale)))
+        return self.taken
+
+    def request_clip(self, clip_val: float, algorithm: str) -> None:
+        self.calls.append(("clip", clip_val, algorithm))
+
+    def pre_backward(self) -> None:
+        self.calls.append(("pre_backward",))
+
+    def post_backward(self) -> None:
+        self.calls.append(("post_backward",))
+
+
+class Plain(pl.LightningModule):
+    pass
+
+
+class CustomClipping(pl.LightningModule):
+    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None,
+                                    gradient_clip_algorithm: Any = None) -> None:
+        self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+
+def _model(cls: type[pl.LightningModule], clip_val: float | None = None, algorithm: str | None = None) -> Any:
+    model = cls()
+    # The Trainer holds the algorithm as Lightning's enum (None where it was not given).
+    kind = GradClipAlgorithmType(algorithm) if algorithm is not None else None
+    model._trainer = types.SimpleNamespace(gradient_clip_val=clip_val, gradient_clip_algorithm=kind)
+    return model
+
+
+def _plugin(precision: str, engine: FakeEngine, **kwargs: Any) -> RatelPrecision:
+    """The plugin bound to ``engine``; Lightning's callback hooks after the closure are not part of this protocol."""
+    plugin = RatelPrecision(precision, device="cpu", **kwargs)
+    plugin.bind(engine, "cpu")
+    plugin._after_closure = lambda model, optimizer: None  # type: ignore[method-assign]
+    return plugin
+
+
+def _step(precision: RatelPrecision, model: Any, loss: float = 1.0) -> torch.Tensor:
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+    return precision.optimizer_step(optimizer, model, lambda: torch.tensor(loss))
+
+
+@pytest.mark.parametrize(
+    ("cls", "clip_val", "algorithm", "precision", "deferred"),
+    [
+        (Plain, None, None, "32-true", False),
+        (Plain, 1.0, "value", "bf16-mixed", False),  # element-wise: each shard clips its own gradients, overlapped
+        (Plain, 1.0, None, "32-true", True),  # Lightning's default algorithm is the norm
+        (Plain, 1.0, "norm", "32-true", True),
+        (CustomClipping, None, None, "32-true", True),
+        (Plain, None, None, "16-mixed", True),  # an overflow check needs every gradient
+    ],
+)
+def test_updates_wait_for_backward_only_when_something_global_is_unknown(cls, clip_val, algorithm, precision,
+                                                                        deferred):
+    engine = FakeEngine()
+    plugin = _plugin(precision, engine)
+    _step(plugin, _model(cls, clip_val, algorithm))
+    assert engine.calls[0][0] == "begin" and engine.calls[0][3] is deferred
+    assert engine.calls[-1][0] == "finish"
+
+
+def test_a_clip_requested_in_the_closure_reaches_the_engine_before_the_step_finishes():
+    engine = FakeEngine()
+    plugin = _plugin("32-true", engine)
+    model = _model(CustomClipping, 0.5, "norm")
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+
+    def closure() -> torch.Tensor:
+        plugin.clip_gradients(optimizer, 0.5, "norm")
+        return torch.tensor(1.0)
+
+    plugin.optimizer_step(optimizer, model, closure)
+    assert [call[0] for call in engine.calls] == ["begin", "clip", "finish"]
+    assert engine.calls[1] == ("clip", 0.5, "norm")
+    plugin.clip_gradients(optimizer, 0.0, "norm")  # nothing to clip: nothing asked
+    assert len(engine.calls) == 3
+
+
+def test_fp16_loss_scale_follows_gradscaler():
+    engine = FakeEngine(taken=False)
+    plugin = _plugin("16-mixed", engine, init_scale=1024.0, growth_interval=2)
+    model = _model(Plain)
+    _step(plugin, model)  # an overflow: the step is skipped and the scale backs off
+    assert engine.calls[-1] == ("finish", 1024.0)
+    assert float(plugin.loss_scale) == 512.0 and plugin.steps_skipped == 1
+    engine.taken = True
+    _step(plugin, model)
+    _step(plugin, model)  # two steps without overflow: the scale grows
+    assert float(plugin.loss_scale) == 1024.0
+    assert plugin.state_dict() == {"scale": 1024.0, "growth_tracker": 0}
+
+
+def test_a_step_without_an_engine_is_refused():
+    plugin = RatelPrecision("32-true", device="cpu")
+    with pytest.raises(RuntimeError, match="no engine is bound"):
+        _step(plugin, _model(Plain))
