@@ -16,8 +16,8 @@ import torch
 from lightning_ratel import RatelConfigError, RatelPrecision, RatelStrategy
 from lightning_ratel import strategy as strategy_module
 from lightning_ratel.runtime.device import DONE, Device
-from lightning_ratel.runtime.simulation import StreamOrderError, take_simulation_errors
 from lightning_ratel.runtime.pool import HostPool
+from lightning_ratel.runtime.simulation import StreamOrderError, take_simulation_errors
 from lightning_ratel.runtime.storage import TensorStore
 from tests.models import LM, trainer
 from tests.test_pager import Tied, _block, _paged

@@ -17,8 +17,7 @@ import pytest
 import torch
 
 from lightning_ratel.errors import RatelConfigError, RatelStoreError
-from lightning_ratel.runtime import storage
-from lightning_ratel.runtime import swapfile
+from lightning_ratel.runtime import storage, swapfile
 from lightning_ratel.runtime.hostmem import ALIGNMENT, aligned_empty
 from lightning_ratel.runtime.storage import TensorStore
 from lightning_ratel.runtime.swapfile import HEADER_BYTES, check_free_space

@@ -38,12 +38,12 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
-from lightning_ratel.tiers import Placement, tier_of
 from lightning_ratel.runtime.device import Device
+from lightning_ratel.runtime.hostmem import aligned_empty
 from lightning_ratel.runtime.pager import ParameterPager
 from lightning_ratel.runtime.recompute import ForwardRecord
-from lightning_ratel.runtime.hostmem import aligned_empty
 from lightning_ratel.runtime.storage import TensorStore
+from lightning_ratel.tiers import Placement, tier_of
 
 
 @dataclass

@@ -41,17 +41,18 @@ from typing import Any
 
 import torch
 
+from lightning_ratel.runtime.hostmem import aligned_empty
 from lightning_ratel.runtime.pool import HostPool
 from lightning_ratel.runtime.simulation import (
-    StreamOrderError,
     SimEvent,
     SimStream,
     Simulation,
+    StreamOrderError,
     pending_simulation_errors,
     simulating,
     take_simulation_errors,
 )
-from lightning_ratel.runtime.hostmem import aligned_empty
+
 
 class _DoneEvent:
     """Stands in for an event where every copy has completed when it returns (the CPU)."""

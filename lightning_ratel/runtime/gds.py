@@ -34,11 +34,12 @@ from typing import Any
 import torch
 
 from lightning_ratel.errors import RatelConfigError, RatelStoreError
-from lightning_ratel.runtime.probe import best_time
 from lightning_ratel.runtime.checksum import INT64_WEIGHTED, tensor_checksum
 from lightning_ratel.runtime.hostmem import ALIGNMENT, aligned_empty
+from lightning_ratel.runtime.probe import best_time
 from lightning_ratel.runtime.storage import Chunk, Request, TensorStore
 from lightning_ratel.runtime.swapfile import SwapFile
+
 
 def install_hint() -> str:
     """How to install the kvikio build that matches this torch's CUDA major version."""

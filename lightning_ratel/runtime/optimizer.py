@@ -54,10 +54,10 @@ import torch
 
 from lightning_ratel.runtime.accumulation import GradientAccumulator, GradientBudget
 from lightning_ratel.runtime.adamw import adamw_step
+from lightning_ratel.runtime.hostmem import aligned_empty
 from lightning_ratel.runtime.ledger import StepLedger
 from lightning_ratel.runtime.pool import BufferPool
 from lightning_ratel.runtime.state_buffers import BUFFER_SETS, Loaded, StateBuffers, StateBufferSet
-from lightning_ratel.runtime.hostmem import aligned_empty
 from lightning_ratel.runtime.storage import TensorStore
 from lightning_ratel.runtime.timeline import Timeline
 from lightning_ratel.runtime.units import Shard

@@ -18,8 +18,8 @@ from concurrent.futures import Future
 
 import torch
 
-from lightning_ratel.runtime.ledger import StepLedger
 from lightning_ratel.runtime.hostmem import ALIGNMENT, aligned_empty
+from lightning_ratel.runtime.ledger import StepLedger
 from lightning_ratel.runtime.storage import TensorStore
 from lightning_ratel.runtime.timeline import Timeline
 from lightning_ratel.runtime.units import Shard
