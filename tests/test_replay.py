@@ -141,6 +141,80 @@ class _Stack(nn.Module):
         return type("Out", (), {"loss": loss})()
 
 
+class _ConvBNBlock(nn.Module):
+    """torchvision's ResNet basic block: two 3x3 convolutions with batch norm, the second BN a cumulative average
+    (``momentum=None``, which reads ``num_batches_tracked``), and dropout between them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(8, 8, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.drop = nn.Dropout(0.2)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(8, momentum=None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.drop(torch.relu(self.bn1(self.conv1(x))))
+        return torch.relu(x + self.bn2(self.conv2(y)))
+
+
+class _ConvNet(nn.Module):
+    """The tokens' embeddings as a 4x4 image of 8 channels through a list of conv + BN blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 8)
+        self.layers = nn.ModuleList(_ConvBNBlock() for _ in range(2))
+        self.head = nn.Linear(8, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Any:
+        x = self.embed(input_ids).transpose(1, 2).reshape(-1, 8, 4, 4)
+        for layer in self.layers:
+            x = layer(x)
+        logits = self.head(x.flatten(2).transpose(1, 2))
+        loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.view(-1))
+        return type("Out", (), {"loss": loss, "logits": logits})()
+
+
+class _SpectralNormBlock(nn.Module):
+    """``spectral_norm`` both ways torch offers: a power iteration in a pre-hook writing buffers ``out=``, and a
+    parametrization writing them while the weight is computed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.utils.spectral_norm(nn.Linear(HIDDEN, HIDDEN))
+        self.b = nn.utils.parametrizations.spectral_norm(nn.Linear(HIDDEN, HIDDEN))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.b(torch.tanh(self.a(h)))
+
+
+class _Cache:
+    """A cache object a block fills in place (like a static KV cache)."""
+
+    def __init__(self) -> None:
+        self.keys = torch.zeros(2, SEQ, HIDDEN)
+
+
+class _StatefulBlock(nn.Module):
+    """Updates a buffer, a tensor attribute and a cache object in place, and reads each after the update."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(HIDDEN, HIDDEN)
+        self.register_buffer("ema", torch.zeros(HIDDEN))
+        self.calls = torch.zeros(())
+        self.cache = _Cache()
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        x = self.proj(h)
+        with torch.no_grad():
+            self.ema.mul_(0.9).add_(x.mean((0, 1)), alpha=0.1)
+            self.calls += 1
+            self.cache.keys.mul_(0.5).add_(x)
+        return h + (x + self.ema).sin() * self.calls + self.cache.keys.cos()
+
+
 def _mixtral() -> nn.Module:
     return MixtralForCausalLM(MixtralConfig(
         vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
@@ -165,6 +239,9 @@ BUILDERS = {
     "eval_attention": lambda: _Stack(_EvalAttentionBlock),
     "counting": lambda: _Stack(_CountingBlock),
     "scale_input": lambda: _Stack(_ScaleInputBlock),
+    "conv_bn": _ConvNet,
+    "spectral_norm": lambda: _Stack(_SpectralNormBlock),
+    "stateful": lambda: _Stack(_StatefulBlock),
     "mixtral": _mixtral,
     "qwen2_moe": _qwen2_moe,
 }
@@ -310,3 +387,38 @@ def test_memory_of_a_freed_output_has_no_producer():
         # The same memory, in a tensor no op of the block made.
         index = torch.from_numpy(memory).view(torch.int32)
         assert record.producer(index) is None
+
+
+def _fit_module(tmp_path, model: str, strategy: Any) -> tuple[LM, tuple[dict, dict]]:
+    module = LM(model)
+    t = trainer(strategy, max_steps=3)
+    t.fit(module)
+    return module, final_state(module, t)
+
+
+_TIERS = [{"activation_policy": "recompute"}, {"plan": "auto"}, {"activation_policy": "host"},
+          {"activation_policy": "ssd"}]
+
+
+@pytest.mark.parametrize("strategy", _TIERS, ids=lambda s: next(iter(s.values())))
+@pytest.mark.parametrize("model", ["conv_bn", "spectral_norm", "stateful"])
+def test_replay_leaves_what_the_forward_mutated_as_the_forward_left_it(tmp_path, model, strategy):
+    """Batch-norm statistics, spectral-norm vectors, an in-place updated buffer, tensor attribute and cache object are
+    updated once per forward, as plain training updates them, and the values the replay reads from them are the ones
+    the forward read; the random state after fit is plain training's too (a replay does not draw from it)."""
+    plain_module, reference = _fit_module(tmp_path, model, "auto")
+    plain_rng = torch.get_rng_state()
+    module, got = _fit_module(tmp_path, model, RatelStrategy(ssd_paths=[str(tmp_path)], **strategy))
+    compare_states(reference, got, 1e-5)
+    assert torch.equal(torch.get_rng_state(), plain_rng)
+    if model == "stateful":
+        for plain_layer, layer in zip(plain_module.model.layers, module.model.layers):
+            assert layer.calls.item() == plain_layer.calls.item() == 3
+            assert torch.allclose(layer.cache.keys, plain_layer.cache.keys, rtol=1e-5, atol=1e-6)
+    if model == "conv_bn":
+        batch = next(iter(module.train_dataloader()))
+        plain_module.eval()
+        module.eval()
+        with torch.no_grad():
+            want = plain_module.model(input_ids=batch, labels=batch).logits
+            assert torch.allclose(module.model(input_ids=batch, labels=batch).logits, want, rtol=1e-5, atol=1e-6)

@@ -11,7 +11,15 @@ the block's forward again, executing only the ops the discarded tensors depend o
 (on the device, in host memory or on disk) hands that output back instead of running (an in-place op writes it into
 the tensor it mutates), and an op nobody needs returns an uninitialised tensor of the right shape. The replay stops
 after the last op it needs. RNG state and autocast state are those of the original forward, so recomputed values
-are bit-identical. The replayed op sequence must be the recorded one, op by op.
+are bit-identical, and the RNG state after a replay is the one before it. The replayed op sequence must be the recorded
+one, op by op.
+
+A replay has no side effects on state outside the block's activations. A forward may write, in place, memory it did
+not produce: batch norm's running statistics (written by ``native_batch_norm`` although its schema does not say so),
+spectral norm's power-iteration vectors (``out=``), a buffer, a tensor attribute, a cache object. The tracker keeps a
+copy of each such storage's bytes before the forward first writes it and which op wrote it last, and an op reading it
+depends on that write. A replay gives every op touching such a storage the same view of a private copy started from
+those bytes: it reads what the forward read there, and the real buffer keeps what the forward left.
 
 The replay runs in the autograd state of the original forward: gradients enabled, each input requiring gradients as it
 did then, and a saved-tensor hook that drops whatever the replay's own graph would save, so it holds no more memory
@@ -45,7 +53,7 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.flop_counter import flop_registry
 
 from lightning_ratel.runtime.device import Stopwatch
@@ -62,6 +70,35 @@ class _StopReplay(Exception):
 def _drop_saved(tensor: torch.Tensor) -> None:
     """Pack hook of the replay: its autograd graph is never differentiated, so nothing it saves is kept."""
     return None
+
+
+# Ops that write arguments their schema does not mark as written: batch norm updates its running statistics (arguments
+# 3 and 4) when it normalises by batch statistics (argument 5).
+_UNMARKED_WRITES = {
+    op: (3, 4, 5)
+    for op in (torch.ops.aten.native_batch_norm.default, torch.ops.aten.cudnn_batch_norm.default,
+               torch.ops.aten.miopen_batch_norm.default)
+}
+
+
+def _written_tensors(func: Any, args: Any, kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """Every tensor argument an op writes in place (``self`` of ``add_``, ``out`` of ``div.out``, the running
+    statistics of a training batch norm)."""
+    unmarked = _UNMARKED_WRITES.get(func)
+    if unmarked is not None:
+        *written, flag = unmarked
+        training = args[flag] if flag < len(args) else kwargs.get(func._schema.arguments[flag].name)
+        picked = [args[i] if i < len(args) else kwargs.get(func._schema.arguments[i].name) for i in written]
+        return [t for t in picked if isinstance(t, torch.Tensor)] if training else []
+    if not func._schema.is_mutable:
+        return []
+    found = []
+    for i, argument in enumerate(func._schema.arguments):
+        info = argument.alias_info
+        if info is not None and info.is_write:
+            value = args[i] if i < len(args) else kwargs.get(argument.name)
+            found.extend(t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
+    return found
 
 
 def _written_argument(func: Any, args: Any, kwargs: dict[str, Any]) -> torch.Tensor | None:
@@ -129,6 +166,11 @@ class ForwardRecord:
     input_storages: set[int] = field(default_factory=set)
     input_readers: set[int] = field(default_factory=set)
     input_written: int | None = None
+    # storage pointer -> (weak reference, copy of its bytes before the forward first wrote it), for every storage from
+    # outside the block (a buffer, a tensor attribute, a cache) that the forward writes in place
+    external: dict[int, tuple[StorageWeakRef, torch.UntypedStorage]] = field(default_factory=dict)
+    # storage pointer -> the op that last wrote that outside storage in the forward
+    external_writer: dict[int, int] = field(default_factory=dict)
     forward: Callable[..., Any] | None = None
     rng_state: torch.Tensor | None = None
     cuda_rng_state: torch.Tensor | None = None
@@ -175,6 +217,23 @@ class ForwardRecord:
         if entry is None or entry[2].expired():
             return None
         return entry[0], entry[1]
+
+    def note_outside_writes(self, written: list[torch.Tensor]) -> None:
+        """Before an op writes ``written``: keep the bytes of each storage from outside the block it writes for the
+        first time, so that a replay can start that storage from what the forward started from."""
+        for t in written:
+            if not t.numel():
+                continue
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr in self.input_storages or ptr in self.external or self.writer(ptr) is not None:
+                continue
+            self.external[ptr] = (StorageWeakRef(storage), storage.clone())
+
+    def outside_storage(self, ptr: int) -> bool:
+        """Whether ``ptr`` is a live storage from outside the block that the forward wrote."""
+        entry = self.external.get(ptr)
+        return entry is not None and not entry[0].expired()
 
     def count_saved(self, storage: int, op: int, nbytes: int) -> None:
         """Add ``nbytes`` saved from ``op``'s output (-1: the inputs), once per storage."""
@@ -298,9 +357,27 @@ class _Replayer(TorchDispatchMode):
         self.unpack = unpack
         self.outputs = outputs
         self.k = 0
+        # Outside storages the forward wrote, by pointer: this replay's own copies, made on first use from the bytes
+        # they held before the forward.
+        self._scratch: dict[int, torch.UntypedStorage] = {}
+
+    def _redirected(self, t: Any) -> Any:
+        """``t``, or where it lies in an outside storage the forward wrote, the same view of this replay's copy of
+        that storage: the replay reads what the forward read and writes nothing the forward left behind."""
+        if not isinstance(t, torch.Tensor) or not t.numel():
+            return t
+        ptr = t.untyped_storage().data_ptr()
+        if not self.record.outside_storage(ptr):
+            return t
+        scratch = self._scratch.get(ptr)
+        if scratch is None:
+            scratch = self._scratch[ptr] = self.record.external[ptr][1].clone()
+        return torch.empty(0, dtype=t.dtype, device=t.device).set_(scratch, t.storage_offset(), t.size(), t.stride())
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if self.record.external:
+            args, kwargs = tree_map(self._redirected, (args, kwargs))
         if func in _IGNORED:
             return func(*args, **kwargs)
         k = self.k
@@ -380,6 +457,8 @@ class OpTracker(TorchDispatchMode):
             if op is not None:
                 record.direct[id(out)] = (weakref.ref(out), op)
             return out
+        written = _written_tensors(func, args, kwargs)
+        record.note_outside_writes(written)
         if self.profile:
             self.synchronize()
             start = time.perf_counter()
@@ -408,12 +487,15 @@ class OpTracker(TorchDispatchMode):
                     in_storages.add(ptr)
                     if ptr in record.input_storages:
                         record.input_readers.add(k)
-                    written = record.writer(ptr)
-                    if op is not None and written is not None and written[0] > op:
+                    last = record.writer(ptr)
+                    if op is not None and last is not None and last[0] > op:
                         # Written in place after the op that returned this tensor (through another view of the
-                        # memory): the replay must run that write too. A tensor from outside the block already
-                        # holds what the forward wrote into it; writing again would change it.
-                        inputs.append(written[0])
+                        # memory): the replay must run that write too.
+                        inputs.append(last[0])
+                    if ptr in record.external_writer and record.outside_storage(ptr):
+                        # A storage from outside the block, written in this forward: a replay starts it from its
+                        # bytes before the forward, so it runs every write the value read here went through.
+                        inputs.append(record.external_writer[ptr])
         out_leaves, spec = tree_flatten(out)
         meta: list[Any] = []
         mutates = func._schema.is_mutable
@@ -430,6 +512,9 @@ class OpTracker(TorchDispatchMode):
                         record.input_written = k
             else:
                 meta.append(leaf)
+        for t in written:
+            if t.numel() and record.outside_storage(t.untyped_storage().data_ptr()):
+                record.external_writer[t.untyped_storage().data_ptr()] = k
         flops = 0.0
         if self.profile and func.overloadpacket in flop_registry:
             flops = float(flop_registry[func.overloadpacket](*args, **kwargs, out_val=out))
