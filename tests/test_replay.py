@@ -215,6 +215,40 @@ class _StatefulBlock(nn.Module):
         return h + (x + self.ema).sin() * self.calls + self.cache.keys.cos()
 
 
+class _ComplexRotaryBlock(nn.Module):
+    """Rotary embeddings by complex multiplication (``view_as_complex`` / ``view_as_real``, as Llama 4 and Meta's
+    Llama code do) around SDPA: saved complex tensors share memory with the float outputs of other ops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.heads = 4
+        self.qkv = nn.Linear(HIDDEN, 3 * HIDDEN)
+        self.out = nn.Linear(HIDDEN, HIDDEN)
+        half = HIDDEN // self.heads // 2
+        angles = torch.outer(torch.arange(SEQ).float(), 1.0 / 10000 ** (torch.arange(half).float() / half))
+        self.register_buffer("freqs", torch.polar(torch.ones_like(angles), angles), persistent=False)
+
+    def _rotate(self, x: torch.Tensor) -> torch.Tensor:
+        pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(pairs * self.freqs[: x.shape[1], None, :]).flatten(3).type_as(x)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        b, s, _ = h.shape
+        q, k, v = self.qkv(h).view(b, s, 3, self.heads, -1).unbind(2)
+        q, k, v = self._rotate(q).transpose(1, 2), self._rotate(k).transpose(1, 2), v.transpose(1, 2)
+        attn = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return h + self.out(attn.transpose(1, 2).reshape(b, s, HIDDEN))
+
+
+def _llama4() -> nn.Module:
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    return Llama4ForCausalLM(Llama4TextConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, intermediate_size_mlp=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=SEQ, num_local_experts=2,
+        num_experts_per_tok=1, tie_word_embeddings=False, attn_implementation="sdpa"))
+
+
 def _mixtral() -> nn.Module:
     return MixtralForCausalLM(MixtralConfig(
         vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
@@ -242,6 +276,8 @@ BUILDERS = {
     "conv_bn": _ConvNet,
     "spectral_norm": lambda: _Stack(_SpectralNormBlock),
     "stateful": lambda: _Stack(_StatefulBlock),
+    "complex_rotary": lambda: _Stack(_ComplexRotaryBlock),
+    "llama4": _llama4,
     "mixtral": _mixtral,
     "qwen2_moe": _qwen2_moe,
 }
@@ -422,3 +458,12 @@ def test_replay_leaves_what_the_forward_mutated_as_the_forward_left_it(tmp_path,
         with torch.no_grad():
             want = plain_module.model(input_ids=batch, labels=batch).logits
             assert torch.allclose(module.model(input_ids=batch, labels=batch).logits, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("policy", ["auto", "recompute"])
+@pytest.mark.parametrize("model", ["complex_rotary", "llama4"])
+def test_complex_views_of_recomputed_outputs_train_exactly(tmp_path, model, policy):
+    """A saved complex tensor viewing a recomputed float output (or the reverse) is rebuilt in its own dtype: its
+    sizes, strides and offset count complex elements."""
+    strategy: dict[str, Any] = {"plan": "auto"} if policy == "auto" else {"activation_policy": policy}
+    compare_states(_plain(model), _fit(tmp_path, model, **strategy), 1e-5)
