@@ -178,7 +178,12 @@ class RatelEngine:
         self.scheduler.prefetching = bool(self._ran_watched)
         try:
             with detector:
-                yield
+                try:
+                    yield
+                except BaseException:
+                    # Before the detector leaves the mode stack: the block modes above it come off first.
+                    self.scheduler.leave_open_forwards()
+                    raise
         finally:
             self.scheduler.prefetching = True
         self._ran_watched |= detector.ran

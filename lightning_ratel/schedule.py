@@ -255,11 +255,21 @@ class BlockScheduler:
 
     # ------------------------------------------------------------------ teardown
 
+    def leave_open_forwards(self) -> None:
+        """Close the block forwards an exception left open, innermost first, so that the modes and hooks they entered
+        come off their stacks in order: one that is not an ``Exception`` (Ctrl-C) skips the modules' always-called
+        forward hooks."""
+        while self._hook_stack:
+            b, contexts = self._hook_stack.pop()
+            for context in reversed(contexts):
+                context.__exit__(None, None, None)
+            self.cache.end_record(b)
+            self.pager.release(b)
+        self._path_stack.clear()
+
     def close(self) -> None:
         """Leave any forward still open (after an error), remove every hook and release every block."""
-        while self._hook_stack:
-            for context in reversed(self._hook_stack.pop()[1]):
-                context.__exit__(None, None, None)
+        self.leave_open_forwards()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
