@@ -92,6 +92,22 @@ def test_unknown_block_name_rejected_before_training(tmp_path: Path) -> None:
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize(("policy", "words"), [
+    ({"*layer.1": "recompute", "*": "host"}, r"\['\*layer\.1'\] match no block"),
+    ({"*": "host", "*layers.1": "ssd"}, r"\['\*layers\.1'\] only match blocks an earlier pattern already places"),
+], ids=["typo", "shadowed"])
+def test_activation_policy_pattern_placing_no_block_rejected_before_training(tmp_path: Path, policy: dict[str, str],
+                                                                             words: str) -> None:
+    lm = CountingLM(n_batches=2)
+    t = trainer(RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy=policy), max_steps=1)
+    with pytest.raises(RatelConfigError, match=words) as info:
+        t.fit(lm)
+    # The names the patterns are matched against.
+    assert "model.model.layers.0, model.model.layers.1" in str(info.value)
+    assert lm.training_steps == 0
+    assert os.listdir(tmp_path) == []
+
+
 def test_same_directory_twice_rejected(tmp_path: Path) -> None:
     error = fit_expecting_config_error([str(tmp_path), str(tmp_path / ".." / tmp_path.name)])
     assert "more than once" in str(error)
