@@ -33,7 +33,7 @@ from lightning_ratel.blocks import Block
 from lightning_ratel.runtime.activations import ActivationCache
 from lightning_ratel.runtime.device import Device
 from lightning_ratel.runtime.pager import ParameterPager
-from lightning_ratel.runtime.recompute import ForwardRecord, OpTracker
+from lightning_ratel.runtime.recompute import ForwardRecord, ModuleState, OpTracker
 from lightning_ratel.runtime.timeline import Timeline
 
 
@@ -160,6 +160,7 @@ class BlockScheduler:
                 rng_state=torch.get_rng_state(),
                 cuda_rng_state=torch.cuda.get_rng_state(self.device.device) if self.device.is_cuda else None,
                 autocast=(device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)),
+                module_state=ModuleState(module.modules()),
             )
             self.cache.begin_record(record, args, kwargs)
             self._path_stack.clear()

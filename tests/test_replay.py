@@ -99,19 +99,43 @@ class _EvalAttentionBlock(nn.Module):
 
 
 class _CountingBlock(nn.Module):
-    """Runs an extra op on every other call: its replay cannot run the ops of its forward."""
+    """Runs an extra op on every other call, counted in an attribute of its own (which a replay sees as the forward
+    did), or in a dict shared with the caller (which it cannot: its replay then runs other ops)."""
+
+    def __init__(self, shared: bool = False) -> None:
+        super().__init__()
+        self.proj = nn.Linear(HIDDEN, HIDDEN)
+        self.calls = 0
+        self.shared = {"calls": 0} if shared else None
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.shared is not None:
+            self.shared["calls"] += 1
+            calls = self.shared["calls"]
+        else:
+            self.calls += 1
+            calls = self.calls
+        y = self.proj(h)
+        if calls % 2:
+            y = y * 2.0
+        return h + y.sin()
+
+
+class _RebindingBlock(nn.Module):
+    """Updates a buffer and a tensor attribute by binding new tensors to them, not in place."""
 
     def __init__(self) -> None:
         super().__init__()
         self.proj = nn.Linear(HIDDEN, HIDDEN)
-        self.calls = 0
+        self.register_buffer("ema", torch.zeros(HIDDEN))
+        self.scale = torch.ones(())
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        y = self.proj(h)
-        if self.calls % 2:
-            y = y * 2.0
-        return h + y.sin()
+        x = self.proj(h)
+        with torch.no_grad():
+            self.ema = 0.9 * self.ema + 0.1 * x.mean((0, 1))
+            self.scale = self.scale * 1.1
+        return h + (x + self.ema).sin() * self.scale
 
 
 class _ScaleInputBlock(nn.Module):
@@ -277,6 +301,8 @@ BUILDERS = {
     "inplace_relu": lambda: _Stack(_InplaceReluBlock),
     "eval_attention": lambda: _Stack(_EvalAttentionBlock),
     "counting": lambda: _Stack(_CountingBlock),
+    "shared_counting": lambda: _Stack(lambda: _CountingBlock(shared=True)),
+    "rebinding": lambda: _Stack(_RebindingBlock),
     "scale_input": lambda: _Stack(_ScaleInputBlock),
     "conv_bn": _ConvNet,
     "spectral_norm": lambda: _Stack(_SpectralNormBlock),
@@ -397,7 +423,7 @@ def test_moe_models_train_exactly(tmp_path, model, policy):
 
 def test_forward_that_runs_other_ops_when_replayed_raises(tmp_path):
     with pytest.raises(RuntimeError) as error:
-        _fit(tmp_path, "counting", activation_policy="recompute")
+        _fit(tmp_path, "shared_counting", activation_policy="recompute")
     message = str(error.value)
     # Which block, which op, both ops, and what to do instead.
     assert "block 2 ('model.layers.1')" in message
@@ -444,20 +470,24 @@ _TIERS = [{"activation_policy": "recompute"}, {"plan": "auto"}, {"activation_pol
 
 
 @pytest.mark.parametrize("strategy", _TIERS, ids=lambda s: next(iter(s.values())))
-@pytest.mark.parametrize("model", ["conv_bn", "spectral_norm", "stateful"])
+@pytest.mark.parametrize("model", ["conv_bn", "spectral_norm", "stateful", "rebinding", "counting"])
 def test_replay_leaves_what_the_forward_mutated_as_the_forward_left_it(tmp_path, model, strategy):
-    """Batch-norm statistics, spectral-norm vectors, an in-place updated buffer, tensor attribute and cache object are
-    updated once per forward, as plain training updates them, and the values the replay reads from them are the ones
-    the forward read; the random state after fit is plain training's too (a replay does not draw from it)."""
+    """Batch-norm statistics, spectral-norm vectors, a buffer, tensor attribute and cache object updated in place, a
+    buffer and a tensor attribute rebound, a call counter: each is updated once per forward, as plain training updates
+    it, and the replay reads what the forward read; the random state after fit is plain training's too (a replay does
+    not draw from it)."""
     plain_module, reference = _fit_module(tmp_path, model, "auto")
     plain_rng = torch.get_rng_state()
     module, got = _fit_module(tmp_path, model, RatelStrategy(ssd_paths=[str(tmp_path)], **strategy))
     compare_states(reference, got, 1e-5)
     assert torch.equal(torch.get_rng_state(), plain_rng)
-    if model == "stateful":
-        for plain_layer, layer in zip(plain_module.model.layers, module.model.layers):
-            assert layer.calls.item() == plain_layer.calls.item() == 3
+    for plain_layer, layer in zip(plain_module.model.layers, module.model.layers):
+        if model in ("stateful", "counting"):
+            assert int(layer.calls) == int(plain_layer.calls) == 3
+        if model == "stateful":
             assert torch.allclose(layer.cache.keys, plain_layer.cache.keys, rtol=1e-5, atol=1e-6)
+        if model == "rebinding":
+            assert layer.scale.item() == plain_layer.scale.item()
     if model == "conv_bn":
         batch = next(iter(module.train_dataloader()))
         plain_module.eval()

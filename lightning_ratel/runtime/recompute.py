@@ -19,7 +19,10 @@ not produce: batch norm's running statistics (written by ``native_batch_norm`` a
 spectral norm's power-iteration vectors (``out=``), a buffer, a tensor attribute, a cache object. The tracker keeps a
 copy of each such storage's bytes before the forward first writes it and which op wrote it last, and an op reading it
 depends on that write. A replay gives every op touching such a storage the same view of a private copy started from
-those bytes: it reads what the forward read there, and the real buffer keeps what the forward left.
+those bytes: it reads what the forward read there, and the real buffer keeps what the forward left. A forward may also
+rebind state in Python (``self.ema = 0.9 * self.ema + ...``, ``self.calls += 1``): the buffers and plain attributes
+(tensors, numbers, strings) of the block's modules are kept as the forward started with them, given back to the
+modules for the replay and put back as they were after it.
 
 The replay runs in the autograd state of the original forward: gradients enabled, each input requiring gradients as it
 did then, and a saved-tensor hook that drops whatever the replay's own graph would save, so it holds no more memory
@@ -34,8 +37,8 @@ paths. In the same autograd state autograd issues exactly the ops it issued befo
 (which autograd issues when it saves a tensor without hooks) and ``lift_fresh`` are left out of the sequence, in the
 forward and in the replay alike.
 
-A forward that does something else from the same inputs and state (one that counts its calls or reads a cache)
-cannot be recomputed: where its replay runs another op, or an executed op gives other shapes, the replay raises an
+A forward that does something else from the same inputs and state kept that way (one that counts its calls in a
+container or an object outside its modules' attributes, or reads a cache it fills) cannot be recomputed: where its replay runs another op, or an executed op gives other shapes, the replay raises an
 error that names the block, the op and what to do instead. So does a replay that would read inputs the forward
 wrote in place, which no longer hold what the forward started from. Values Python reads from memory without an op
 (``.tolist()``, ``.numpy()``) are only right in a replay that executes the op producing them.
@@ -46,11 +49,12 @@ from __future__ import annotations
 import contextlib
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
@@ -61,6 +65,37 @@ from lightning_ratel.runtime.device import Stopwatch
 # Aliasing no-ops that are not part of a block's op sequence: autograd detaches a tensor it saves when no saved-tensor
 # hook is set, so whether they are issued depends on the hooks, which differ between the forward and the replay.
 _IGNORED = {torch.ops.aten.detach.default, torch.ops.aten.lift_fresh.default}
+
+
+# Attribute values a module's forward may rebind (``self.ema = 0.9 * self.ema + ...``, ``self.calls += 1``): what a
+# replay gives back as the forward saw it. Containers and other objects are shared, not copied.
+_PLAIN = (torch.Tensor, int, float, str, type(None))
+
+
+class ModuleState:
+    """The buffers and plain attributes (tensors, numbers, strings, ``None``) of modules, at one moment.
+
+    Args:
+        modules: the modules (a block's ``modules()``).
+    """
+
+    def __init__(self, modules: Iterable[nn.Module]) -> None:
+        self.entries = [(m, dict(m._buffers), {k: v for k, v in vars(m).items() if isinstance(v, _PLAIN)})
+                        for m in modules]
+
+    @property
+    def modules(self) -> list[nn.Module]:
+        return [m for m, _, _ in self.entries]
+
+    def apply(self) -> None:
+        """Give every module exactly these buffers and plain attributes again."""
+        for module, buffers, attributes in self.entries:
+            values = vars(module)
+            for name in [k for k, v in values.items() if isinstance(v, _PLAIN) and k not in attributes]:
+                del values[name]
+            values.update(attributes)
+            module._buffers.clear()
+            module._buffers.update(buffers)
 
 
 class _StopReplay(Exception):
@@ -172,6 +207,8 @@ class ForwardRecord:
     # storage pointer -> the op that last wrote that outside storage in the forward
     external_writer: dict[int, int] = field(default_factory=dict)
     forward: Callable[..., Any] | None = None
+    # the block's modules' buffers and plain attributes when the forward started
+    module_state: ModuleState | None = None
     rng_state: torch.Tensor | None = None
     cuda_rng_state: torch.Tensor | None = None
     autocast: tuple[str, bool, torch.dtype] | None = None
@@ -291,6 +328,8 @@ class ForwardRecord:
             if self.autocast is not None:
                 device_type, enabled, dtype = self.autocast
                 stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
+            if self.module_state is not None:
+                stack.callback(self._rebind_during(self.module_state))
             stack.enter_context(mode)
             try:
                 self.forward(*args, **kwargs)
@@ -304,6 +343,14 @@ class ForwardRecord:
             )
         self.outputs = outputs
         self.replay_watch = watch.stop()
+
+    @staticmethod
+    def _rebind_during(start: ModuleState) -> Callable[[], None]:
+        """Give the block's modules the attributes they had when the forward started; returns what puts back the
+        ones they have now (rebindings the replay makes are undone with it)."""
+        now = ModuleState(start.modules)
+        start.apply()
+        return now.apply
 
     def _with_autograd_state(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
         """The restored inputs, each requiring gradients as the forward's own did, and a graph leaf only where it was
