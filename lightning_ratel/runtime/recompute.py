@@ -38,9 +38,10 @@ paths. In the same autograd state autograd issues exactly the ops it issued befo
 forward and in the replay alike.
 
 A forward that does something else from the same inputs and state kept that way (one that counts its calls in a
-container or an object outside its modules' attributes, or reads a cache it fills) cannot be recomputed: where its replay runs another op, or an executed op gives other shapes, the replay raises an
-error that names the block, the op and what to do instead. So does a replay that would read inputs the forward
-wrote in place, which no longer hold what the forward started from. Values Python reads from memory without an op
+container or an object outside its modules' attributes, or reads a cache it fills) cannot be recomputed: where its
+replay runs another op, or an executed op gives other shapes, the replay raises an error that names the block, the op
+and what to do instead. So does a replay that would read inputs the forward wrote in place, which no longer hold what
+the forward started from. Values Python reads from memory without an op
 (``.tolist()``, ``.numpy()``) are only right in a replay that executes the op producing them.
 """
 
