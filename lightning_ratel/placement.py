@@ -96,7 +96,8 @@ def check_patterns(blocks: Sequence[Block], policy: str | Mapping[str, str]) -> 
     if isinstance(policy, str):
         return
     chosen = {_first_match(block.name, policy) for block in blocks}
-    unused = [pattern for pattern in policy if pattern not in chosen]
+    # A closing "*" (the default for the rest) is no typo when earlier patterns happen to take every block.
+    unused = [pattern for pattern in policy if pattern not in chosen and pattern != "*"]
     if not unused:
         return
     shadowed = [p for p in unused if any(fnmatch.fnmatchcase(block.name, p) for block in blocks)]

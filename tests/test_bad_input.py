@@ -108,6 +108,12 @@ def test_activation_policy_pattern_placing_no_block_rejected_before_training(tmp
     assert os.listdir(tmp_path) == []
 
 
+def test_activation_policy_default_for_no_remaining_block_accepted(tmp_path: Path) -> None:
+    """A closing ``"*"`` is the default for whatever the other patterns leave, even when they leave nothing."""
+    policy = {"*embed_tokens": "host", "*layers.*": "recompute", "*norm": "host", "*lm_head": "host", "*": "ssd"}
+    trainer(RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy=policy), max_steps=1).fit(LM(n_batches=2))
+
+
 def test_same_directory_twice_rejected(tmp_path: Path) -> None:
     error = fit_expecting_config_error([str(tmp_path), str(tmp_path / ".." / tmp_path.name)])
     assert "more than once" in str(error)
