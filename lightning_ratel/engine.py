@@ -35,6 +35,7 @@ from lightning_ratel.config import RatelConfig
 from lightning_ratel.errors import RatelConfigError
 from lightning_ratel.layout import build_layout
 from lightning_ratel.materialize import Materializer, ValueSource
+from lightning_ratel.placement import check_patterns
 from lightning_ratel.planner import Planner
 from lightning_ratel.reads import ParameterReads
 from lightning_ratel.runtime import gds
@@ -102,6 +103,8 @@ class RatelEngine:
         self.blocks = discover_blocks(module, config.blocks)
         if not self.blocks:
             raise RatelConfigError("the model has no parameters to manage")
+        if config.activation_policy is not None:
+            check_patterns(self.blocks, config.activation_policy)
         self.layout = build_layout(module, self.blocks, optimizer, half_dtype, config.param_cache,
                                    config.host_memory_limit, self.device.host_empty)
         materializer = Materializer(module, self.blocks, self.layout, self.device.device, config.param_init_fn,
@@ -188,7 +191,12 @@ class RatelEngine:
         self.reads.pause()
         try:
             with detector:
-                yield
+                try:
+                    yield
+                except BaseException:
+                    # Before the detector leaves the mode stack: the block modes above it come off first.
+                    self.scheduler.leave_open_forwards()
+                    raise
         except PlaceholderRead as err:
             raise RatelConfigError(
                 f"the forward of block {self.blocks[err.block].name} read parameter {err.name}, which is paged in "

@@ -28,13 +28,41 @@ def resolve_policies(blocks: Sequence[Block], policy: str | Mapping[str, str]) -
     patterns = {"*": policy} if isinstance(policy, str) else dict(policy)
     resolved: list[Placement] = []
     for block in blocks:
-        tier = next((p for pattern, p in patterns.items() if fnmatch.fnmatchcase(block.name, pattern)), DEFAULT_TIER)
-        tier = DEFAULT_TIER if tier == "keep" else tier
+        pattern = _first_match(block.name, patterns)
+        tier = DEFAULT_TIER if pattern is None or patterns[pattern] == "keep" else patterns[pattern]
         if tier == "recompute":
             resolved.append(DEFAULT_TIER if block.direct_only else {CONTAINER_OP: "recompute", INPUT_OP: "device"})
         else:
             resolved.append(tier)
     return resolved
+
+
+def _first_match(name: str, patterns: Mapping[str, str]) -> str | None:
+    """The first of ``patterns`` that matches block ``name`` (the one that places it), or ``None``."""
+    return next((pattern for pattern in patterns if fnmatch.fnmatchcase(name, pattern)), None)
+
+
+def check_patterns(blocks: Sequence[Block], policy: str | Mapping[str, str]) -> None:
+    """Raise :class:`RatelConfigError` for a pattern of ``policy`` that places no block of ``blocks``: a typo there
+    would otherwise leave the blocks it meant on the device without a word."""
+    if isinstance(policy, str):
+        return
+    chosen = {_first_match(block.name, policy) for block in blocks}
+    # A closing "*" (the default for the rest) is no typo when earlier patterns happen to take every block.
+    unused = [pattern for pattern in policy if pattern not in chosen and pattern != "*"]
+    if not unused:
+        return
+    shadowed = [p for p in unused if any(fnmatch.fnmatchcase(block.name, p) for block in blocks)]
+    names = [block.name for block in blocks]
+    shown = ", ".join(names) if len(names) <= 12 else f"{', '.join(names[:8])}, ... {', '.join(names[-2:])}"
+    problems = []
+    if len(shadowed) < len(unused):
+        problems.append(f"{[p for p in unused if p not in shadowed]} match no block")
+    if shadowed:
+        problems.append(f"{shadowed} only match blocks an earlier pattern already places (the first match wins)")
+    raise RatelConfigError(
+        f"`activation_policy` patterns {' and '.join(problems)}. The model's {len(names)} blocks are: {shown}. "
+        "Patterns are fnmatch patterns over these names (`*` matches dots too), e.g. '*layers.0' or '*layers.*'.")
 
 
 def profiling_placements(blocks: Sequence[Block]) -> list[Placement]:

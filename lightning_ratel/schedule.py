@@ -33,7 +33,7 @@ from lightning_ratel.blocks import Block
 from lightning_ratel.runtime.activations import ActivationCache
 from lightning_ratel.runtime.device import Device
 from lightning_ratel.runtime.pager import ParameterPager
-from lightning_ratel.runtime.recompute import ForwardRecord, OpTracker
+from lightning_ratel.runtime.recompute import ForwardRecord, ModuleState, OpTracker
 from lightning_ratel.runtime.timeline import Timeline
 
 
@@ -160,6 +160,7 @@ class BlockScheduler:
                 rng_state=torch.get_rng_state(),
                 cuda_rng_state=torch.cuda.get_rng_state(self.device.device) if self.device.is_cuda else None,
                 autocast=(device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)),
+                module_state=ModuleState(module.modules()),
             )
             self.cache.begin_record(record, args, kwargs)
             self._path_stack.clear()
@@ -255,11 +256,21 @@ class BlockScheduler:
 
     # ------------------------------------------------------------------ teardown
 
+    def leave_open_forwards(self) -> None:
+        """Close the block forwards an exception left open, innermost first, so that the modes and hooks they entered
+        come off their stacks in order: one that is not an ``Exception`` (Ctrl-C) skips the modules' always-called
+        forward hooks."""
+        while self._hook_stack:
+            b, contexts = self._hook_stack.pop()
+            for context in reversed(contexts):
+                context.__exit__(None, None, None)
+            self.cache.end_record(b)
+            self.pager.release(b)
+        self._path_stack.clear()
+
     def close(self) -> None:
         """Leave any forward still open (after an error), remove every hook and release every block."""
-        while self._hook_stack:
-            for context in reversed(self._hook_stack.pop()[1]):
-                context.__exit__(None, None, None)
+        self.leave_open_forwards()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()

@@ -263,7 +263,13 @@ class RatelStrategy(SingleDeviceStrategy):
         optimizer = None
         if trainer.state.fn == TrainerFn.FITTING:
             if not module.automatic_optimization:
-                raise RatelConfigError("RatelStrategy runs the optimizer itself and needs automatic optimization")
+                raise RatelConfigError(
+                    "RatelStrategy runs the optimizer itself (a CPU AdamW overlapped with backward) and needs "
+                    "automatic optimization, but this LightningModule sets `automatic_optimization = False`. Remove "
+                    "that line and the manual `optimizer.step()`/`zero_grad()`/`manual_backward()` calls from "
+                    "`training_step`, and return the loss instead; for gradient accumulation or clipping use the "
+                    "Trainer's `accumulate_grad_batches` and `gradient_clip_val`. If the manual loop is needed "
+                    "(several optimizers, GANs), train it with another strategy.")
             self.setup_optimizers(trainer)
             if len(self.optimizers) != 1:
                 raise RatelConfigError(f"RatelStrategy supports one optimizer, got {len(self.optimizers)}")

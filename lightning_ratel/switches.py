@@ -1,7 +1,10 @@
 """Model features that must be off while the engine trains a model, switched off for the fit and back on after.
 
 - transformers' KV cache: a training step never reads it, but filling it is a side effect a replayed forward would
-  repeat (transformers itself turns it off under gradient checkpointing). It is switched off in every config of the
+  repeat: each layer rebinds the cache's keys and values to their concatenation with its own (Python state of an
+  object passed to the layer, which a replay neither redirects like a write into tensor memory nor gives back like
+  its modules' attributes), so a replay would find them twice as long
+  (transformers itself turns the cache off under gradient checkpointing). It is switched off in every config of the
   model, not only the top one: an encoder-decoder (T5) gives its decoder stack a copy of the config, and the stack
   decides by its own copy.
 - transformers' own gradient (activation) checkpointing: the plan decides per op what is kept, moved or recomputed;

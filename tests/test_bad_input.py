@@ -11,6 +11,7 @@ import collections
 import errno
 import json
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.trainer.states import TrainerStatus
 
 from lightning_ratel import RatelConfigError, RatelStrategy
 from lightning_ratel.runtime import storage
@@ -89,6 +91,28 @@ def test_unknown_block_name_rejected_before_training(tmp_path: Path) -> None:
         t.fit(lm)
     assert lm.training_steps == 0
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize(("policy", "words"), [
+    ({"*layer.1": "recompute", "*": "host"}, r"\['\*layer\.1'\] match no block"),
+    ({"*": "host", "*layers.1": "ssd"}, r"\['\*layers\.1'\] only match blocks an earlier pattern already places"),
+], ids=["typo", "shadowed"])
+def test_activation_policy_pattern_placing_no_block_rejected_before_training(tmp_path: Path, policy: dict[str, str],
+                                                                             words: str) -> None:
+    lm = CountingLM(n_batches=2)
+    t = trainer(RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy=policy), max_steps=1)
+    with pytest.raises(RatelConfigError, match=words) as info:
+        t.fit(lm)
+    # The names the patterns are matched against.
+    assert "model.model.layers.0, model.model.layers.1" in str(info.value)
+    assert lm.training_steps == 0
+    assert os.listdir(tmp_path) == []
+
+
+def test_activation_policy_default_for_no_remaining_block_accepted(tmp_path: Path) -> None:
+    """A closing ``"*"`` is the default for whatever the other patterns leave, even when they leave nothing."""
+    policy = {"*embed_tokens": "host", "*layers.*": "recompute", "*norm": "host", "*lm_head": "host", "*": "ssd"}
+    trainer(RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy=policy), max_steps=1).fit(LM(n_batches=2))
 
 
 def test_same_directory_twice_rejected(tmp_path: Path) -> None:
@@ -439,3 +463,61 @@ def test_no_prefetch_is_a_valid_setting(tmp_path: Path) -> None:
     t = trainer(RatelStrategy(ssd_paths=[str(tmp_path)], prefetch_depth=0), max_steps=2)
     t.fit(lm)
     assert max_rel_err(plain_params(2), lm.state_dict()) <= 1e-5
+
+
+@pytest.fixture
+def sigint_handler():
+    """Lightning ignores SIGINT from a KeyboardInterrupt on (a second Ctrl-C must not stop its shutdown): put the
+    handler back for the tests that follow."""
+    handler = signal.getsignal(signal.SIGINT)
+    yield
+    signal.signal(signal.SIGINT, handler)
+
+
+def _fit_interrupted(strategy: Any, step: int, call: int = 1) -> tuple[L.Trainer, LM, list[BaseException]]:
+    """Fit with Ctrl-C pressed inside a block's forward (the ``call``-th run of its MLP's forward in step ``step``: the
+    second is a replay under ``recompute``); the Trainer, the module and the exceptions ``on_exception`` saw."""
+    lm = LM(n_batches=2)
+    calls: collections.Counter[int] = collections.Counter()
+
+    def ctrl_c(module: torch.nn.Module, args: Any) -> None:
+        calls[lm.trainer.global_step] += 1
+        if lm.trainer.global_step == step and calls[step] == call:
+            raise KeyboardInterrupt
+
+    lm.model.model.layers[1].mlp.register_forward_pre_hook(ctrl_c)
+    seen: list[BaseException] = []
+
+    class Seen(Callback):
+        def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+            seen.append(exception)
+
+    t = trainer(strategy, max_steps=4, callbacks=[Seen()])
+    with pytest.raises(SystemExit) as exit_info:
+        t.fit(lm)
+    assert exit_info.value.code == 1
+    assert calls[step] == call
+    return t, lm, seen
+
+
+@pytest.mark.parametrize(("policy", "call"), [("host", 1), ("recompute", 1), ("recompute", 2)],
+                         ids=["host", "recompute", "in_a_replay"])
+@pytest.mark.parametrize("step", [0, 2])
+def test_ctrl_c_in_a_block_forward_exits_as_lightning_does(tmp_path: Path, sigint_handler: None, policy: str,
+                                                           call: int, step: int) -> None:
+    """Lightning's own exit (on_exception, teardown, ``SystemExit(1)``, status interrupted), the module at its last
+    finished step as plain training leaves it, nothing left on the dispatch-mode or saved-tensor hook stacks, and the
+    swap directory released. The first step's forwards run under the escape detector, later ones without it; a
+    replay runs in backward."""
+    ssd = tmp_path / "ssd"
+    ssd.mkdir()
+    plain_trainer, plain_module, _ = _fit_interrupted("auto", step)
+    t, lm, seen = _fit_interrupted(RatelStrategy(ssd_paths=[str(ssd)], activation_policy=policy), step, call)
+    assert t.interrupted and t.state.status == plain_trainer.state.status == TrainerStatus.INTERRUPTED
+    assert len(seen) == 1 and isinstance(seen[0], KeyboardInterrupt)
+    assert t.global_step == plain_trainer.global_step == step
+    assert max_rel_err(plain_module.state_dict(), lm.state_dict()) <= 1e-5
+    assert torch._C._len_torch_dispatch_stack() == 0
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert os.listdir(ssd) == []
+    assert store_opens(ssd)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
@@ -89,3 +90,23 @@ def test_the_detector_comes_back_after_a_forward_that_raised() -> None:
             assert _get_current_dispatch_mode() is detector
     finally:
         assert _get_current_dispatch_mode() is None
+
+
+def test_the_detector_leaves_cleanly_after_ctrl_c_in_an_unwatched_forward() -> None:
+    """KeyboardInterrupt is not an ``Exception``: modules skip their always-called hooks for it, so the detector is
+    still off the stack when it exits, and must not pop another mode (or an empty flag stack) in its place."""
+    model = Parent()
+
+    def ctrl_c(module: nn.Module, args: Any) -> None:
+        raise KeyboardInterrupt
+
+    model.blocks[0].linear.register_forward_pre_hook(ctrl_c)
+    detector = EscapeDetector(NoPlaceholders(), unwatched=[model.blocks[0]])  # type: ignore[arg-type]
+    with pytest.raises(KeyboardInterrupt), detector:
+        model(torch.randn(2, 4))
+    assert _get_current_dispatch_mode() is None
+    # Usable again, and watching again.
+    with detector:
+        model.blocks[1](torch.randn(2, 4))
+    assert model.blocks[1].modes[-1] is detector
+    assert _get_current_dispatch_mode() is None

@@ -547,7 +547,9 @@ def test_unsupported_optimizer_rejected(tmp_path: Path) -> None:
 def test_manual_optimization_rejected(tmp_path: Path) -> None:
     ssd = swap(tmp_path)
     ManualLM.training_steps = 0
-    with pytest.raises(RatelConfigError, match="automatic optimization"):
+    with pytest.raises(RatelConfigError, match="automatic optimization") as info:
         trainer(ratel(ssd)).fit(ManualLM())
+    # What to do about it, not only the requirement.
+    assert "return the loss" in str(info.value) and "another strategy" in str(info.value)
     assert ManualLM.training_steps == 0
     assert os.listdir(ssd) == []

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -161,6 +160,9 @@ class WindowFaultT5(LM):
 
     def __init__(self, where: str | None = None) -> None:
         super().__init__("t5", n_batches=2 * N_BATCHES)
+        # RatelStrategy turns the KV cache off during fit; plain training with it on multiplies the cache's contiguous
+        # copies of keys and values instead of strided views, which rounds differently (1.7e-5 relative here).
+        cache_off(self)
         self.where = where
         self.model.decoder.block[-1].register_forward_hook(self._in_block)
 
@@ -178,20 +180,16 @@ class WindowFaultT5(LM):
         return loss
 
 
-def _fail_and_resume(tmp_path: Path, strategy: Any, where: str,
-                     prepare: Callable[[LM], Any] = lambda lm: None) -> tuple[dict, tuple[dict, dict]]:
-    """The module as the fault left it, and the state after resuming from the on-exception checkpoint (``prepare``
-    changes each module before its fit)."""
+def _fail_and_resume(tmp_path: Path, strategy: Any, where: str) -> tuple[dict, tuple[dict, dict]]:
+    """The module as the fault left it, and the state after resuming from the on-exception checkpoint."""
     fit = {"max_steps": STEPS, "accumulate_grad_batches": 2}
     lm = WindowFaultT5(where)
-    prepare(lm)
     t = trainer(strategy(), enable_checkpointing=True, callbacks=[OnExceptionCheckpoint(str(tmp_path))], **fit)
     with pytest.raises(RuntimeError, match="injected fault"):
         t.fit(lm)
     assert t.global_step == FAIL_AT
     left = {k: v.detach().clone() for k, v in lm.state_dict().items()}
     lm = WindowFaultT5()
-    prepare(lm)
     t = trainer(strategy(), **fit)
     t.fit(lm, ckpt_path=str(tmp_path / "on_exception.ckpt"))
     assert t.global_step == STEPS
@@ -207,8 +205,7 @@ def test_fault_inside_an_accumulation_window_resumes_like_plain(tmp_path: Path, 
     swap.mkdir()
     policy = {"*block.0": "ssd", "*block.1": "recompute", "*": "host"}
     ratel = functools.partial(RatelStrategy, ssd_paths=[str(swap)], activation_policy=policy, param_cache="ssd")
-    # T5 computes slightly differently with its KV cache off, as RatelStrategy trains it (README's limits).
-    ref_left, ref = _fail_and_resume(tmp_path / "plain", lambda: "auto", where, prepare=cache_off)
+    ref_left, ref = _fail_and_resume(tmp_path / "plain", lambda: "auto", where)
     got_left, got = _fail_and_resume(tmp_path / "ratel", ratel, where)
     assert max_rel_err(ref_left, got_left) <= 1e-5
     _close(ref, *got)

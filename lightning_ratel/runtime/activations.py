@@ -94,6 +94,8 @@ class _RecomputeRef:
     size: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int
+    # The saved tensor's dtype: it may view the output's memory as another (``view_as_complex``, ``view_as_real``).
+    dtype: torch.dtype
 
 
 def _laid_out(t: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
@@ -247,7 +249,7 @@ class ActivationCache:
             assert record is not None
             record.targets.add(produced[0])
             return _RecomputeRef(block, record, produced[0], produced[1], tuple(t.size()), tuple(t.stride()),
-                                 t.storage_offset())
+                                 t.storage_offset(), t.dtype)
         if tier == "recompute":
             tier = "host"
         ref = self._pack_as(block, t, tier)
@@ -349,7 +351,11 @@ class ActivationCache:
             return flat.as_strided(ref.size, ref.stride, ref.offset)
         if isinstance(ref, _RecomputeRef):
             ref.record.replay(self._unpack, self._restore)
-            return ref.record.recomputed(ref.op, ref.index).as_strided(ref.size, ref.stride, ref.offset)
+            out = ref.record.recomputed(ref.op, ref.index)
+            if out.dtype != ref.dtype:
+                # Size, strides and offset count elements of the saved tensor's dtype: view the memory as that.
+                out = torch.empty(0, dtype=ref.dtype, device=out.device).set_(out.untyped_storage())
+            return out.as_strided(ref.size, ref.stride, ref.offset)
         if isinstance(ref, _HostRef):
             return _laid_out(self._to_device(ref.host, ref.event), ref.stride)
         return _laid_out(self._unpack_ssd(ref), ref.stride)

@@ -83,7 +83,12 @@ class EscapeDetector(TorchDispatchMode):
             handle.remove()
         self._handles = []
         self._stack = []
-        super().__exit__(*exc)
+        # A forward stopped by an exception that is not an ``Exception`` (Ctrl-C's KeyboardInterrupt) skips the
+        # modules' always-called hooks: the detector may still be off the stack, left for an unwatched forward.
+        off_stack = any(self._left)
+        self._left = []
+        if not off_stack:
+            super().__exit__(*exc)
 
     def _enter(self, module: nn.Module) -> None:
         self._stack.append(module)

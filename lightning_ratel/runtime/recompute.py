@@ -11,7 +11,18 @@ the block's forward again, executing only the ops the discarded tensors depend o
 (on the device, in host memory or on disk) hands that output back instead of running (an in-place op writes it into
 the tensor it mutates), and an op nobody needs returns an uninitialised tensor of the right shape. The replay stops
 after the last op it needs. RNG state and autocast state are those of the original forward, so recomputed values
-are bit-identical. The replayed op sequence must be the recorded one, op by op.
+are bit-identical, and the RNG state after a replay is the one before it. The replayed op sequence must be the recorded
+one, op by op.
+
+A replay has no side effects on state outside the block's activations. A forward may write, in place, memory it did
+not produce: batch norm's running statistics (written by ``native_batch_norm`` although its schema does not say so),
+spectral norm's power-iteration vectors (``out=``), a buffer, a tensor attribute, a cache object. The tracker keeps a
+copy of each such storage's bytes before the forward first writes it and which op wrote it last, and an op reading it
+depends on that write. A replay gives every op touching such a storage the same view of a private copy started from
+those bytes: it reads what the forward read there, and the real buffer keeps what the forward left. A forward may also
+rebind state in Python (``self.ema = 0.9 * self.ema + ...``, ``self.calls += 1``): the buffers and plain attributes
+(tensors, numbers, strings) of the block's modules are kept as the forward started with them, given back to the
+modules for the replay and put back as they were after it.
 
 The replay runs in the autograd state of the original forward: gradients enabled, each input requiring gradients as it
 did then, and a saved-tensor hook that drops whatever the replay's own graph would save, so it holds no more memory
@@ -26,10 +37,11 @@ paths. In the same autograd state autograd issues exactly the ops it issued befo
 (which autograd issues when it saves a tensor without hooks) and ``lift_fresh`` are left out of the sequence, in the
 forward and in the replay alike.
 
-A forward that does something else from the same inputs and state (one that counts its calls or reads a cache)
-cannot be recomputed: where its replay runs another op, or an executed op gives other shapes, the replay raises an
-error that names the block, the op and what to do instead. So does a replay that would read inputs the forward
-wrote in place, which no longer hold what the forward started from. Values Python reads from memory without an op
+A forward that does something else from the same inputs and state kept that way (one that counts its calls in a
+container or an object outside its modules' attributes, or reads a cache it fills) cannot be recomputed: where its
+replay runs another op, or an executed op gives other shapes, the replay raises an error that names the block, the op
+and what to do instead. So does a replay that would read inputs the forward wrote in place, which no longer hold what
+the forward started from. Values Python reads from memory without an op
 (``.tolist()``, ``.numpy()``) are only right in a replay that executes the op producing them.
 """
 
@@ -38,14 +50,15 @@ from __future__ import annotations
 import contextlib
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from lightning_ratel.runtime.device import Stopwatch
 from lightning_ratel.runtime.flops import count_flops
@@ -55,6 +68,37 @@ from lightning_ratel.runtime.flops import count_flops
 _IGNORED = {torch.ops.aten.detach.default, torch.ops.aten.lift_fresh.default}
 
 
+# Attribute values a module's forward may rebind (``self.ema = 0.9 * self.ema + ...``, ``self.calls += 1``): what a
+# replay gives back as the forward saw it. Containers and other objects are shared, not copied.
+_PLAIN = (torch.Tensor, int, float, str, type(None))
+
+
+class ModuleState:
+    """The buffers and plain attributes (tensors, numbers, strings, ``None``) of modules, at one moment.
+
+    Args:
+        modules: the modules (a block's ``modules()``).
+    """
+
+    def __init__(self, modules: Iterable[nn.Module]) -> None:
+        self.entries = [(m, dict(m._buffers), {k: v for k, v in vars(m).items() if isinstance(v, _PLAIN)})
+                        for m in modules]
+
+    @property
+    def modules(self) -> list[nn.Module]:
+        return [m for m, _, _ in self.entries]
+
+    def apply(self) -> None:
+        """Give every module exactly these buffers and plain attributes again."""
+        for module, buffers, attributes in self.entries:
+            values = vars(module)
+            for name in [k for k, v in values.items() if isinstance(v, _PLAIN) and k not in attributes]:
+                del values[name]
+            values.update(attributes)
+            module._buffers.clear()
+            module._buffers.update(buffers)
+
+
 class _StopReplay(Exception):
     """Raised inside the replayed forward once every needed op has run."""
 
@@ -62,6 +106,35 @@ class _StopReplay(Exception):
 def _drop_saved(tensor: torch.Tensor) -> None:
     """Pack hook of the replay: its autograd graph is never differentiated, so nothing it saves is kept."""
     return None
+
+
+# Ops that write arguments their schema does not mark as written: batch norm updates its running statistics (arguments
+# 3 and 4) when it normalises by batch statistics (argument 5).
+_UNMARKED_WRITES = {
+    op: (3, 4, 5)
+    for op in (torch.ops.aten.native_batch_norm.default, torch.ops.aten.cudnn_batch_norm.default,
+               torch.ops.aten.miopen_batch_norm.default)
+}
+
+
+def _written_tensors(func: Any, args: Any, kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """Every tensor argument an op writes in place (``self`` of ``add_``, ``out`` of ``div.out``, the running
+    statistics of a training batch norm)."""
+    unmarked = _UNMARKED_WRITES.get(func)
+    if unmarked is not None:
+        *written, flag = unmarked
+        training = args[flag] if flag < len(args) else kwargs.get(func._schema.arguments[flag].name)
+        picked = [args[i] if i < len(args) else kwargs.get(func._schema.arguments[i].name) for i in written]
+        return [t for t in picked if isinstance(t, torch.Tensor)] if training else []
+    if not func._schema.is_mutable:
+        return []
+    found = []
+    for i, argument in enumerate(func._schema.arguments):
+        info = argument.alias_info
+        if info is not None and info.is_write:
+            value = args[i] if i < len(args) else kwargs.get(argument.name)
+            found.extend(t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
+    return found
 
 
 def _written_argument(func: Any, args: Any, kwargs: dict[str, Any]) -> torch.Tensor | None:
@@ -129,7 +202,14 @@ class ForwardRecord:
     input_storages: set[int] = field(default_factory=set)
     input_readers: set[int] = field(default_factory=set)
     input_written: int | None = None
+    # storage pointer -> (weak reference, copy of its bytes before the forward first wrote it), for every storage from
+    # outside the block (a buffer, a tensor attribute, a cache) that the forward writes in place
+    external: dict[int, tuple[StorageWeakRef, torch.UntypedStorage]] = field(default_factory=dict)
+    # storage pointer -> the op that last wrote that outside storage in the forward
+    external_writer: dict[int, int] = field(default_factory=dict)
     forward: Callable[..., Any] | None = None
+    # the block's modules' buffers and plain attributes when the forward started
+    module_state: ModuleState | None = None
     rng_state: torch.Tensor | None = None
     cuda_rng_state: torch.Tensor | None = None
     autocast: tuple[str, bool, torch.dtype] | None = None
@@ -175,6 +255,23 @@ class ForwardRecord:
         if entry is None or entry[2].expired():
             return None
         return entry[0], entry[1]
+
+    def note_outside_writes(self, written: list[torch.Tensor]) -> None:
+        """Before an op writes ``written``: keep the bytes of each storage from outside the block it writes for the
+        first time, so that a replay can start that storage from what the forward started from."""
+        for t in written:
+            if not t.numel():
+                continue
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr in self.input_storages or ptr in self.external or self.writer(ptr) is not None:
+                continue
+            self.external[ptr] = (StorageWeakRef(storage), storage.clone())
+
+    def outside_storage(self, ptr: int) -> bool:
+        """Whether ``ptr`` is a live storage from outside the block that the forward wrote."""
+        entry = self.external.get(ptr)
+        return entry is not None and not entry[0].expired()
 
     def count_saved(self, storage: int, op: int, nbytes: int) -> None:
         """Add ``nbytes`` saved from ``op``'s output (-1: the inputs), once per storage."""
@@ -232,6 +329,8 @@ class ForwardRecord:
             if self.autocast is not None:
                 device_type, enabled, dtype = self.autocast
                 stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
+            if self.module_state is not None:
+                stack.callback(self._rebind_during(self.module_state))
             stack.enter_context(mode)
             try:
                 self.forward(*args, **kwargs)
@@ -245,6 +344,14 @@ class ForwardRecord:
             )
         self.outputs = outputs
         self.replay_watch = watch.stop()
+
+    @staticmethod
+    def _rebind_during(start: ModuleState) -> Callable[[], None]:
+        """Give the block's modules the attributes they had when the forward started; returns what puts back the
+        ones they have now (rebindings the replay makes are undone with it)."""
+        now = ModuleState(start.modules)
+        start.apply()
+        return now.apply
 
     def _with_autograd_state(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
         """The restored inputs, each requiring gradients as the forward's own did, and a graph leaf only where it was
@@ -298,9 +405,27 @@ class _Replayer(TorchDispatchMode):
         self.unpack = unpack
         self.outputs = outputs
         self.k = 0
+        # Outside storages the forward wrote, by pointer: this replay's own copies, made on first use from the bytes
+        # they held before the forward.
+        self._scratch: dict[int, torch.UntypedStorage] = {}
+
+    def _redirected(self, t: Any) -> Any:
+        """``t``, or where it lies in an outside storage the forward wrote, the same view of this replay's copy of
+        that storage: the replay reads what the forward read and writes nothing the forward left behind."""
+        if not isinstance(t, torch.Tensor) or not t.numel():
+            return t
+        ptr = t.untyped_storage().data_ptr()
+        if not self.record.outside_storage(ptr):
+            return t
+        scratch = self._scratch.get(ptr)
+        if scratch is None:
+            scratch = self._scratch[ptr] = self.record.external[ptr][1].clone()
+        return torch.empty(0, dtype=t.dtype, device=t.device).set_(scratch, t.storage_offset(), t.size(), t.stride())
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if self.record.external:
+            args, kwargs = tree_map(self._redirected, (args, kwargs))
         if func in _IGNORED:
             return func(*args, **kwargs)
         k = self.k
@@ -380,6 +505,8 @@ class OpTracker(TorchDispatchMode):
             if op is not None:
                 record.direct[id(out)] = (weakref.ref(out), op)
             return out
+        written = _written_tensors(func, args, kwargs)
+        record.note_outside_writes(written)
         if self.profile:
             self.synchronize()
             start = time.perf_counter()
@@ -408,12 +535,15 @@ class OpTracker(TorchDispatchMode):
                     in_storages.add(ptr)
                     if ptr in record.input_storages:
                         record.input_readers.add(k)
-                    written = record.writer(ptr)
-                    if op is not None and written is not None and written[0] > op:
+                    last = record.writer(ptr)
+                    if op is not None and last is not None and last[0] > op:
                         # Written in place after the op that returned this tensor (through another view of the
-                        # memory): the replay must run that write too. A tensor from outside the block already
-                        # holds what the forward wrote into it; writing again would change it.
-                        inputs.append(written[0])
+                        # memory): the replay must run that write too.
+                        inputs.append(last[0])
+                    if ptr in record.external_writer and record.outside_storage(ptr):
+                        # A storage from outside the block, written in this forward: a replay starts it from its
+                        # bytes before the forward, so it runs every write the value read here went through.
+                        inputs.append(record.external_writer[ptr])
         out_leaves, spec = tree_flatten(out)
         meta: list[Any] = []
         mutates = func._schema.is_mutable
@@ -430,6 +560,9 @@ class OpTracker(TorchDispatchMode):
                         record.input_written = k
             else:
                 meta.append(leaf)
+        for t in written:
+            if t.numel() and record.outside_storage(t.untyped_storage().data_ptr()):
+                record.external_writer[t.untyped_storage().data_ptr()] = k
         flops = count_flops(func, args, kwargs, out) if self.profile else 0.0
         record.ops.append(OpRecord(name, func, sorted(set(inputs)), spec, meta, elapsed, flops))
         return out
