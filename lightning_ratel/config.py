@@ -94,7 +94,12 @@ def _paths(value: object) -> list[str] | None:
     bad = [p for p in value if not isinstance(p, (str, os.PathLike)) or not os.fspath(p)]
     if bad:
         raise RatelConfigError(f"`ssd_paths` must name directories (strings or paths), got {bad!r}")
-    return [os.fspath(p) for p in value]
+    paths = [os.fspath(p) for p in value]
+    # Missing directories are created when a run starts; a file in the way can be refused now.
+    files = [p for p in paths if os.path.exists(p) and not os.path.isdir(p)]
+    if files:
+        raise RatelConfigError(f"`ssd_paths` must name directories; {files!r} exist and are not directories")
+    return paths
 
 
 def _pretrained(value: object) -> str | None:

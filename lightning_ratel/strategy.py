@@ -43,6 +43,7 @@ from lightning_ratel.plan.search import Plan
 from lightning_ratel.planner import Planner
 from lightning_ratel.precision import RatelPrecision
 from lightning_ratel.report import show_plan
+from lightning_ratel.runtime.storage import prepare_directories
 from lightning_ratel.sizes import format_bytes
 
 
@@ -55,8 +56,9 @@ class RatelStrategy(SingleDeviceStrategy):
     moved to host memory or to the swap files, or recomputed, per block.
 
     Args:
-        ssd_paths: directories for the swap files (one file per directory; use one directory per NVMe drive).
-            ``None``: ``<Trainer default_root_dir>/ratel_swap``.
+        ssd_paths: directories for the swap files (one file per directory; use one directory per NVMe drive),
+            created when a run starts if missing (an existing one must be a writable directory). ``None``:
+            ``<Trainer default_root_dir>/ratel_swap`` (the working directory's ``ratel_swap`` by default).
         prefetch_depth: how many blocks ahead parameters (and swapped activations, in backward) are fetched.
         keep_swap_files: keep the swap files after the run instead of deleting them.
         activation_policy: a fixed placement instead of a plan: ``"device"`` (alias ``"keep"``), ``"host"``,
@@ -141,6 +143,8 @@ class RatelStrategy(SingleDeviceStrategy):
         self._resume: ShardedReader | None = None
         self._resume_source: ValueSource | None = None
         self._saved_step: int | None = None
+        # The swap directories of the current run: `ssd_paths` or the default, created if missing.
+        self._swap_directories: list[str] = []
 
     @property
     def ssd_paths(self) -> list[str] | None:
@@ -254,6 +258,17 @@ class RatelStrategy(SingleDeviceStrategy):
         self.lightning_module._device = self.root_device  # type: ignore[union-attr]
 
     @override
+    def setup_environment(self) -> None:
+        # The first hook of a run, ahead of the setup hooks, the logger's directory and the model's materialization:
+        # a run that cannot have its devices or its swap directories stops before it has cost anything.
+        assert self.lightning_module is not None
+        trainer = self.lightning_module.trainer
+        _check_one_device(trainer)
+        paths = self.config.ssd_paths or [os.path.join(trainer.default_root_dir, "ratel_swap")]
+        self._swap_directories = [str(p) for p in prepare_directories(paths, self.config.name)]
+        super().setup_environment()
+
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None and self.lightning_module is not None
         self.accelerator.setup(trainer)
@@ -270,11 +285,7 @@ class RatelStrategy(SingleDeviceStrategy):
             self._format = choose_checkpoint_format(self.config.checkpoint_format, module, optimizer,
                                                     self.config.host_memory_limit)
         self.model_to_device()
-        config = self.config
-        if config.ssd_paths is None:
-            default = os.path.join(trainer.default_root_dir, "ratel_swap")
-            os.makedirs(default, exist_ok=True)
-            config = config.with_ssd_paths([default])
+        config = self.config.with_ssd_paths(self._swap_directories)
         self._limit_device_memory()
         precision = self.precision_plugin
         self._exception = None
@@ -597,4 +608,19 @@ class RatelStrategy(SingleDeviceStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(
             cls.strategy_name, cls, description="Model states on NVMe, paged parameters, overlapped CPU AdamW"
+        )
+
+
+def _check_one_device(trainer: pl.Trainer) -> None:
+    """Refuse ``devices``/``num_nodes`` asking for more than one device, which Lightning would silently reduce to one
+    for a single-device strategy."""
+    # The Trainer keeps what it was asked for only in its accelerator connector.
+    connector = trainer._accelerator_connector
+    devices = len(getattr(connector, "_parallel_devices", None) or [None])
+    nodes = getattr(connector, "_num_nodes_flag", 1)
+    if devices * nodes > 1:
+        raise RatelConfigError(
+            f"RatelStrategy trains on one device for now, but the Trainer asks for {devices} device(s) on {nodes} "
+            "node(s). Pass `devices=1` and `num_nodes=1` (choose the GPU with CUDA_VISIBLE_DEVICES); a model that "
+            "fits one GPU trains data parallel with `strategy='ddp'` or `'fsdp'` instead."
         )
