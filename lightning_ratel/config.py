@@ -6,7 +6,7 @@ import json
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Literal, Protocol
 
 from torch import nn
 
@@ -17,6 +17,20 @@ from lightning_ratel.plan.search import Plan
 from lightning_ratel.sizes import parse_bytes
 
 ActivationPolicy = str | dict[str, str]
+
+
+class PlanLike(Protocol):
+    """A plan object, as the strategy's ``plan`` argument takes it: a :class:`~lightning_ratel.Plan`.
+
+    The signature names this protocol rather than the ``Plan`` dataclass because LightningCLI (jsonargparse) reads a
+    string given for a dataclass type as a file of its fields: a plan file's path would be parsed field by field
+    (minutes) and the whole plan copied into every saved ``config.yaml``. A path stays a path this way.
+    """
+
+    activation_placement: dict[str, str]
+
+    def to_json(self) -> str: ...
+
 ParamInitFn = Callable[[nn.Module], None]
 ParamCache = Literal["auto", "host", "ssd"]
 PARAM_CACHES: tuple[ParamCache, ...] = ("auto", "host", "ssd")

@@ -30,7 +30,7 @@ from typing_extensions import override
 
 from lightning_ratel.callbacks import RatelProfiler
 from lightning_ratel.checkpoint import choose_checkpoint_format
-from lightning_ratel.config import ActivationPolicy, CheckpointFormat, ParamCache, ParamInitFn, RatelConfig
+from lightning_ratel.config import ActivationPolicy, CheckpointFormat, ParamCache, ParamInitFn, PlanLike, RatelConfig
 from lightning_ratel.convert import kept_metadata
 from lightning_ratel.engine import RatelEngine
 from lightning_ratel.errors import RatelConfigError
@@ -106,7 +106,7 @@ class RatelStrategy(SingleDeviceStrategy):
         prefetch_depth: int = 1,
         keep_swap_files: bool = False,
         activation_policy: str | dict[str, str] | None = None,
-        plan: str | Plan | None = "auto",
+        plan: str | Path | PlanLike | None = "auto",
         host_memory_limit: int | str | None = None,
         device_memory_limit: int | str | None = None,
         blocks: list[str] | Callable[[nn.Module], list[str]] | None = None,

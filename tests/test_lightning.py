@@ -198,6 +198,29 @@ def test_lightning_cli_yaml_config(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert os.listdir(ssd) == []
 
 
+def test_lightning_cli_keeps_plan_file_a_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plan file given to LightningCLI is read by the strategy, not parsed into the config (nor saved in it)."""
+    monkeypatch.setattr(sys, "argv", ["cli"])
+    plan_file = tmp_path / "ratel_plan.json"
+    lightning_ratel.Plan({"model.layers.0/mm": "host"}, 1.0, 0.5, 0.5, {}, {}, {}, [(0, 1.0)], 0).save(plan_file)
+    config = {
+        "trainer": {
+            "accelerator": "cpu",
+            "logger": False,
+            "strategy": {"class_path": "lightning_ratel.RatelStrategy", "init_args": {"plan": str(plan_file)}},
+        },
+        "model": {"model": "llama", "n_batches": 2},
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    cli = LightningCLI(LM, run=False, args=["--config", str(path)])
+    assert cli.config.trainer.strategy.init_args.plan == str(plan_file)
+    saved = cli.parser.dump(cli.config)
+    assert "activation_placement" not in saved and str(plan_file) in saved
+    plan = cli.trainer.strategy.plan
+    assert isinstance(plan, lightning_ratel.Plan) and plan.activation_placement == {"model.layers.0/mm": "host"}
+
+
 # ---------------------------------------------------------------------------------------------------- precision
 
 
