@@ -62,6 +62,7 @@ class RatelConfig:
     param_init_fn: ParamInitFn | None = None
     pretrained: str | None = None
     checkpoint_format: CheckpointFormat = "auto"
+    log_metrics: bool = True
     name: str = "ratel"
 
     def __post_init__(self) -> None:
@@ -85,6 +86,8 @@ class RatelConfig:
         if self.checkpoint_format not in CHECKPOINT_FORMATS:
             raise RatelConfigError(
                 f"`checkpoint_format` must be one of {CHECKPOINT_FORMATS}, got {self.checkpoint_format!r}")
+        if not isinstance(self.log_metrics, bool):
+            raise RatelConfigError(f"`log_metrics` must be True or False, got {self.log_metrics!r}")
 
     @property
     def plans_automatically(self) -> bool:

@@ -96,6 +96,9 @@ class RatelStrategy(SingleDeviceStrategy):
             this plugin); ``"sharded"``: a directory written and read shard by shard (:mod:`lightning_ratel.sharded`;
             ``python -m lightning_ratel.convert`` turns it into either of the others); ``"auto"``: ``"sharded"`` when
             gathering the checkpoint would take more than half of the host memory budget.
+        log_metrics: send the plugin's figures of every training step (time per part, disk bytes and throughput,
+            overlap, bytes per tier; ``ratel/...`` keys) to the Trainer's loggers, at the rate of ``self.log``
+            (``log_every_n_steps``).
     """
 
     strategy_name = "ratel"
@@ -116,6 +119,7 @@ class RatelStrategy(SingleDeviceStrategy):
         param_init_fn: ParamInitFn | None = None,
         pretrained: str | None = None,
         checkpoint_format: CheckpointFormat = "auto",
+        log_metrics: bool = True,
     ) -> None:
         super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io)
         self.config = RatelConfig(
@@ -131,6 +135,7 @@ class RatelStrategy(SingleDeviceStrategy):
             param_init_fn=param_init_fn,
             pretrained=pretrained,
             checkpoint_format=checkpoint_format,
+            log_metrics=log_metrics,
         )
         self._engine: RatelEngine | None = None
         self._exception: BaseException | None = None
@@ -205,6 +210,11 @@ class RatelStrategy(SingleDeviceStrategy):
     def checkpoint_format(self) -> CheckpointFormat:
         """The checkpoint format asked for (the run's own is chosen at setup when this is ``"auto"``)."""
         return self.config.checkpoint_format
+
+    @property
+    def log_metrics(self) -> bool:
+        """Whether each training step's figures go to the Trainer's loggers."""
+        return self.config.log_metrics
 
     @property
     @override

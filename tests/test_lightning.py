@@ -481,6 +481,36 @@ def test_train_loss_logged(tmp_path: Path) -> None:
         assert math.isclose(a, b, rel_tol=1e-5), series
 
 
+def test_step_figures_logged(tmp_path: Path) -> None:
+    """The plugin's figures reach the logger once per optimizer step (micro-batches of a window summed), under
+    ``ratel/`` keys, at the steps of the user's own metrics; ``log_metrics=False`` sends none."""
+    logger = CSVLogger(str(tmp_path / "logs"))
+    t = trainer(ratel(swap(tmp_path), activation_policy="ssd"), logger=logger, log_every_n_steps=1, max_steps=3,
+                accumulate_grad_batches=2)
+    t.fit(LM(n_batches=6))
+    rows = read_csv(logger.log_dir)
+    figures = [r for r in rows if r.get("ratel/step_seconds")]
+    assert [int(r["step"]) for r in figures] == [0, 1, 2]
+    user_steps = {int(r["step"]) for r in rows if r.get("train_loss")}
+    assert user_steps == {0, 1, 2}
+    for row in figures:
+        for part in ("step", "compute", "wait", "optimizer", "disk", "h2d", "d2h"):
+            assert float(row[f"ratel/{part}_seconds"]) >= 0.0, part
+        assert float(row["ratel/step_seconds"]) > 0.0
+        # Activations go to the swap files and come back in every micro-batch.
+        assert float(row["ratel/disk_read_bytes"]) > 0 and float(row["ratel/disk_write_bytes"]) > 0
+        assert float(row["ratel/disk_gbps"]) > 0
+        assert 0.0 <= float(row["ratel/overlap"]) <= 1.0
+        assert float(row["ratel/disk_bytes"]) > 0 and float(row["ratel/host_bytes"]) > 0
+    # A fixed placement: no step ran to be profiled.
+    assert all(float(r["ratel/profiling"]) == 0.0 for r in figures)
+
+    quiet = CSVLogger(str(tmp_path / "quiet"))
+    t = trainer(ratel(swap(tmp_path, "swap2"), log_metrics=False), logger=quiet, log_every_n_steps=1, max_steps=2)
+    t.fit(LM(n_batches=2))
+    assert not [k for r in read_csv(quiet.log_dir) for k in r if k.startswith("ratel/")]
+
+
 def test_lr_scheduler_and_monitor(tmp_path: Path) -> None:
     lm = LM(n_batches=2)
     logger = CSVLogger(str(tmp_path / "logs"), name="ratel")
