@@ -31,7 +31,6 @@ from typing_extensions import override
 from lightning_ratel.callbacks import RatelProfiler
 from lightning_ratel.checkpoint import choose_checkpoint_format
 from lightning_ratel.config import ActivationPolicy, CheckpointFormat, ParamCache, ParamInitFn, PlanLike, RatelConfig
-from lightning_ratel.convert import kept_metadata
 from lightning_ratel.engine import RatelEngine
 from lightning_ratel.errors import RatelConfigError
 from lightning_ratel.export import DEFAULT_SHARD_SIZE, LiveReader, ModuleReader, write_hf_folder
@@ -94,7 +93,7 @@ class RatelStrategy(SingleDeviceStrategy):
             initialized, a frozen one missing or a tensor of the wrong shape is an error before training.
         checkpoint_format: ``"full"``: Lightning's ordinary checkpoint file, gathered in host memory (loadable without
             this plugin); ``"sharded"``: a directory written and read shard by shard (:mod:`lightning_ratel.sharded`;
-            ``python -m lightning_ratel.convert`` turns it into either of the others); ``"auto"``: ``"sharded"`` when
+            ``ratel-convert`` turns it into either of the others); ``"auto"``: ``"sharded"`` when
             gathering the checkpoint would take more than half of the host memory budget.
         log_metrics: send the plugin's figures of every training step (time per part, disk bytes and throughput,
             overlap, bytes per tier; ``ratel/...`` keys) to the Trainer's loggers, at the rate of ``self.log``
@@ -394,7 +393,7 @@ class RatelStrategy(SingleDeviceStrategy):
                 raise RatelConfigError(
                     f"the module's parameters (e.g. {placeholders[0]}) were not copied back after training, so it "
                     "cannot be saved now; save checkpoints during fit (ModelCheckpoint), or export the kept swap files "
-                    "with `python -m lightning_ratel.convert --swap ...` as the warning at the end of fit says")
+                    "with `ratel-convert --swap ...` as the warning at the end of fit says")
             return super().lightning_module_state_dict()
         if self.sharded_checkpoints:
             # Parameters go to the shard files; the checkpoint dict keeps the persistent buffers.
@@ -551,6 +550,10 @@ class RatelStrategy(SingleDeviceStrategy):
         saved = trainer is not None and self._saved_step == trainer.global_step
         keep = self.config.keep_swap_files or (bool(plan.lost) and not saved)
         if keep:
+            # Not a module-level import: `python -m lightning_ratel.convert` runs that module as __main__, and runpy
+            # warns when importing the package has imported it already.
+            from lightning_ratel.convert import kept_metadata
+
             with engine.user_settings():
                 engine.store.set_metadata(kept_metadata(state, engine.module, self._pretrained))
             engine.store.keep_at_close()
@@ -574,7 +577,7 @@ class RatelStrategy(SingleDeviceStrategy):
             dirs = " ".join(f"--swap {p}" for p in engine.store.paths)
             name = "" if self.config.name == "ratel" else f" --name {self.config.name}"
             where = (f" The swap files are kept, with their index, in {', '.join(map(str, engine.store.paths))}: "
-                     f"export the weights with `python -m lightning_ratel.convert {dirs}{name} OUT_DIR --to hf "
+                     f"export the weights with `ratel-convert {dirs}{name} OUT_DIR --to hf "
                      "[--dtype fp32]`, then delete the swap files and their index. (RatelHFExport or "
                      "strategy.save_pretrained() during fit, or a checkpoint at the last step, avoid keeping them.)")
         rank_zero_warn(f"RatelStrategy: {what}{where}")

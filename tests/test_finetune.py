@@ -650,7 +650,7 @@ def test_result_kept_in_swap_files_and_exported_when_nothing_fits(tmp_path: Path
     monkeypatch.setattr(checkpoint, "available_host_memory", lambda: 4096)
     module = LM("llama", n_batches=2)
     directories = [swap(tmp_path, "a"), swap(tmp_path, "b")]
-    with pytest.warns(UserWarning, match=r"python -m lightning_ratel\.convert --swap"):
+    with pytest.warns(UserWarning, match=r"ratel-convert --swap"):
         trainer(RatelStrategy(ssd_paths=directories), max_steps=3).fit(module)
     assert all(is_placeholder(p) for p in module.parameters() if p.numel() > 1)
     assert sorted(os.listdir(directories[0])) == ["ratel.index.json", "ratel.swap"]

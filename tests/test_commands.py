@@ -1,0 +1,39 @@
+"""The command lines: ``ratel-convert`` (and ``python -m lightning_ratel.convert``) and the examples' ``--help``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=240)
+
+
+def test_convert_console_script_helps_without_importing_lightning() -> None:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    module, function = scripts["ratel-convert"].split(":")
+    code = (f"import sys\nfrom {module} import {function} as main\ntry:\n    main(['--help'])\nexcept SystemExit as e:\n"
+            "    assert e.code == 0, e.code\nassert 'lightning' not in sys.modules and 'torch' not in sys.modules\n")
+    done = run("-c", code)
+    assert done.returncode == 0, done.stderr
+    assert "usage: ratel-convert" in done.stdout and "--swap SWAP_DIR" in done.stdout
+
+
+def test_convert_module_runs_without_runpy_warning() -> None:
+    done = run("-m", "lightning_ratel.convert", "--help")
+    assert done.returncode == 0, done.stderr
+    assert "usage: python -m lightning_ratel.convert" in done.stdout
+    assert "RuntimeWarning" not in done.stderr, done.stderr
+
+
+def test_convert_usage_error() -> None:
+    done = run("-m", "lightning_ratel.convert", "out")
+    assert done.returncode == 2
+    assert "give a sharded checkpoint directory" in done.stderr
