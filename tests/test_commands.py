@@ -19,8 +19,15 @@ def test_convert_console_script_helps_without_importing_lightning() -> None:
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
     module, function = scripts["ratel-convert"].split(":")
-    code = (f"import sys\nfrom {module} import {function} as main\ntry:\n    main(['--help'])\nexcept SystemExit as e:\n"
-            "    assert e.code == 0, e.code\nassert 'lightning' not in sys.modules and 'torch' not in sys.modules\n")
+    code = "\n".join([
+        "import sys",
+        f"from {module} import {function} as main",
+        "try:",
+        "    main(['--help'])",
+        "except SystemExit as e:",
+        "    assert e.code == 0, e.code",
+        "assert 'lightning' not in sys.modules and 'torch' not in sys.modules",
+    ])
     done = run("-c", code)
     assert done.returncode == 0, done.stderr
     assert "usage: ratel-convert" in done.stdout and "--swap SWAP_DIR" in done.stdout
@@ -37,3 +44,14 @@ def test_convert_usage_error() -> None:
     done = run("-m", "lightning_ratel.convert", "out")
     assert done.returncode == 2
     assert "give a sharded checkpoint directory" in done.stderr
+
+
+@pytest.mark.parametrize("example", ["finetune_pretrained.py", "beyond_ram.py"])
+def test_example_help_shows_every_default(example: str) -> None:
+    done = run(str(REPO / "examples" / example), "--help")
+    assert done.returncode == 0, done.stderr
+    options = done.stdout[done.stdout.index("options:"):]
+    assert "decoder layers (default: 28)" in " ".join(options.split())
+    # Every option but -h says what it is and what it defaults to.
+    described = [line for line in options.splitlines()[1:] if line.lstrip().startswith("--")]
+    assert " ".join(options.split()).count("(default:") == len(described)
