@@ -1,4 +1,4 @@
-"""The command lines of lightning_ratel (``ratel-convert``).
+"""The command lines of lightning_ratel (``ratel-convert``, ``ratel-estimate``).
 
 A module of its own, outside the package: importing ``lightning_ratel`` imports Lightning (it registers the strategy
 name ``"ratel"``), which takes seconds. Here the arguments are parsed first, so ``--help`` and a usage error answer at
@@ -8,6 +8,7 @@ once, and the package is imported only to do the work.
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 
 
@@ -46,3 +47,40 @@ def convert(argv: Sequence[str] | None = None, prog: str = "ratel-convert") -> i
     from lightning_ratel.convert import run
 
     return run(args, parser)
+
+
+def estimate_parser(prog: str = "ratel-estimate") -> argparse.ArgumentParser:
+    """The arguments of ``ratel-estimate``."""
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Estimate the disk, host memory, device memory and checkpoint bytes a full fine-tuning of a "
+                    "Hugging Face model with RatelStrategy needs, before anything is allocated.",
+        epilog=f"example:\n  {prog} /data/Llama-3-8B --precision bf16-mixed --param-cache ssd",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("folder", help="a Hugging Face checkpoint folder (only its config.json is read)")
+    parser.add_argument("--precision", choices=["bf16-mixed", "16-mixed", "32-true"], default="bf16-mixed",
+                        help="the Trainer's precision (default: bf16-mixed)")
+    parser.add_argument("--param-cache", choices=["auto", "host", "ssd"], default="auto",
+                        help="RatelStrategy's param_cache (default: auto)")
+    parser.add_argument("--prefetch-depth", type=int, default=1, help="RatelStrategy's prefetch_depth (default: 1)")
+    parser.add_argument("--host-memory-limit", help="RatelStrategy's host_memory_limit, e.g. 64GiB (default: what "
+                                                    "is available)")
+    parser.add_argument("--checkpoint-format", choices=["auto", "full", "sharded"], default="auto",
+                        help="RatelStrategy's checkpoint_format (default: auto)")
+    return parser
+
+
+def estimate(argv: Sequence[str] | None = None, prog: str = "ratel-estimate") -> int:
+    """Run ``ratel-estimate`` with ``argv`` (``sys.argv[1:]`` when ``None``); the exit status."""
+    args = estimate_parser(prog).parse_args(argv)
+    from lightning_ratel import RatelConfigError
+    from lightning_ratel.preflight import estimate as estimate_run
+
+    try:
+        print(estimate_run(args.folder, precision=args.precision, param_cache=args.param_cache,
+                           prefetch_depth=args.prefetch_depth, host_memory_limit=args.host_memory_limit,
+                           checkpoint_format=args.checkpoint_format))
+    except RatelConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0

@@ -41,6 +41,7 @@ from lightning_ratel.tensorfiles import parse_dtype
 from lightning_ratel.plan.search import Plan
 from lightning_ratel.planner import Planner
 from lightning_ratel.precision import RatelPrecision
+from lightning_ratel.preflight import check_host_budget
 from lightning_ratel.report import show_plan
 from lightning_ratel.runtime.storage import prepare_directories
 from lightning_ratel.sizes import format_bytes
@@ -293,6 +294,9 @@ class RatelStrategy(SingleDeviceStrategy):
             # A forced "full" that cannot be gathered is refused now rather than at the first save.
             self._format = choose_checkpoint_format(self.config.checkpoint_format, module, optimizer,
                                                     self.config.host_memory_limit)
+            # Before the model is materialized: the budget must hold at least the run's own buffers.
+            check_host_budget(module, optimizer, self.config, self.precision_plugin.half_dtype,
+                              unified=self.root_device.type == "cpu")
         self.model_to_device()
         config = self.config.with_ssd_paths(self._swap_directories)
         self._limit_device_memory()

@@ -55,3 +55,19 @@ def test_example_help_shows_every_default(example: str) -> None:
     # Every option but -h says what it is and what it defaults to.
     described = [line for line in options.splitlines()[1:] if line.lstrip().startswith("--")]
     assert " ".join(options.split()).count("(default:") == len(described)
+
+
+def test_estimate_command(tmp_path: Path) -> None:
+    code = "\n".join([
+        "import sys",
+        "sys.path.insert(0, '.')",
+        "from tests.models import tiny_llama",
+        f"tiny_llama().save_pretrained({str(tmp_path / 'hf')!r})",
+    ])
+    assert run("-c", code).returncode == 0
+    done = run("-c", f"import lightning_ratel_cli as c; raise SystemExit(c.estimate([{str(tmp_path / 'hf')!r}, "
+                     "'--param-cache', 'ssd', '--precision', '32-true']))")
+    assert done.returncode == 0, done.stderr
+    assert "disk (swap files)" in done.stdout and "param_cache: ssd" in done.stdout
+    missing = run("-c", f"import lightning_ratel_cli as c; raise SystemExit(c.estimate([{str(tmp_path)!r}]))")
+    assert missing.returncode == 2 and "no config.json" in missing.stderr

@@ -172,6 +172,9 @@ class _Stop:
 _Job = _Gradient | _Begin | _Schedule | _Discard | _Abort | _Freed | _Barrier | _Stop
 
 
+BUFFER_SETS = 3
+"""State buffer sets the CPU AdamW keeps by default: one reading ahead, one computing, one writing back."""
+
 class _Buffers:
     def __init__(self, numel: int, master_numel: int, compute_bytes: int) -> None:
         self.master = aligned_empty(master_numel, torch.float32, huge=True)
@@ -184,7 +187,9 @@ class _Buffers:
 
     @property
     def nbytes(self) -> int:
-        return 3 * self.master.numel() * 4 + (self.compute.numel() if self.compute is not None else 0)
+        # The master buffer is empty where every master lives in the host cache; the moments are always there.
+        states = self.master.numel() + self.exp_avg.numel() + self.exp_avg_sq.numel()
+        return 4 * states + (self.compute.numel() if self.compute is not None else 0)
 
 
 class CpuAdam:
@@ -205,7 +210,7 @@ class CpuAdam:
             region of the forward and backward then waits for sleeping threads to wake.
     """
 
-    def __init__(self, shards: Sequence[Shard], store: TensorStore, depth: int = 3,
+    def __init__(self, shards: Sequence[Shard], store: TensorStore, depth: int = BUFFER_SETS,
                  timeline: Timeline | None = None, compute_on_store: bool = False,
                  grad_budget_bytes: int | None = None, threads: int | None = None) -> None:
         self.shards = list(shards)
