@@ -240,8 +240,10 @@ class RatelHFExport(Callback):
         """Write the current weights to ``path``."""
         save = getattr(trainer.strategy, "save_pretrained", None)
         if callable(save):
+            # It says what it wrote, where, and how long it took.
             save(path, dtype=self.dtype, max_shard_size=self.max_shard_size)
-        elif trainer.is_global_zero:
+            return
+        if trainer.is_global_zero:
             write_hf_folder(ModuleReader(pl_module), path, self.dtype, self.max_shard_size)
         rank_zero_info(f"RatelHFExport: step {trainer.global_step} exported to {path}")
 

@@ -10,6 +10,7 @@ import contextlib
 import itertools
 import os
 import shutil
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -29,7 +30,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_ratel.callbacks import RatelProfiler
-from lightning_ratel.checkpoint import choose_checkpoint_format
+from lightning_ratel.checkpoint import Restored, choose_checkpoint_format
 from lightning_ratel.config import ActivationPolicy, CheckpointFormat, ParamCache, ParamInitFn, PlanLike, RatelConfig
 from lightning_ratel.engine import RatelEngine
 from lightning_ratel.errors import RatelConfigError
@@ -44,7 +45,7 @@ from lightning_ratel.precision import RatelPrecision
 from lightning_ratel.preflight import check_host_budget
 from lightning_ratel.report import show_plan
 from lightning_ratel.runtime.storage import prepare_directories
-from lightning_ratel.sizes import format_bytes
+from lightning_ratel.sizes import format_bytes, format_rate, path_bytes
 
 
 class RatelStrategy(SingleDeviceStrategy):
@@ -310,17 +311,26 @@ class RatelStrategy(SingleDeviceStrategy):
         if source is None and self._pretrained is not None:
             source = PretrainedSource(self._pretrained)
         self._resume_source = None
+        start = time.perf_counter()
         self._engine = RatelEngine(module, self.root_device, config, precision.half_dtype, optimizer, source,
                                    progress=trainer.progress_bar_callback is not None)
+        if source is not None:
+            layout = self._engine.layout
+            rank_zero_info(f"RatelStrategy: {source.description.replace('loading', 'loaded', 1)}: "
+                           f"{len(layout.slots)} tensors, "
+                           f"{format_rate(layout.param_nbytes, time.perf_counter() - start)}")
         precision.bind(self._engine, self.root_device.type)
         if isinstance(config.plan, Plan):
             self._engine.planner.apply_plan(config.plan)
             show_plan(config.plan)
         self.setup_precision_plugin()
         placement = self._engine.byte_placement()
+        # Free space once per file system: directories on one drive share it.
+        free = sum(shutil.disk_usage(p).free for p in {os.stat(p).st_dev: p for p in config.ssd_paths}.values())
         rank_zero_info(
             f"RatelStrategy: {len(self._engine.blocks)} blocks on {self.root_device}; "
             + ", ".join(f"{k} {format_bytes(v)}" for k, v in placement.items())
+            + f"; swap files in {', '.join(config.ssd_paths)} ({format_bytes(free)} free)"
         )
 
     def _limit_device_memory(self) -> None:
@@ -423,6 +433,7 @@ class RatelStrategy(SingleDeviceStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH,
                         storage_options: Any | None = None) -> None:
         path = Path(filepath)
+        start = time.perf_counter()
         if self.sharded_checkpoints:
             if storage_options is not None:
                 raise TypeError("RatelStrategy writes sharded checkpoints itself and takes no `storage_options`")
@@ -442,6 +453,10 @@ class RatelStrategy(SingleDeviceStrategy):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is not None and self._engine is not None:
             self._saved_step = trainer.global_step
+        if self.is_global_zero:
+            kind = "sharded checkpoint" if self.sharded_checkpoints else "checkpoint"
+            rank_zero_info(f"RatelStrategy: {kind} written to {path}: "
+                           f"{format_rate(path_bytes(path), time.perf_counter() - start)}")
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
@@ -489,6 +504,7 @@ class RatelStrategy(SingleDeviceStrategy):
             The folder.
         """
         dtype = parse_dtype(dtype)
+        start = time.perf_counter()
         engine = self._engine
         if engine is not None and engine.adam is not None:
             with engine.user_settings():
@@ -498,7 +514,10 @@ class RatelStrategy(SingleDeviceStrategy):
             if module is None:
                 raise RatelConfigError("RatelStrategy.save_pretrained needs a LightningModule")
             reader = ModuleReader(module)
-        return write_hf_folder(reader, path, dtype, max_shard_size, progress=self._progress())
+        folder = write_hf_folder(reader, path, dtype, max_shard_size, progress=self._progress())
+        rank_zero_info(f"RatelStrategy: exported {len(reader.records)} tensors to {folder}: "
+                       f"{format_rate(path_bytes(folder), time.perf_counter() - start)}")
+        return folder
 
     def _from_engine(self, read: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         """Read state for a checkpoint; if the engine cannot produce it, end the run's engine here.
@@ -542,14 +561,19 @@ class RatelStrategy(SingleDeviceStrategy):
                 # The exception that stopped training matters more; the copy-back at teardown says what it finds.
                 rank_zero_warn(f"RatelStrategy could not roll the interrupted step back after {exception!r}: {err!r}")
 
-    def _keep_what_is_not_restored(self, engine: RatelEngine) -> None:
+    def _keep_what_is_not_restored(self, engine: RatelEngine) -> tuple[str, int] | None:
         """Before the copy back: say what will not be restored and, where a result would be lost, keep the swap files
-        with what an export needs to read them."""
+        with what an export needs to read them.
+
+        Returns:
+            What the copy back will restore, in words, and its bytes; ``None`` outside fit or when nothing is.
+        """
         state = engine.state
         if engine.adam is None or engine.store is None:
-            return
+            return None
         engine.abort_step()
         plan = state.restore_plan()
+        restored = _restored_summary(engine, plan)
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         saved = trainer is not None and self._saved_step == trainer.global_step
         keep = self.config.keep_swap_files or (bool(plan.lost) and not saved)
@@ -562,7 +586,7 @@ class RatelStrategy(SingleDeviceStrategy):
                 engine.store.set_metadata(kept_metadata(state, engine.module, self._pretrained))
             engine.store.keep_at_close()
         if plan.complete:
-            return
+            return restored
         layout = engine.layout
         if plan.trainable:
             what = (f"the trainable parameters ({format_bytes(layout.nbytes_of(layout.shards))}) are copied back into "
@@ -585,6 +609,7 @@ class RatelStrategy(SingleDeviceStrategy):
                      "[--dtype fp32]`, then delete the swap files and their index. (RatelHFExport or "
                      "strategy.save_pretrained() during fit, or a checkpoint at the last step, avoid keeping them.)")
         rank_zero_warn(f"RatelStrategy: {what}{where}")
+        return restored
 
     @override
     def teardown(self) -> None:
@@ -593,9 +618,13 @@ class RatelStrategy(SingleDeviceStrategy):
         if engine is not None:
             try:
                 try:
-                    self._keep_what_is_not_restored(engine)
+                    restored = self._keep_what_is_not_restored(engine)
                 finally:
+                    start = time.perf_counter()
                     engine.close(restore=True)
+                if restored:
+                    rank_zero_info(f"RatelStrategy: copied {restored[0]} back into the module: "
+                                   f"{format_rate(restored[1], time.perf_counter() - start)}")
             except Exception as err:
                 if self._exception is None:
                     raise
@@ -641,3 +670,14 @@ def _check_one_device(trainer: pl.Trainer) -> None:
             "node(s). Pass `devices=1` and `num_nodes=1` (choose the GPU with CUDA_VISIBLE_DEVICES); a model that "
             "fits one GPU trains data parallel with `strategy='ddp'` or `'fsdp'` instead."
         )
+
+
+def _restored_summary(engine: RatelEngine, plan: Restored) -> tuple[str, int] | None:
+    """What the copy back of ``plan`` restores, in words, and its bytes."""
+    layout = engine.layout
+    shards = (layout.shards if plan.trainable else []) + (layout.frozen_shards if plan.frozen else [])
+    if not shards:
+        return None
+    count = sum(len(s.params) for s in shards)
+    what = f"{count} parameter tensors" + (" and the optimizer state" if plan.optimizer else "")
+    return what, layout.nbytes_of(shards) + (8 * sum(s.numel for s in layout.shards) if plan.optimizer else 0)

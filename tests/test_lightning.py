@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import functools
+import logging
 import math
 import os
 import sys
@@ -509,6 +510,29 @@ def test_step_figures_logged(tmp_path: Path) -> None:
     t = trainer(ratel(swap(tmp_path, "swap2"), log_metrics=False), logger=quiet, log_every_n_steps=1, max_steps=2)
     t.fit(LM(n_batches=2))
     assert not [k for r in read_csv(quiet.log_dir) for k in r if k.startswith("ratel/")]
+
+
+def test_long_passes_leave_a_lasting_line(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The start line says where the swap files are; loading, checkpointing, exporting and the copy back each end
+    with a logged line (progress bars are transient)."""
+    ssd = swap(tmp_path)
+    callbacks = [ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=2),
+                 lightning_ratel.RatelHFExport(str(tmp_path / "hf"))]
+    with caplog.at_level(logging.INFO):
+        t = trainer(ratel(ssd, checkpoint_format="sharded"), max_steps=2, enable_checkpointing=True,
+                    callbacks=callbacks)
+        t.fit(LM(n_batches=2))
+        t = trainer(ratel(ssd), max_steps=3)
+        t.fit(LM(n_batches=2), ckpt_path=callbacks[0].best_model_path)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("RatelStrategy: ")]
+    text = "\n".join(lines)
+    assert f"swap files in {ssd}" in text and "free)" in text
+    assert f"sharded checkpoint written to {callbacks[0].best_model_path}: " in text
+    assert f"exported 30 tensors to {tmp_path / 'hf' / 'final'}: " in text
+    assert "loaded epoch=0-step=2.ckpt: 30 tensors, " in text
+    assert sum("copied 30 parameter tensors and the optimizer state back into the module: " in line
+               for line in lines) == 2
+    assert all(" s (" in line for line in lines if "written" in line or "copied" in line or "loaded" in line)
 
 
 def test_lr_scheduler_and_monitor(tmp_path: Path) -> None:
