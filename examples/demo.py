@@ -66,7 +66,8 @@ class DemoReport(L.Callback):
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         val_loss = float(trainer.callback_metrics["val_loss"])
-        self.console.print(f"step {trainer.global_step:4d}  val_loss   {val_loss:7.4f}")
+        perplexity = float(trainer.callback_metrics["val_perplexity"])
+        self.console.print(f"step {trainer.global_step:4d}  val_loss   {val_loss:7.4f}  perplexity {perplexity:9.2f}")
         # Validation time is not training throughput.
         self.window_started = time.perf_counter()
         self.window_tokens = 0

@@ -262,11 +262,22 @@ class RatelStrategy(SingleDeviceStrategy):
         # Parameters are paged by the engine; only buffers (masks, rotary tables) live on the device for good. Buffers
         # on the meta device are the engine's to materialize.
         assert self.model is not None
-        for module in self.model.modules():
+        device = self.root_device
+
+        def place(module: nn.Module) -> None:
             for name, buf in module._buffers.items():
                 if buf is not None and not buf.is_meta:
-                    module._buffers[name] = buf.to(self.root_device)
-        self.lightning_module._device = self.root_device  # type: ignore[union-attr]
+                    module._buffers[name] = buf.to(device)
+            for child in module.children():
+                if any(True for _ in child.parameters()) or any(b.is_meta for b in child.buffers()):
+                    place(child)
+                else:
+                    # Nothing here for the engine to page: the module moves whole, as under Lightning's own
+                    # strategies, so that state kept outside buffers (a torchmetrics metric's) comes along.
+                    child.to(device)
+
+        place(self.model)
+        self.lightning_module._device = device  # type: ignore[union-attr]
 
     @override
     def setup_environment(self) -> None:

@@ -71,3 +71,23 @@ def test_estimate_command(tmp_path: Path) -> None:
     assert "disk (swap files)" in done.stdout and "param_cache: ssd" in done.stdout
     missing = run("-c", f"import lightning_ratel_cli as c; raise SystemExit(c.estimate([{str(tmp_path)!r}]))")
     assert missing.returncode == 2 and "no config.json" in missing.stderr
+
+
+def test_example_module_reports_perplexity_under_ratel(tmp_path: Path) -> None:
+    """The example LightningModule's torchmetrics perplexity works unchanged under RatelStrategy (the metric's state
+    moves with the module) and is exp of the validation loss."""
+    code = "\n".join([
+        "import math, sys, torch, lightning as L",
+        "sys.path.insert(0, 'examples')",
+        "from lm_module import CausalLMModule",
+        "from lightning_ratel import RatelStrategy",
+        "module = CausalLMModule(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64,",
+        "                        max_seq_len=16)",
+        "data = [{'input_ids': t, 'labels': t} for t in torch.randint(0, 64, (2, 4, 17))]",
+        f"trainer = L.Trainer(accelerator='cpu', strategy=RatelStrategy(ssd_paths=[{str(tmp_path)!r}]),",
+        "                    logger=False, enable_progress_bar=False, enable_model_summary=False)",
+        "(metrics,) = trainer.validate(module, torch.utils.data.DataLoader(data, batch_size=None), verbose=False)",
+        "assert math.isclose(metrics['val_perplexity'], math.exp(metrics['val_loss']), rel_tol=1e-4), metrics",
+    ])
+    done = run("-c", code)
+    assert done.returncode == 0, done.stderr[-3000:]
