@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import functools
+import json
 import logging
 import math
 import os
@@ -533,6 +534,16 @@ def test_long_passes_leave_a_lasting_line(tmp_path: Path, caplog: pytest.LogCapt
     assert sum("copied 30 parameter tensors and the optimizer state back into the module: " in line
                for line in lines) == 2
     assert all(" s (" in line for line in lines if "written" in line or "copied" in line or "loaded" in line)
+
+
+def test_trace_shows_page_ins_and_gradient_offload(tmp_path: Path) -> None:
+    """A Chrome trace of a step has spans for the training thread's own plugin work."""
+    profiler = lightning_ratel.RatelProfiler(trace_step=1, output_dir=str(tmp_path / "trace"))
+    t = trainer(ratel(swap(tmp_path), param_cache="ssd"), max_steps=2, callbacks=[profiler])
+    t.fit(LM(n_batches=2))
+    events = json.loads((tmp_path / "trace" / "ratel_trace_step1.json").read_text())["traceEvents"]
+    names = {e.get("name") for e in events}
+    assert {"ratel/page_in", "ratel/grad_offload"} <= names
 
 
 def test_lr_scheduler_and_monitor(tmp_path: Path) -> None:
