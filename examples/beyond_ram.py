@@ -129,14 +129,18 @@ class StepReport(L.Callback):
         self.disk_bytes = trainer.strategy.byte_placement()["disk"]
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` with the module docstring as written and every argument's default."""
+
+
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """The Llama's sizes (defaults: 3.37B parameters) and the training window's length."""
-    parser.add_argument("--layers", type=int, default=28)
-    parser.add_argument("--hidden", type=int, default=3072)
-    parser.add_argument("--intermediate", type=int, default=8192)
-    parser.add_argument("--heads", type=int, default=24)
-    parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=28, help="decoder layers")
+    parser.add_argument("--hidden", type=int, default=3072, help="hidden size")
+    parser.add_argument("--intermediate", type=int, default=8192, help="MLP intermediate size")
+    parser.add_argument("--heads", type=int, default=24, help="attention heads (as many key/value heads)")
+    parser.add_argument("--vocab", type=int, default=32000, help="vocabulary size")
+    parser.add_argument("--seq-len", type=int, default=64, help="tokens per training sequence")
 
 
 def llama_config(args: argparse.Namespace) -> LlamaConfig:
@@ -172,12 +176,13 @@ def training_window(seq_len: int) -> torch.Tensor:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--swap-dir", type=Path, default=DEFAULT_SWAP, help="directory for the swap files")
     add_model_arguments(parser)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--lr", type=float, default=3e-5)
-    parser.add_argument("--activation-policy", default="recompute", choices=["keep", "host", "ssd", "recompute"])
+    parser.add_argument("--steps", type=int, default=4, help="training steps")
+    parser.add_argument("--lr", type=float, default=3e-5, help="AdamW learning rate")
+    parser.add_argument("--activation-policy", default="recompute", choices=["keep", "host", "ssd", "recompute"],
+                        help="where saved activations go (RatelStrategy's activation_policy)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the initialization, which happens during fit")
     args = parser.parse_args()
     L.seed_everything(args.seed)

@@ -7,6 +7,7 @@ Run from the repository root: `make demo`, or `.venv/bin/python examples/demo.py
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 
@@ -45,6 +46,9 @@ class DemoReport(L.Callback):
         self.window_started = 0.0
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if isinstance(trainer.strategy, RatelStrategy):
+            engine = trainer.strategy.engine
+            self.console.print(tier_table([block.name for block in engine.blocks], engine.cache.placements))
         self.started = self.window_started = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -66,7 +70,8 @@ class DemoReport(L.Callback):
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         val_loss = float(trainer.callback_metrics["val_loss"])
-        self.console.print(f"step {trainer.global_step:4d}  val_loss   {val_loss:7.4f}")
+        perplexity = float(trainer.callback_metrics["val_perplexity"])
+        self.console.print(f"step {trainer.global_step:4d}  val_loss   {val_loss:7.4f}  perplexity {perplexity:9.2f}")
         # Validation time is not training throughput.
         self.window_started = time.perf_counter()
         self.window_tokens = 0
@@ -83,16 +88,33 @@ class DemoReport(L.Callback):
             self.console.print(placement_table(trainer.strategy.byte_placement()))
 
 
+def tier_table(blocks: list[str], placements: list[str | dict[str, str]]) -> Table:
+    """Where each block's saved activations go (the blocks' shared module path left out)."""
+    prefix = os.path.commonprefix(blocks).rpartition(".")[0]
+    table = Table(title="Activations saved for backward, per block" + (f" of {prefix}.*" if prefix else ""))
+    table.add_column("block")
+    table.add_column("tier")
+    for name, placement in zip(blocks, placements):
+        tiers = placement if isinstance(placement, str) else ", ".join(sorted(set(placement.values())))
+        table.add_row(name[len(prefix):].lstrip(".") or name, tiers)
+    return table
+
+
 def placement_table(placement: dict[str, int]) -> Table:
-    total = sum(placement.values())
-    table = Table(title="Where the training state lives now")
+    # "pinned" is the part of "host" that is page-locked, not a tier of its own.
+    tiers = {tier: size for tier, size in placement.items() if tier != "pinned"}
+    total = sum(tiers.values())
+    table = Table(title="Where the training state lives now",
+                  caption="More than the start line said: training added room in the swap files for the activations "
+                          "sent to the SSD, and host buffers for activations, page-ins and gradients.")
     table.add_column("tier")
     table.add_column("bytes", justify="right")
     table.add_column("MiB", justify="right")
     table.add_column("share", justify="right")
-    for tier, size in placement.items():
+    for tier, size in tiers.items():
         share = f"{100 * size / total:.1f}%" if total else "-"
-        table.add_row(tier, f"{size:,}", f"{size / 2**20:.1f}", share)
+        name = f"host (pinned {size and placement.get('pinned', 0) / size:.0%})" if tier == "host" else tier
+        table.add_row(name, f"{size:,}", f"{size / 2**20:.1f}", share)
     table.add_row("total", f"{total:,}", f"{total / 2**20:.1f}", "", style="bold")
     return table
 
@@ -107,9 +129,9 @@ def main() -> None:
     L.seed_everything(0, workers=True)
     on_gpu = torch.cuda.is_available()
     if args.strategy == "ratel":
-        swap_dir = OUTPUTS / "demo-swap"
-        swap_dir.mkdir(parents=True, exist_ok=True)
-        strategy = RatelStrategy(ssd_paths=[str(swap_dir)], prefetch_depth=1, activation_policy=ACTIVATION_POLICY)
+        # Created by the strategy when missing; the swap files in it are removed when training ends.
+        strategy = RatelStrategy(ssd_paths=[str(OUTPUTS / "demo-swap")], prefetch_depth=1,
+                                 activation_policy=ACTIVATION_POLICY)
     else:
         strategy = "auto"
 

@@ -50,8 +50,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lightning_ratel import RatelHFExport, RatelStrategy  # noqa: E402
 from lightning_ratel.export import SAFE_INDEX, SAFE_WEIGHTS  # noqa: E402
 from lightning_ratel.runtime.probe import disk_bandwidth  # noqa: E402
+from lightning_ratel.sizes import format_bytes  # noqa: E402
 from lightning_ratel.tensorfiles import TensorFileWriter  # noqa: E402
 from beyond_ram import (  # noqa: E402
+    HelpFormatter,
     RepeatedWindowLM,
     add_model_arguments,
     llama_config,
@@ -235,14 +237,15 @@ def folder_bytes(path: Path) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--work-dir", type=Path, default=Path("outputs") / "finetune-pretrained")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument("--work-dir", type=Path, default=Path("outputs") / "finetune-pretrained",
+                        help="where the checkpoint folder, swap files, sharded checkpoint and export go")
     add_model_arguments(parser)
     parser.add_argument("--steps", type=int, default=2, help="steps of the first run (the resumed run adds one)")
-    parser.add_argument("--lr", type=float, default=3e-5)
+    parser.add_argument("--lr", type=float, default=3e-5, help="AdamW learning rate")
     parser.add_argument("--max-shard-size", type=float, default=5.0, help="GB per file of the checkpoint folder")
     parser.add_argument("--probe-gib", type=float, default=2.0, help="GiB the disk probe writes and reads")
-    parser.add_argument("--keep", action="store_true", help="keep the work directory (default: removed at the end)")
+    parser.add_argument("--keep", action="store_true", help="keep the work directory (removed at the end otherwise)")
     args = parser.parse_args()
     L.seed_everything(0)
     on_gpu = torch.cuda.is_available()
@@ -254,27 +257,27 @@ def main() -> None:
     hf, swap, ckpt_dir, export_dir = work / "hf", work / "swap", work / "checkpoints", work / "export"
     swap.mkdir(exist_ok=True)
     free = shutil.disk_usage(work).free
-    print(f"Llama: {params:,} parameters; model states 16 B x P = {16 * params / GB:.1f} GB = "
-          f"{16 * params / ram:.2f} x this machine's RAM ({ram / GIB:.1f} GiB); {free / GB:.0f} GB free in {work}, "
-          f"about {DISK_BYTES_PER_PARAM * params / GB:.0f} GB needed")
+    print(f"Llama: {params:,} parameters; model states 16 B x P = {format_bytes(16 * params)} = "
+          f"{16 * params / ram:.2f} x this machine's RAM ({format_bytes(ram)}); {format_bytes(free)} free in {work}, "
+          f"about {format_bytes(DISK_BYTES_PER_PARAM * params)} needed")
     if DISK_BYTES_PER_PARAM * params > free:
         # Refused before anything is written: the strategy would refuse the swap files only after the checkpoint
         # folder was written.
         fits = layers_that_fit(config, free)
-        raise SystemExit(f"not enough disk in {work}: about {DISK_BYTES_PER_PARAM * params / GB:.0f} GB needed, "
-                         f"{free / GB:.0f} GB free. Point --work-dir at a larger drive, or shrink the model "
+        raise SystemExit(f"not enough disk in {work}: about {format_bytes(DISK_BYTES_PER_PARAM * params)} needed, "
+                         f"{format_bytes(free)} free. Point --work-dir at a larger drive, or shrink the model "
                          + (f"(--layers {fits} fits)." if fits else "(--hidden, --intermediate, --vocab)."))
     phases = Phases()
 
     probe = int(args.probe_gib * GIB)
     with phases.phase("disk probe"):
         read_bw, write_bw = disk_bandwidth([str(swap)], probe)
-    print(f"disk ({swap}, O_DIRECT, {args.probe_gib:g} GiB): read {read_bw / GB:.2f} GB/s, write {write_bw / GB:.2f} "
-          "GB/s", flush=True)
+    print(f"disk ({swap}, O_DIRECT, {args.probe_gib:g} GiB): read {format_bytes(read_bw)}/s, write "
+          f"{format_bytes(write_bw)}/s", flush=True)
 
     with phases.phase("write") as moved:
         moved["bytes"] = write_checkpoint(config, hf, int(args.max_shard_size * GB), seed=0)
-    print(f"wrote {hf} ({folder_bytes(hf) / GB:.2f} GB)", flush=True)
+    print(f"wrote {hf} ({format_bytes(folder_bytes(hf))})", flush=True)
 
     tokens = training_window(args.seq_len)
 
@@ -324,16 +327,16 @@ def main() -> None:
           f"{', '.join(f'{x:.4f}' for x in resumed.losses)}")
     # The phases that move data read and write the same disk: its busy share is the time the measured bandwidths need
     # for what the phase read and wrote, over the phase's time.
-    print(f"{'phase':<16}{'seconds':>9}{'peak RSS':>11}{'GB':>9}{'read GB':>9}{'written GB':>11}{'disk busy':>11}")
+    print(f"{'phase':<16}{'seconds':>9}{'peak RSS':>12}{'moved':>12}{'read':>12}{'written':>12}{'disk busy':>11}")
     for name, row in rows.items():
         busy = (row["read"] / read_bw + row["written"] / write_bw) / row["seconds"] if row["seconds"] else 0.0
-        print(f"{name:<16}{row['seconds']:9.1f}{row['peak_rss'] / GIB:9.2f} G{row['bytes'] / GB:9.2f}"
-              f"{row['read'] / GB:9.2f}{row['written'] / GB:11.2f}{busy:11.0%}")
+        sizes = "".join(f"{format_bytes(row[key]):>12}" for key in ("peak_rss", "bytes", "read", "written"))
+        print(f"{name:<16}{row['seconds']:9.1f}{sizes}{busy:11.0%}")
     load = rows["load"]
     moved = load["bytes"] + first.store_written_at_load
-    print(f"load moved {moved / GB:.2f} GB in all (folder read + swap files written): "
-          f"{moved / load['seconds'] / GB:.2f} GB/s; resume read {rows['resume']['bytes'] / GB:.2f} GB and wrote "
-          f"{resumed.store_written_at_load / GB:.2f} GB to the swap files")
+    print(f"load moved {format_bytes(moved)} in all (folder read + swap files written): "
+          f"{format_bytes(moved / load['seconds'])}/s; resume read {format_bytes(rows['resume']['bytes'])} and wrote "
+          f"{format_bytes(resumed.store_written_at_load)} to the swap files")
     if not args.keep:
         shutil.rmtree(work)
 

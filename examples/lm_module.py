@@ -6,6 +6,7 @@ from functools import partial
 
 import lightning as L
 import torch
+from torchmetrics.text import Perplexity
 from transformers import LlamaConfig, LlamaForCausalLM
 
 
@@ -49,6 +50,8 @@ class CausalLMModule(L.LightningModule):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             self.model = LlamaForCausalLM(config)
+        # Labels of -100 (none in the example data) would be padding, as for the model's own loss.
+        self.val_perplexity = Perplexity(ignore_index=-100)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
         return self.model(input_ids=input_ids, labels=labels)
@@ -59,9 +62,13 @@ class CausalLMModule(L.LightningModule):
         return loss
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self(batch["input_ids"], batch["labels"]).loss
-        self.log("val_loss", loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
-        return loss
+        out = self(batch["input_ids"], batch["labels"])
+        batch_size = batch["input_ids"].shape[0]
+        self.log("val_loss", out.loss, prog_bar=True, batch_size=batch_size)
+        # The model predicts token t + 1 from position t: logits and labels shifted as its loss shifts them.
+        self.val_perplexity(out.logits[:, :-1].float(), batch["labels"][:, 1:])
+        self.log("val_perplexity", self.val_perplexity, prog_bar=True, batch_size=batch_size)
+        return out.loss
 
     def configure_optimizers(self):
         decay, no_decay = [], []

@@ -6,12 +6,14 @@ from lightning_ratel.callbacks import RatelHFExport, RatelProfiler
 from lightning_ratel.errors import RatelConfigError, RatelPlanError, RatelStoreError
 from lightning_ratel.plan import Plan
 from lightning_ratel.precision import RatelPrecision
+from lightning_ratel.preflight import Estimate, estimate
 from lightning_ratel.strategy import RatelStrategy
 
 if RatelStrategy.strategy_name not in StrategyRegistry:
     RatelStrategy.register_strategies(StrategyRegistry)
 
 __all__ = [
+    "Estimate",
     "Plan",
     "RatelHFExport",
     "RatelConfigError",
@@ -20,5 +22,6 @@ __all__ = [
     "RatelProfiler",
     "RatelStoreError",
     "RatelStrategy",
+    "estimate",
 ]
 __version__ = "0.1.0"

@@ -95,14 +95,16 @@ class StepBreakdown:
         self.cache = cache
         self.store = store
         self._cursor = 0
+        self._transferred = (0, 0)
 
     def take(self, start: float, end: float) -> dict[str, float]:
         """Where the time of ``[start, end]`` (a training step) went.
 
         ``compute`` is the wall time the training thread did not spend stalled waiting for an update or a read;
         ``h2d``/``d2h`` the busy time of each link direction; ``ssd`` the time any swap-file transfer ran;
-        ``cpu_optimizer`` the time any AdamW update ran; ``idle`` the training thread's stalls. Resources overlap,
-        so the parts do not add up to the wall time.
+        ``cpu_optimizer`` the time any AdamW update ran; ``idle`` the training thread's stalls (waiting for a page-in
+        or a swapped activation). Resources overlap, so the parts do not add up to the wall time.
+        ``ssd_read_bytes``/``ssd_write_bytes``: what the swap files transferred since the previous call.
         """
         copies = self.device.take_copy_seconds()
         busy = self.cache.take_busy_intervals()
@@ -118,6 +120,7 @@ class StepBreakdown:
             elif kind == "update_end" and shard in opened:
                 updates.append((opened.pop(shard), t))
         stall = self.pager.take_stall_seconds() + self.cache.take_stall_seconds()
+        read, written = self._take_transferred_bytes()
         wall = end - start
         # Copies take the training thread's time only where they run on it.
         copy_time = copies["h2d"] + copies["d2h"] if not self.device.separate_memory else 0.0
@@ -129,4 +132,22 @@ class StepBreakdown:
             "ssd": _union(busy, start, end),
             "cpu_optimizer": _union(updates, start, end),
             "idle": stall,
+            "ssd_read_bytes": float(read),
+            "ssd_write_bytes": float(written),
         }
+
+    def begin(self) -> None:
+        """A step starts: bytes the swap stores moved before it (loading, checkpoints, evaluation) are not its own."""
+        self._transferred = self._transferred_totals()
+
+    def _transferred_totals(self) -> tuple[int, int]:
+        read, written = self.cache.transferred_bytes()
+        if self.store is not None:
+            read += self.store.bytes_read
+            written += self.store.bytes_written
+        return read, written
+
+    def _take_transferred_bytes(self) -> tuple[int, int]:
+        """Bytes read and written by both swap stores since the last call (or :meth:`begin`)."""
+        before, self._transferred = self._transferred, self._transferred_totals()
+        return self._transferred[0] - before[0], self._transferred[1] - before[1]

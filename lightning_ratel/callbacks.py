@@ -29,10 +29,16 @@ from lightning_ratel.tensorfiles import parse_dtype
 
 @runtime_checkable
 class PlanningStrategy(Protocol):
-    """What the profiler needs from the strategy: the run's planner (``None`` outside a run)."""
+    """What the profiler needs from the strategy: the run's planner (``None`` outside a run), whether to send the
+    step figures to the loggers, and where the run's bytes are."""
 
     @property
     def planner(self) -> Planner | None: ...
+
+    @property
+    def log_metrics(self) -> bool: ...
+
+    def byte_placement(self) -> dict[str, int]: ...
 
 
 def _planner(trainer: pl.Trainer) -> Planner | None:
@@ -40,8 +46,42 @@ def _planner(trainer: pl.Trainer) -> Planner | None:
     return strategy.planner if isinstance(strategy, PlanningStrategy) else None
 
 
+_SECONDS = {"wall": "step", "compute": "compute", "idle": "wait", "cpu_optimizer": "optimizer", "ssd": "disk",
+            "h2d": "h2d", "d2h": "d2h"}
+"""Breakdown keys and the names of their ``ratel/<name>_seconds`` metrics."""
+
+
+def step_metrics(micro_batches: list[dict[str, float]], placement: dict[str, int]) -> dict[str, float]:
+    """The figures of one optimizer step (its micro-batches' breakdowns summed) as ``ratel/...`` logger metrics.
+
+    ``ratel/<part>_seconds``: wall time of the step, time the training thread computed, waited for a page-in or a
+    swapped activation, and the busy time of the CPU AdamW, the swap files and each link direction (resources overlap:
+    the parts do not add up to the step); ``ratel/disk_{read,write}_bytes`` and ``ratel/disk_gbps`` (GB/s while the
+    swap files were busy); ``ratel/overlap``: the share of the disk and optimizer time that did not stall the training
+    thread; ``ratel/{device,host,disk,pinned}_bytes``: where the run's bytes are at the end of the step;
+    ``ratel/profiling``: 1 while the step ran under the safe default placement to be timed.
+    """
+    total = {key: sum(m.get(key, 0.0) for m in micro_batches) for key in (*_SECONDS, "ssd_read_bytes",
+                                                                            "ssd_write_bytes")}
+    metrics = {f"ratel/{name}_seconds": total[key] for key, name in _SECONDS.items()}
+    moved = total["ssd_read_bytes"] + total["ssd_write_bytes"]
+    metrics["ratel/disk_read_bytes"] = total["ssd_read_bytes"]
+    metrics["ratel/disk_write_bytes"] = total["ssd_write_bytes"]
+    if total["ssd"] > 0:
+        metrics["ratel/disk_gbps"] = moved / total["ssd"] / 1e9
+    background = total["ssd"] + total["cpu_optimizer"]
+    if background > 0:
+        metrics["ratel/overlap"] = 1.0 - min(total["idle"], background) / background
+    metrics.update({f"ratel/{tier}_bytes": float(n) for tier, n in placement.items()})
+    metrics["ratel/profiling"] = float(any(m.get("profiling") for m in micro_batches))
+    return metrics
+
+
 class RatelProfiler(Callback):
     """Profiles the machine and the model, plans activation placement, and reports what each step measured.
+
+    Each optimizer step's figures (:func:`step_metrics`) go to the Trainer's loggers while the strategy's
+    ``log_metrics`` is on; the report at the end of fit draws them against the plan.
 
     Args:
         report: write ``ratel_report.png`` (predicted iteration time against offloaded bytes with the chosen plan,
@@ -72,6 +112,9 @@ class RatelProfiler(Callback):
         self.plan: Plan | None = None
         self.steps: list[dict[str, float]] = []
         self._step_start = 0.0
+        # The micro-batches of the optimizer step in progress, and the global step they lead to.
+        self._window: list[dict[str, float]] = []
+        self._window_start_step = 0
         self._trace: torch.profiler.profile | None = None
 
     @override
@@ -80,11 +123,14 @@ class RatelProfiler(Callback):
         if planner is None:
             return
         planner.start(self.profile_steps, restored=self.plan, reprofile=self.reprofile)
+        self._window = []
+        self._window_start_step = trainer.global_step
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        if _planner(trainer) is None:
+        planner = _planner(trainer)
+        if planner is None:
             return
         if self.trace_step is not None and trainer.global_step == self.trace_step and self._trace is None:
             activities = [torch.profiler.ProfilerActivity.CPU]
@@ -92,6 +138,7 @@ class RatelProfiler(Callback):
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self._trace = torch.profiler.profile(activities=activities)
             self._trace.__enter__()
+        planner.breakdown.begin()
         self._step_start = time.perf_counter()
 
     @override
@@ -104,6 +151,9 @@ class RatelProfiler(Callback):
         breakdown["step"] = float(trainer.global_step)
         breakdown["profiling"] = float(planner.profiling)
         self.steps.append(breakdown)
+        self._window.append(breakdown)
+        if trainer.global_step != self._window_start_step:
+            self._log_step(trainer)
         if self._trace is not None:
             self._trace.__exit__(None, None, None)
             directory = self._directory(trainer) or trainer.default_root_dir
@@ -115,6 +165,19 @@ class RatelProfiler(Callback):
         plan = planner.micro_batch_done()
         if plan is not None:
             self.plan = plan
+
+    def _log_step(self, trainer: pl.Trainer) -> None:
+        """Send the optimizer step that just ended to the loggers, at the step and rate of ``self.log`` metrics."""
+        window, self._window = self._window, []
+        self._window_start_step = trainer.global_step
+        strategy = trainer.strategy
+        # Lightning's own rule for step metrics (`log_every_n_steps`), checked as LearningRateMonitor does.
+        if not (isinstance(strategy, PlanningStrategy) and strategy.log_metrics and trainer.loggers
+                and trainer._logger_connector.should_update_logs):
+            return
+        metrics = step_metrics(window, strategy.byte_placement())
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.fit_loop.epoch_loop._batches_that_stepped)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -177,8 +240,10 @@ class RatelHFExport(Callback):
         """Write the current weights to ``path``."""
         save = getattr(trainer.strategy, "save_pretrained", None)
         if callable(save):
+            # It says what it wrote, where, and how long it took.
             save(path, dtype=self.dtype, max_shard_size=self.max_shard_size)
-        elif trainer.is_global_zero:
+            return
+        if trainer.is_global_zero:
             write_hf_folder(ModuleReader(pl_module), path, self.dtype, self.max_shard_size)
         rank_zero_info(f"RatelHFExport: step {trainer.global_step} exported to {path}")
 

@@ -6,7 +6,7 @@ import json
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Literal, Protocol
 
 from torch import nn
 
@@ -16,6 +16,20 @@ from lightning_ratel.sizes import parse_bytes
 from lightning_ratel.tiers import PARAM_CACHES, ParamCache, check_policy
 
 ActivationPolicy = str | dict[str, str]
+
+
+class PlanLike(Protocol):
+    """A plan object, as the strategy's ``plan`` argument takes it: a :class:`~lightning_ratel.Plan`.
+
+    The signature names this protocol rather than the ``Plan`` dataclass because LightningCLI (jsonargparse) reads a
+    string given for a dataclass type as a file of its fields: a plan file's path would be parsed field by field
+    (minutes) and the whole plan copied into every saved ``config.yaml``. A path stays a path this way.
+    """
+
+    activation_placement: dict[str, str]
+
+    def to_json(self) -> str: ...
+
 ParamInitFn = Callable[[nn.Module], None]
 CheckpointFormat = Literal["auto", "full", "sharded"]
 BlockSpec = Sequence[str] | Callable[[nn.Module], Sequence[str]] | None
@@ -47,6 +61,7 @@ class RatelConfig:
     param_init_fn: ParamInitFn | None = None
     pretrained: str | None = None
     checkpoint_format: CheckpointFormat = "auto"
+    log_metrics: bool = True
     name: str = "ratel"
 
     def __post_init__(self) -> None:
@@ -70,6 +85,8 @@ class RatelConfig:
         if self.checkpoint_format not in CHECKPOINT_FORMATS:
             raise RatelConfigError(
                 f"`checkpoint_format` must be one of {CHECKPOINT_FORMATS}, got {self.checkpoint_format!r}")
+        if not isinstance(self.log_metrics, bool):
+            raise RatelConfigError(f"`log_metrics` must be True or False, got {self.log_metrics!r}")
 
     @property
     def plans_automatically(self) -> bool:
@@ -93,7 +110,12 @@ def _paths(value: object) -> list[str] | None:
     bad = [p for p in value if not isinstance(p, (str, os.PathLike)) or not os.fspath(p)]
     if bad:
         raise RatelConfigError(f"`ssd_paths` must name directories (strings or paths), got {bad!r}")
-    return [os.fspath(p) for p in value]
+    paths = [os.fspath(p) for p in value]
+    # Missing directories are created when a run starts; a file in the way can be refused now.
+    files = [p for p in paths if os.path.exists(p) and not os.path.isdir(p)]
+    if files:
+        raise RatelConfigError(f"`ssd_paths` must name directories; {files!r} exist and are not directories")
+    return paths
 
 
 def _pretrained(value: object) -> str | None:

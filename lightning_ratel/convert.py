@@ -1,11 +1,11 @@
 """Turn a sharded checkpoint, or swap files a run kept, into an ordinary checkpoint or a Hugging Face folder.
 
 Nothing here gathers the model: tensors are read one at a time (a shard's key at a time from kept swap files) and
-written as they are read. From the command line::
+written as they are read. From the command line (``ratel-convert``, or ``python -m lightning_ratel.convert``)::
 
-    python -m lightning_ratel.convert CHECKPOINT_DIR OUT_DIR --to hf [--dtype bf16|fp32] [--max-shard-size 5GB]
-    python -m lightning_ratel.convert CHECKPOINT_DIR OUT.ckpt --to lightning
-    python -m lightning_ratel.convert --swap SWAP_DIR [--swap SWAP_DIR ...] [--name ratel] OUT_DIR --to hf
+    ratel-convert CHECKPOINT_DIR OUT_DIR --to hf [--dtype bf16|fp32] [--max-shard-size 5GB]
+    ratel-convert CHECKPOINT_DIR OUT.ckpt --to lightning
+    ratel-convert --swap SWAP_DIR [--swap SWAP_DIR ...] [--name ratel] OUT_DIR --to hf
 
 ``--to lightning`` writes the checkpoint Lightning itself would have written (``torch.load`` reads it; the parameters,
 the Adam state in ``torch.optim.AdamW``'s format, and everything in ``meta.pt``): it is loadable without this plugin,
@@ -39,6 +39,7 @@ from lightning_ratel.runtime.hostmem import aligned_empty
 from lightning_ratel.runtime.kept import KeptStore
 from lightning_ratel.sharded import ShardedReader
 from lightning_ratel.tensorfiles import parse_dtype
+from lightning_ratel_cli import convert
 
 KEPT_FORMAT = "lightning_ratel kept swap files"
 KEPT_VERSION = 1
@@ -308,21 +309,12 @@ def sharded_to_lightning(checkpoint: str | os.PathLike[str], out: str | os.PathL
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m lightning_ratel.convert",
-        description="Convert a sharded lightning_ratel checkpoint (or kept swap files) without gathering the model.")
-    parser.add_argument("source", nargs="?", help="the sharded checkpoint directory")
-    parser.add_argument("out", help="the output: a folder (--to hf) or a checkpoint file (--to lightning)")
-    parser.add_argument("--to", choices=["hf", "lightning"], default="hf")
-    parser.add_argument("--swap", action="append", metavar="SWAP_DIR",
-                        help="read the swap files a run kept in SWAP_DIR instead of a checkpoint (repeat for each "
-                             "directory of the run)")
-    parser.add_argument("--name", default="ratel", help="the store name of the kept swap files")
-    parser.add_argument("--dtype", default="bf16", help="dtype of the exported weights: bf16, fp16 or fp32")
-    parser.add_argument("--max-shard-size", default=DEFAULT_SHARD_SIZE)
-    parser.add_argument("--pretrained", help="the pretrained folder frozen weights come from, if it moved")
-    parser.add_argument("--no-progress", action="store_true")
-    args = parser.parse_args(argv)
+    """``python -m lightning_ratel.convert``: the ``ratel-convert`` command (see ``--help``); the exit status."""
+    return convert(argv, prog="python -m lightning_ratel.convert")
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Do what the parsed command line of :func:`lightning_ratel_cli.convert_parser` asks; the exit status."""
     progress = not args.no_progress
     try:
         if args.swap:

@@ -452,7 +452,7 @@ class ModuleReader:
                 f"{len(placeholders)} parameters of the module hold no values (e.g. {placeholders[0]}): they were not "
                 "copied back after training. Export during fit (RatelHFExport, or strategy.save_pretrained before fit "
                 "ends), or convert a sharded checkpoint or the kept swap files with "
-                "`python -m lightning_ratel.convert`")
+                "`ratel-convert`")
         self._params = {aliases[i][0]: p for i, p in params.items()}
         self.records = [ParamRecord(aliases[i][0], tuple(p.shape), p.dtype, p.requires_grad, aliases[i][1:],
                                     stored=p.dtype) for i, p in params.items()]

@@ -165,6 +165,7 @@ def build_layout(
     param_cache: ParamCache,
     host_memory_limit: int | None,
     host_empty: HostAllocator,
+    announce: bool = True,
 ) -> Layout:
     """Lay out ``module``'s parameters.
 
@@ -177,6 +178,7 @@ def build_layout(
         param_cache: the requested place of the compute copies (``"auto"`` resolved here).
         host_memory_limit: the run's host memory budget, for ``"auto"``.
         host_empty: allocates host-cache memory (pinned on CUDA).
+        announce: say so when ``"auto"`` chooses ``"ssd"`` (not for an estimate).
 
     Raises:
         RatelConfigError: a parameter is not floating point, or the optimizer cannot be run (see
@@ -233,7 +235,7 @@ def build_layout(
         unit_slots[b] = (slots, offsets)
 
     compute_bytes = sum(n * d.itemsize for _, numels in unit_slots.values() for d, n in numels.items())
-    cache = resolve_param_cache(param_cache, optimizer is not None, compute_bytes, host_memory_limit)
+    cache = resolve_param_cache(param_cache, optimizer is not None, compute_bytes, host_memory_limit, announce)
     units = {
         b: Unit(b, tuple(slots), numels,
                 host={d: host_empty(n, d) for d, n in numels.items()} if cache == "host" else {})
@@ -261,7 +263,7 @@ def build_layout(
 
 
 def resolve_param_cache(requested: ParamCache, fitting: bool, compute_bytes: int,
-                        host_memory_limit: int | None) -> ParamCache:
+                        host_memory_limit: int | None, announce: bool = True) -> ParamCache:
     """``"host"`` or ``"ssd"``: where the compute copies live between uses.
 
     ``"auto"`` reads them from the store when a host cache would take more than half of the host memory budget.
@@ -273,6 +275,8 @@ def resolve_param_cache(requested: ParamCache, fitting: bool, compute_bytes: int
         return requested
     budget = host_memory_limit if host_memory_limit is not None else available_host_memory()
     if budget and compute_bytes > budget // 2:
+        if not announce:
+            return "ssd"
         what = "host_memory_limit" if host_memory_limit is not None else "the available host memory"
         rank_zero_info(
             f"RatelStrategy: the compute copies of the parameters ({format_bytes(compute_bytes)}) would take more "

@@ -14,6 +14,7 @@ from rich.table import Table
 from lightning_ratel.tiers import TIERS
 from lightning_ratel.plan.cost import bottleneck
 from lightning_ratel.plan.search import Plan
+from lightning_ratel.sizes import format_bytes
 
 STEP_KEYS = ("wall", "compute", "h2d", "d2h", "ssd", "cpu_optimizer", "idle")
 """The per-step measurements :func:`write_report` draws: the wall time, then the resources in bar order."""
@@ -31,8 +32,35 @@ def _phase_text(plan: Plan, phase: str, seconds: float) -> str:
     return f"{phase} {seconds:.3g} s (bound: {bottleneck(resources, unified=unified)})"
 
 
+def _common_prefix(names: Sequence[str]) -> str:
+    """The dotted module path all ``names`` start with (``"model.model."``), leaving at least one part of each."""
+    parts = [name.split(".") for name in names]
+    if not parts:
+        return ""
+    prefix: list[str] = []
+    for group in zip(*parts):
+        if len(set(group)) > 1:
+            break
+        prefix.append(group[0])
+    prefix = prefix[:min(len(p) for p in parts) - 1]
+    return "".join(part + "." for part in prefix)
+
+
+def _size(n: float) -> str:
+    """A byte count in at most five characters (``"0"``, ``"512"``, ``"96K"``, ``"1.2M"``, ``"38G"``)."""
+    for unit, size in (("T", 1 << 40), ("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= size:
+            value = n / size
+            return f"{value:.1f}{unit}" if value < 10 else f"{value:.0f}{unit}"
+    return f"{n:.0f}"
+
+
 def plan_table(plan: Plan) -> Table:
-    """Per block, how many ops and how many MiB of saved activations go to each tier.
+    """Per block, how many ops and how many bytes of saved activations go to each tier.
+
+    Block names lose the module path they all share (named in the title), so that rows differ where the names do;
+    a name too long for the terminal wraps instead of being cut. Byte counts are short (``"1.2M"``): the table fits
+    80 columns.
 
     Args:
         plan: the plan to show.
@@ -41,25 +69,27 @@ def plan_table(plan: Plan) -> Table:
         A table with one row per block and a total row; its caption gives the predicted forward, backward and
         iteration time and the resource that bounds each phase.
     """
-    table = Table(title="Activation placement (ops · MiB)", caption=" · ".join([
+    rows = plan.summary()
+    prefix = _common_prefix([row["block"] for row in rows])
+    title = "Activation placement (ops · bytes)" + (f" of {prefix}*" if prefix else "")
+    table = Table(title=title, caption=" · ".join([
         _phase_text(plan, "forward", plan.predicted_forward_time),
         _phase_text(plan, "backward", plan.predicted_backward_time),
         f"iteration {plan.predicted_iteration_time:.3g} s",
     ]))
-    table.add_column("block")
+    table.add_column("block", overflow="fold")
     for tier in TIERS:
-        table.add_column(tier, justify="right")
-    table.add_column("re-run ops", justify="right")
-    rows = plan.summary()
+        table.add_column(tier, justify="right", no_wrap=True)
+    table.add_column("re-run", justify="right", no_wrap=True)
     total_ops = dict.fromkeys(TIERS, 0)
     total_bytes = dict.fromkeys(TIERS, 0)
     for n, row in enumerate(rows):
         for tier in TIERS:
             total_ops[tier] += row["ops"][tier]
             total_bytes[tier] += row["bytes"][tier]
-        cells = [f"{row['ops'][tier]} · {row['bytes'][tier] / _MIB:.1f}" for tier in TIERS]
-        table.add_row(row["block"], *cells, str(row["rerun"]), end_section=n == len(rows) - 1)
-    table.add_row("total", *[f"{total_ops[tier]} · {total_bytes[tier] / _MIB:.1f}" for tier in TIERS],
+        cells = [f"{row['ops'][tier]} · {_size(row['bytes'][tier])}" for tier in TIERS]
+        table.add_row(row["block"][len(prefix):], *cells, str(row["rerun"]), end_section=n == len(rows) - 1)
+    table.add_row("total", *[f"{total_ops[tier]} · {_size(total_bytes[tier])}" for tier in TIERS],
                   str(sum(row["rerun"] for row in rows)))
     return table
 
@@ -72,11 +102,29 @@ def show_plan(plan: Plan, planning_seconds: float | None = None) -> None:
     rank_zero_info(f"RatelStrategy: plan applied{took}; predicted {plan.predicted_iteration_time:.3f} s/step")
 
 
+def curve_axis(plan: Plan) -> tuple[list[float], str, str, str]:
+    """The x values of the report's search curve, its title, the axis label and how the chosen point is named.
+
+    The x axis is the offloaded activation volume, unless every point offloads the same bytes: on a CPU, device and
+    host are one memory and the search trades recomputation for memory only, so the points go by search order (an
+    axis of one value would draw them on top of each other).
+    """
+    offloaded = [x for x, _ in plan.curve]
+    if max(offloaded) > min(offloaded):
+        scale, unit = (_GIB, "GiB") if max(offloaded) >= _GIB else (_MIB, "MiB")
+        xs = [x / scale for x in offloaded]
+        return (xs, "(a) predicted iteration time vs offloaded activations",
+                f"offloaded activations, host + SSD ({unit})", f"{xs[plan.chosen]:.3g} {unit}")
+    return (list(range(len(plan.curve))), "(a) predicted iteration time at each search point",
+            f"search point (each offloads {format_bytes(offloaded[0])} to host + SSD)", f"point {plan.chosen}")
+
+
 def write_report(path: str | os.PathLike[str], plan: Plan, steps: Sequence[dict[str, float]]) -> None:
     """Write a two-panel PNG: the search curve, and measured step times against the prediction.
 
     Panel (a) is the predicted iteration time over the offloaded activation volume at each search point, with the
-    chosen point marked (Ratel's Figure 9b). Panel (b) shows, per measured step, the wall time as a wide grey bar
+    chosen point marked (Ratel's Figure 9b; by search order where no point offloads more than another, see
+    :func:`curve_axis`). Panel (b) shows, per measured step, the wall time as a wide grey bar
     with the busy seconds of each resource as grouped bars in front of it, and the predicted iteration time as a
     dashed line.
 
@@ -100,18 +148,18 @@ def write_report(path: str | os.PathLike[str], plan: Plan, steps: Sequence[dict[
     FigureCanvasAgg(fig)
     curve_ax, steps_ax = fig.subplots(1, 2, width_ratios=(1, 1.4))
 
-    curve_ax.set_title("(a) predicted iteration time vs offloaded activations")
     curve_ax.set_ylabel("predicted iteration time (s)")
     if plan.curve:
-        scale, unit = (_GIB, "GiB") if max(x for x, _ in plan.curve) >= _GIB else (_MIB, "MiB")
-        xs = [x / scale for x, _ in plan.curve]
+        xs, title, xlabel, where = curve_axis(plan)
         ys = [t for _, t in plan.curve]
+        curve_ax.set_title(title)
+        curve_ax.set_xlabel(xlabel)
         curve_ax.plot(xs, ys, marker=".", linewidth=1)
         curve_ax.plot([xs[plan.chosen]], [ys[plan.chosen]], marker="*", markersize=16, color="tab:red",
-                      linestyle="none", label=f"chosen: {ys[plan.chosen]:.3g} s at {xs[plan.chosen]:.3g} {unit}")
+                      linestyle="none", label=f"chosen: {ys[plan.chosen]:.3g} s at {where}")
         curve_ax.legend(loc="best")
-        curve_ax.set_xlabel(f"offloaded activations, host + SSD ({unit})")
     else:
+        curve_ax.set_title("(a) predicted iteration time vs offloaded activations")
         curve_ax.text(0.5, 0.5, "no search curve", transform=curve_ax.transAxes, ha="center", va="center")
 
     steps_ax.set_title("(b) measured time per step")

@@ -1,6 +1,9 @@
-"""Byte sizes: parsed from what a user writes, formatted for messages, rounded up to an alignment."""
+"""Byte sizes: parsed from what a user writes, formatted for messages, rounded up to an alignment, and taken by a
+file or a folder."""
 
 from __future__ import annotations
+
+import os
 
 from lightning_ratel.errors import RatelConfigError
 
@@ -40,3 +43,16 @@ def format_bytes(n: float) -> str:
 def round_up(n: int, multiple: int) -> int:
     """The least multiple of ``multiple`` that is at least ``n``."""
     return -(-n // multiple) * multiple
+
+
+def format_rate(nbytes: float, seconds: float) -> str:
+    """``"<bytes> in <seconds> s (<rate>/s)"``, for the lasting line of a long pass."""
+    rate = f" ({format_bytes(nbytes / seconds)}/s)" if seconds > 0 else ""
+    return f"{format_bytes(nbytes)} in {seconds:.1f} s{rate}"
+
+
+def path_bytes(path: str | os.PathLike[str]) -> int:
+    """Bytes of a file, or of every file under a folder."""
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(path) for name in names)

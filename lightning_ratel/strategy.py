@@ -10,6 +10,7 @@ import contextlib
 import itertools
 import os
 import shutil
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -29,9 +30,8 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_ratel.callbacks import RatelProfiler
-from lightning_ratel.checkpoint import choose_checkpoint_format
-from lightning_ratel.config import ActivationPolicy, CheckpointFormat, ParamInitFn, RatelConfig
-from lightning_ratel.convert import kept_metadata
+from lightning_ratel.checkpoint import Restored, choose_checkpoint_format
+from lightning_ratel.config import ActivationPolicy, CheckpointFormat, ParamInitFn, PlanLike, RatelConfig
 from lightning_ratel.engine import RatelEngine
 from lightning_ratel.errors import RatelConfigError
 from lightning_ratel.export import DEFAULT_SHARD_SIZE, LiveReader, ModuleReader, write_hf_folder
@@ -43,8 +43,10 @@ from lightning_ratel.tensorfiles import parse_dtype
 from lightning_ratel.plan.search import Plan
 from lightning_ratel.planner import Planner
 from lightning_ratel.precision import RatelPrecision
+from lightning_ratel.preflight import check_host_budget
 from lightning_ratel.report import show_plan
-from lightning_ratel.sizes import format_bytes
+from lightning_ratel.runtime.swapfile import prepare_directories
+from lightning_ratel.sizes import format_bytes, format_rate, path_bytes
 from lightning_ratel.tiers import ParamCache
 
 
@@ -57,8 +59,9 @@ class RatelStrategy(SingleDeviceStrategy):
     moved to host memory or to the swap files, or recomputed, per block.
 
     Args:
-        ssd_paths: directories for the swap files (one file per directory; use one directory per NVMe drive).
-            ``None``: ``<Trainer default_root_dir>/ratel_swap``.
+        ssd_paths: directories for the swap files (one file per directory; use one directory per NVMe drive),
+            created when a run starts if missing (an existing one must be a writable directory). ``None``:
+            ``<Trainer default_root_dir>/ratel_swap`` (the working directory's ``ratel_swap`` by default).
         prefetch_depth: how many blocks ahead parameters (and swapped activations, in backward) are fetched.
         keep_swap_files: keep the swap files after the run instead of deleting them.
         activation_policy: a fixed placement instead of a plan: ``"device"`` (alias ``"keep"``), ``"host"``,
@@ -94,8 +97,11 @@ class RatelStrategy(SingleDeviceStrategy):
             initialized, a frozen one missing or a tensor of the wrong shape is an error before training.
         checkpoint_format: ``"full"``: Lightning's ordinary checkpoint file, gathered in host memory (loadable without
             this plugin); ``"sharded"``: a directory written and read shard by shard (:mod:`lightning_ratel.sharded`;
-            ``python -m lightning_ratel.convert`` turns it into either of the others); ``"auto"``: ``"sharded"`` when
+            ``ratel-convert`` turns it into either of the others); ``"auto"``: ``"sharded"`` when
             gathering the checkpoint would take more than half of the host memory budget.
+        log_metrics: send the plugin's figures of every training step (time per part, disk bytes and throughput,
+            overlap, bytes per tier; ``ratel/...`` keys) to the Trainer's loggers, at the rate of ``self.log``
+            (``log_every_n_steps``).
     """
 
     strategy_name = "ratel"
@@ -106,7 +112,7 @@ class RatelStrategy(SingleDeviceStrategy):
         prefetch_depth: int = 1,
         keep_swap_files: bool = False,
         activation_policy: str | dict[str, str] | None = None,
-        plan: str | Plan | None = "auto",
+        plan: str | Path | PlanLike | None = "auto",
         host_memory_limit: int | str | None = None,
         device_memory_limit: int | str | None = None,
         blocks: list[str] | Callable[[nn.Module], list[str]] | None = None,
@@ -116,6 +122,7 @@ class RatelStrategy(SingleDeviceStrategy):
         param_init_fn: ParamInitFn | None = None,
         pretrained: str | None = None,
         checkpoint_format: CheckpointFormat = "auto",
+        log_metrics: bool = True,
     ) -> None:
         super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io)
         self.config = RatelConfig(
@@ -131,6 +138,7 @@ class RatelStrategy(SingleDeviceStrategy):
             param_init_fn=param_init_fn,
             pretrained=pretrained,
             checkpoint_format=checkpoint_format,
+            log_metrics=log_metrics,
         )
         self._engine: RatelEngine | None = None
         self._exception: BaseException | None = None
@@ -143,6 +151,8 @@ class RatelStrategy(SingleDeviceStrategy):
         self._resume: ShardedReader | None = None
         self._resume_source: ValueSource | None = None
         self._saved_step: int | None = None
+        # The swap directories of the current run: `ssd_paths` or the default, created if missing.
+        self._swap_directories: list[str] = []
 
     @property
     def ssd_paths(self) -> list[str] | None:
@@ -205,6 +215,11 @@ class RatelStrategy(SingleDeviceStrategy):
         return self.config.checkpoint_format
 
     @property
+    def log_metrics(self) -> bool:
+        """Whether each training step's figures go to the Trainer's loggers."""
+        return self.config.log_metrics
+
+    @property
     @override
     def root_device(self) -> torch.device:
         if isinstance(self.accelerator, CUDAAccelerator):
@@ -249,11 +264,33 @@ class RatelStrategy(SingleDeviceStrategy):
         # Parameters are paged by the engine; only buffers (masks, rotary tables) live on the device for good. Buffers
         # on the meta device are the engine's to materialize.
         assert self.model is not None
-        for module in self.model.modules():
+        device = self.root_device
+
+        def place(module: nn.Module) -> None:
             for name, buf in module._buffers.items():
                 if buf is not None and not buf.is_meta:
-                    module._buffers[name] = buf.to(self.root_device)
-        self.lightning_module._device = self.root_device  # type: ignore[union-attr]
+                    module._buffers[name] = buf.to(device)
+            for child in module.children():
+                if any(True for _ in child.parameters()) or any(b.is_meta for b in child.buffers()):
+                    place(child)
+                else:
+                    # Nothing here for the engine to page: the module moves whole, as under Lightning's own
+                    # strategies, so that state kept outside buffers (a torchmetrics metric's) comes along.
+                    child.to(device)
+
+        place(self.model)
+        self.lightning_module._device = device  # type: ignore[union-attr]
+
+    @override
+    def setup_environment(self) -> None:
+        # The first hook of a run, ahead of the setup hooks, the logger's directory and the model's materialization:
+        # a run that cannot have its devices or its swap directories stops before it has cost anything.
+        assert self.lightning_module is not None
+        trainer = self.lightning_module.trainer
+        _check_one_device(trainer)
+        paths = self.config.ssd_paths or [os.path.join(trainer.default_root_dir, "ratel_swap")]
+        self._swap_directories = [str(p) for p in prepare_directories(paths, self.config.name)]
+        super().setup_environment()
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -277,12 +314,11 @@ class RatelStrategy(SingleDeviceStrategy):
             # A forced "full" that cannot be gathered is refused now rather than at the first save.
             self._format = choose_checkpoint_format(self.config.checkpoint_format, module, optimizer,
                                                     self.config.host_memory_limit)
+            # Before the model is materialized: the budget must hold at least the run's own buffers.
+            check_host_budget(module, optimizer, self.config, self.precision_plugin.half_dtype,
+                              unified=self.root_device.type == "cpu")
         self.model_to_device()
-        config = self.config
-        if config.ssd_paths is None:
-            default = os.path.join(trainer.default_root_dir, "ratel_swap")
-            os.makedirs(default, exist_ok=True)
-            config = config.with_ssd_paths([default])
+        config = self.config.with_ssd_paths(self._swap_directories)
         self._limit_device_memory()
         precision = self.precision_plugin
         self._exception = None
@@ -294,8 +330,14 @@ class RatelStrategy(SingleDeviceStrategy):
         if source is None and self._pretrained is not None:
             source = PretrainedSource(self._pretrained)
         self._resume_source = None
+        start = time.perf_counter()
         self._engine = RatelEngine(module, self.root_device, config, precision.half_dtype, optimizer, source,
                                    progress=trainer.progress_bar_callback is not None)
+        if source is not None:
+            layout = self._engine.layout
+            rank_zero_info(f"RatelStrategy: {source.description.replace('loading', 'loaded', 1)}: "
+                           f"{len(layout.slots)} tensors, "
+                           f"{format_rate(layout.param_nbytes, time.perf_counter() - start)}")
         precision.bind(self._engine, self.root_device.type)
         if isinstance(config.plan, Plan):
             self._engine.planner.apply_plan(config.plan)
@@ -304,9 +346,12 @@ class RatelStrategy(SingleDeviceStrategy):
         # From here on, code between the engine's passes (hooks, callbacks) reads the parameters' real values.
         self._engine.reads.open()
         placement = self._engine.byte_placement()
+        # Free space once per file system: directories on one drive share it.
+        free = sum(shutil.disk_usage(p).free for p in {os.stat(p).st_dev: p for p in config.ssd_paths}.values())
         rank_zero_info(
             f"RatelStrategy: {len(self._engine.blocks)} blocks on {self.root_device}; "
             + ", ".join(f"{k} {format_bytes(v)}" for k, v in placement.items())
+            + f"; swap files in {', '.join(config.ssd_paths)} ({format_bytes(free)} free)"
         )
 
     def _limit_device_memory(self) -> None:
@@ -402,7 +447,7 @@ class RatelStrategy(SingleDeviceStrategy):
                 raise RatelConfigError(
                     f"the module's parameters (e.g. {placeholders[0]}) were not copied back after training, so it "
                     "cannot be saved now; save checkpoints during fit (ModelCheckpoint), or export the kept swap files "
-                    "with `python -m lightning_ratel.convert --swap ...` as the warning at the end of fit says")
+                    "with `ratel-convert --swap ...` as the warning at the end of fit says")
             return super().lightning_module_state_dict()
         if self.sharded_checkpoints:
             # Parameters go to the shard files; the checkpoint dict keeps the persistent buffers.
@@ -429,6 +474,7 @@ class RatelStrategy(SingleDeviceStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH,
                         storage_options: Any | None = None) -> None:
         path = Path(filepath)
+        start = time.perf_counter()
         if self.sharded_checkpoints:
             if storage_options is not None:
                 raise TypeError("RatelStrategy writes sharded checkpoints itself and takes no `storage_options`")
@@ -448,6 +494,10 @@ class RatelStrategy(SingleDeviceStrategy):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is not None and self._engine is not None:
             self._saved_step = trainer.global_step
+        if self.is_global_zero:
+            kind = "sharded checkpoint" if self.sharded_checkpoints else "checkpoint"
+            rank_zero_info(f"RatelStrategy: {kind} written to {path}: "
+                           f"{format_rate(path_bytes(path), time.perf_counter() - start)}")
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
@@ -497,6 +547,7 @@ class RatelStrategy(SingleDeviceStrategy):
             The folder.
         """
         dtype = parse_dtype(dtype)
+        start = time.perf_counter()
         engine = self._engine
         with self._internal():
             if engine is not None and engine.adam is not None:
@@ -507,7 +558,10 @@ class RatelStrategy(SingleDeviceStrategy):
                 if module is None:
                     raise RatelConfigError("RatelStrategy.save_pretrained needs a LightningModule")
                 reader = ModuleReader(module)
-            return write_hf_folder(reader, path, dtype, max_shard_size, progress=self._progress())
+            folder = write_hf_folder(reader, path, dtype, max_shard_size, progress=self._progress())
+        rank_zero_info(f"RatelStrategy: exported {len(reader.records)} tensors to {folder}: "
+                       f"{format_rate(path_bytes(folder), time.perf_counter() - start)}")
+        return folder
 
     def _from_engine(self, read: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         """Read state for a checkpoint (or write one); a failure leaves the run as a plain run's would be.
@@ -584,23 +638,32 @@ class RatelStrategy(SingleDeviceStrategy):
                 # The exception that stopped training matters more; the copy-back at teardown says what it finds.
                 rank_zero_warn(f"RatelStrategy could not roll the interrupted step back after {exception!r}: {err!r}")
 
-    def _keep_what_is_not_restored(self, engine: RatelEngine) -> None:
+    def _keep_what_is_not_restored(self, engine: RatelEngine) -> tuple[str, int] | None:
         """Before the copy back: say what will not be restored and, where a result would be lost, keep the swap files
-        with what an export needs to read them."""
+        with what an export needs to read them.
+
+        Returns:
+            What the copy back will restore, in words, and its bytes; ``None`` outside fit or when nothing is.
+        """
         state = engine.state
         if engine.adam is None or engine.store is None:
-            return
+            return None
         engine.abort_step()
         plan = state.restore_plan()
+        restored = _restored_summary(engine, plan)
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         saved = trainer is not None and self._saved_step == trainer.global_step
         keep = self.config.keep_swap_files or (bool(plan.lost) and not saved)
         if keep:
+            # Not a module-level import: `python -m lightning_ratel.convert` runs that module as __main__, and runpy
+            # warns when importing the package has imported it already.
+            from lightning_ratel.convert import kept_metadata
+
             with engine.user_settings():
                 engine.store.set_metadata(kept_metadata(state, engine.module, self._pretrained))
             engine.store.keep_at_close()
         if plan.complete:
-            return
+            return restored
         layout = engine.layout
         if plan.trainable:
             what = (f"the trainable parameters ({format_bytes(layout.nbytes_of(layout.shards))}) are copied back into "
@@ -619,10 +682,11 @@ class RatelStrategy(SingleDeviceStrategy):
             dirs = " ".join(f"--swap {p}" for p in engine.store.paths)
             name = "" if self.config.name == "ratel" else f" --name {self.config.name}"
             where = (f" The swap files are kept, with their index, in {', '.join(map(str, engine.store.paths))}: "
-                     f"export the weights with `python -m lightning_ratel.convert {dirs}{name} OUT_DIR --to hf "
+                     f"export the weights with `ratel-convert {dirs}{name} OUT_DIR --to hf "
                      "[--dtype fp32]`, then delete the swap files and their index. (RatelHFExport or "
                      "strategy.save_pretrained() during fit, or a checkpoint at the last step, avoid keeping them.)")
         rank_zero_warn(f"RatelStrategy: {what}{where}")
+        return restored
 
     def _end_engine(self, engine: RatelEngine, exception: BaseException | None) -> None:
         """Copy the parameters back (keeping the swap files where a result would be lost) and close the engine.
@@ -634,9 +698,13 @@ class RatelStrategy(SingleDeviceStrategy):
         engine.reads.close()
         try:
             try:
-                self._keep_what_is_not_restored(engine)
+                restored = self._keep_what_is_not_restored(engine)
             finally:
+                start = time.perf_counter()
                 engine.close(restore=True)
+            if restored:
+                rank_zero_info(f"RatelStrategy: copied {restored[0]} back into the module: "
+                               f"{format_rate(restored[1], time.perf_counter() - start)}")
         except Exception as err:
             if exception is None:
                 raise
@@ -700,3 +768,28 @@ def _explain_out_of_memory(exception: BaseException, device_memory_limit: int | 
     else:  # Python 3.10: no exception notes
         rank_zero_warn(advice)
 
+
+def _check_one_device(trainer: pl.Trainer) -> None:
+    """Refuse ``devices``/``num_nodes`` asking for more than one device, which Lightning would silently reduce to one
+    for a single-device strategy."""
+    # The Trainer keeps what it was asked for only in its accelerator connector.
+    connector = trainer._accelerator_connector
+    devices = len(getattr(connector, "_parallel_devices", None) or [None])
+    nodes = getattr(connector, "_num_nodes_flag", 1)
+    if devices * nodes > 1:
+        raise RatelConfigError(
+            f"RatelStrategy trains on one device for now, but the Trainer asks for {devices} device(s) on {nodes} "
+            "node(s). Pass `devices=1` and `num_nodes=1` (choose the GPU with CUDA_VISIBLE_DEVICES); a model that "
+            "fits one GPU trains data parallel with `strategy='ddp'` or `'fsdp'` instead."
+        )
+
+
+def _restored_summary(engine: RatelEngine, plan: Restored) -> tuple[str, int] | None:
+    """What the copy back of ``plan`` restores, in words, and its bytes."""
+    layout = engine.layout
+    shards = (layout.shards if plan.trainable else []) + (layout.frozen_shards if plan.frozen else [])
+    if not shards:
+        return None
+    count = sum(len(s.params) for s in shards)
+    what = f"{count} parameter tensors" + (" and the optimizer state" if plan.optimizer else "")
+    return what, layout.nbytes_of(shards) + (8 * sum(s.numel for s in layout.shards) if plan.optimizer else 0)

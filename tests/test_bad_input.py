@@ -115,6 +115,16 @@ def test_activation_policy_default_for_no_remaining_block_accepted(tmp_path: Pat
     trainer(RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy=policy), max_steps=1).fit(LM(n_batches=2))
 
 
+@pytest.mark.parametrize("devices", [{"devices": 2}, {"num_nodes": 2}])
+def test_more_than_one_device_refused(tmp_path: Path, devices: dict[str, int]) -> None:
+    lm = CountingLM(n_batches=2)
+    t = trainer(RatelStrategy(ssd_paths=[str(tmp_path / "swap")]), max_steps=1, **devices)
+    with pytest.raises(RatelConfigError, match="one device.*devices=1"):
+        t.fit(lm)
+    assert lm.training_steps == 0
+    assert not (tmp_path / "swap").exists(), "refused after creating the swap directory"
+
+
 def test_same_directory_twice_rejected(tmp_path: Path) -> None:
     error = fit_expecting_config_error([str(tmp_path), str(tmp_path / ".." / tmp_path.name)])
     assert "more than once" in str(error)
@@ -124,28 +134,39 @@ def test_same_directory_twice_rejected(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------------------------- bad directories
 
 
-def test_missing_directory(tmp_path: Path) -> None:
+def test_missing_directory_is_created(tmp_path: Path) -> None:
     missing = tmp_path / "does" / "not" / "exist"
-    error = fit_expecting_config_error([str(missing)])
-    assert str(missing) in str(error)
-    assert not missing.exists(), "the store must not create a missing swap directory silently"
+    lm = CountingLM(n_batches=2)
+    trainer(RatelStrategy(ssd_paths=[str(missing)]), max_steps=2).fit(lm)
+    assert lm.training_steps == 2
+    assert missing.is_dir() and os.listdir(missing) == [], "the swap files are removed, the directory stays"
+
+
+def test_directory_that_cannot_be_created(tmp_path: Path) -> None:
+    """Refused before the logger makes its version directory and before the model is built."""
+    blocker = tmp_path / "blocker"
+    blocker.write_bytes(b"a file where a parent directory should be")
+    good = tmp_path / "good"
+    good.mkdir()
+    lm = CountingLM(n_batches=2)
+    logs = tmp_path / "logs"
+    t = trainer(RatelStrategy(ssd_paths=[str(good), str(blocker / "swap")]), max_steps=2,
+                logger=CSVLogger(str(logs)))
+    with pytest.raises(RatelConfigError, match="cannot be created") as info:
+        t.fit(lm)
+    assert str(blocker / "swap") in str(info.value)
+    assert lm.training_steps == 0
+    assert not logs.exists(), "a refused run left a logger directory behind"
+    assert os.listdir(good) == []
 
 
 def test_regular_file_instead_of_directory(tmp_path: Path) -> None:
     regular = tmp_path / "swapfile"
     regular.write_bytes(b"not a directory")
-    error = fit_expecting_config_error([str(regular)])
-    assert str(regular) in str(error)
+    with pytest.raises(RatelConfigError, match="not directories") as info:
+        RatelStrategy(ssd_paths=[str(regular)])
+    assert str(regular) in str(info.value)
     assert regular.read_bytes() == b"not a directory"
-
-
-def test_missing_second_directory_leaves_first_untouched(tmp_path: Path) -> None:
-    good = tmp_path / "good"
-    good.mkdir()
-    missing = tmp_path / "missing"
-    error = fit_expecting_config_error([str(good), str(missing)])
-    assert str(missing) in str(error)
-    assert os.listdir(good) == []
 
 
 def test_unwritable_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

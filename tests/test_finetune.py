@@ -24,6 +24,7 @@ from torch import nn
 from transformers import (GemmaConfig, GemmaForCausalLM, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
                           LlamaForSequenceClassification)
 
+import lightning_ratel
 from lightning_ratel import RatelConfigError, RatelHFExport, RatelStrategy, checkpoint, pretrained
 from lightning_ratel.convert import main as convert_main
 from lightning_ratel.convert import sharded_to_hf, sharded_to_lightning
@@ -360,7 +361,12 @@ def test_sharded_checkpoint_converts_to_the_ordinary_one(tmp_path: Path) -> None
 
 
 def test_checkpoint_format_follows_size(tmp_path: Path) -> None:
-    sharded_by_size = RatelStrategy(ssd_paths=[swap(tmp_path, "a")], host_memory_limit="64KiB",
+    # Room for the run's own buffers (a smaller budget is refused before the model is built), and less than twice
+    # what a gathered checkpoint takes.
+    need = lightning_ratel.estimate(LM("llama"), precision="32-true", param_cache="host", checkpoint_format="full")
+    limit = need.host + need.device
+    assert need.checkpoint > limit // 2
+    sharded_by_size = RatelStrategy(ssd_paths=[swap(tmp_path, "a")], host_memory_limit=limit,
                                     activation_policy="host")
     for strategy, name, expect_dir in [
         (RatelStrategy(ssd_paths=[swap(tmp_path, "b")], activation_policy="host"), "small", False),
@@ -662,7 +668,7 @@ def test_result_kept_in_swap_files_and_exported_when_nothing_fits(tmp_path: Path
     monkeypatch.setattr(checkpoint, "available_host_memory", lambda: 4096)
     module = LM("llama", n_batches=2)
     directories = [swap(tmp_path, "a"), swap(tmp_path, "b")]
-    with pytest.warns(UserWarning, match=r"python -m lightning_ratel\.convert --swap"):
+    with pytest.warns(UserWarning, match=r"ratel-convert --swap"):
         trainer(RatelStrategy(ssd_paths=directories), max_steps=3).fit(module)
     assert all(is_placeholder(p) for p in module.parameters() if p.numel() > 1)
     assert sorted(os.listdir(directories[0])) == ["ratel.index.json", "ratel.swap"]

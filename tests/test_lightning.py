@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import csv
 import functools
+import json
+import logging
 import math
 import os
 import sys
@@ -196,6 +198,29 @@ def test_lightning_cli_yaml_config(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     ref_params, _ = plain_run(steps=2)
     assert max_rel_err(ref_params, params) <= 1e-5
     assert os.listdir(ssd) == []
+
+
+def test_lightning_cli_keeps_plan_file_a_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plan file given to LightningCLI is read by the strategy, not parsed into the config (nor saved in it)."""
+    monkeypatch.setattr(sys, "argv", ["cli"])
+    plan_file = tmp_path / "ratel_plan.json"
+    lightning_ratel.Plan({"model.layers.0/mm": "host"}, 1.0, 0.5, 0.5, {}, {}, {}, [(0, 1.0)], 0).save(plan_file)
+    config = {
+        "trainer": {
+            "accelerator": "cpu",
+            "logger": False,
+            "strategy": {"class_path": "lightning_ratel.RatelStrategy", "init_args": {"plan": str(plan_file)}},
+        },
+        "model": {"model": "llama", "n_batches": 2},
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    cli = LightningCLI(LM, run=False, args=["--config", str(path)])
+    assert cli.config.trainer.strategy.init_args.plan == str(plan_file)
+    saved = cli.parser.dump(cli.config)
+    assert "activation_placement" not in saved and str(plan_file) in saved
+    plan = cli.trainer.strategy.plan
+    assert isinstance(plan, lightning_ratel.Plan) and plan.activation_placement == {"model.layers.0/mm": "host"}
 
 
 # ---------------------------------------------------------------------------------------------------- precision
@@ -456,6 +481,69 @@ def test_train_loss_logged(tmp_path: Path) -> None:
         series[name] = values
     for a, b in zip(series["auto"], series["ratel"]):
         assert math.isclose(a, b, rel_tol=1e-5), series
+
+
+def test_step_figures_logged(tmp_path: Path) -> None:
+    """The plugin's figures reach the logger once per optimizer step (micro-batches of a window summed), under
+    ``ratel/`` keys, at the steps of the user's own metrics; ``log_metrics=False`` sends none."""
+    logger = CSVLogger(str(tmp_path / "logs"))
+    t = trainer(ratel(swap(tmp_path), activation_policy="ssd"), logger=logger, log_every_n_steps=1, max_steps=3,
+                accumulate_grad_batches=2)
+    t.fit(LM(n_batches=6))
+    rows = read_csv(logger.log_dir)
+    figures = [r for r in rows if r.get("ratel/step_seconds")]
+    assert [int(r["step"]) for r in figures] == [0, 1, 2]
+    user_steps = {int(r["step"]) for r in rows if r.get("train_loss")}
+    assert user_steps == {0, 1, 2}
+    for row in figures:
+        for part in ("step", "compute", "wait", "optimizer", "disk", "h2d", "d2h"):
+            assert float(row[f"ratel/{part}_seconds"]) >= 0.0, part
+        assert float(row["ratel/step_seconds"]) > 0.0
+        # Activations go to the swap files and come back in every micro-batch.
+        assert float(row["ratel/disk_read_bytes"]) > 0 and float(row["ratel/disk_write_bytes"]) > 0
+        assert float(row["ratel/disk_gbps"]) > 0
+        assert 0.0 <= float(row["ratel/overlap"]) <= 1.0
+        assert float(row["ratel/disk_bytes"]) > 0 and float(row["ratel/host_bytes"]) > 0
+    # A fixed placement: no step ran to be profiled.
+    assert all(float(r["ratel/profiling"]) == 0.0 for r in figures)
+
+    quiet = CSVLogger(str(tmp_path / "quiet"))
+    t = trainer(ratel(swap(tmp_path, "swap2"), log_metrics=False), logger=quiet, log_every_n_steps=1, max_steps=2)
+    t.fit(LM(n_batches=2))
+    assert not [k for r in read_csv(quiet.log_dir) for k in r if k.startswith("ratel/")]
+
+
+def test_long_passes_leave_a_lasting_line(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The start line says where the swap files are; loading, checkpointing, exporting and the copy back each end
+    with a logged line (progress bars are transient)."""
+    ssd = swap(tmp_path)
+    callbacks = [ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=2),
+                 lightning_ratel.RatelHFExport(str(tmp_path / "hf"))]
+    with caplog.at_level(logging.INFO):
+        t = trainer(ratel(ssd, checkpoint_format="sharded"), max_steps=2, enable_checkpointing=True,
+                    callbacks=callbacks)
+        t.fit(LM(n_batches=2))
+        t = trainer(ratel(ssd), max_steps=3)
+        t.fit(LM(n_batches=2), ckpt_path=callbacks[0].best_model_path)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("RatelStrategy: ")]
+    text = "\n".join(lines)
+    assert f"swap files in {ssd}" in text and "free)" in text
+    assert f"sharded checkpoint written to {callbacks[0].best_model_path}: " in text
+    assert f"exported 30 tensors to {tmp_path / 'hf' / 'final'}: " in text
+    assert "loaded epoch=0-step=2.ckpt: 30 tensors, " in text
+    assert sum("copied 30 parameter tensors and the optimizer state back into the module: " in line
+               for line in lines) == 2
+    assert all(" s (" in line for line in lines if "written" in line or "copied" in line or "loaded" in line)
+
+
+def test_trace_shows_page_ins_and_gradient_offload(tmp_path: Path) -> None:
+    """A Chrome trace of a step has spans for the training thread's own plugin work."""
+    profiler = lightning_ratel.RatelProfiler(trace_step=1, output_dir=str(tmp_path / "trace"))
+    t = trainer(ratel(swap(tmp_path), param_cache="ssd"), max_steps=2, callbacks=[profiler])
+    t.fit(LM(n_batches=2))
+    events = json.loads((tmp_path / "trace" / "ratel_trace_step1.json").read_text())["traceEvents"]
+    names = {e.get("name") for e in events}
+    assert {"ratel/page_in", "ratel/grad_offload"} <= names
 
 
 def test_lr_scheduler_and_monitor(tmp_path: Path) -> None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from rich.console import Console
 
 from lightning_ratel.plan import HardwareProfile, LayerProfile, OpProfile, Plan, search
-from lightning_ratel.report import plan_table, write_report
+from lightning_ratel.report import curve_axis, plan_table, write_report
 
 pytest.importorskip("matplotlib")
 
@@ -56,6 +58,33 @@ def test_plan_table_renders_blocks_and_bounds():
     console = Console(record=True, width=160)
     console.print(plan_table(plan))
     text = console.export_text()
-    for i in range(3):
-        assert f"model.layers.{i}" in text
+    assert "of model.layers.*" in text
     assert "total" in text and "iteration" in text and "bound:" in text
+
+
+def test_plan_table_strips_the_common_prefix_and_fits_80_columns():
+    """Long module paths (peft's) must not cut every row to the same text."""
+    plan = _plan()
+    prefix = "model.base_model.model.model.layers."
+    plan.layers = [dataclasses.replace(layer, name=prefix + layer.name.rpartition(".")[2]) for layer in plan.layers]
+    plan.layers.append(dataclasses.replace(plan.layers[0], name="model.base_model.model.lm_head", index=3))
+    plan.activation_placement = {prefix + key.removeprefix("model.layers."): tier
+                                 for key, tier in plan.activation_placement.items()}
+    console = Console(record=True, width=80)
+    console.print(plan_table(plan))
+    text = console.export_text()
+    assert "of model.base_model.model.*" in text
+    rows = [line.split("│")[1].strip() for line in text.splitlines() if line.startswith("│")]
+    assert rows == ["model.layers.0", "model.layers.1", "model.layers.2", "lm_head", "total"]
+    assert "…" not in text
+    assert max(len(line) for line in text.splitlines()) <= 80
+
+
+def test_report_curve_axis_by_search_order_when_nothing_is_offloaded():
+    plan = _plan("cpu")
+    plan.curve = [(0, 0.02 - 0.001 * n) for n in range(5)]
+    plan.chosen = 4
+    xs, title, xlabel, where = curve_axis(plan)
+    assert xs == [0, 1, 2, 3, 4] and "search point" in xlabel and where == "point 4"
+    xs, _, xlabel, _ = curve_axis(_plan())
+    assert len(set(xs)) > 1 and "offloaded" in xlabel

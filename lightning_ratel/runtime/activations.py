@@ -390,6 +390,10 @@ class ActivationCache:
         """``time.perf_counter`` intervals during which the ssd tier's store moved data, since the last call."""
         return self._store.take_busy_intervals() if self._store is not None else []
 
+    def transferred_bytes(self) -> tuple[int, int]:
+        """Bytes the ssd tier's store has read and written since it was opened (zeros before)."""
+        return (self._store.bytes_read, self._store.bytes_written) if self._store is not None else (0, 0)
+
     def take_stall_seconds(self) -> float:
         """Seconds backward waited for swapped activations to come back from disk, since the last call."""
         stall, self._stall = self._stall, 0.0

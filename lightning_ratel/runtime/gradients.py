@@ -22,6 +22,7 @@ from torch import nn
 
 from lightning_ratel.runtime.device import Device
 from lightning_ratel.runtime.optimizer import CpuAdam
+from lightning_ratel.runtime.timeline import span
 from lightning_ratel.runtime.units import Shard
 
 
@@ -50,6 +51,7 @@ class GradientOffload:
                 if sp.param.requires_grad:
                     self._handles.append(sp.param.register_post_accumulate_grad_hook(_drop))
 
+    @span("ratel/grad_offload")
     def _offload(self, shard: Shard, position: int, param: nn.Parameter) -> None:
         grad = param.grad
         param.grad = None

@@ -31,6 +31,7 @@ from torch import nn
 
 from lightning_ratel.runtime.device import Device
 from lightning_ratel.runtime.storage import TensorStore
+from lightning_ratel.runtime.timeline import span
 from lightning_ratel.runtime.units import ParamSlot, Shard, Unit
 
 
@@ -130,6 +131,7 @@ class ParameterPager:
         stall, self._stall = self._stall, 0.0
         return stall
 
+    @span("ratel/page_in")
     def _page_in(self, unit: Unit) -> None:
         if not unit.ready.is_set():
             start = time.perf_counter()

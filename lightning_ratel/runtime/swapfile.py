@@ -171,6 +171,39 @@ def resolve_directories(paths: Sequence[str | os.PathLike[str]], name: str) -> l
     return [Path(os.fspath(path)).resolve() for path in paths]
 
 
+def prepare_directories(paths: Sequence[str | os.PathLike[str]], name: str = "ratel") -> list[Path]:
+    """Create the swap directories that do not exist yet and check that each is a writable directory.
+
+    The rule of Lightning's ``ModelCheckpoint`` for its ``dirpath``: a missing directory is made (parents included);
+    one that exists must be a directory this process can create files in. :class:`~lightning_ratel.runtime.storage.TensorStore` itself opens only
+    existing directories, so this runs first, before the model is built.
+
+    Args:
+        paths: the swap directories.
+        name: the store's name (the writability probe is a hidden file named after it).
+
+    Returns:
+        The resolved directories.
+
+    Raises:
+        RatelConfigError: a path is listed twice, is not a directory, cannot be created, or is not writable.
+    """
+    directories = resolve_directories(paths, name)
+    check_unique(directories)
+    for directory in directories:
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except FileExistsError:
+            pass  # not a directory: check_directory says what it is
+        except OSError as exc:
+            raise RatelConfigError(
+                f"Swap directory {directory} does not exist and cannot be created ({exc.strerror}). Create it, fix "
+                "the permissions of its parent, or correct ssd_paths."
+            ) from exc
+        check_directory(directory, name)
+    return directories
+
+
 def check_unique(directories: Sequence[Path]) -> None:
     if len(set(directories)) != len(directories):
         raise RatelConfigError(

@@ -1,0 +1,223 @@
+"""What a run will need, before anything is allocated: disk, host, device and checkpoint bytes.
+
+:func:`estimate` lays the model out exactly as a run does (blocks, units, shards, the dtype policy of the precision,
+where the compute copies live) on the meta device, so it costs no memory and takes a model of any size: a module, a
+transformers config, or a Hugging Face checkpoint folder. The strategy checks its host budget with the same numbers
+before it builds anything (:func:`check_host_budget`). From the command line::
+
+    ratel-estimate /data/Llama-3-8B --precision bf16-mixed --param-cache ssd
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from lightning_ratel.blocks import discover_blocks
+from lightning_ratel.checkpoint import choose_checkpoint_format, gathered_checkpoint_bytes
+from lightning_ratel.config import RatelConfig
+from lightning_ratel.errors import RatelConfigError, RatelPlanError
+from lightning_ratel.layout import Layout, build_layout
+from lightning_ratel.precision import RatelPrecision
+from lightning_ratel.engine import GRAD_BUDGET_SHARDS
+from lightning_ratel.runtime.state_buffers import BUFFER_SETS
+from lightning_ratel.runtime.storage import ALIGNMENT
+from lightning_ratel.sizes import format_bytes, round_up
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """The bytes a fit of one model with one set of strategy arguments needs.
+
+    Attributes:
+        parameters: parameters of the model (tied ones once).
+        trainable: those the optimizer updates (``requires_grad``).
+        param_cache: where the compute copies live, ``"host"`` or ``"ssd"`` (``"auto"`` resolved).
+        checkpoint_format: ``"full"`` or ``"sharded"`` (``"auto"`` resolved).
+        disk: the swap files: each trainable parameter's fp32 master and two moments in two slots (24 bytes), and with
+            ``param_cache="ssd"`` the 16-bit and frozen compute copies. Activations a plan sends to the SSD, and the
+            own-dtype copies of frozen values bf16 would round, come on top.
+        host_cache: the host cache of compute copies (``param_cache="host"``).
+        optimizer_buffers: the CPU AdamW's buffer sets (master and moments of the largest shard, each set).
+        gradient_buffers: the gradients backward may hold in host memory before an update frees some (with gradient
+            accumulation or deferred updates, 4 bytes per trainable parameter instead).
+        device: the compute copies of the blocks in flight (``prefetch_depth + 1`` of the largest); activations and
+            workspaces come on top and are known only once a step has run.
+        checkpoint: one checkpoint in ``checkpoint_format`` (a sharded one: 12 bytes per trainable parameter, and the
+            frozen parameters that did not come from ``pretrained``).
+    """
+
+    parameters: int
+    trainable: int
+    param_cache: Literal["host", "ssd"]
+    checkpoint_format: Literal["full", "sharded"]
+    disk: int
+    host_cache: int
+    optimizer_buffers: int
+    gradient_buffers: int
+    device: int
+    checkpoint: int
+
+    @property
+    def host(self) -> int:
+        """Host memory of the run's own buffers (its activations come on top)."""
+        return self.host_cache + self.optimizer_buffers + self.gradient_buffers
+
+    def _host_parts(self) -> str:
+        return (f"compute copies {format_bytes(self.host_cache)}, CPU optimizer "
+                f"{format_bytes(self.optimizer_buffers)}, gradients {format_bytes(self.gradient_buffers)}")
+
+    def __str__(self) -> str:
+        rows = [
+            ("parameters", f"{self.parameters:,} ({self.trainable:,} trainable)"),
+            ("disk (swap files)", format_bytes(self.disk)),
+            ("host memory", f"{format_bytes(self.host)} ({self._host_parts()})"),
+            ("device memory", f"{format_bytes(self.device)} of parameters in flight, plus activations"),
+            (f"checkpoint ({self.checkpoint_format})", format_bytes(self.checkpoint)),
+        ]
+        width = max(len(name) for name, _ in rows)
+        return "\n".join(f"{name:<{width}}  {value}" for name, value in rows) + f"\nparam_cache: {self.param_cache}"
+
+
+def estimate(model: nn.Module | Any | str | os.PathLike[str], precision: str = "bf16-mixed",
+             optimizer: torch.optim.Optimizer | None = None, **strategy_args: Any) -> Estimate:
+    """The disk, host, device and checkpoint bytes a fit with :class:`~lightning_ratel.RatelStrategy` needs.
+
+    Nothing is allocated: the model is laid out as a run lays it out, on the meta device.
+
+    Args:
+        model: a module (a LightningModule, on any device, the meta device included), a transformers
+            ``PretrainedConfig``, or a Hugging Face checkpoint folder (its ``config.json``; frozen parameters then
+            count as coming from it).
+        precision: the Trainer's precision: ``"bf16-mixed"``, ``"16-mixed"`` or ``"32-true"``.
+        optimizer: the optimizer the module's ``configure_optimizers`` returns, for its parameter groups; ``None``:
+            one group of every parameter that requires a gradient.
+        **strategy_args: the arguments of :class:`~lightning_ratel.RatelStrategy` (``param_cache``,
+            ``prefetch_depth``, ``host_memory_limit``, ``checkpoint_format``, ``blocks``, ``pretrained``...).
+
+    Returns:
+        The estimate; ``str()`` of it is a readable summary.
+
+    Raises:
+        RatelConfigError: a strategy argument is invalid, or the model cannot be built from what was given.
+    """
+    half = RatelPrecision(precision).half_dtype
+    if isinstance(model, (str, os.PathLike)):
+        strategy_args.setdefault("pretrained", os.fspath(model))
+        model = _from_config(_config_of(os.fspath(model)))
+    elif not isinstance(model, nn.Module):
+        model = _from_config(model)
+    config = RatelConfig(**strategy_args)
+    if optimizer is None:
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        # Construction only reads the groups; it never touches a value, so meta parameters are fine.
+        optimizer = torch.optim.AdamW(trainable) if trainable else None
+    if optimizer is None:
+        raise RatelConfigError("the model has no parameter that requires a gradient: there is nothing to train")
+    return _estimate(model, optimizer, config, half)
+
+
+def _estimate(module: nn.Module, optimizer: torch.optim.Optimizer, config: RatelConfig,
+              half_dtype: torch.dtype | None) -> Estimate:
+    layout = build_layout(module, discover_blocks(module, config.blocks), optimizer, half_dtype, config.param_cache,
+                          config.host_memory_limit, _meta_empty, announce=False)
+    on_store = layout.param_cache == "ssd"
+    disk = sum(6 * s.numel * 4 for s in layout.shards)
+    if on_store:
+        disk += sum(s.numel * s.dtype.itemsize for s in layout.all_shards if s.dtype != torch.float32 or s.group < 0)
+    checkpoint_format = choose_checkpoint_format(config.checkpoint_format, module, optimizer,
+                                                 config.host_memory_limit)
+    if checkpoint_format == "full":
+        checkpoint = gathered_checkpoint_bytes(module, optimizer) + _buffer_bytes(module)
+    else:
+        frozen = 0 if config.pretrained is not None else sum(s.numel * s.dtype.itemsize for s in layout.frozen_shards)
+        checkpoint = sum(12 * s.numel for s in layout.shards) + frozen
+    largest_unit = max((u.nbytes for u in layout.units.values()), default=0)
+    return Estimate(
+        parameters=sum(s.numel for s in layout.slots),
+        trainable=sum(s.numel for s in layout.shards),
+        param_cache=layout.param_cache,
+        checkpoint_format=checkpoint_format,
+        disk=disk,
+        host_cache=sum(u.host_nbytes for u in layout.units.values()),
+        optimizer_buffers=BUFFER_SETS * _buffer_set_bytes(layout, on_store),
+        gradient_buffers=GRAD_BUDGET_SHARDS * max((s.numel for s in layout.shards), default=0) * 4,
+        device=(config.prefetch_depth + 1) * largest_unit,
+        checkpoint=checkpoint,
+    )
+
+
+def _buffer_set_bytes(layout: Layout, compute_on_store: bool) -> int:
+    """One of the CPU AdamW's buffer sets (as :class:`~lightning_ratel.runtime.optimizer.CpuAdam` allocates it)."""
+    largest = max((s.numel for s in layout.shards), default=1)
+    largest_master = max((s.numel for s in layout.shards if not s.master_in_host), default=0)
+    compute = max((s.numel * s.dtype.itemsize for s in layout.shards
+                   if compute_on_store and s.dtype != torch.float32), default=0)
+    return 4 * (largest_master + 2 * largest) + round_up(compute, ALIGNMENT)
+
+
+def _buffer_bytes(module: nn.Module) -> int:
+    return sum(b.numel() * b.dtype.itemsize for b in module.buffers())
+
+
+def _meta_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(numel, dtype=dtype, device="meta")
+
+
+def _config_of(folder: str) -> Any:
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        raise RatelConfigError(f"{folder!r} is not a Hugging Face checkpoint folder: it has no config.json")
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(folder)
+
+
+def _from_config(config: Any) -> nn.Module:
+    """The transformers model of ``config`` (its first ``architectures`` entry, else a causal LM) on the meta
+    device."""
+    import transformers
+
+    if not isinstance(config, transformers.PretrainedConfig):
+        raise RatelConfigError(
+            f"estimate() takes a module, a transformers config or a checkpoint folder, got {type(config).__name__}")
+    architectures = getattr(config, "architectures", None) or []
+    cls = getattr(transformers, architectures[0], None) if architectures else None
+    with torch.device("meta"):
+        if cls is not None:
+            return cls(config)
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+
+
+def check_host_budget(module: nn.Module, optimizer: torch.optim.Optimizer, config: RatelConfig,
+                      half_dtype: torch.dtype | None, unified: bool) -> None:
+    """Refuse a ``host_memory_limit`` that the run's own buffers exceed, before any of them is allocated.
+
+    Args:
+        module: the model, on any device.
+        optimizer: the user's optimizer.
+        config: the strategy's settings.
+        half_dtype: the 16-bit dtype of mixed precision, ``None`` for fp32.
+        unified: device and host are one memory (a CPU run): the device's parameters count too.
+
+    Raises:
+        RatelPlanError: the buffers need more than ``host_memory_limit``.
+    """
+    limit = config.host_memory_limit
+    if limit is None:
+        return
+    need = _estimate(module, optimizer, config, half_dtype)
+    total = need.host + (need.device if unified else 0)
+    if total <= limit:
+        return
+    fixes = ["raise host_memory_limit"]
+    if need.param_cache == "host":
+        fixes.append("use param_cache='ssd' (compute copies read from the swap files)")
+    raise RatelPlanError(
+        f"RatelStrategy: host_memory_limit ({format_bytes(limit)}) is less than the {format_bytes(total)} the run's "
+        f"own buffers take before any activation ({need._host_parts()}"
+        + (f", parameters in flight {format_bytes(need.device)}" if unified else "") + f"): {' or '.join(fixes)}.")

@@ -1,0 +1,101 @@
+"""The pre-flight estimate (``lightning_ratel.estimate``) against what a run measures, and budgets refused before
+anything is built."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+import lightning_ratel
+from lightning_ratel import RatelPlanError, RatelStrategy
+from tests.models import LM, tiny_llama, trainer
+
+
+class Measure(Callback):
+    """The bytes the engine's parts hold once the model is set up, and the gradient pool at the end."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, int] = {}
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        engine = trainer.strategy.engine
+        self.seen["disk"] = engine.store.nbytes_reserved
+        self.seen["host_cache"] = sum(u.host_nbytes for u in engine.layout.units.values())
+        self.seen["optimizer"] = engine.adam.host_buffer_bytes
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.seen["gradients"] = trainer.strategy.engine.adam.grads.nbytes
+
+
+def close(estimated: int, measured: int) -> bool:
+    return abs(estimated - measured) <= 0.1 * measured
+
+
+@pytest.mark.parametrize(("precision", "param_cache"), [("32-true", "host"), ("bf16-mixed", "ssd")])
+def test_estimate_matches_a_run(tmp_path: Path, precision: str, param_cache: str) -> None:
+    lm = LM("llama8", n_batches=2)
+    args: dict[str, Any] = {"param_cache": param_cache, "checkpoint_format": "sharded"}
+    estimate = lightning_ratel.estimate(lm, precision=precision, optimizer=lm.configure_optimizers()["optimizer"],
+                                        **args)
+    assert estimate.param_cache == param_cache and estimate.checkpoint_format == "sharded"
+    measure = Measure()
+    checkpoints = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=2)
+    t = trainer(RatelStrategy(ssd_paths=[str(tmp_path / "swap")], **args), max_steps=2, precision=precision,
+                enable_checkpointing=True, callbacks=[measure, checkpoints])
+    t.fit(lm)
+    seen = measure.seen
+    assert close(estimate.disk, seen["disk"]), (estimate.disk, seen["disk"])
+    assert close(estimate.host_cache, seen["host_cache"]), (estimate.host_cache, seen["host_cache"])
+    assert close(estimate.optimizer_buffers, seen["optimizer"]), (estimate.optimizer_buffers, seen["optimizer"])
+    assert 0 < seen["gradients"] <= estimate.gradient_buffers
+    written = sum(f.stat().st_size for f in Path(checkpoints.best_model_path).glob("unit-*.safetensors"))
+    assert close(estimate.checkpoint, written), (estimate.checkpoint, written)
+    assert estimate.parameters == estimate.trainable == sum(p.numel() for p in lm.parameters())
+
+
+def test_estimate_of_a_config_and_of_a_folder(tmp_path: Path) -> None:
+    model = tiny_llama()
+    model.save_pretrained(tmp_path / "hf")
+    from_module = lightning_ratel.estimate(model, precision="bf16-mixed")
+    from_config = lightning_ratel.estimate(model.config, precision="bf16-mixed")
+    from_folder = lightning_ratel.estimate(tmp_path / "hf", precision="bf16-mixed")
+    assert from_module == from_config == from_folder
+    assert from_module.parameters == sum(p.numel() for p in model.parameters())
+    # Trainable parameters: 24 bytes each in the swap files (master and two moments, two slots).
+    assert from_module.disk == 24 * from_module.parameters
+    text = str(from_module)
+    assert "disk (swap files)" in text and "host memory" in text and "checkpoint" in text
+
+
+def test_frozen_parameters_cost_no_optimizer_state() -> None:
+    model = tiny_llama()
+    for name, p in model.named_parameters():
+        p.requires_grad = "q_proj" in name
+    frozen = lightning_ratel.estimate(model, precision="32-true", param_cache="ssd", checkpoint_format="sharded")
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert frozen.trainable == trainable
+    # Masters and moments of the trainable ones; the frozen ones' fp32 compute copies, read from the swap files.
+    assert frozen.disk == 24 * trainable + 4 * (frozen.parameters - trainable)
+    assert frozen.checkpoint == 12 * trainable + 4 * (frozen.parameters - trainable)
+
+
+def test_host_budget_refused_before_the_model_is_built(tmp_path: Path) -> None:
+    lm = LM("llama8", n_batches=2)
+    swap = tmp_path / "swap"
+    steps = []
+
+    class Count(Callback):
+        def on_train_batch_start(self, *args: Any) -> None:
+            steps.append(1)
+
+    t = trainer(RatelStrategy(ssd_paths=[str(swap)], host_memory_limit="64KiB"), max_steps=1, callbacks=[Count()])
+    with pytest.raises(RatelPlanError, match=r"host_memory_limit \(64.00 KiB\).*CPU optimizer"):
+        t.fit(lm)
+    assert steps == []
+    assert list(swap.iterdir()) == [], "swap files written before the budget was checked"
+    assert all(torch.isfinite(p).all() for p in lm.parameters())
