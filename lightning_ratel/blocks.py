@@ -8,6 +8,7 @@ children of an ``nn.ModuleList`` or ``nn.ModuleDict`` (diffusers' ``down_blocks`
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -34,6 +35,60 @@ class Block:
     module: nn.Module
     direct_only: bool
     uses: list[nn.Parameter] = field(default_factory=list)
+
+
+class BlockMembership(Sequence[Block]):
+    """The model's blocks and the units each block's forward uses: the one owner of both, changed only through
+    :meth:`adopt` and :meth:`add`.
+
+    It starts from the frozen :attr:`~lightning_ratel.layout.Layout.block_units`. A forward found using a parameter of
+    another block (see :mod:`lightning_ratel.runtime.escapes`) makes that unit part of the block, or a module running
+    outside every block a block of its own; whoever keeps per-block state registers with :meth:`on_add`. The pager,
+    the scheduler and the planner read membership through this object and never hold its lists.
+
+    Args:
+        blocks: the blocks found at setup, in index order.
+        block_units: for each of them, the units its forward uses.
+    """
+
+    def __init__(self, blocks: Sequence[Block], block_units: Sequence[Sequence[int]]) -> None:
+        self._blocks = list(blocks)
+        self._units = [tuple(units) for units in block_units]
+        self._listeners: list[Callable[[Block], None]] = []
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __iter__(self) -> Iterator[Block]:
+        return iter(self._blocks)
+
+    def __getitem__(self, index: int) -> Block:  # type: ignore[override]
+        return self._blocks[index]
+
+    def units_of(self, index: int) -> tuple[int, ...]:
+        """The units block ``index``'s forward uses, sorted."""
+        return self._units[index]
+
+    def adopt(self, block: Block, unit: int, param: nn.Parameter) -> bool:
+        """Make ``unit`` (holding ``param``) part of ``block`` from now on; returns whether it was not already."""
+        if unit in self._units[block.index]:
+            return False
+        self._units[block.index] = tuple(sorted((*self._units[block.index], unit)))
+        block.uses.append(param)
+        return True
+
+    def add(self, module: nn.Module, name: str) -> Block:
+        """A new block of ``module``'s own parameters (none yet), announced to every :meth:`on_add` listener."""
+        block = Block(len(self._blocks), name, module, direct_only=True)
+        self._blocks.append(block)
+        self._units.append(())
+        for listener in self._listeners:
+            listener(block)
+        return block
+
+    def on_add(self, listener: Callable[[Block], None]) -> None:
+        """Call ``listener`` with each block :meth:`add` makes."""
+        self._listeners.append(listener)
 
 
 def _repeated_layers(model: nn.Module) -> list[str]:

@@ -29,7 +29,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_ratel.accounting import ByteAccount, StepBreakdown
-from lightning_ratel.blocks import Block, discover_blocks
+from lightning_ratel.blocks import BlockMembership, discover_blocks
 from lightning_ratel.checkpoint import ModelState
 from lightning_ratel.config import RatelConfig
 from lightning_ratel.errors import RatelConfigError
@@ -100,14 +100,15 @@ class RatelEngine:
         self.device = Device(device)
         self.optimizer = optimizer
         self.timeline = Timeline()
-        self.blocks = discover_blocks(module, config.blocks)
-        if not self.blocks:
+        found = discover_blocks(module, config.blocks)
+        if not found:
             raise RatelConfigError("the model has no parameters to manage")
         if config.activation_policy is not None:
-            check_patterns(self.blocks, config.activation_policy)
-        self.layout = build_layout(module, self.blocks, optimizer, half_dtype, config.param_cache,
+            check_patterns(found, config.activation_policy)
+        self.layout = build_layout(module, found, optimizer, half_dtype, config.param_cache,
                                    config.host_memory_limit, self.device.host_empty)
-        materializer = Materializer(module, self.blocks, self.layout, self.device.device, config.param_init_fn,
+        self.blocks = BlockMembership(found, self.layout.block_units)
+        materializer = Materializer(module, found, self.layout, self.device.device, config.param_init_fn,
                                     source, progress)
         self.store: TensorStore | None = None
         self.adam: CpuAdam | None = None
@@ -132,7 +133,7 @@ class RatelEngine:
             raise
         # Evaluation only: the original tensors are the values, kept in host memory to restore at teardown.
         originals = {id(s.param): s.param.data for s in self.layout.slots} if self.adam is None else {}
-        self.pager = ParameterPager(self.device, self.layout.units, self.layout.block_units,
+        self.pager = ParameterPager(self.device, self.layout.units, self.blocks.units_of,
                                     store=self.store if self.layout.param_cache == "ssd" else None,
                                     unit_shards=self.layout.unit_shards())
         self.state = ModelState(module, self.layout, self.pager, self.store, self.adam, optimizer, originals)
@@ -148,6 +149,9 @@ class RatelEngine:
         self.planner = Planner(config, self.device, self.blocks, self.layout, self.cache, self.scheduler,
                                self.accounts, StepBreakdown(self.device, self.timeline, self.pager, self.cache,
                                                             self.store), self.adam)
+        # A block found late gets an activation placement (the default) and forward hooks of its own.
+        self.blocks.on_add(lambda block: self.cache.add_block())
+        self.blocks.on_add(self.scheduler.add_block)
         self._step_plan = StepPlan([], overlap=False)
         self._pending_plan: StepPlan | None = None
         self._clip: tuple[float, str] | None = None
@@ -245,31 +249,20 @@ class RatelEngine:
             if running:
                 block = running[-1]
             elif escape.modules:
-                block = self._add_block(escape.modules[0])
+                module = escape.modules[0]
+                name = next((n for n, m in self.module.named_modules() if m is module), type(module).__name__)
+                block = self.blocks.add(module, name)
             else:
                 raise RatelConfigError(
                     f"parameter {escape.slot.name} is used outside the forward of every module (in the "
                     "LightningModule's step itself), where RatelStrategy cannot page it in. Compute it inside a "
                     "module's forward, or list the modules that use it together in RatelStrategy(blocks=[...])."
                 )
-            units = self.layout.block_units[block.index]
-            if escape.unit not in units:
-                units.append(escape.unit)
-                units.sort()
-                block.uses.append(escape.slot.param)
+            if self.blocks.adopt(block, escape.unit, escape.slot.param):
                 rank_zero_info(
                     f"RatelStrategy: {escape.slot.name} is used by the forward of {block.name or 'the model'} too; it "
                     "is paged in with that block from now on."
                 )
-
-    def _add_block(self, module: nn.Module) -> Block:
-        name = next((n for n, m in self.module.named_modules() if m is module), type(module).__name__)
-        block = Block(len(self.blocks), name, module, direct_only=True)
-        self.blocks.append(block)
-        self.layout.block_units.append([])
-        self.cache.add_block()
-        self.scheduler.add_block(block)
-        return block
 
     # ------------------------------------------------------------------ the step
 

@@ -73,7 +73,8 @@ class Layout:
 
     Attributes:
         units: unit by owning block index.
-        block_units: for each block, the units its forward uses (its own and any it shares).
+        block_units: for each block found at setup, the units its forward uses (its own and any it shares); what is
+            learnt later lives in :class:`~lightning_ratel.blocks.BlockMembership`.
         shards: the shards the optimizer updates, in block order.
         frozen_shards: shards of parameters outside the optimizer (values kept, never updated).
         param_cache: ``"host"`` (compute copies live in the units' host caches) or ``"ssd"`` (read from the swap
@@ -83,7 +84,7 @@ class Layout:
     """
 
     units: dict[int, Unit]
-    block_units: list[list[int]]
+    block_units: tuple[tuple[int, ...], ...]
     shards: list[Shard]
     frozen_shards: list[Shard]
     param_cache: ParamCache
@@ -258,7 +259,7 @@ def build_layout(
                 shard = Shard(len(shards) + len(frozen), unit, g, dtype, slots[0].offset, tuple(params), offset,
                               master_in_host=cache == "host" and dtype == torch.float32)
                 (shards if g >= 0 else frozen).append(shard)
-    block_units = [sorted({owner[id(p)] for p in block.uses}) for block in blocks]
+    block_units = tuple(tuple(sorted({owner[id(p)] for p in block.uses})) for block in blocks)
     return Layout(units, block_units, shards, frozen, cache, orig_dtype)
 
 

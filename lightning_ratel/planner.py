@@ -19,17 +19,17 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 
 from lightning_ratel.accounting import ByteAccount, StepBreakdown
-from lightning_ratel.blocks import Block
+from lightning_ratel.blocks import BlockMembership
 from lightning_ratel.config import RatelConfig
 from lightning_ratel.errors import RatelConfigError
 from lightning_ratel.layout import Layout
-from lightning_ratel.runtime.adamw import adamw_step
 from lightning_ratel.placement import plan_placements, profiling_placements, resolve_policies
 from lightning_ratel.plan.cost import CostSettings, DeviceOverhead
 from lightning_ratel.plan.profile import HardwareProfile, LayerProfile, OpProfile
 from lightning_ratel.plan.search import Plan, search
 from lightning_ratel.report import show_plan
 from lightning_ratel.runtime.activations import ActivationCache
+from lightning_ratel.runtime.adamw import adamw_step
 from lightning_ratel.runtime.device import Device
 from lightning_ratel.runtime.optimizer import CpuAdam
 from lightning_ratel.runtime.probe import measure_hardware
@@ -52,7 +52,7 @@ class Planner:
         adam: the CPU optimizer (its thread count is what the AdamW probe measures with); ``None`` for evaluation.
     """
 
-    def __init__(self, config: RatelConfig, device: Device, blocks: Sequence[Block], layout: Layout,
+    def __init__(self, config: RatelConfig, device: Device, blocks: BlockMembership, layout: Layout,
                  cache: ActivationCache, scheduler: BlockScheduler, accounts: ByteAccount, breakdown: StepBreakdown,
                  adam: CpuAdam | None) -> None:
         self.config = config
@@ -175,7 +175,7 @@ class Planner:
                 ]
             else:
                 ops_ = [OpProfile(CONTAINER_OP, 0.0, 0.0, self.cache.saved_by_block.get(b, 0), [])]
-            param_bytes = sum(self.layout.units[u].nbytes for u in self.layout.block_units[b])
+            param_bytes = sum(self.layout.units[u].nbytes for u in self.blocks.units_of(b))
             saved = sum(op.saved_bytes for op in ops_)
             # On the device: what backward allocated beyond what it found, plus the block's own resident bytes.
             peak = max(t.get("backward_peak", 0.0) for t in passes)

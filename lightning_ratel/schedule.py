@@ -103,8 +103,8 @@ class BlockScheduler:
                     self._handles.append(sub.register_forward_hook(self._leave_submodule, always_call=True))
 
     def add_block(self, block: Block) -> None:
-        """Schedule a block found after the start (already appended to the blocks); it runs last until a pass
-        teaches its place."""
+        """Schedule a block found after the start (already one of the blocks); it runs last until a pass teaches its
+        place."""
         self._install(block)
         self.order.append(block.index)
 

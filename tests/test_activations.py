@@ -37,7 +37,7 @@ def _setup(tmp_path: Path, placement: str) -> tuple[Net, ParameterPager, Activat
     blocks = discover_blocks(net)
     layout = build_layout(net, blocks, None, None, "host", None, device.host_empty)
     Materializer(net, blocks, layout, device.device, None).load(None)
-    pager = ParameterPager(device, layout.units, layout.block_units)
+    pager = ParameterPager(device, layout.units, layout.block_units.__getitem__)
     store = TensorStore([tmp_path], name="act")
     cache = ActivationCache(device, pager, [placement] * len(blocks), lambda: store)
     return net, pager, cache, store

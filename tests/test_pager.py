@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_ratel.blocks import discover_blocks
+from lightning_ratel.blocks import BlockMembership, discover_blocks
 from lightning_ratel.layout import Layout, build_layout
 from lightning_ratel.materialize import Materializer
 from lightning_ratel.runtime.device import Device
@@ -37,9 +37,17 @@ def _paged(module: nn.Module, optimizer: torch.optim.Optimizer | None = None, pa
     device = Device(torch.device("cpu"))
     layout = build_layout(module, blocks, optimizer, None, param_cache, None, device.host_empty)
     Materializer(module, blocks, layout, device.device, None).load(store)
-    pager = ParameterPager(device, layout.units, layout.block_units,
+    membership = BlockMembership(blocks, layout.block_units)
+    pager = ParameterPager(device, layout.units, membership.units_of,
                            store=store if param_cache == "ssd" else None, unit_shards=layout.unit_shards())
     return layout, pager, values
+
+
+def _adopt(pager: ParameterPager, block: int, unit: int, param: nn.Parameter) -> None:
+    """What the engine does when block ``block``'s forward uses ``param`` of ``unit``: change the membership the
+    pager reads."""
+    membership = pager.units_of.__self__  # type: ignore[attr-defined]
+    assert membership.adopt(membership[block], unit, param)
 
 
 def _block(layout: Layout, module: nn.Module, name: str) -> int:
@@ -65,7 +73,7 @@ def test_shared_unit_stays_resident_while_any_user_holds_it() -> None:
     module = Tied()
     layout, pager, values = _paged(module)
     embed, head = _block(layout, module, "embed"), _block(layout, module, "head")
-    assert layout.block_units[head] == [embed]
+    assert layout.block_units[head] == (embed,)
     pager.acquire(embed)
     pager.acquire(head)
     pager.release(embed)
@@ -82,7 +90,7 @@ def test_a_unit_a_block_gains_while_resident_is_released_only_by_references_take
     pager.acquire(last)
     pager.hold(first)
     # The block's forward used a parameter of another unit: from now on it pages that unit in too.
-    layout.block_units[last].append(first)
+    _adopt(pager, last, first, module.layers[0].weight)
     pager.release(last)
     # The reference taken before the change did not hold layers.0's unit; the hold does, until release_all.
     assert torch.equal(module.layers[0].weight, values["layers.0.weight"])
@@ -99,7 +107,7 @@ def test_a_prefetch_made_before_the_block_gained_a_unit_pages_that_unit_in_at_ac
     layout, pager, values = _paged(module)
     first, last = _block(layout, module, "layers.0"), _block(layout, module, "layers.2")
     pager.prefetch(last)
-    layout.block_units[last].append(first)
+    _adopt(pager, last, first, module.layers[0].weight)
     pager.acquire(last)
     assert torch.equal(module.layers[0].weight, values["layers.0.weight"])
     assert torch.equal(module.layers[2].weight, values["layers.2.weight"])

@@ -48,7 +48,7 @@ class Parts:
         self.blocks = discover_blocks(self.net)
         self.layout = build_layout(self.net, self.blocks, None, None, "host", None, self.device.host_empty)
         Materializer(self.net, self.blocks, self.layout, self.device.device, None).load(None)
-        self.pager = ParameterPager(self.device, self.layout.units, self.layout.block_units)
+        self.pager = ParameterPager(self.device, self.layout.units, self.layout.block_units.__getitem__)
         self.store = TensorStore([tmp_path], name="act")
         self.cache = ActivationCache(self.device, self.pager, ["device"] * len(self.blocks), lambda: self.store)
         self.scheduler = BlockScheduler(self.blocks, self.pager, self.cache, self.device, prefetch_depth,

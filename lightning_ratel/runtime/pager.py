@@ -22,7 +22,7 @@ reads it starts, whose futures it checks or waits for before their buffers are u
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -60,7 +60,7 @@ class ParameterPager:
     Args:
         device: the compute device.
         units: every unit, indexed by owner block.
-        block_units: for each block, the indices of the units its forward uses.
+        units_of: for a block, the indices of the units its forward uses (they may grow during the run).
         store: the swap store to read compute copies from on every page-in; ``None`` pages in from the host caches.
         unit_shards: each unit's shards, whose compute keys a page-in reads (with ``store``).
     """
@@ -69,13 +69,13 @@ class ParameterPager:
         self,
         device: Device,
         units: Mapping[int, Unit],
-        block_units: Sequence[Sequence[int]],
+        units_of: Callable[[int], Sequence[int]],
         store: TensorStore | None = None,
         unit_shards: Mapping[int, Sequence[Shard]] | None = None,
     ) -> None:
         self.device = device
         self.units = units
-        self.block_units = block_units
+        self.units_of = units_of
         self._store = store
         self._unit_shards = unit_shards or {}
         # Store reads land in the device's host pool (pinned on CUDA); reusing its buffers keeps page-ins off freshly
@@ -223,7 +223,7 @@ class ParameterPager:
         self.resident_bytes -= unit.nbytes
 
     def _take(self, block: int) -> tuple[int, ...]:
-        units = tuple(self.block_units[block])
+        units = tuple(self.units_of(block))
         for u in units:
             state = self._state[u]
             if state.refs == 0 and state.flats is None:
@@ -246,14 +246,14 @@ class ParameterPager:
         self._start_uploads()
         if block in self._prefetched or block in self._acquired:
             return
-        if not all(self.units[u].ready.is_set() for u in self.block_units[block]):
+        if not all(self.units[u].ready.is_set() for u in self.units_of(block)):
             return
         self._prefetched[block] = self._take(block)
 
     def acquire(self, block: int) -> None:
         """Make ``block``'s parameters usable by work queued on the current stream from now on."""
         units = self._prefetched.pop(block, None)
-        if units != tuple(self.block_units[block]):
+        if units != tuple(self.units_of(block)):
             # Not prefetched, or prefetched before the block gained a unit: take it whole (before dropping the
             # prefetch, so that units in both stay resident).
             stale, units = units, self._take(block)
