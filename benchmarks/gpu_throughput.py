@@ -466,9 +466,10 @@ def _strategy(system: str, module: Any, shape: ModelShape, swap_dirs: list[str],
 
 def _drain(trainer: Any) -> None:
     """Wait for work a step leaves running after it returns: RatelStrategy's CPU updates and write-backs."""
-    engine = getattr(trainer.strategy, "engine", None)
-    if engine is not None:
-        engine.synchronize()
+    from lightning_ratel import RatelStrategy
+
+    if isinstance(trainer.strategy, RatelStrategy):
+        trainer.strategy.synchronize()
 
 
 def train_worker(spec: dict[str, Any]) -> dict[str, Any]:

@@ -105,8 +105,8 @@ class StepReport(L.Callback):
         self.disk_bytes = 0
 
     def _store_io(self, trainer: L.Trainer) -> tuple[int, int]:
-        store = trainer.strategy.engine.store
-        return store.bytes_read, store.bytes_written
+        io = trainer.strategy.io_bytes()
+        return io["read"], io["written"]
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         self._started = time.perf_counter()

@@ -47,8 +47,8 @@ class DemoReport(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if isinstance(trainer.strategy, RatelStrategy):
-            engine = trainer.strategy.engine
-            self.console.print(tier_table([block.name for block in engine.blocks], engine.cache.placements))
+            placements = trainer.strategy.activation_placements()
+            self.console.print(tier_table(list(placements), list(placements.values())))
         self.started = self.window_started = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:

@@ -184,9 +184,9 @@ class Watch(Callback):
         self.phases.begin(self.load_phase)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        store = trainer.strategy.engine.store
-        self.store_written_at_load = store.bytes_written
-        self.store_read_at_load = store.bytes_read
+        io = trainer.strategy.io_bytes()
+        self.store_written_at_load = io["written"]
+        self.store_read_at_load = io["read"]
         self.phases.end()
         self.phases.begin(self.train_phase)
 
@@ -208,8 +208,7 @@ def timed(phases: Phases, name: str, method: Any, strategy: RatelStrategy) -> An
 
     def run(*args: Any, **kwargs: Any) -> Any:
         outer = phases.current
-        if strategy.engine is not None:
-            strategy.engine.synchronize()
+        strategy.synchronize()
         phases.end()
         with phases.phase(name):
             result = method(*args, **kwargs)

@@ -47,7 +47,7 @@ from lightning_ratel.preflight import check_host_budget
 from lightning_ratel.report import show_plan
 from lightning_ratel.runtime.swapfile import prepare_directories
 from lightning_ratel.sizes import format_bytes, format_rate, path_bytes
-from lightning_ratel.tiers import ParamCache
+from lightning_ratel.tiers import ParamCache, Placement
 
 
 class RatelStrategy(SingleDeviceStrategy):
@@ -76,8 +76,6 @@ class RatelStrategy(SingleDeviceStrategy):
             stand in for a consumer card). ``None``: what is free.
         blocks: names of the modules to treat as the repeated blocks, or a callable returning them from the model;
             ``None`` detects them (a transformers model's decoder layers, or the largest ``nn.ModuleList``).
-        accelerator: the accelerator; normally set by the Trainer.
-        checkpoint_io: how checkpoints are written; normally set by the Trainer.
         param_cache: where the compute copies of the parameters live between uses: ``"host"`` (a host-memory cache,
             2 or 4 bytes per parameter), ``"ssd"`` (read from the swap files on every use, so host memory holds only
             the blocks in flight; costs one read of the model per forward and per backward) or ``"auto"`` (``"ssd"``
@@ -102,6 +100,10 @@ class RatelStrategy(SingleDeviceStrategy):
         log_metrics: send the plugin's figures of every training step (time per part, disk bytes and throughput,
             overlap, bytes per tier; ``ratel/...`` keys) to the Trainer's loggers, at the rate of ``self.log``
             (``log_every_n_steps``).
+        accelerator: the accelerator; normally set by the Trainer.
+        checkpoint_io: how checkpoints are written; normally set by the Trainer.
+
+    Every argument but ``ssd_paths`` is keyword-only.
     """
 
     strategy_name = "ratel"
@@ -109,6 +111,7 @@ class RatelStrategy(SingleDeviceStrategy):
     def __init__(
         self,
         ssd_paths: list[str] | None = None,
+        *,
         prefetch_depth: int = 1,
         keep_swap_files: bool = False,
         activation_policy: str | dict[str, str] | None = None,
@@ -116,13 +119,13 @@ class RatelStrategy(SingleDeviceStrategy):
         host_memory_limit: int | str | None = None,
         device_memory_limit: int | str | None = None,
         blocks: list[str] | Callable[[nn.Module], list[str]] | None = None,
-        accelerator: Accelerator | None = None,
-        checkpoint_io: CheckpointIO | None = None,
         param_cache: ParamCache = "auto",
         param_init_fn: ParamInitFn | None = None,
         pretrained: str | None = None,
         checkpoint_format: CheckpointFormat = "auto",
         log_metrics: bool = True,
+        accelerator: Accelerator | None = None,
+        checkpoint_io: CheckpointIO | None = None,
     ) -> None:
         super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io)
         self.config = RatelConfig(
@@ -429,6 +432,28 @@ class RatelStrategy(SingleDeviceStrategy):
     def byte_placement(self) -> dict[str, int]:
         """Bytes held right now on the device, in host memory and on disk (empty outside a run)."""
         return self._engine.byte_placement() if self._engine is not None else {}
+
+    def io_bytes(self) -> dict[str, int]:
+        """Bytes the swap files have read (``"read"``) and written (``"written"``) since the run started: the
+        model states' traffic, activations swapped to the SSDs not included (they are in the loggers' ``ratel/disk_*``
+        figures). Empty outside a run."""
+        store = self._engine.store if self._engine is not None else None
+        return {"read": store.bytes_read, "written": store.bytes_written} if store is not None else {}
+
+    def activation_placements(self) -> dict[str, Placement]:
+        """Where each block's saved activations go now, by block name: a tier (``"device"``, ``"host"``, ``"ssd"``,
+        ``"recompute"``) for everything the block saves, or a mapping from op names to tiers under a plan. Empty
+        outside a run."""
+        if self._engine is None:
+            return {}
+        return {block.name: placement for block, placement in zip(self._engine.blocks, self._engine.cache.placements)}
+
+    def synchronize(self) -> None:
+        """Wait until every optimizer update handed over so far has run and its states are in the swap files (a
+        benchmark reading a clock calls it first; checkpoints and exports wait on their own). Nothing outside a
+        run."""
+        if self._engine is not None:
+            self._engine.synchronize()
 
     @property
     def sharded_checkpoints(self) -> bool:

@@ -641,3 +641,29 @@ def test_manual_optimization_rejected(tmp_path: Path) -> None:
     assert "return the loss" in str(info.value) and "another strategy" in str(info.value)
     assert ManualLM.training_steps == 0
     assert os.listdir(ssd) == []
+
+
+def test_public_figures_and_wait(tmp_path: Path) -> None:
+    """What examples and benchmarks read goes through the strategy's own methods, during a run and outside one."""
+    seen: dict[str, Any] = {}
+
+    class Look(L.Callback):
+        def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            strategy = trainer.strategy
+            strategy.synchronize()
+            seen["io"] = strategy.io_bytes()
+            seen["placements"] = strategy.activation_placements()
+
+    policy = {"*layers.0": "ssd", "*": "host"}
+    strategy = RatelStrategy([str(tmp_path)], activation_policy=policy)
+    trainer(strategy, callbacks=[Look()]).fit(LM())
+    assert seen["io"]["read"] > 0 and seen["io"]["written"] > 0
+    names = list(seen["placements"])
+    assert names[0].endswith("embed_tokens") and any(name.endswith("layers.0") for name in names)
+    assert seen["placements"][next(n for n in names if n.endswith("layers.0"))] == "ssd"
+    assert set(seen["placements"].values()) == {"ssd", "host"}
+    # Outside a run there is nothing to report and nothing to wait for.
+    assert strategy.io_bytes() == {} and strategy.activation_placements() == {}
+    strategy.synchronize()
+    with pytest.raises(TypeError):
+        RatelStrategy([str(tmp_path)], 2)  # every argument but ssd_paths is keyword-only
