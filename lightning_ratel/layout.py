@@ -117,11 +117,6 @@ class Layout:
         """Bytes of the parameters of ``shards`` in their own dtypes."""
         return sum(sp.numel * self.orig_dtype[id(sp.param)].itemsize for s in shards for sp in s.params)
 
-    @property
-    def compute_nbytes(self) -> int:
-        """Bytes of every unit's compute copies (what a host cache of all of them takes)."""
-        return sum(u.nbytes for u in self.units.values())
-
 
 def optimizer_groups(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[int, tuple[int, int]]:
     """Map parameter id -> (group index, index in the optimizer's ``state_dict`` order).
