@@ -3,7 +3,7 @@
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_ratel.callbacks import RatelHFExport, RatelProfiler
-from lightning_ratel.errors import RatelConfigError, RatelPlanError, RatelStoreError
+from lightning_ratel.errors import RatelConfigError, RatelModelError, RatelPlanError, RatelStoreError
 from lightning_ratel.plan import Plan
 from lightning_ratel.precision import RatelPrecision
 from lightning_ratel.preflight import Estimate, estimate
@@ -17,6 +17,7 @@ __all__ = [
     "Plan",
     "RatelHFExport",
     "RatelConfigError",
+    "RatelModelError",
     "RatelPlanError",
     "RatelPrecision",
     "RatelProfiler",

@@ -32,7 +32,7 @@ from lightning_ratel.accounting import ByteAccount, StepBreakdown
 from lightning_ratel.blocks import BlockMembership, discover_blocks
 from lightning_ratel.checkpoint import ModelState
 from lightning_ratel.config import RatelConfig
-from lightning_ratel.errors import RatelConfigError
+from lightning_ratel.errors import RatelConfigError, RatelModelError
 from lightning_ratel.layout import build_layout
 from lightning_ratel.materialize import Materializer, ValueSource
 from lightning_ratel.placement import check_patterns
@@ -179,7 +179,7 @@ class RatelEngine:
                 released when the forward ends.
 
         Raises:
-            RatelConfigError: a parameter is used outside every module's forward (in the LightningModule's step
+            RatelModelError: a parameter is used outside every module's forward (in the LightningModule's step
                 itself), where no block can page it in.
         """
         if training:
@@ -202,7 +202,7 @@ class RatelEngine:
                     self.scheduler.leave_open_forwards()
                     raise
         except PlaceholderRead as err:
-            raise RatelConfigError(
+            raise RatelModelError(
                 f"the forward of block {self.blocks[err.block].name} read parameter {err.name}, which is paged in "
                 "with another block, only after its first forward: RatelStrategy watches a block's forward for such "
                 "reads the first time it runs (to keep the per-op cost off the blocks), so the read found the "
@@ -253,7 +253,7 @@ class RatelEngine:
                 name = next((n for n, m in self.module.named_modules() if m is module), type(module).__name__)
                 block = self.blocks.add(module, name)
             else:
-                raise RatelConfigError(
+                raise RatelModelError(
                     f"parameter {escape.slot.name} is used outside the forward of every module (in the "
                     "LightningModule's step itself), where RatelStrategy cannot page it in. Compute it inside a "
                     "module's forward, or list the modules that use it together in RatelStrategy(blocks=[...])."
@@ -323,7 +323,7 @@ class RatelEngine:
             return False
         clip = self._clip if self._clip is not None and self._clip[0] > 0 else None
         if plan.overlap and clip is not None and clip[1] == "norm":
-            raise RatelConfigError("gradient clipping by norm was requested after updates had started")
+            raise RatelModelError("gradient clipping by norm was requested after updates had started")
         if not plan.overlap:
             if loss_scale is not None and not self.adam.unscale_(shards, loss_scale):
                 self.adam.discard(shards)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_ratel import RatelConfigError, RatelStrategy
+from lightning_ratel import RatelModelError, RatelStrategy
 from tests.models import LM, MLP, MODELS, VOCAB, final_state, max_rel_err, trainer
 
 
@@ -108,7 +108,7 @@ MODELS["late-cross-block-add"] = lambda: LateCrossBlockRead(through_matmul=False
 
 def test_a_late_read_of_another_blocks_weight_raises_at_the_read(tmp_path: Path) -> None:
     module = LM("late-cross-block-read")
-    with pytest.raises(RatelConfigError, match=r"block model\.late\.0 read parameter model\.layers\.0\.1\.weight"
+    with pytest.raises(RatelModelError, match=r"block model\.late\.0 read parameter model\.layers\.0\.1\.weight"
                                                r".*blocks="):
         trainer(RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy="host")).fit(module)
     # The first step committed; the failed pass left nothing half-applied.

@@ -14,7 +14,7 @@ import torch.utils.checkpoint
 from torch import nn
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
-from lightning_ratel import RatelConfigError, RatelStrategy
+from lightning_ratel import RatelModelError, RatelStrategy
 from lightning_ratel.blocks import discover_blocks
 from tests.models import LM, MLP, MODELS, SEQ, VOCAB, cache_off, final_state, max_rel_err, mlp_layers, trainer
 
@@ -226,7 +226,7 @@ class UsesWeightInStep(LM):
 def test_parameter_used_outside_every_forward_is_refused_before_the_first_update(tmp_path: Path) -> None:
     lm = UsesWeightInStep("llama")
     before = {n: p.detach().clone() for n, p in lm.named_parameters()}
-    with pytest.raises(RatelConfigError, match="embed_tokens.weight.*blocks="):
+    with pytest.raises(RatelModelError, match="embed_tokens.weight.*blocks="):
         trainer(RatelStrategy(ssd_paths=[str(tmp_path)])).fit(lm)
     for name, p in lm.named_parameters():
         assert torch.equal(p, before[name]), name
