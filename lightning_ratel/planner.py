@@ -33,7 +33,7 @@ from lightning_ratel.runtime.adamw import adamw_step
 from lightning_ratel.runtime.device import Device
 from lightning_ratel.runtime.optimizer import CpuAdam
 from lightning_ratel.runtime.probe import measure_hardware
-from lightning_ratel.schedule import BlockScheduler
+from lightning_ratel.schedule import BlockScheduler, BlockTimer
 from lightning_ratel.tiers import CONTAINER_OP, INPUT_OP
 
 
@@ -68,6 +68,8 @@ class Planner:
         self._hardware: HardwareProfile | None = None
         self._profile_steps = 0
         self._profiled_steps = 0
+        # Times the blocks while profiling (the scheduler's observer then), else None.
+        self._timer: BlockTimer | None = None
         self._profiled: dict[int, list] = {}
         self._profiled_times: dict[int, list[dict[str, float]]] = {}
         # Bytes and elements of each block's output in the profiled passes (the last block's are the logits).
@@ -77,7 +79,7 @@ class Planner:
     @property
     def profiling(self) -> bool:
         """Whether the passes now running are profiled."""
-        return self.scheduler.profiling
+        return self._timer is not None
 
     def start(self, profile_steps: int, restored: Plan | None = None, reprofile: bool = False) -> None:
         """Training starts: with ``plan="auto"``, apply the plan a checkpoint restored, or measure the machine and
@@ -128,19 +130,19 @@ class Planner:
 
     def begin_profile(self) -> None:
         """Run the next passes under the safe default, timing every op and counting its FLOPs and saved bytes."""
-        self.scheduler.profiling = True
-        self.scheduler.block_times.clear()
+        self._timer = BlockTimer(self.device)
+        self.scheduler.observer = self._timer
         self._profiled.clear()
         self._profiled_times.clear()
         self.cache.set_placements(profiling_placements(self.blocks))
 
     def record_pass(self) -> None:
         """A profiled pass's backward ended: keep what it measured (the cache forgets its records next)."""
-        if not self.scheduler.profiling:
+        if self._timer is None:
             return
         for b in range(len(self.blocks)):
             self._profiled.setdefault(b, []).extend(self.cache.records(b))
-            self._profiled_times.setdefault(b, []).append(self.scheduler.block_times.pop(b, {}))
+            self._profiled_times.setdefault(b, []).append(self._timer.block_times.pop(b, {}))
 
     def end_profile(self) -> list[LayerProfile]:
         """Stop profiling and return one :class:`LayerProfile` per block, in execution order.
@@ -148,7 +150,7 @@ class Planner:
         Each time is the least seen over the profiled passes: the first pass of a run also pays one-off costs
         (first touch of fresh memory, lazy initialisation) that later steps do not.
         """
-        self.scheduler.profiling = False
+        self.scheduler.observer = self._timer = None
         layers = []
         for pos, b in enumerate(self.scheduler.order):
             block = self.blocks[b]
@@ -195,7 +197,6 @@ class Planner:
                                 max(t.get("output_elements", 0.0) for t in passes))
         self._profiled.clear()
         self._profiled_times.clear()
-        self.scheduler.block_times.clear()
         return layers
 
     def make_plan(self, hardware: HardwareProfile, layers: list[LayerProfile]) -> Plan:

@@ -23,7 +23,7 @@ import enum
 import functools
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -46,6 +46,73 @@ class TrainingState(enum.Enum):
     """A forward with autograd recording has started and its backward has not."""
     BACKWARD = "backward"
     """Backward runs: blocks are acquired as backward reaches them."""
+
+
+class BlockObserver(Protocol):
+    """Told, from the scheduler's hooks, where each block's forward and backward start and end (see
+    :class:`BlockTimer`)."""
+
+    def forward_started(self, b: int) -> None: ...
+
+    def forward_ended(self, b: int, output: Any) -> None: ...
+
+    def backward_started(self) -> None: ...
+
+    def backward_reached(self, b: int | None) -> None:
+        """Backward moved on to block ``b`` (``None``: backward ended)."""
+
+
+class BlockTimer:
+    """Times each block's forward and backward, with the device synchronised around them, and the peak of device
+    memory its backward reaches beyond what was allocated when it began: the profile of a step, for the planner.
+
+    Args:
+        device: the compute device.
+
+    Attributes:
+        block_times: per block: ``forward`` and ``backward`` seconds (summed over the passes timed), ``backward_peak``
+            bytes, and the bytes and elements of its output (for the last block the logits, whose loss and gradient
+            cost device memory outside any block).
+    """
+
+    def __init__(self, device: Device) -> None:
+        self.device = device
+        self.block_times: dict[int, dict[str, float]] = {}
+        self._current: int | None = None
+        self._entered = 0.0
+        self._allocated = 0
+
+    def forward_started(self, b: int) -> None:
+        self.device.synchronize()
+        self.block_times.setdefault(b, {})["forward_start"] = time.perf_counter()
+
+    def forward_ended(self, b: int, output: Any) -> None:
+        self.device.synchronize()
+        times = self.block_times.setdefault(b, {})
+        times["forward"] = times.get("forward", 0.0) + time.perf_counter() - times.pop("forward_start")
+        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+        times["output_bytes"] = float(sum(t.numel() * t.element_size() for t in tensors))
+        times["output_elements"] = float(sum(t.numel() for t in tensors))
+
+    def backward_started(self) -> None:
+        self._current = None
+        self._entered = time.perf_counter()
+        self._allocated = self.device.allocated_bytes()
+        self.device.reset_peak()
+
+    def backward_reached(self, b: int | None) -> None:
+        """Charge the time since backward last changed block to that block."""
+        self.device.synchronize()
+        now = time.perf_counter()
+        if self._current is not None:
+            times = self.block_times.setdefault(self._current, {})
+            times["backward"] = times.get("backward", 0.0) + now - self._entered
+            peak = float(self.device.peak_bytes() - self._allocated)
+            times["backward_peak"] = max(times.get("backward_peak", 0.0), peak)
+        self._current = b
+        self._entered = now
+        self._allocated = self.device.allocated_bytes()
+        self.device.reset_peak()
 
 
 class BlockScheduler:
@@ -80,12 +147,10 @@ class BlockScheduler:
                        for name, m in block.module.named_modules() if name}
         self._held: list[int] = []
         self._current: int | None = None
-        self.profiling = False
+        # Told where each block's forward and backward start and end (the planner's timer while it profiles).
+        self.observer: BlockObserver | None = None
         # Off while the engine looks for parameters used outside their block (see ``RatelEngine.watch_forward``).
         self.prefetching = True
-        self.block_times: dict[int, dict[str, float]] = {}
-        self._entered: float | None = None
-        self._allocated = 0
         self._handles: list[Any] = []
         for block in blocks:
             self._install(block)
@@ -127,9 +192,6 @@ class BlockScheduler:
     def _op_path(self) -> str:
         return self._path_stack[-1] if self._path_stack else ""
 
-    def _sync(self) -> None:
-        self.device.synchronize()
-
     def _pre_forward(self, b: int, module: nn.Module, args: Any, kwargs: Any) -> None:
         self._check()
         self.pager.acquire(b)
@@ -164,10 +226,10 @@ class BlockScheduler:
             )
             self.cache.begin_record(record, args, kwargs)
             self._path_stack.clear()
-            contexts.append(OpTracker(record, self._op_path, profile=self.profiling, synchronize=self._sync))
-        if self.profiling:
-            self._sync()
-            self.block_times.setdefault(b, {})["forward_start"] = time.perf_counter()
+            contexts.append(OpTracker(record, self._op_path, profile=self.observer is not None,
+                                      synchronize=self.device.synchronize))
+        if self.observer is not None:
+            self.observer.forward_started(b)
         for context in contexts:
             context.__enter__()
         self._hook_stack.append((b, contexts))
@@ -176,15 +238,8 @@ class BlockScheduler:
         if self._hook_stack and self._hook_stack[-1][0] == b:
             for context in reversed(self._hook_stack.pop()[1]):
                 context.__exit__(None, None, None)
-            if self.profiling:
-                self._sync()
-                times = self.block_times.setdefault(b, {})
-                times["forward"] = times.get("forward", 0.0) + time.perf_counter() - times.pop("forward_start")
-                # What the block hands on; for the last block the logits, whose loss and gradient cost device memory
-                # outside any block.
-                tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
-                times["output_bytes"] = float(sum(t.numel() * t.element_size() for t in tensors))
-                times["output_elements"] = float(sum(t.numel() for t in tensors))
+            if self.observer is not None:
+                self.observer.forward_ended(b, output)
             self.cache.end_record(b)
             outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             if outputs:
@@ -198,17 +253,15 @@ class BlockScheduler:
         """Backward of a micro-batch is about to run."""
         self.timeline.record("backward_start")
         self.state = TrainingState.BACKWARD
-        self._entered = time.perf_counter()
-        if self.profiling:
-            self._allocated = self.device.allocated_bytes()
-            self.device.reset_peak()
+        if self.observer is not None:
+            self.observer.backward_started()
 
     def _pre_backward(self, b: int, grad: torch.Tensor) -> None:
         """Backward reached block ``b``: keep it resident, release the blocks behind it, prefetch the ones ahead."""
         if self._current == b:
             return
-        if self.profiling:
-            self._close_backward_interval()
+        if self.observer is not None:
+            self.observer.backward_reached(b)
         self._current = b
         if b not in self._held:
             self.pager.acquire(b)
@@ -223,24 +276,10 @@ class BlockScheduler:
             self.pager.prefetch(nxt)
             self.cache.prefetch_block(nxt)
 
-    def _close_backward_interval(self) -> None:
-        """Profiling: charge the time (and, on CUDA, the peak of device memory beyond what was allocated when it
-        began) since backward last changed block to that block."""
-        self._sync()
-        now = time.perf_counter()
-        if self._current is not None and self._entered is not None:
-            times = self.block_times.setdefault(self._current, {})
-            times["backward"] = times.get("backward", 0.0) + now - self._entered
-            peak = float(self.device.peak_bytes() - self._allocated)
-            times["backward_peak"] = max(times.get("backward_peak", 0.0), peak)
-        self._entered = now
-        self._allocated = self.device.allocated_bytes()
-        self.device.reset_peak()
-
     def end_backward(self) -> None:
         """Backward finished: release what it held and learn the execution order from the pass."""
-        if self.profiling:
-            self._close_backward_interval()
+        if self.observer is not None:
+            self.observer.backward_reached(None)
         self.timeline.record("backward_end")
         for held in self._held:
             self.pager.release(held)
