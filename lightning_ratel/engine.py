@@ -22,6 +22,7 @@ the next forward's pre-hook asks the pager for the block, which waits on that si
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from collections.abc import Callable, Iterator
 
 import torch
@@ -68,6 +69,31 @@ def _activation_store(device: Device, config: RatelConfig) -> Callable[[], Tenso
         return TensorStore(paths, name=name, keep_files=False)
 
     return create
+
+
+@dataclass(frozen=True)
+class StepRule:
+    """How one optimizer step treats its gradients, decided once at its start from what the Trainer and the module ask
+    for. Together with :meth:`RatelEngine.finish_step` (unscale, skip on overflow, clip by norm) this is the one place
+    where clipping and skipping are decided; the CPU optimizer only executes the result.
+
+    Attributes:
+        overlap: updates run during backward as each shard's gradients complete. Otherwise they wait for the end of
+            backward, where something global about the gradients must be known first: the norm (clipping by norm),
+            the overflow check (fp16 loss scaling), or whatever the module's own ``configure_gradient_clipping`` asks.
+        clip_value: the element-wise clip each shard applies to its own gradients before its overlapped update
+            (clipping by value), or ``None``.
+    """
+
+    overlap: bool
+    clip_value: float | None
+
+    @classmethod
+    def decide(cls, clip_val: float | None, clip_algorithm: str, custom_clipping: bool, loss_scaled: bool) -> StepRule:
+        clipping = bool(clip_val) and float(clip_val) > 0
+        deferred = loss_scaled or custom_clipping or (clipping and clip_algorithm == "norm")
+        by_value = clipping and clip_algorithm == "value" and not deferred
+        return cls(overlap=not deferred, clip_value=float(clip_val) if by_value else None)
 
 
 class RatelEngine:
@@ -275,20 +301,21 @@ class RatelEngine:
             plan, self._pending_plan = self._pending_plan, None
             self.adam.begin(plan)
 
-    def begin_step(self, optimizer: torch.optim.Optimizer, clip_val: float | None, clip_algorithm: str | None,
-                   deferred: bool) -> None:
-        """The boundary micro-batch is about to run: snapshot hyperparameters and decide how updates run.
+    def begin_step(self, optimizer: torch.optim.Optimizer, clip_val: float | None, clip_algorithm: str,
+                   custom_clipping: bool, loss_scaled: bool) -> None:
+        """The boundary micro-batch is about to run: snapshot hyperparameters and decide how updates run
+        (:meth:`StepRule.decide`).
 
         Args:
             optimizer: the user's optimizer, whose param_groups hold the current hyperparameters.
             clip_val: the Trainer's gradient clipping value (``None`` or 0 for none).
             clip_algorithm: ``"norm"`` or ``"value"``.
-            deferred: updates must wait for the end of backward (global gradient norm, fp16 overflow check, or a
-                user-defined ``configure_gradient_clipping``).
+            custom_clipping: the module defines its own ``configure_gradient_clipping``.
+            loss_scaled: fp16 loss scaling is on.
         """
-        clip_value = float(clip_val) if clip_val and clip_algorithm == "value" and not deferred else None
-        self._pending_plan = self._step_plan = StepPlan(GroupHyper.of(optimizer), overlap=not deferred,
-                                                        clip_value=clip_value)
+        rule = StepRule.decide(clip_val, clip_algorithm, custom_clipping, loss_scaled)
+        self._pending_plan = self._step_plan = StepPlan(GroupHyper.of(optimizer), overlap=rule.overlap,
+                                                        clip_value=rule.clip_value)
         self._clip = None
 
     def request_clip(self, clip_val: float, algorithm: str) -> None:

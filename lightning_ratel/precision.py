@@ -26,8 +26,8 @@ _PRECISION_INPUT = Literal["32-true", "bf16-mixed", "16-mixed"]
 class StepEngine(Protocol):
     """What this plugin asks of the engine during a step (:class:`~lightning_ratel.engine.RatelEngine` is it)."""
 
-    def begin_step(self, optimizer: torch.optim.Optimizer, clip_val: float | None, clip_algorithm: str | None,
-                   deferred: bool) -> None: ...
+    def begin_step(self, optimizer: torch.optim.Optimizer, clip_val: float | None, clip_algorithm: str,
+                   custom_clipping: bool, loss_scaled: bool) -> None: ...
 
     def finish_step(self, loss_scale: Tensor | None = None) -> bool: ...
 
@@ -132,14 +132,6 @@ class RatelPrecision(Precision):
             self._engine.post_backward()
         return super().post_backward(tensor, module)
 
-    def _deferred(self, model: pl.LightningModule) -> bool:
-        """Whether updates must wait until backward ends: something global about the gradients is still unknown."""
-        trainer = model.trainer
-        clip_norm = bool(trainer.gradient_clip_val) and trainer.gradient_clip_algorithm in (
-            None, GradClipAlgorithmType.NORM, "norm")
-        custom_clipping = type(model).configure_gradient_clipping is not pl.LightningModule.configure_gradient_clipping
-        return self._scale is not None or clip_norm or custom_clipping
-
     @override
     def optimizer_step(  # type: ignore[override]
         self,
@@ -150,10 +142,11 @@ class RatelPrecision(Precision):
     ) -> Any:
         engine = self._bound()
         trainer = model.trainer
-        deferred = self._deferred(model)
         algorithm = trainer.gradient_clip_algorithm
-        engine.begin_step(optimizer, trainer.gradient_clip_val, str(algorithm.value if algorithm else "norm"),
-                          deferred)
+        custom_clipping = type(model).configure_gradient_clipping is not pl.LightningModule.configure_gradient_clipping
+        # Lightning clips by norm unless told otherwise; the engine decides what that means for the updates.
+        engine.begin_step(optimizer, trainer.gradient_clip_val, GradClipAlgorithmType(algorithm or "norm").value,
+                          custom_clipping, loss_scaled=self._scale is not None)
         closure_result = closure()
         self._after_closure(model, optimizer)
         taken = engine.finish_step(self._scale)

@@ -1,8 +1,10 @@
 """The step protocol between the precision plugin and the engine, with a stand-in engine: no Trainer, no threads.
 
-What is decided where: the plugin says whether updates must wait for the end of backward (norm clipping, a custom
-``configure_gradient_clipping``, fp16 loss scaling), hands a clipping request made after the closure to the engine,
-and moves the fp16 loss scale as ``torch.amp.GradScaler`` does from whether the engine took the step.
+What is decided where: the plugin passes on what the Trainer and the module ask for (clipping value and algorithm, a
+custom ``configure_gradient_clipping``, fp16 loss scaling); :class:`~lightning_ratel.engine.StepRule` decides from
+that whether updates wait for the end of backward and how they clip; the plugin hands a clipping request made after
+the closure to the engine and moves the fp16 loss scale as ``torch.amp.GradScaler`` does from whether the engine took
+the step.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import pytest
 import torch
 from lightning.pytorch.utilities import GradClipAlgorithmType
 
+from lightning_ratel.engine import StepRule
 from lightning_ratel.precision import RatelPrecision
 
 
@@ -25,8 +28,9 @@ class FakeEngine:
         self.taken = taken
         self.calls: list[tuple[Any, ...]] = []
 
-    def begin_step(self, optimizer: Any, clip_val: Any, clip_algorithm: Any, deferred: bool) -> None:
-        self.calls.append(("begin", clip_val, clip_algorithm, deferred))
+    def begin_step(self, optimizer: Any, clip_val: Any, clip_algorithm: str, custom_clipping: bool,
+                   loss_scaled: bool) -> None:
+        self.calls.append(("begin", clip_val, clip_algorithm, custom_clipping, loss_scaled))
 
     def finish_step(self, loss_scale: torch.Tensor | None = None) -> bool:
         self.calls.append(("finish", None if loss_scale is None else float(loss_scale)))
@@ -74,23 +78,39 @@ def _step(precision: RatelPrecision, model: Any, loss: float = 1.0) -> torch.Ten
 
 
 @pytest.mark.parametrize(
-    ("cls", "clip_val", "algorithm", "precision", "deferred"),
+    ("cls", "clip_val", "algorithm", "precision", "passed"),
     [
-        (Plain, None, None, "32-true", False),
-        (Plain, 1.0, "value", "bf16-mixed", False),  # element-wise: each shard clips its own gradients, overlapped
-        (Plain, 1.0, None, "32-true", True),  # Lightning's default algorithm is the norm
-        (Plain, 1.0, "norm", "32-true", True),
-        (CustomClipping, None, None, "32-true", True),
-        (Plain, None, None, "16-mixed", True),  # an overflow check needs every gradient
+        (Plain, None, None, "32-true", (None, "norm", False, False)),  # Lightning's default algorithm is the norm
+        (Plain, 1.0, "value", "bf16-mixed", (1.0, "value", False, False)),
+        (Plain, 1.0, "norm", "32-true", (1.0, "norm", False, False)),
+        (CustomClipping, None, None, "32-true", (None, "norm", True, False)),
+        (Plain, None, None, "16-mixed", (None, "norm", False, True)),
     ],
 )
-def test_updates_wait_for_backward_only_when_something_global_is_unknown(cls, clip_val, algorithm, precision,
-                                                                        deferred):
+def test_the_plugin_passes_what_is_asked_for(cls, clip_val, algorithm, precision, passed):
     engine = FakeEngine()
     plugin = _plugin(precision, engine)
     _step(plugin, _model(cls, clip_val, algorithm))
-    assert engine.calls[0][0] == "begin" and engine.calls[0][3] is deferred
+    assert engine.calls[0] == ("begin", *passed)
     assert engine.calls[-1][0] == "finish"
+
+
+@pytest.mark.parametrize(
+    ("clip_val", "algorithm", "custom", "scaled", "overlap", "clip_value"),
+    [
+        (None, "norm", False, False, True, None),
+        (0.0, "value", False, False, True, None),
+        (1.0, "value", False, False, True, 1.0),  # element-wise: each shard clips its own gradients, overlapped
+        (1.0, "norm", False, False, False, None),  # the norm needs every gradient
+        (None, "norm", True, False, False, None),  # the module's own clipping may need every gradient
+        (1.0, "value", True, False, False, None),  # ... and clips them itself, at the end of backward
+        (None, "norm", False, True, False, None),  # an overflow check needs every gradient
+        (1.0, "value", False, True, False, None),
+    ],
+)
+def test_step_rule(clip_val, algorithm, custom, scaled, overlap, clip_value):
+    rule = StepRule.decide(clip_val, algorithm, custom, scaled)
+    assert (rule.overlap, rule.clip_value) == (overlap, clip_value)
 
 
 def test_a_clip_requested_in_the_closure_reaches_the_engine_before_the_step_finishes():
