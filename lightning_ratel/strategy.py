@@ -156,6 +156,8 @@ class RatelStrategy(SingleDeviceStrategy):
         self._saved_step: int | None = None
         # The swap directories of the current run: `ssd_paths` or the default, created if missing.
         self._swap_directories: list[str] = []
+        # Directories this run created for the swap files (parents included), removed again at teardown when empty.
+        self._created_directories: list[Path] = []
 
     @property
     def ssd_paths(self) -> list[str] | None:
@@ -292,6 +294,7 @@ class RatelStrategy(SingleDeviceStrategy):
         trainer = self.lightning_module.trainer
         _check_one_device(trainer)
         paths = self.config.ssd_paths or [os.path.join(trainer.default_root_dir, "ratel_swap")]
+        self._created_directories = [missing for path in paths for missing in _missing_directories(Path(path))]
         self._swap_directories = [str(p) for p in prepare_directories(paths, self.config.name)]
         super().setup_environment()
 
@@ -736,12 +739,23 @@ class RatelStrategy(SingleDeviceStrategy):
             # Do not hide the error that stopped training; the last checkpoint holds the state.
             rank_zero_warn(f"RatelStrategy could not restore the parameters after {exception!r}: {err!r}")
 
+    def _remove_created_directories(self) -> None:
+        """Remove the swap directories this run created, deepest first, where nothing is left in them (kept swap
+        files, or anything else put there, keep theirs)."""
+        for directory in sorted(set(self._created_directories), key=lambda p: len(p.parts), reverse=True):
+            try:
+                directory.rmdir()
+            except OSError:
+                pass  # not empty, or already gone: nothing of this run's to clean up there
+        self._created_directories = []
+
     @override
     def teardown(self) -> None:
         self._restore_device_memory()
         engine, self._engine = self._engine, None
         if engine is not None:
             self._end_engine(engine, self._exception)
+        self._remove_created_directories()
         if self._resume is not None:
             self._resume.close()
             self._resume = None
@@ -818,3 +832,14 @@ def _restored_summary(engine: RatelEngine, plan: Restored) -> tuple[str, int] | 
     count = sum(len(s.params) for s in shards)
     what = f"{count} parameter tensors" + (" and the optimizer state" if plan.optimizer else "")
     return what, layout.nbytes_of(shards) + (8 * sum(s.numel for s in layout.shards) if plan.optimizer else 0)
+
+
+def _missing_directories(path: Path) -> list[Path]:
+    """``path`` and its parents that do not exist yet (what creating ``path`` makes), resolved."""
+    missing = []
+    current = path.resolve()
+    while not current.exists() and current != current.parent:
+        missing.append(current)
+        current = current.parent
+    return missing
+

@@ -134,12 +134,22 @@ def test_same_directory_twice_rejected(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------------------------- bad directories
 
 
-def test_missing_directory_is_created(tmp_path: Path) -> None:
+def test_missing_directory_is_created_and_removed_again(tmp_path: Path) -> None:
+    """Like ModelCheckpoint's dirpath, a missing swap directory is created; what the run created goes again with its
+    swap files, unless something is left in it (kept swap files)."""
     missing = tmp_path / "does" / "not" / "exist"
+    seen: list[bool] = []
+
+    class Look(L.Callback):
+        def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            seen.append(missing.is_dir())
+
     lm = CountingLM(n_batches=2)
-    trainer(RatelStrategy(ssd_paths=[str(missing)]), max_steps=2).fit(lm)
-    assert lm.training_steps == 2
-    assert missing.is_dir() and os.listdir(missing) == [], "the swap files are removed, the directory stays"
+    trainer(RatelStrategy(ssd_paths=[str(missing)]), max_steps=2, callbacks=[Look()]).fit(lm)
+    assert lm.training_steps == 2 and seen == [True]
+    assert os.listdir(tmp_path) == [], "the directories the run created are removed with the swap files"
+    trainer(RatelStrategy(ssd_paths=[str(missing)], keep_swap_files=True), max_steps=1).fit(CountingLM(n_batches=2))
+    assert sorted(os.listdir(missing)) == ["ratel.index.json", "ratel.swap"]
 
 
 def test_directory_that_cannot_be_created(tmp_path: Path) -> None:
