@@ -35,7 +35,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from lightning_ratel import RatelConfigError, RatelStrategy
 from lightning_ratel.callbacks import RatelProfiler
 from lightning_ratel.runtime import gds
-from tests.models import LM, SEQ, VOCAB, HostAdamLM, cache_off, final_state, max_rel_err, trainer
+from tests.models import LM, MODELS, SEQ, VOCAB, HostAdamLM, cache_off, final_state, max_rel_err, trainer
 from tests.syncs import SyncCounter, extra_syncs
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -277,6 +277,23 @@ def test_matches_plain_lightning_on_cuda(tmp_path, model, precision, plan):
         assert got_state[i]["step"].item() == ref_state[i]["step"].item()
     assert got[1]["param_groups"] == ref[1]["param_groups"]
     assert all(os.listdir(path) == [] for path in (tmp_path / "swap0", tmp_path / "swap1"))
+
+
+@pytest.mark.parametrize("model", ["conv_bn", "spectral_norm"])
+def test_replay_leaves_buffers_and_random_state_as_plain_training_on_cuda(tmp_path, monkeypatch, model):
+    """cuDNN's batch norm writes its running statistics without saying so in its schema, and dropout draws from the
+    CUDA generator: a replayed block must do neither a second time."""
+    from tests.test_replay import BUILDERS
+
+    monkeypatch.setitem(MODELS, model, BUILDERS[model])
+    with reproducible():
+        ref = _fit("auto", HostAdamLM(model), "32-true")
+        plain_rng = torch.cuda.get_rng_state()
+        got = _fit(RatelStrategy(ssd_paths=swap_dirs(tmp_path), activation_policy="recompute"), LM(model), "32-true")
+        ratel_rng = torch.cuda.get_rng_state()
+    error = max_rel_err(ref[0], got[0])  # parameters and buffers (running statistics, power-iteration vectors)
+    assert error <= SAME_ARITHMETIC["32-true"], f"{error:.3g} from plain Lightning with the CPU AdamW arithmetic"
+    assert torch.equal(ratel_rng, plain_rng)
 
 
 # ---------------------------------------------------------------------------------------------------- memory cap
