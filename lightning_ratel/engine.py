@@ -43,6 +43,7 @@ from lightning_ratel.runtime.activations import ActivationCache, PlaceholderRead
 from lightning_ratel.runtime.device import Device
 from lightning_ratel.runtime.escapes import Escape, EscapeDetector
 from lightning_ratel.runtime.gradients import GradientOffload
+from lightning_ratel.runtime.generic import group_settings
 from lightning_ratel.runtime.optimizer import CpuAdam, GroupHyper, StepPlan
 from lightning_ratel.runtime.pager import ParameterPager
 from lightning_ratel.runtime.storage import TensorStore
@@ -122,7 +123,10 @@ class RatelEngine:
                                     compute_on_store=self.layout.param_cache == "ssd",
                                     grad_budget_bytes=GRAD_BUDGET_SHARDS * largest * 4,
                                     # On the CPU the compute's own thread team already fills every core.
-                                    threads=None if self.device.is_cuda else 1)
+                                    threads=None if self.device.is_cuda else 1, generic=self.layout.generic)
+                # State the optimizer's constructor made (Adagrad's sums) is made again for each parameter at its
+                # first update; the run's state lives in the store.
+                optimizer.state.clear()
         except BaseException:
             materializer.undo()
             if self._switches is not None:
@@ -294,7 +298,8 @@ class RatelEngine:
                 user-defined ``configure_gradient_clipping``).
         """
         clip_value = float(clip_val) if clip_val and clip_algorithm == "value" and not deferred else None
-        self._pending_plan = self._step_plan = StepPlan(GroupHyper.of(optimizer), overlap=not deferred,
+        hyper = GroupHyper.of(optimizer) if self.layout.generic is None else group_settings(optimizer)
+        self._pending_plan = self._step_plan = StepPlan(hyper, overlap=not deferred,
                                                         clip_value=clip_value)
         self._clip = None
 
