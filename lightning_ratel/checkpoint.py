@@ -22,7 +22,7 @@ from torch import nn
 
 from lightning_ratel.config import CheckpointFormat
 from lightning_ratel.errors import RatelConfigError, RatelPlanError
-from lightning_ratel.layout import Layout, fused
+from lightning_ratel.layout import Layout
 from lightning_ratel.materialize import nan_placeholder
 from lightning_ratel.runtime.generic import OptimizerStateError
 from lightning_ratel.runtime.optimizer import CpuAdam
@@ -415,21 +415,7 @@ def choose_checkpoint_format(requested: CheckpointFormat, module: nn.Module, opt
 
     Raises:
         RatelPlanError: ``"full"`` was asked for and the checkpoint would not fit in the available host memory.
-        RatelConfigError: the sharded format was asked for, or ``"auto"`` chose it, for an optimizer other than
-            AdamW/Adam (the sharded format holds Adam's moments only).
     """
-    fmt = _choose_format(requested, module, optimizer, host_memory_limit)
-    if fmt == "sharded" and not fused(optimizer):
-        why = "was asked for" if requested == "sharded" else "is needed: an ordinary one would not fit in host memory"
-        raise RatelConfigError(
-            f"RatelStrategy: a sharded checkpoint {why}, and sharded checkpoints hold the state of torch.optim.AdamW "
-            f"and torch.optim.Adam only, not of {type(optimizer).__name__}. Use one of those, or "
-            "checkpoint_format='full' with a host_memory_limit that holds the parameters and the optimizer state.")
-    return fmt
-
-
-def _choose_format(requested: CheckpointFormat, module: nn.Module, optimizer: torch.optim.Optimizer,
-                   host_memory_limit: int | None) -> Literal["full", "sharded"]:
     needed = gathered_checkpoint_bytes(module, optimizer)
     available = available_host_memory()
     if requested == "full":

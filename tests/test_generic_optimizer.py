@@ -13,6 +13,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from transformers.optimization import Adafactor
 
 from lightning_ratel import RatelConfigError, RatelStrategy
+from lightning_ratel.convert import sharded_to_lightning
 from tests.models import LM, final_state, trainer
 
 MIXED_POLICY = {"*.0": "ssd", "*.1": "recompute", "*": "host"}
@@ -108,21 +109,38 @@ def test_gradient_accumulation_and_clipping_match(tmp_path: Path) -> None:
     assert_identical(ref, got)
 
 
+@pytest.mark.parametrize("checkpoint_format", ["full", "sharded"])
 @pytest.mark.parametrize("optimizer", ["sgd", "adafactor"])
-def test_resume_in_the_middle_equals_never_stopping(tmp_path: Path, optimizer: str) -> None:
+def test_resume_in_the_middle_equals_never_stopping(tmp_path: Path, optimizer: str, checkpoint_format: str) -> None:
     # Two batches an epoch, so the checkpoint of step 2 ends an epoch and the resumed run sees the batches the
     # uninterrupted one sees.
     ref = _fit("auto", optimizer, OptimizerLM(optimizer, n_batches=2))
     ckpt = tmp_path / "ckpt"
     callback = ModelCheckpoint(dirpath=ckpt, every_n_train_steps=2, save_top_k=-1)
-    _fit(_ratel(tmp_path, param_cache="ssd"), optimizer, OptimizerLM(optimizer, n_batches=2), max_steps=2,
+    _fit(_ratel(tmp_path, param_cache="ssd", checkpoint_format=checkpoint_format), optimizer,
+         OptimizerLM(optimizer, n_batches=2), max_steps=2, callbacks=[callback], enable_checkpointing=True)
+    [saved] = ckpt.iterdir()
+    # What it holds is Lightning's own checkpoint (converted, for the sharded one): the optimizer state plain training
+    # has after two steps.
+    lightning = saved
+    if checkpoint_format == "sharded":
+        lightning = sharded_to_lightning(saved, tmp_path / "converted.ckpt")
+    plain = _fit("auto", optimizer, OptimizerLM(optimizer, n_batches=2), max_steps=2)
+    assert_identical(plain, (plain[0], torch.load(lightning, weights_only=False)["optimizer_states"][0]))
+    got = _fit(_ratel(tmp_path, checkpoint_format=checkpoint_format), optimizer, OptimizerLM(optimizer, n_batches=2),
+               ckpt_path=str(saved))
+    assert_identical(ref, got)
+
+
+def test_a_checkpoint_of_another_optimizer_is_refused(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    callback = ModelCheckpoint(dirpath=ckpt, every_n_train_steps=2, save_top_k=-1)
+    _fit(_ratel(tmp_path, checkpoint_format="sharded"), "rmsprop", OptimizerLM("rmsprop", n_batches=2), max_steps=2,
          callbacks=[callback], enable_checkpointing=True)
     [saved] = ckpt.iterdir()
-    # The checkpoint is Lightning's own: its optimizer state is the one plain training has after two steps.
-    plain = _fit("auto", optimizer, OptimizerLM(optimizer, n_batches=2), max_steps=2)
-    assert_identical(plain, (plain[0], torch.load(saved, weights_only=False)["optimizer_states"][0]))
-    got = _fit(_ratel(tmp_path), optimizer, OptimizerLM(optimizer, n_batches=2), ckpt_path=str(saved))
-    assert_identical(ref, got)
+    with pytest.raises(RatelConfigError, match="another optimizer state"):
+        _fit(_ratel(tmp_path, checkpoint_format="sharded"), "sgd", OptimizerLM("sgd", n_batches=2),
+             ckpt_path=str(saved))
 
 
 class GlobalNormSGD(torch.optim.Optimizer):
@@ -159,8 +177,3 @@ def test_whole_model_optimizers_are_refused_at_setup(tmp_path: Path, make: Any, 
     with pytest.raises(RatelConfigError, match=reason):
         trainer(_ratel(tmp_path)).fit(module)
     assert module.global_step == 0
-
-
-def test_sharded_checkpoints_are_refused_for_other_optimizers(tmp_path: Path) -> None:
-    with pytest.raises(RatelConfigError, match="sharded checkpoint was asked for"):
-        trainer(_ratel(tmp_path, checkpoint_format="sharded")).fit(OptimizerLM("sgd"))
