@@ -264,7 +264,7 @@ class RatelStrategy(SingleDeviceStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             if not module.automatic_optimization:
                 raise RatelConfigError(
-                    "RatelStrategy runs the optimizer itself (a CPU AdamW overlapped with backward) and needs "
+                    "RatelStrategy runs the optimizer itself (on the CPU, overlapped with backward) and needs "
                     "automatic optimization, but this LightningModule sets `automatic_optimization = False`. Remove "
                     "that line and the manual `optimizer.step()`/`zero_grad()`/`manual_backward()` calls from "
                     "`training_step`, and return the loss instead; for gradient accumulation or clipping use the "
@@ -272,7 +272,10 @@ class RatelStrategy(SingleDeviceStrategy):
                     "(several optimizers, GANs), train it with another strategy.")
             self.setup_optimizers(trainer)
             if len(self.optimizers) != 1:
-                raise RatelConfigError(f"RatelStrategy supports one optimizer, got {len(self.optimizers)}")
+                raise RatelConfigError(
+                    f"RatelStrategy supports one optimizer, got {len(self.optimizers)} from `configure_optimizers`. "
+                    "Put their parameters into parameter groups of one optimizer (each group keeps its own "
+                    "hyperparameters), or train with another strategy.")
             optimizer = self.optimizers[0]
             # A forced "full" that cannot be gathered is refused now rather than at the first save.
             self._format = choose_checkpoint_format(self.config.checkpoint_format, module, optimizer,

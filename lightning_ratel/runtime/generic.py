@@ -16,6 +16,7 @@ the step as one tensor. Python numbers are kept as 0-dim float64/int64 tensors a
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections import defaultdict
 from collections.abc import Sequence
@@ -139,8 +140,19 @@ class ParamStates:
 
 def rebuild(optimizer_type: type[torch.optim.Optimizer], defaults: dict[str, Any], settings: dict[str, Any],
             params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
-    """An instance of the user's optimizer class over ``params``, with its defaults and one group's ``settings``."""
-    return optimizer_type([{**settings, "params": list(params)}], **defaults)
+    """An instance of the user's optimizer class over ``params``, with its defaults and one group's ``settings``.
+
+    The group carries every setting; the constructor gets the defaults it takes as arguments (its checks and any
+    attribute it derives from them), since some ``defaults`` are not arguments (AdamW's ``decoupled_weight_decay``).
+    """
+    return optimizer_type([{**settings, "params": list(params)}], **_constructor_arguments(optimizer_type, defaults))
+
+
+def _constructor_arguments(optimizer_type: type[torch.optim.Optimizer], defaults: dict[str, Any]) -> dict[str, Any]:
+    parameters = inspect.signature(optimizer_type.__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return dict(defaults)
+    return {k: v for k, v in defaults.items() if k in parameters}
 
 
 def group_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
