@@ -9,12 +9,13 @@ from typing import Any
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from transformers.optimization import Adafactor
 
 from lightning_ratel import RatelConfigError, RatelStrategy
 from lightning_ratel.convert import sharded_to_lightning
 from tests.models import LM, final_state, trainer
+from tests.test_step_commit import FAIL_AT, FaultyLM
 
 MIXED_POLICY = {"*.0": "ssd", "*.1": "recompute", "*": "host"}
 Make = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
@@ -88,7 +89,7 @@ def _ratel(tmp_path: Path, **kwargs: Any) -> RatelStrategy:
 @pytest.mark.parametrize(("optimizer", "param_cache", "policy", "precision"), [
     ("sgd", "ssd", MIXED_POLICY, "32-true"),
     ("adagrad", "host", "recompute", "32-true"),
-    ("rmsprop", "ssd", "host", "32-true"),
+    ("rmsprop", "ssd", "host", "bf16-mixed"),
     ("nadam", "host", "ssd", "32-true"),
     ("radam", "ssd", None, "32-true"),
     ("amsgrad", "host", "keep", "bf16-mixed"),
@@ -141,6 +142,30 @@ def test_a_checkpoint_of_another_optimizer_is_refused(tmp_path: Path) -> None:
     with pytest.raises(RatelConfigError, match="another optimizer state"):
         _fit(_ratel(tmp_path, checkpoint_format="sharded"), "sgd", OptimizerLM("sgd", n_batches=2),
              ckpt_path=str(saved))
+
+
+class FaultySGD(FaultyLM):
+    """The failing 8-layer Llama of ``tests/test_step_commit.py`` with SGD's momentum."""
+
+    optimizer_name = "sgd"
+    configure_optimizers = OptimizerLM.configure_optimizers
+
+
+def test_a_fault_in_backward_leaves_the_last_committed_state(tmp_path: Path) -> None:
+    """Backward fails at step 3 while the updates of the blocks it has left already ran: the module, the momentum
+    buffers in the on-exception checkpoint and the run resumed from it are those of plain training."""
+    def plain(steps: int) -> tuple[dict, dict]:
+        return _fit("auto", "sgd", FaultySGD(), max_steps=steps)
+
+    module = FaultySGD("backward")
+    callback = OnExceptionCheckpoint(str(tmp_path / "ckpt"))
+    with pytest.raises(RuntimeError, match="injected fault"):
+        trainer(_ratel(tmp_path), enable_checkpointing=True, callbacks=[callback]).fit(module)
+    committed = plain(FAIL_AT)
+    saved = torch.load(tmp_path / "ckpt" / "on_exception.ckpt", weights_only=False)
+    assert_identical(committed, (module.state_dict(), saved["optimizer_states"][0]))
+    got = _fit(_ratel(tmp_path), "sgd", FaultySGD(), ckpt_path=str(tmp_path / "ckpt" / "on_exception.ckpt"))
+    assert_identical(plain(4), got)
 
 
 class GlobalNormSGD(torch.optim.Optimizer):
