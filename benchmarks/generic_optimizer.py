@@ -98,7 +98,8 @@ def measure(make: Callable[[Any], torch.optim.Optimizer], shapes: list[tuple[int
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (the engine's worker uses 1 on a CPU run)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (the engine's worker uses 1 on a CPU run)")
     parser.add_argument("--iters", type=int, default=20, help="timed steps per measurement (the median is shown)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -197,7 +197,11 @@ def _reads_other_parameters(optimizer: torch.optim.Optimizer, settings: dict[str
 
     def run(which: Sequence[int]) -> list[torch.Tensor]:
         params = [starts[i].clone() for i in which]
-        opt = rebuild(type(optimizer), dict(optimizer.defaults), settings, params)
+        try:
+            opt = rebuild(type(optimizer), dict(optimizer.defaults), settings, params)
+        except Exception as err:  # noqa: BLE001 - reported as the reason
+            raise _NotPerParameter(f"it cannot be built again from its `defaults` and one parameter group, as the "
+                                   f"CPU optimizer builds it for each shard ({type(err).__name__}: {err})") from err
         for step_grads in grads:
             for p, i in zip(params, which):
                 p.grad = step_grads[i].clone()

@@ -6,8 +6,9 @@ A sharded checkpoint is a directory (named like the file Lightning asked for, as
 - ``unit-00000.safetensors``...: one file per block of the model, holding for each trainable parameter its fp32 master
   (``master/<name>``) and, when the checkpoint has the optimizer state, its Adam moments (``exp_avg/<name>``,
   ``exp_avg_sq/<name>``) or, for another optimizer, each entry of its state (``state/<entry>/<name>``, in its own
-  shape and dtype; Python numbers as 0-dim int64/float64 tensors, listed with their type in the index); for each frozen parameter its value (``value/<name>``), unless it came unchanged from the
-  ``pretrained`` folder, which the checkpoint then refers to instead of copying;
+  shape and dtype; Python numbers as 0-dim int64/float64 tensors, listed with their type in the index); for each
+  frozen parameter its value (``value/<name>``), unless it came unchanged from the ``pretrained`` folder, which the
+  checkpoint then refers to instead of copying;
 - ``meta.pt``: everything else Lightning puts into a checkpoint (loop state, callbacks, among them the
   :class:`~lightning_ratel.RatelProfiler` plan, LR schedulers, the precision plugin, the optimizer's parameter groups,
   persistent buffers), as ``torch.save`` writes it;

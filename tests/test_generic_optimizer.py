@@ -14,6 +14,7 @@ from transformers.optimization import Adafactor
 
 from lightning_ratel import RatelConfigError, RatelStrategy
 from lightning_ratel.convert import sharded_to_lightning
+from lightning_ratel.runtime.generic import group_settings, probe_shape, probe_states
 from tests.models import LM, final_state, trainer
 from tests.test_step_commit import FAIL_AT, FaultyLM
 
@@ -202,3 +203,14 @@ def test_whole_model_optimizers_are_refused_at_setup(tmp_path: Path, make: Any, 
     with pytest.raises(RatelConfigError, match=reason):
         trainer(_ratel(tmp_path)).fit(module)
     assert module.global_step == 0
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "amsgrad", "adafactor", "adagrad"])
+@pytest.mark.parametrize("shape", [(512, 300), (40, 30, 200), (100_000,)])
+def test_large_parameters_are_probed_through_stand_ins(optimizer: str, shape: tuple[int, ...]) -> None:
+    """The state layout found on small stand-ins is the one the parameter's own shape gives (factored Adafactor
+    moments included)."""
+    scratch = OPTIMIZERS[optimizer]([{"params": [torch.zeros(1)]}])
+    settings = group_settings(scratch)[0]
+    assert probe_states(type(scratch), dict(scratch.defaults), settings, shape) == probe_shape(
+        type(scratch), dict(scratch.defaults), settings, shape)

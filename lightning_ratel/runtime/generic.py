@@ -7,8 +7,8 @@ gradient shaped as the parameters, with ``optimizer.state`` filled with views of
 built-ins thus run their single-tensor or foreach functions exactly as in plain training, and any other optimizer runs
 its ``step`` on the shard's parameters.
 
-What a parameter's state holds is found once per group and parameter shape by stepping a probe parameter of that
-shape (:func:`probe_states`): each entry's name, shape and dtype (Adafactor's factored ``exp_avg_sq_row``/``_col`` are
+What a parameter's state holds is found once per group and parameter shape by stepping a probe parameter
+(:func:`probe_states`): each entry's name, shape and dtype (Adafactor's factored ``exp_avg_sq_row``/``_col`` are
 smaller than the parameter, ``step`` is a 0-dim tensor or a Python number). A shard's state is one byte record per
 slot in the store, each parameter's entries at fixed offsets, so it is read, checksummed, written and committed with
 the step as one tensor. Python numbers are kept as 0-dim float64/int64 tensors and handed back as their own type.
@@ -87,19 +87,34 @@ class ParamStates:
         Raises:
             OptimizerStateError: an entry is neither a tensor nor a Python number (nor ``None``).
         """
-        entries = []
-        offset = 0
+        described = []
         for name, value in state.items():
             if isinstance(value, torch.Tensor):
-                entry = StateEntry(str(name), tuple(value.shape), value.dtype, None, offset)
+                described.append((str(name), tuple(value.shape), value.dtype, None))
             elif value is None or type(value) in _PYTHON_DTYPES:
-                entry = StateEntry(str(name), (), _PYTHON_DTYPES.get(type(value), torch.int64), type(value), offset)
+                described.append((str(name), (), _PYTHON_DTYPES.get(type(value), torch.int64), type(value)))
             else:
                 raise OptimizerStateError(f"its state entry {name!r} is a {type(value).__name__}, which cannot be "
                                           "paged (only tensors and Python numbers can)")
+        return cls._laid_out(described, initial)
+
+    @classmethod
+    def _laid_out(cls, described: Sequence[tuple[str, tuple[int, ...], torch.dtype, type | None]],
+                  initial: bool) -> ParamStates:
+        entries = []
+        offset = 0
+        for name, shape, dtype, python in described:
+            entry = StateEntry(name, shape, dtype, python, offset)
             entries.append(entry)
             offset = round_up(offset + entry.nbytes, _ALIGN)
         return cls(tuple(entries), offset, initial)
+
+    def rescaled(self, probed: Sequence[int], shape: Sequence[int]) -> ParamStates:
+        """This layout, found on a parameter of shape ``probed``, for a parameter of ``shape``: every state dimension
+        equal to one of ``probed``'s (distinct primes) becomes the matching dimension of ``shape``."""
+        where = {d: i for i, d in enumerate(probed)}
+        return self._laid_out([(e.name, tuple(shape[where[d]] if d in where else d for d in e.shape), e.dtype,
+                                e.python) for e in self.entries], self.initial)
 
     def load(self, record: torch.Tensor) -> dict[str, Any]:
         """The state held in ``record``: tensors are views of it (updated in place by the step), numbers are values."""
@@ -120,7 +135,7 @@ class ParamStates:
             OptimizerStateError: ``state`` has other entries, shapes or dtypes than the layout (``what`` names whose
                 state it is).
         """
-        if list(state) != [e.name for e in self.entries]:
+        if sorted(map(str, state)) != sorted(e.name for e in self.entries):
             raise OptimizerStateError(f"the optimizer state of {what} has entries {sorted(map(str, state))}, not "
                                       f"{sorted(e.name for e in self.entries)} as its first step gave a parameter of "
                                       "this shape; RatelStrategy pages a fixed state per parameter")
@@ -160,12 +175,35 @@ def group_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
 
 
+# Distinct primes above the size thresholds optimizers decide by (factoring only dimensions of 128 and more, as some
+# Adafactor variants do): a state dimension equal to one of them is that dimension of the parameter.
+_STAND_IN_DIMS = ((131, 137, 139, 149), (151, 157, 163, 167))
+
+
 def probe_states(optimizer_type: type[torch.optim.Optimizer], defaults: dict[str, Any], settings: dict[str, Any],
                  shape: tuple[int, ...]) -> ParamStates:
     """The state layout one step of the optimizer gives an fp32 parameter of ``shape`` in a group with ``settings``.
 
-    The probe holds a parameter, its gradient and its state of that shape for the duration of the call.
+    A large parameter is not probed at its own shape, which could take gigabytes (an embedding): the optimizer steps
+    two stand-ins of the same rank whose dimensions are distinct primes, and each state dimension that equals one of
+    the stand-in's dimensions is taken to follow it. Where the two stand-ins disagree on that rule, or the parameter is
+    no larger than a stand-in, the probe takes the parameter's own shape.
+
+    Raises:
+        OptimizerStateError: its state holds something that cannot be paged.
     """
+    rank = len(shape)
+    stand_ins = [dims[:rank] for dims in _STAND_IN_DIMS]
+    if 0 < rank <= len(_STAND_IN_DIMS[0]) and math.prod(shape) > math.prod(stand_ins[1]):
+        first, second = (probe_shape(optimizer_type, defaults, settings, s) for s in stand_ins)
+        if first.rescaled(stand_ins[0], stand_ins[1]) == second:
+            return first.rescaled(stand_ins[0], shape)
+    return probe_shape(optimizer_type, defaults, settings, shape)
+
+
+def probe_shape(optimizer_type: type[torch.optim.Optimizer], defaults: dict[str, Any], settings: dict[str, Any],
+                shape: tuple[int, ...]) -> ParamStates:
+    """The state layout of one step on a zero parameter of ``shape`` itself (its memory taken for the call)."""
     param = torch.zeros(shape)
     param.grad = torch.full(shape, 1e-3)
     optimizer = rebuild(optimizer_type, defaults, settings, [param])
