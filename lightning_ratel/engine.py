@@ -303,6 +303,22 @@ class RatelEngine:
                                                         clip_value=clip_value)
         self._clip = None
 
+    def begin_manual_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Manual optimization's ``optimizer.step()``: the gradients every ``manual_backward`` since the last step (or
+        ``zero_grad``) accumulated are this step's. The updates wait for :meth:`finish_step` (nothing told backward that
+        a step would follow), and a clip requested before the call (``self.clip_gradients``) applies to them."""
+        assert self.adam is not None
+        hyper = GroupHyper.of(optimizer) if self.layout.generic is None else group_settings(optimizer)
+        self._step_plan = StepPlan(hyper, overlap=False)
+        self.adam.begin(self._step_plan)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Manual optimization's ``optimizer.zero_grad()``: drop the gradients accumulated since the last step."""
+        assert self.adam is not None and self.gradients is not None
+        shards = self.gradients.take_window(self.layout.shards)
+        if shards:
+            self.adam.discard(shards)
+
     def request_clip(self, clip_val: float, algorithm: str) -> None:
         """Record a clipping request made (through Lightning) after the closure ran."""
         self._clip = (float(clip_val), algorithm)
@@ -334,6 +350,7 @@ class RatelEngine:
         if not shards:
             return False
         clip = self._clip if self._clip is not None and self._clip[0] > 0 else None
+        self._clip = None
         if plan.overlap and clip is not None and clip[1] == "norm":
             raise RatelConfigError("gradient clipping by norm was requested after updates had started")
         if not plan.overlap:

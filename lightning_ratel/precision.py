@@ -29,6 +29,8 @@ class StepEngine(Protocol):
     def begin_step(self, optimizer: torch.optim.Optimizer, clip_val: float | None, clip_algorithm: str | None,
                    deferred: bool) -> None: ...
 
+    def begin_manual_step(self, optimizer: torch.optim.Optimizer) -> None: ...
+
     def finish_step(self, loss_scale: Tensor | None = None) -> bool: ...
 
     def request_clip(self, clip_val: float, algorithm: str) -> None: ...
@@ -150,10 +152,13 @@ class RatelPrecision(Precision):
     ) -> Any:
         engine = self._bound()
         trainer = model.trainer
-        deferred = self._deferred(model)
-        algorithm = trainer.gradient_clip_algorithm
-        engine.begin_step(optimizer, trainer.gradient_clip_val, str(algorithm.value if algorithm else "norm"),
-                          deferred)
+        if model.automatic_optimization:
+            algorithm = trainer.gradient_clip_algorithm
+            engine.begin_step(optimizer, trainer.gradient_clip_val, str(algorithm.value if algorithm else "norm"),
+                              self._deferred(model))
+        else:
+            # The user's training_step already ran its manual_backward calls; their gradients are the step's.
+            engine.begin_manual_step(optimizer)
         closure_result = closure()
         self._after_closure(model, optimizer)
         taken = engine.finish_step(self._scale)

@@ -214,3 +214,67 @@ def test_large_parameters_are_probed_through_stand_ins(optimizer: str, shape: tu
     settings = group_settings(scratch)[0]
     assert probe_states(type(scratch), dict(scratch.defaults), settings, shape) == probe_shape(
         type(scratch), dict(scratch.defaults), settings, shape)
+
+
+class ManualLM(OptimizerLM):
+    """Manual optimization as users write it: ``manual_backward``, a clip by norm, a step every ``every`` batches
+    (the skipped ones accumulate) and ``zero_grad`` after it."""
+
+    def __init__(self, optimizer: str, every: int) -> None:
+        super().__init__(optimizer, n_batches=4)
+        self.automatic_optimization = False
+        self.every = every
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        opt = self.optimizers()
+        loss = self.model(input_ids=batch, labels=batch).loss
+        self.manual_backward(loss / self.every)
+        if (batch_idx + 1) % self.every == 0:
+            self.clip_gradients(opt, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+            opt.step()
+            opt.zero_grad()
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        config = super().configure_optimizers()
+        return config["optimizer"] if isinstance(config, dict) else config
+
+
+@pytest.mark.parametrize(("optimizer", "every"), [("sgd", 1), ("sgd", 2), ("amsgrad", 2)])
+def test_manual_optimization_matches_plain_lightning(tmp_path: Path, optimizer: str, every: int) -> None:
+    ref = _fit("auto", optimizer, ManualLM(optimizer, every), max_steps=-1, max_epochs=2)
+    got = _fit(_ratel(tmp_path, activation_policy=MIXED_POLICY), optimizer, ManualLM(optimizer, every), max_steps=-1,
+               max_epochs=2)
+    assert_identical(ref, got)
+
+
+def test_manual_zero_grad_drops_the_accumulated_gradients(tmp_path: Path) -> None:
+    """A backward whose gradients ``zero_grad`` drops before any step changes nothing."""
+
+    class Dropping(ManualLM):
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            if batch_idx % 2 == 0:
+                self.manual_backward(self.model(input_ids=batch, labels=batch).loss)
+                self.optimizers().zero_grad()
+                return None
+            return super().training_step(batch, batch_idx)
+
+    ref = _fit("auto", "sgd", Dropping("sgd", 1), max_steps=-1, max_epochs=1)
+    got = _fit(_ratel(tmp_path), "sgd", Dropping("sgd", 1), max_steps=-1, max_epochs=1)
+    assert_identical(ref, got)
+
+
+def test_several_optimizers_are_refused_at_setup(tmp_path: Path) -> None:
+    """A GAN's generator and discriminator optimizers, stepped apart: refused with what to do."""
+
+    class TwoOptimizers(ManualLM):
+        def configure_optimizers(self) -> Any:
+            layers = list(self.model.model.layers)
+            return (torch.optim.SGD(layers[0].parameters(), lr=0.1),
+                    torch.optim.SGD(layers[1].parameters(), lr=0.1))
+
+    module = TwoOptimizers("sgd", 1)
+    with pytest.raises(RatelConfigError, match="several optimizers stepped apart") as info:
+        trainer(_ratel(tmp_path)).fit(module)
+    assert "another strategy" in str(info.value)
+    assert module.global_step == 0

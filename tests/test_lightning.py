@@ -520,20 +520,6 @@ class LBFGSLM(CountingLM):
         return torch.optim.LBFGS(self.parameters(), lr=0.1)
 
 
-class ManualLM(CountingLM):
-    def __init__(self) -> None:
-        super().__init__()
-        self.automatic_optimization = False
-
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> None:
-        type(self).training_steps += 1
-        opt = self.optimizers()
-        loss = self.model(input_ids=batch, labels=batch).loss
-        self.manual_backward(loss)
-        opt.step()
-        opt.zero_grad()
-
-
 def test_whole_model_optimizer_rejected(tmp_path: Path) -> None:
     ssd = swap(tmp_path)
     LBFGSLM.training_steps = 0
@@ -542,15 +528,4 @@ def test_whole_model_optimizer_rejected(tmp_path: Path) -> None:
     # What to do about it, not only the requirement.
     assert "per parameter" in str(info.value) and "another strategy" in str(info.value)
     assert LBFGSLM.training_steps == 0
-    assert os.listdir(ssd) == []
-
-
-def test_manual_optimization_rejected(tmp_path: Path) -> None:
-    ssd = swap(tmp_path)
-    ManualLM.training_steps = 0
-    with pytest.raises(RatelConfigError, match="automatic optimization") as info:
-        trainer(ratel(ssd)).fit(ManualLM())
-    # What to do about it, not only the requirement.
-    assert "return the loss" in str(info.value) and "another strategy" in str(info.value)
-    assert ManualLM.training_steps == 0
     assert os.listdir(ssd) == []
