@@ -166,7 +166,8 @@ class RatelPrecision(Precision):
             # LR schedulers count optimizer.step() calls to warn about a wrong call order; the engine's update is
             # that step.
             optimizer._opt_called = True
-        if self._scale is not None and closure_result is not None:
+        # As Lightning's MixedPrecision: a manual step always updates the scale (its closure returns nothing).
+        if self._scale is not None and (closure_result is not None or not model.automatic_optimization):
             self._update_scale(found_inf=not taken)
         return closure_result
 
