@@ -21,9 +21,10 @@ import torch
 from torch import nn
 
 from lightning_ratel.config import CheckpointFormat
-from lightning_ratel.errors import RatelPlanError
+from lightning_ratel.errors import RatelConfigError, RatelPlanError
 from lightning_ratel.layout import Layout
 from lightning_ratel.materialize import nan_placeholder
+from lightning_ratel.runtime.generic import OptimizerStateError
 from lightning_ratel.runtime.optimizer import CpuAdam
 from lightning_ratel.runtime.pager import ParameterPager
 from lightning_ratel.runtime.probe import available_host_memory
@@ -86,14 +87,24 @@ class ModelState:
 
     def dtype_of(self, shard: Shard, what: str) -> torch.dtype:
         """The dtype :meth:`read_flat` returns ``what`` of ``shard`` in."""
+        if what == "state":
+            return torch.uint8
         if shard.group >= 0:
             return torch.float32
         return self.layout.frozen_values.value_dtype(shard)
 
+    def numel_of(self, shard: Shard, what: str) -> int:
+        """The elements :meth:`read_flat` returns: the shard's, or the bytes of an optimizer's state record."""
+        if what == "state":
+            assert self.layout.generic is not None
+            return self.layout.generic.nbytes(shard)
+        return shard.numel
+
     def read_flat(self, shard: Shard, what: str, out: torch.Tensor | None = None) -> torch.Tensor:
         """One of a shard's flat states as of the last committed step, in :meth:`dtype_of`.
 
-        ``what`` is ``master``, ``exp_avg`` or ``exp_avg_sq`` for a trainable shard (fp32, from the store), ``master``
+        ``what`` is ``master``, ``exp_avg`` or ``exp_avg_sq`` for a trainable shard (fp32, from the store), or
+        ``state`` (the record of an optimizer other than AdamW/Adam, bytes), ``master``
         for a frozen shard (its exact values: a view of the host cache when that holds them, so callers copy what they
         keep). Every update handed over so far must have landed (:meth:`CpuAdam.barrier`).
 
@@ -110,9 +121,10 @@ class ModelState:
     def _start_read(self, shard: Shard, what: str, out: torch.Tensor | None) -> tuple[Future | None, torch.Tensor]:
         """Start reading ``what`` of ``shard``; returns the read (``None`` when nothing is read) and where it lands."""
         dtype = self.dtype_of(shard, what)
+        numel = self.numel_of(shard, what)
         if out is None:
-            out = aligned_empty(round_up(shard.numel * dtype.itemsize, ALIGNMENT), torch.uint8)
-        flat = out.view(dtype)[: shard.numel]
+            out = aligned_empty(round_up(numel * dtype.itemsize, ALIGNMENT), torch.uint8)
+        flat = out.view(dtype)[:numel]
         if shard.group < 0:
             frozen = self.layout.frozen_values
             if shard.index in frozen.exact_copies:
@@ -124,7 +136,7 @@ class ModelState:
             assert self.store is not None
             return self.store.read(key, flat), flat
         assert self.store is not None and self.adam is not None
-        if what != "master" and not self.adam.moments_on_store(shard):
+        if what != "master" and (not self.adam.moments_on_store(shard) or not numel):
             return None, flat.zero_()
         return self.store.read(self.adam.state_key(shard, what), flat), flat
 
@@ -142,7 +154,7 @@ class ModelState:
         self.quiesce()
         if not items:
             return
-        size = round_up(max(s.numel * self.dtype_of(s, w).itemsize for s, w in items), ALIGNMENT)
+        size = round_up(max(self.numel_of(s, w) * self.dtype_of(s, w).itemsize for s, w in items), ALIGNMENT)
         buffers = [aligned_empty(size, torch.uint8, huge=True) for _ in range(min(2, len(items)))]
         pending = self._start_read(*items[0], buffers[0])
         for i, (shard, what) in enumerate(items):
@@ -214,12 +226,15 @@ class ModelState:
         return state
 
     def optimizer_state_dict(self) -> dict[str, Any]:
-        """The optimizer's state in ``torch.optim.AdamW``'s own format, so a plain run can load it.
+        """The optimizer's state in the user's optimizer's own format (``torch.optim.AdamW``'s...), so a plain run can
+        load it.
 
         Raises:
-            RatelPlanError: the Adam moments do not fit in the host memory available now.
+            RatelPlanError: the optimizer state does not fit in the host memory available now.
         """
         assert self.optimizer is not None and self.adam is not None
+        if self.layout.generic is not None:
+            return self._generic_state_dict()
         stored = [s for s in self.layout.shards if self.has_moments(s)]
         self._ensure_fits(sum(s.numel for s in stored) * 8, "gathering the Adam moments")
         result = self.optimizer.state_dict()
@@ -236,12 +251,32 @@ class ModelState:
         result["state"] = state
         return result
 
+    def _generic_state_dict(self) -> dict[str, Any]:
+        """:meth:`optimizer_state_dict` of an optimizer other than AdamW/Adam: each updated parameter's state as its
+        step left it (tensors, and Python numbers as such)."""
+        assert self.optimizer is not None and self.adam is not None and self.layout.generic is not None
+        generic = self.layout.generic
+        stored = [s for s in self.layout.shards if self.has_moments(s) and generic.nbytes(s)]
+        self._ensure_fits(sum(generic.nbytes(s) for s in stored), "gathering the optimizer state")
+        result = self.optimizer.state_dict()
+        state: dict[int, dict[str, Any]] = {}
+        for shard, _, blob in self.stream([(s, "state") for s in stored]):
+            for i, (sp, step) in enumerate(zip(shard.params, self.adam.param_steps(shard))):
+                if step:
+                    state[sp.index] = {k: v.clone() if isinstance(v, torch.Tensor) else v
+                                       for k, v in generic.load(shard, i, blob).items()}
+        result["state"] = state
+        return result
+
     def load_optimizer_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a ``torch.optim.AdamW``-format state (from this plugin or from plain training)."""
+        """Load a state in the user's optimizer's format (from this plugin or from plain training)."""
         assert self.optimizer is not None and self.adam is not None
         self.quiesce()
         self.optimizer.load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
         saved = {int(k): v for k, v in state_dict["state"].items()}
+        if self.layout.generic is not None:
+            self._load_generic_state(saved)
+            return
         for shard in self.layout.shards:
             if not any(sp.index in saved for sp in shard.params):
                 continue
@@ -256,6 +291,33 @@ class ModelState:
                 sp.view(v).copy_(entry["exp_avg_sq"])
                 steps[i] = int(float(entry["step"]))
             self.adam.load_state(shard, m, v, steps)
+
+    def _load_generic_state(self, saved: dict[int, dict[str, Any]]) -> None:
+        """:meth:`load_optimizer_state_dict` of an optimizer other than AdamW/Adam, shard by shard.
+
+        Raises:
+            RatelConfigError: a parameter's saved state has other entries, shapes or dtypes than this run's optimizer
+                gives it.
+        """
+        assert self.adam is not None and self.layout.generic is not None
+        generic = self.layout.generic
+        for shard in self.layout.shards:
+            if not any(sp.index in saved for sp in shard.params):
+                continue
+            # Parameters without saved state are never read before their first update.
+            blob = aligned_empty(generic.nbytes(shard), torch.uint8).zero_()
+            steps = self.adam.param_steps(shard)
+            for i, sp in enumerate(shard.params):
+                entry = saved.get(sp.index)
+                if entry is None:
+                    continue
+                try:
+                    generic.store(shard, i, dict(entry), blob)
+                except OptimizerStateError as err:
+                    raise RatelConfigError(f"the checkpoint's optimizer state does not fit this run's "
+                                           f"{type(self.optimizer).__name__}: {err}") from err
+                steps[i] = max(steps[i], 1)
+            self.adam.load_record(shard, blob, steps)
 
     # ------------------------------------------------------------------ the end of a run
 

@@ -22,7 +22,7 @@ import io
 import os
 import pickle
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,7 @@ from lightning_ratel.progress import progress_bar
 from lightning_ratel.runtime.hostmem import aligned_empty
 from lightning_ratel.runtime.kept import KeptStore
 from lightning_ratel.sharded import ShardedReader
-from lightning_ratel.tensorfiles import parse_dtype
+from lightning_ratel.tensorfiles import dtype_of, parse_dtype
 from lightning_ratel_cli import convert
 
 KEPT_FORMAT = "lightning_ratel kept swap files"
@@ -255,6 +255,8 @@ def sharded_to_lightning(checkpoint: str | os.PathLike[str], out: str | os.PathL
                     for what in ("exp_avg", "exp_avg_sq"):
                         entry[what] = moments[(record.name, what)] = deferred(record.shape, torch.float32)
                     state[record.optimizer_index] = entry
+                elif record.trainable and record.location.get("state") and record.step:
+                    state[record.optimizer_index] = _optimizer_state(reader, record, deferred, moments)
             meta["optimizer_states"][0]["state"] = state
         target = Path(out)
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -262,12 +264,10 @@ def sharded_to_lightning(checkpoint: str | os.PathLike[str], out: str | os.PathL
         data = io.BytesIO()
         # Storages of tensors already in meta.pt are appended while pickling, after the deferred ones.
         _Pickler(data, storages).dump(meta)
-        owner: dict[int, tuple[ParamRecord, str]] = {}
-        for record in reader.records:
-            owner[id(values[record.name])] = (record, "master")
-            for what in ("exp_avg", "exp_avg_sq"):
-                if (record.name, what) in moments:
-                    owner[id(moments[(record.name, what)])] = (record, what)
+        owner: dict[int, tuple[ParamRecord, str]] = {id(values[r.name]): (r, "master") for r in reader.records}
+        by_name = {r.name: r for r in reader.records}
+        for (name, what), item in moments.items():
+            owner[id(item)] = (by_name[name], what)
         total = sum(d.storage.numel * d.storage.dtype.itemsize for d in storages)
         bar = progress_bar(total, f"RatelStrategy: writing {target.name}", progress)
         writer = torch._C.PyTorchFileWriter(str(tmp))
@@ -277,7 +277,7 @@ def sharded_to_lightning(checkpoint: str | os.PathLike[str], out: str | os.PathL
             writer.write_record(".format_version", "1", 1)
             writer.write_record(".storage_alignment", "64", 2)
             writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
-            largest = max((d.storage.numel * 4 for d in storages), default=0)
+            largest = max((d.storage.numel * max(4, d.storage.dtype.itemsize) for d in storages), default=0)
             buffer = aligned_empty(largest, torch.uint8)
             for item in storages:
                 nbytes = item.storage.numel * item.storage.dtype.itemsize
@@ -285,7 +285,9 @@ def sharded_to_lightning(checkpoint: str | os.PathLike[str], out: str | os.PathL
                     tensor = item.tensor
                 else:
                     record, what = owner[id(item)]
-                    tensor = buffer[: record.numel * record.stored.itemsize].view(record.stored)
+                    # Masters and moments are stored as the record says; another optimizer's entries as declared.
+                    dtype = record.stored if what in ("master", "exp_avg", "exp_avg_sq") else item.storage.dtype
+                    tensor = buffer[: item.storage.numel * dtype.itemsize].view(dtype)
                     reader.read_into(record, what, tensor)
                     if tensor.dtype != item.storage.dtype:
                         tensor = tensor.to(item.storage.dtype)
@@ -303,6 +305,26 @@ def sharded_to_lightning(checkpoint: str | os.PathLike[str], out: str | os.PathL
         return target
     finally:
         reader.close()
+
+
+_PYTHON_TYPES = {"int": int, "float": float, "bool": bool}
+
+
+def _optimizer_state(reader: ShardedReader, record: ParamRecord, deferred: Callable[..., Any],
+                     tensors: dict[tuple[str, str], Any]) -> dict[str, Any]:
+    """The state of an optimizer other than AdamW/Adam for one parameter: tensors deferred like the moments (recorded
+    in ``tensors``), Python numbers read now (they are single values)."""
+    entry: dict[str, Any] = {}
+    for name, dtype, shape, python in record.location["state"]:
+        what = f"state/{name}"
+        if python is None:
+            entry[name] = tensors[(record.name, what)] = deferred(shape, dtype_of(dtype))
+        elif python == "NoneType":
+            entry[name] = None
+        else:
+            value = reader.read_into(record, what, torch.empty((), dtype=dtype_of(dtype)))
+            entry[name] = _PYTHON_TYPES[python](value.item())
+    return entry
 
 
 # ---------------------------------------------------------------------------------------------------- command line

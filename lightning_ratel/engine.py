@@ -44,6 +44,7 @@ from lightning_ratel.runtime.activations import ActivationCache, PlaceholderRead
 from lightning_ratel.runtime.device import Device
 from lightning_ratel.runtime.escapes import Escape, EscapeDetector
 from lightning_ratel.runtime.gradients import GradientOffload
+from lightning_ratel.runtime.generic import group_settings
 from lightning_ratel.runtime.optimizer import CpuAdam, GroupHyper, StepPlan
 from lightning_ratel.runtime.pager import ParameterPager
 from lightning_ratel.runtime.storage import TensorStore
@@ -149,7 +150,10 @@ class RatelEngine:
                                     compute_on_store=self.layout.param_cache == "ssd",
                                     grad_budget_bytes=GRAD_BUDGET_SHARDS * largest * 4,
                                     # On the CPU the compute's own thread team already fills every core.
-                                    threads=None if self.device.is_cuda else 1)
+                                    threads=None if self.device.is_cuda else 1, generic=self.layout.generic)
+                # State the optimizer's constructor made (Adagrad's sums) is made again for each parameter at its
+                # first update; the run's state lives in the store.
+                optimizer.state.clear()
         except BaseException:
             materializer.undo()
             if self._switches is not None:
@@ -314,9 +318,25 @@ class RatelEngine:
             loss_scaled: fp16 loss scaling is on.
         """
         rule = StepRule.decide(clip_val, clip_algorithm, custom_clipping, loss_scaled)
-        self._pending_plan = self._step_plan = StepPlan(GroupHyper.of(optimizer), overlap=rule.overlap,
-                                                        clip_value=rule.clip_value)
+        hyper = GroupHyper.of(optimizer) if self.layout.generic is None else group_settings(optimizer)
+        self._pending_plan = self._step_plan = StepPlan(hyper, overlap=rule.overlap, clip_value=rule.clip_value)
         self._clip = None
+
+    def begin_manual_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Manual optimization's ``optimizer.step()``: the gradients every ``manual_backward`` since the last step (or
+        ``zero_grad``) accumulated are this step's. The updates wait for :meth:`finish_step` (nothing told backward that
+        a step would follow), and a clip requested before the call (``self.clip_gradients``) applies to them."""
+        assert self.adam is not None
+        hyper = GroupHyper.of(optimizer) if self.layout.generic is None else group_settings(optimizer)
+        self._step_plan = StepPlan(hyper, overlap=False)
+        self.adam.begin(self._step_plan)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Manual optimization's ``optimizer.zero_grad()``: drop the gradients accumulated since the last step."""
+        assert self.adam is not None and self.gradients is not None
+        shards = self.gradients.take_window(self.layout.shards)
+        if shards:
+            self.adam.discard(shards)
 
     def request_clip(self, clip_val: float, algorithm: str) -> None:
         """Record a clipping request made (through Lightning) after the closure ran."""
@@ -349,6 +369,7 @@ class RatelEngine:
         if not shards:
             return False
         clip = self._clip if self._clip is not None and self._clip[0] > 0 else None
+        self._clip = None
         if plan.overlap and clip is not None and clip[1] == "norm":
             raise RatelModelError("gradient clipping by norm was requested after updates had started")
         if not plan.overlap:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info
@@ -29,14 +30,20 @@ from torch import nn
 
 from lightning_ratel.blocks import Block
 from lightning_ratel.errors import RatelConfigError
-from lightning_ratel.runtime.probe import available_host_memory
+from lightning_ratel.runtime.generic import GenericUpdate, OptimizerStateError, ParamStates, probe_states, rebuild
 from lightning_ratel.runtime.hostmem import ALIGNMENT
+from lightning_ratel.runtime.probe import available_host_memory
 from lightning_ratel.runtime.units import ParamSlot, Shard, ShardParam, Unit
 from lightning_ratel.sizes import format_bytes, round_up
 from lightning_ratel.tiers import ParamCache
 
-SUPPORTED_OPTIMIZERS = (torch.optim.AdamW, torch.optim.Adam)
-_UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "differentiable", "capturable")
+FUSED_OPTIMIZERS = (torch.optim.AdamW, torch.optim.Adam)
+"""Optimizers the native fused AdamW kernel runs (exactly these classes: a subclass may change the step)."""
+_NOT_FUSED_FLAGS = ("amsgrad", "maximize", "differentiable", "capturable")
+_WHOLE_MODEL_OPTIMIZERS = {
+    torch.optim.LBFGS: "its step re-evaluates the loss through a closure and keeps one state for all its parameters",
+}
+"""Optimizers known to need every parameter at once; others are checked by :func:`_reads_other_parameters`."""
 HostAllocator = Callable[[int, torch.dtype], torch.Tensor]
 
 
@@ -81,6 +88,8 @@ class Layout:
             store on every page-in).
         orig_dtype: each parameter's own dtype, by parameter id (what the module holds outside training).
         frozen_values: where the frozen shards' exact values are (filled in by materialization).
+        generic: the update and state layout of an optimizer the fused AdamW kernel does not run; ``None`` for
+            AdamW/Adam (moments ``exp_avg``/``exp_avg_sq``) and for evaluation.
     """
 
     units: dict[int, Unit]
@@ -90,6 +99,7 @@ class Layout:
     param_cache: ParamCache
     orig_dtype: dict[int, torch.dtype]
     frozen_values: FrozenValues = field(default_factory=FrozenValues)
+    generic: GenericUpdate | None = None
 
     @property
     def all_shards(self) -> list[Shard]:
@@ -118,33 +128,120 @@ class Layout:
         return sum(sp.numel * self.orig_dtype[id(sp.param)].itemsize for s in shards for sp in s.params)
 
 
+def fused(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the native fused AdamW kernel runs ``optimizer``: exactly ``torch.optim.AdamW`` or ``torch.optim.Adam``
+    with none of the flags it does not implement (``amsgrad``, ``maximize``...)."""
+    return type(optimizer) in FUSED_OPTIMIZERS and not any(
+        group.get(flag) for group in optimizer.param_groups for flag in _NOT_FUSED_FLAGS)
+
+
 def optimizer_groups(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[int, tuple[int, int]]:
     """Map parameter id -> (group index, index in the optimizer's ``state_dict`` order).
 
     Raises:
-        RatelConfigError: the optimizer is not AdamW/Adam, uses a flag the CPU AdamW does not implement, or holds a
-            parameter that is not the module's.
+        RatelConfigError: the optimizer's step needs every parameter at once (see :func:`check_per_parameter`), or it
+            holds a parameter that is not the module's.
     """
     if optimizer is None:
         return {}
-    if not isinstance(optimizer, SUPPORTED_OPTIMIZERS):
-        raise RatelConfigError(
-            f"RatelStrategy runs the optimizer itself and supports torch.optim.AdamW and torch.optim.Adam; "
-            f"`configure_optimizers` returned {type(optimizer).__name__}"
-        )
+    if not fused(optimizer):
+        check_per_parameter(optimizer)
     model_params = {id(p) for p in module.parameters()}
     mapping: dict[int, tuple[int, int]] = {}
     index = 0
     for g, group in enumerate(optimizer.param_groups):
-        for flag in _UNSUPPORTED_FLAGS:
-            if group.get(flag):
-                raise RatelConfigError(f"RatelStrategy's CPU AdamW does not support `{flag}=True`")
         for p in group["params"]:
             if id(p) not in model_params:
                 raise RatelConfigError("the optimizer holds a parameter that is not part of the LightningModule")
             mapping[id(p)] = (g, index)
             index += 1
     return mapping
+
+
+def check_per_parameter(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer whose step cannot run shard by shard.
+
+    RatelStrategy updates each shard as soon as its gradients are in, with the optimizer's own ``step`` over that
+    shard's parameters alone. That gives plain training's numbers only if the update of a parameter reads nothing but
+    its own value, gradient and state. Known whole-model optimizers (LBFGS) are refused by name; any other is stepped
+    twice in each of its groups on two small parameters together and on each alone, and refused where the results
+    differ, where its step fails without a closure, or where it keeps state under anything but its parameters.
+
+    Raises:
+        RatelConfigError: with the reason, before training.
+    """
+    name = type(optimizer).__name__
+    reason = next((why for kind, why in _WHOLE_MODEL_OPTIMIZERS.items() if isinstance(optimizer, kind)), None)
+    for settings in ([] if reason is not None else optimizer.param_groups):
+        reason = _reads_other_parameters(optimizer, {k: v for k, v in settings.items() if k != "params"})
+        if reason is not None:
+            break
+    if reason is not None:
+        raise RatelConfigError(
+            f"RatelStrategy runs the optimizer shard by shard on the CPU while backward runs, so the update of a "
+            f"parameter may read only that parameter's value, gradient and state; {name} cannot run that way: "
+            f"{reason}. Use an optimizer whose step is per parameter (torch.optim's SGD, Adam, AdamW, Adagrad, "
+            f"RMSprop, NAdam, RAdam..., transformers' Adafactor), or train with another strategy.")
+
+
+def _reads_other_parameters(optimizer: torch.optim.Optimizer, settings: dict[str, Any]) -> str | None:
+    """Why ``optimizer``'s step in a group with ``settings`` is not per parameter, or ``None`` when it is."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = ((3, 5), (7,))
+    starts = [torch.randn(s, generator=gen) for s in shapes]
+    grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(2)]
+
+    def run(which: Sequence[int]) -> list[torch.Tensor]:
+        params = [starts[i].clone() for i in which]
+        try:
+            opt = rebuild(type(optimizer), dict(optimizer.defaults), settings, params)
+        except Exception as err:  # noqa: BLE001 - reported as the reason
+            raise _NotPerParameter(f"it cannot be built again from its `defaults` and one parameter group, as the "
+                                   f"CPU optimizer builds it for each shard ({type(err).__name__}: {err})") from err
+        for step_grads in grads:
+            for p, i in zip(params, which):
+                p.grad = step_grads[i].clone()
+            opt.step()
+        if any(all(key is not p for p in params) for key in opt.state):
+            raise _NotPerParameter("it keeps state under something other than its parameters")
+        return params
+
+    try:
+        together = run((0, 1))
+        alone = run((0,)) + run((1,))
+    except _NotPerParameter as err:
+        return str(err)
+    except Exception as err:  # noqa: BLE001 - any failure of a bare step is the reason to report
+        return f"its step fails on a parameter group of its own without a closure ({type(err).__name__}: {err})"
+    if not all(torch.equal(a, b) for a, b in zip(together, alone)):
+        return "the update of one parameter changes with the other parameters of its group"
+    return None
+
+
+class _NotPerParameter(Exception):
+    pass
+
+
+def generic_update(optimizer: torch.optim.Optimizer, shards: Sequence[Shard]) -> GenericUpdate:
+    """The update of ``shards`` by an optimizer the fused kernel does not run, with its state layout probed once per
+    group and parameter shape (see :func:`~lightning_ratel.runtime.generic.probe_states`).
+
+    Raises:
+        RatelConfigError: its state holds something that cannot be paged.
+    """
+    layouts: dict[tuple[int, tuple[int, ...]], ParamStates] = {}
+    settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    for shard in shards:
+        for sp in shard.params:
+            key = (shard.group, tuple(sp.shape))
+            if key not in layouts:
+                try:
+                    layouts[key] = probe_states(type(optimizer), dict(optimizer.defaults), settings[shard.group],
+                                                key[1])
+                except OptimizerStateError as err:
+                    raise RatelConfigError(f"RatelStrategy cannot page the state of {type(optimizer).__name__}: "
+                                           f"{err}") from err
+    return GenericUpdate(optimizer, shards, layouts)
 
 
 def _autocast_only(modules: list[nn.Module]) -> bool:
@@ -178,7 +275,7 @@ def build_layout(
 
     Raises:
         RatelConfigError: a parameter is not floating point, or the optimizer cannot be run (see
-            :func:`optimizer_groups`).
+            :func:`optimizer_groups`, :func:`generic_update`).
     """
     groups = optimizer_groups(module, optimizer)
     names = {id(p): n for n, p in module.named_parameters()}
@@ -255,7 +352,8 @@ def build_layout(
                               master_in_host=cache == "host" and dtype == torch.float32)
                 (shards if g >= 0 else frozen).append(shard)
     block_units = tuple(tuple(sorted({owner[id(p)] for p in block.uses})) for block in blocks)
-    return Layout(units, block_units, shards, frozen, cache, orig_dtype)
+    generic = generic_update(optimizer, shards) if optimizer is not None and not fused(optimizer) else None
+    return Layout(units, block_units, shards, frozen, cache, orig_dtype, generic=generic)
 
 
 def resolve_param_cache(requested: ParamCache, fitting: bool, compute_bytes: int,

@@ -308,7 +308,8 @@ class Materializer:
         compute_on_store = layout.param_cache == "ssd"
         if store is not None:
             for shard in layout.shards:
-                for what in ("exp_avg", "exp_avg_sq"):
+                # Another optimizer's state records are laid out by the CPU optimizer, which knows their sizes.
+                for what in ("exp_avg", "exp_avg_sq") if layout.generic is None else ():
                     store.reserve(shard.key(what), shard.numel * 4)
                 if not shard.master_in_host:
                     store.reserve(shard.key("master"), shard.numel * 4)

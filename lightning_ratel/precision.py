@@ -29,6 +29,8 @@ class StepEngine(Protocol):
     def begin_step(self, optimizer: torch.optim.Optimizer, clip_val: float | None, clip_algorithm: str,
                    custom_clipping: bool, loss_scaled: bool) -> None: ...
 
+    def begin_manual_step(self, optimizer: torch.optim.Optimizer) -> None: ...
+
     def finish_step(self, loss_scale: Tensor | None = None) -> bool: ...
 
     def request_clip(self, clip_val: float, algorithm: str) -> None: ...
@@ -142,11 +144,16 @@ class RatelPrecision(Precision):
     ) -> Any:
         engine = self._bound()
         trainer = model.trainer
-        algorithm = trainer.gradient_clip_algorithm
-        custom_clipping = type(model).configure_gradient_clipping is not pl.LightningModule.configure_gradient_clipping
-        # Lightning clips by norm unless told otherwise; the engine decides what that means for the updates.
-        engine.begin_step(optimizer, trainer.gradient_clip_val, GradClipAlgorithmType(algorithm or "norm").value,
-                          custom_clipping, loss_scaled=self._scale is not None)
+        if model.automatic_optimization:
+            algorithm = trainer.gradient_clip_algorithm
+            custom_clipping = (type(model).configure_gradient_clipping
+                               is not pl.LightningModule.configure_gradient_clipping)
+            # Lightning clips by norm unless told otherwise; the engine decides what that means for the updates.
+            engine.begin_step(optimizer, trainer.gradient_clip_val, GradClipAlgorithmType(algorithm or "norm").value,
+                              custom_clipping, loss_scaled=self._scale is not None)
+        else:
+            # The user's training_step already ran its manual_backward calls; their gradients are the step's.
+            engine.begin_manual_step(optimizer)
         closure_result = closure()
         self._after_closure(model, optimizer)
         taken = engine.finish_step(self._scale)
@@ -154,7 +161,8 @@ class RatelPrecision(Precision):
             # LR schedulers count optimizer.step() calls to warn about a wrong call order; the engine's update is
             # that step.
             optimizer._opt_called = True
-        if self._scale is not None and closure_result is not None:
+        # As Lightning's MixedPrecision: a manual step always updates the scale (its closure returns nothing).
+        if self._scale is not None and (closure_result is not None or not model.automatic_optimization):
             self._update_scale(found_inf=not taken)
         return closure_result
 

@@ -5,8 +5,10 @@ A sharded checkpoint is a directory (named like the file Lightning asked for, as
 
 - ``unit-00000.safetensors``...: one file per block of the model, holding for each trainable parameter its fp32 master
   (``master/<name>``) and, when the checkpoint has the optimizer state, its Adam moments (``exp_avg/<name>``,
-  ``exp_avg_sq/<name>``); for each frozen parameter its value (``value/<name>``), unless it came unchanged from the
-  ``pretrained`` folder, which the checkpoint then refers to instead of copying;
+  ``exp_avg_sq/<name>``) or, for another optimizer, each entry of its state (``state/<entry>/<name>``, in its own
+  shape and dtype; Python numbers as 0-dim int64/float64 tensors, listed with their type in the index); for each
+  frozen parameter its value (``value/<name>``), unless it came unchanged from the ``pretrained`` folder, which the
+  checkpoint then refers to instead of copying;
 - ``meta.pt``: everything else Lightning puts into a checkpoint (loop state, callbacks, among them the
   :class:`~lightning_ratel.RatelProfiler` plan, LR schedulers, the precision plugin, the optimizer's parameter groups,
   persistent buffers), as ``torch.save`` writes it;
@@ -46,11 +48,12 @@ from lightning_ratel.layout import Layout
 from lightning_ratel.materialize import SourceValue, ValueSource
 from lightning_ratel.pretrained import PretrainedFolder
 from lightning_ratel.progress import progress_bar
+from lightning_ratel.runtime.generic import ParamStates, StateEntry
 from lightning_ratel.runtime.hostmem import aligned_empty
 from lightning_ratel.runtime.units import ParamSlot, Shard
 from lightning_ratel.sizes import round_up
-from lightning_ratel.tensorfiles import (TensorFileReader, TensorFileWriter, remove_stale_staging, replace_directory,
-                                         staging_path)
+from lightning_ratel.tensorfiles import (TensorFileReader, TensorFileWriter, dtype_name, remove_stale_staging,
+                                         replace_directory, staging_path)
 
 INDEX = "ratel_checkpoint.json"
 META = "meta.pt"
@@ -78,7 +81,8 @@ def not_a_checkpoint(path: Path) -> str:
 
 
 def tensor_name(what: str, name: str) -> str:
-    """The name of a parameter's state in a checkpoint file (``master``, ``exp_avg``, ``exp_avg_sq`` or ``value``)."""
+    """The name of a parameter's state in a checkpoint file (``master``, ``exp_avg``, ``exp_avg_sq``, ``value`` or
+    ``state/<entry>``)."""
     return f"{what}/{name}"
 
 
@@ -120,6 +124,7 @@ def save_sharded(path: str | os.PathLike[str], checkpoint: dict[str, Any], state
 def _write_files(directory: Path, checkpoint: dict[str, Any], state: ModelState, module: nn.Module,
                  pretrained: PretrainedFolder | None, progress: bool) -> dict[str, Any]:
     layout = state.layout
+    generic = layout.generic
     state.quiesce()
     with_moments = "optimizer_states" in checkpoint and state.adam is not None
     aliases: dict[int, list[str]] = {}
@@ -141,18 +146,34 @@ def _write_files(directory: Path, checkpoint: dict[str, Any], state: ModelState,
             steps = state.param_steps(shard)
             whats = ["master"]
             if trainable and with_moments and state.has_moments(shard):
-                whats += ["exp_avg", "exp_avg_sq"]
+                whats += ["exp_avg", "exp_avg_sq"] if generic is None else ["state"] if generic.nbytes(shard) else []
             dtype = state.dtype_of(shard, "master")
+            described: dict[int, list[list[Any]]] = {}
             for what in whats:
+                if what == "state":
+                    assert generic is not None
+                    names = []
+                    for i, sp in enumerate(shard.params):
+                        if not steps[i]:
+                            continue
+                        stored = _stored_entries(generic.param_states(shard, sp.shape))
+                        described[i] = [_describe(e) for e in generic.param_states(shard, sp.shape).entries]
+                        names += [tensor_name(f"state/{e.name}", sp.name) for e in stored]
+                        entries += [(tensor_name(f"state/{e.name}", sp.name), e.dtype, e.shape) for e in stored]
+                    if names:
+                        jobs.append((shard, what, names))
+                    continue
                 names = [tensor_name(what if trainable else "value", sp.name) for sp in shard.params
                          if trainable or id(sp.param) not in referred]
                 if names:
                     jobs.append((shard, what, names))
                     entries += [(tensor_name(what if trainable else "value", sp.name), dtype, sp.shape)
                                 for sp in shard.params if trainable or id(sp.param) not in referred]
-            for sp, step in zip(shard.params, steps):
+            for i, (sp, step) in enumerate(zip(shard.params, steps)):
                 location: dict[str, Any] = {"pretrained": referred[id(sp.param)]} if id(sp.param) in referred else {
                     "file": file, "moments": len(whats) == 3}
+                if i in described:
+                    location["state"] = described[i]
                 records.append(ParamRecord(
                     sp.name, tuple(sp.shape), layout.orig_dtype[id(sp.param)], trainable, aliases[id(sp.param)][1:],
                     sp.index, step, dtype, location).to_json())
@@ -160,7 +181,8 @@ def _write_files(directory: Path, checkpoint: dict[str, Any], state: ModelState,
             plan.append((file, jobs, entries))
             files.append(file)
     items = [(shard, what) for _, jobs, _ in plan for shard, what, _ in jobs]
-    total = sum(s.numel * state.dtype_of(s, w).itemsize for s, w in items)
+    steps_of = {shard.index: state.param_steps(shard) for shard, _ in items}
+    total = sum(state.numel_of(s, w) * state.dtype_of(s, w).itemsize for s, w in items)
     bar = progress_bar(total, f"RatelStrategy: checkpoint {directory.name.split('.tmp')[0].lstrip('.')}", progress)
     stream = state.stream(items)
     try:
@@ -170,7 +192,14 @@ def _write_files(directory: Path, checkpoint: dict[str, Any], state: ModelState,
                 for shard, what, names in jobs:
                     got, _, flat = next(stream)
                     assert got is shard
-                    if len(names) == len(shard.params):
+                    if what == "state":
+                        assert generic is not None
+                        for i, sp in enumerate(shard.params):
+                            if steps_of[shard.index][i]:
+                                record = generic.record(shard, i, flat)
+                                for e in _stored_entries(generic.param_states(shard, sp.shape)):
+                                    writer.write(tensor_name(f"state/{e.name}", sp.name), e.view(record))
+                    elif len(names) == len(shard.params):
                         writer.write_run(names, flat[: shard.numel])
                     else:
                         wanted = set(names)
@@ -178,7 +207,7 @@ def _write_files(directory: Path, checkpoint: dict[str, Any], state: ModelState,
                             name = tensor_name("value", sp.name)
                             if name in wanted:
                                 writer.write(name, sp.view(flat))
-                    bar.update(shard.numel * flat.element_size())
+                    bar.update(flat.numel() * flat.element_size())
             except BaseException:
                 writer.abort()
                 raise
@@ -197,6 +226,17 @@ def _write_files(directory: Path, checkpoint: dict[str, Any], state: ModelState,
         "pretrained": pretrained.fingerprint() if pretrained is not None and referred else None,
         "hf": hf_layout(module).to_json(),
     }
+
+
+def _stored_entries(states: ParamStates) -> list[StateEntry]:
+    """The entries of a parameter's optimizer state that take bytes (a ``None`` entry is only listed in the index)."""
+    return [e for e in states.entries if e.nbytes]
+
+
+def _describe(entry: StateEntry) -> list[Any]:
+    """An optimizer state entry in the index: name, dtype, shape and the Python type of a number (``None``: tensor)."""
+    return [entry.name, dtype_name(entry.dtype), list(entry.shape),
+            None if entry.python is None else entry.python.__name__]
 
 
 def _write_bytes(path: Path, data: bytes | memoryview) -> int:
@@ -398,8 +438,13 @@ class ShardedSource(ValueSource):
 
 
 def load_moments(state: ModelState, reader: ShardedReader, param_groups: list[dict[str, Any]]) -> None:
-    """Put a sharded checkpoint's Adam moments, step counts and parameter groups into the run's optimizer, one shard at
-    a time (the next shard's moments are read while the current one's are written to the store)."""
+    """Put a sharded checkpoint's Adam moments (or another optimizer's state), step counts and parameter groups into
+    the run's optimizer, one shard at a time (the next shard's state is read while the current one's is written to the
+    store).
+
+    Raises:
+        RatelConfigError: the checkpoint was written for another model or optimizer.
+    """
     assert state.optimizer is not None and state.adam is not None
     adam = state.adam
     state.quiesce()
@@ -413,13 +458,18 @@ def load_moments(state: ModelState, reader: ShardedReader, param_groups: list[di
             f"{saved} parameters, this run's optimizer {sizes} ({err}). Resume it with the model and "
             "configure_optimizers() that wrote it, or start from its weights alone (strategy `pretrained` or a "
             "converted checkpoint).") from err
+    generic = state.layout.generic
     jobs = []
     for shard in state.layout.shards:
         records = [reader.by_name.get(sp.name) for sp in shard.params]
-        stored = [r if r is not None and r.trainable and r.location.get("moments") else None for r in records]
+        key = "moments" if generic is None else "state"
+        stored = [r if r is not None and r.trainable and r.location.get(key) else None for r in records]
         if any(stored):
             jobs.append((shard, stored))
     if not jobs:
+        return
+    if generic is not None:
+        _load_states(state, reader, jobs)
         return
     largest = max(shard.numel for shard, _ in jobs)
     buffers = [(aligned_empty(largest, torch.float32), aligned_empty(largest, torch.float32)) for _ in range(2)]
@@ -443,3 +493,27 @@ def load_moments(state: ModelState, reader: ShardedReader, param_groups: list[di
                 pending = pool.submit(read, i + 1)
             m, v = (b[: shard.numel] for b in buffers[i % 2])
             adam.load_state(shard, m, v, steps)
+
+
+def _load_states(state: ModelState, reader: ShardedReader,
+                 jobs: list[tuple[Shard, list[ParamRecord | None]]]) -> None:
+    """:func:`load_moments` for an optimizer other than AdamW/Adam: each parameter's state entries into its shard's
+    state record, checked against the entries this run's optimizer gives it."""
+    assert state.adam is not None and state.layout.generic is not None
+    generic = state.layout.generic
+    for shard, stored in jobs:
+        blob = aligned_empty(generic.nbytes(shard), torch.uint8).zero_()
+        for i, (sp, record) in enumerate(zip(shard.params, stored)):
+            if record is None:
+                continue
+            states = generic.param_states(shard, sp.shape)
+            if record.location["state"] != [_describe(e) for e in states.entries]:
+                raise RatelConfigError(
+                    f"the checkpoint {reader.path} holds another optimizer state for {sp.name} "
+                    f"({[e[0] for e in record.location['state']]}) than this run's {type(state.optimizer).__name__} "
+                    f"gives it ({[e.name for e in states.entries]}). Resume it with the configure_optimizers() that "
+                    "wrote it.")
+            param_record = generic.record(shard, i, blob)
+            for entry in _stored_entries(states):
+                reader.read_into(record, f"state/{entry.name}", entry.view(param_record))
+        state.adam.load_record(shard, blob, [r.step if r is not None else 0 for r in stored])

@@ -305,17 +305,15 @@ class RatelStrategy(SingleDeviceStrategy):
         module = self.lightning_module
         optimizer = None
         if trainer.state.fn == TrainerFn.FITTING:
-            if not module.automatic_optimization:
-                raise RatelConfigError(
-                    "RatelStrategy runs the optimizer itself (a CPU AdamW overlapped with backward) and needs "
-                    "automatic optimization, but this LightningModule sets `automatic_optimization = False`. Remove "
-                    "that line and the manual `optimizer.step()`/`zero_grad()`/`manual_backward()` calls from "
-                    "`training_step`, and return the loss instead; for gradient accumulation or clipping use the "
-                    "Trainer's `accumulate_grad_batches` and `gradient_clip_val`. If the manual loop is needed "
-                    "(several optimizers, GANs), train it with another strategy.")
             self.setup_optimizers(trainer)
             if len(self.optimizers) != 1:
-                raise RatelConfigError(f"RatelStrategy supports one optimizer, got {len(self.optimizers)}")
+                manual = "" if module.automatic_optimization else (
+                    " Manual optimization with several optimizers stepped apart (a GAN's generator and "
+                    "discriminator) is not supported: train such a module with another strategy.")
+                raise RatelConfigError(
+                    f"RatelStrategy supports one optimizer, got {len(self.optimizers)} from `configure_optimizers`. "
+                    "Put their parameters into parameter groups of one optimizer (each group keeps its own "
+                    f"hyperparameters), or train with another strategy.{manual}")
             optimizer = self.optimizers[0]
             # A forced "full" that cannot be gathered is refused now rather than at the first save.
             self._format = choose_checkpoint_format(self.config.checkpoint_format, module, optimizer,
@@ -349,6 +347,12 @@ class RatelStrategy(SingleDeviceStrategy):
             self._engine.planner.apply_plan(config.plan)
             show_plan(config.plan)
         self.setup_precision_plugin()
+        if optimizer is not None and not module.automatic_optimization:
+            # Parameters never hold gradients under RatelStrategy, the CPU optimizer does: manual optimization's
+            # zero_grad must drop those (on the optimizer and on the LightningOptimizer self.optimizers() returns,
+            # which connecting the precision plugin made anew).
+            for opt in (optimizer, *self._lightning_optimizers):
+                opt.zero_grad = self._engine.zero_grad  # type: ignore[method-assign]
         # From here on, code between the engine's passes (hooks, callbacks) reads the parameters' real values.
         self._engine.reads.open()
         placement = self._engine.byte_placement()
@@ -752,6 +756,9 @@ class RatelStrategy(SingleDeviceStrategy):
     @override
     def teardown(self) -> None:
         self._restore_device_memory()
+        for opt in (*self.optimizers, *self._lightning_optimizers):
+            # The instance attribute manual optimization's setup put over the class's zero_grad.
+            opt.__dict__.pop("zero_grad", None)
         engine, self._engine = self._engine, None
         if engine is not None:
             self._end_engine(engine, self._exception)

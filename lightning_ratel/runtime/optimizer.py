@@ -1,8 +1,9 @@
-"""The out-of-core CPU AdamW pipeline.
+"""The out-of-core CPU optimizer pipeline (AdamW's fused kernel, or any per-parameter optimizer's own step).
 
 Optimizer state is kept per shard (see :mod:`lightning_ratel.runtime.units`): a shard's fp32 master, ``exp_avg`` and
 ``exp_avg_sq`` are three flat tensors in the swap store. An fp32 shard whose compute copy lives in the host cache has
-no master on the store: that copy is the master.
+no master on the store: that copy is the master. Another optimizer than AdamW/Adam keeps one state record per shard
+instead of the moments (:mod:`~lightning_ratel.runtime.generic`), read, written and committed the same way.
 
 Gradients reach a single worker thread in the order backward produces them. The worker accumulates them into a host
 fp32 buffer that the shard takes from a pool with its first gradient and gives back after its update, so gradient
@@ -54,6 +55,7 @@ import torch
 
 from lightning_ratel.runtime.accumulation import GradientAccumulator, GradientBudget
 from lightning_ratel.runtime.adamw import adamw_step
+from lightning_ratel.runtime.generic import GenericUpdate
 from lightning_ratel.runtime.hostmem import aligned_empty
 from lightning_ratel.runtime.ledger import StepLedger
 from lightning_ratel.runtime.pool import BufferPool
@@ -93,12 +95,13 @@ class GroupHyper:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """How this optimizer step's updates run: hyperparameters per group, whether they start during backward, and
+    """How this optimizer step's updates run: hyperparameters per group (:class:`GroupHyper` for the fused AdamW, each
+    group's settings as a dict for another optimizer), whether they start during backward, and
     the element-wise clip each shard applies to its own gradients first (global transforms such as norm clipping and
     loss unscaling are applied through :meth:`CpuAdam.unscale_` and :meth:`CpuAdam.clip_` before the updates are
     scheduled)."""
 
-    hyper: list[GroupHyper]
+    hyper: list[GroupHyper] | list[dict[str, Any]]
     overlap: bool
     clip_value: float | None = None
 
@@ -177,12 +180,16 @@ class CpuAdam:
             ``torch.get_num_threads()``. Training on the CPU itself wants 1: a second thread team on cores the
             compute team already fills makes OpenMP stop spinning between parallel regions in both teams, and every
             region of the forward and backward then waits for sleeping threads to wake.
+        generic: the update of an optimizer other than AdamW/Adam (its own step, its state records); ``None`` runs
+            the fused AdamW.
     """
 
     def __init__(self, shards: Sequence[Shard], store: TensorStore, depth: int = BUFFER_SETS,
                  timeline: Timeline | None = None, compute_on_store: bool = False,
-                 grad_budget_bytes: int | None = None, threads: int | None = None) -> None:
+                 grad_budget_bytes: int | None = None, threads: int | None = None,
+                 generic: GenericUpdate | None = None) -> None:
         self.shards = list(shards)
+        self.generic = generic
         self.threads = threads if threads is not None else torch.get_num_threads()
         self.store = store
         self.compute_on_store = compute_on_store
@@ -191,7 +198,7 @@ class CpuAdam:
         self._reserve_slots()
         self.accumulator = GradientAccumulator(self.shards)
         self.budget = GradientBudget(grad_budget_bytes, lambda: self.accumulator.pool.nbytes_in_use)
-        self.buffers = StateBuffers(self.shards, store, self.ledger, self.timeline, depth, compute_on_store)
+        self.buffers = StateBuffers(self.shards, store, self.ledger, self.timeline, depth, compute_on_store, generic)
         self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         # Updates waiting for a buffer set, then for their reads and their turn (worker thread).
         self._ready: deque[_Queued] = deque()
@@ -208,14 +215,22 @@ class CpuAdam:
         """Lay out both state slots of every shard in the store, and give masters kept in the host cache their first
         copy in the store (a step abandoned halfway restores them from there)."""
         for shard in self.shards:
-            for what in ("master", "exp_avg", "exp_avg_sq"):
+            for what, nbytes in self.state_sizes(shard).items():
                 for slot in (0, 1):
-                    self.store.reserve(shard.key(what, slot), shard.numel * 4)
+                    self.store.reserve(shard.key(what, slot), nbytes)
         self.store.preallocate()
         writes = [self.store.write(shard.key("master"), shard.host_master())
                   for shard in self.shards if shard.master_in_host]
         for write in writes:
             write.result()
+
+    def state_sizes(self, shard: Shard) -> dict[str, int]:
+        """Bytes of each flat state of ``shard`` in one slot of the store: its master, and its moments (AdamW/Adam)
+        or its state record (another optimizer, where it has any state)."""
+        if self.generic is None:
+            return {what: shard.numel * 4 for what in ("master", "exp_avg", "exp_avg_sq")}
+        record = self.generic.nbytes(shard)
+        return {"master": shard.numel * 4, **({"state": record} if record else {})}
 
     @property
     def grads(self) -> BufferPool:
@@ -330,8 +345,8 @@ class CpuAdam:
             raise self._error
 
     def state_key(self, shard: Shard, what: str) -> str:
-        """The store key holding ``shard``'s committed ``master``, ``exp_avg`` or ``exp_avg_sq`` (the values of the
-        last step taken). Every update handed over so far must have run: call :meth:`barrier` first."""
+        """The store key holding ``shard``'s committed ``master``, ``exp_avg``, ``exp_avg_sq`` or ``state`` (the values
+        of the last step taken). Every update handed over so far must have run: call :meth:`barrier` first."""
         return shard.key(what, self.ledger.committed(shard).slot)
 
     def param_steps(self, shard: Shard) -> list[int]:
@@ -350,6 +365,13 @@ class CpuAdam:
         slot = self.ledger.committed(shard).slot
         self.store.write(shard.key("exp_avg", slot), exp_avg).result()
         self.store.write(shard.key("exp_avg_sq", slot), exp_avg_sq).result()
+        self.ledger.load(shard, steps)
+
+    def load_record(self, shard: Shard, record: torch.Tensor, steps: Sequence[int]) -> None:
+        """Replace ``shard``'s committed state record (another optimizer than AdamW/Adam) and update counts."""
+        self.barrier(include_writes=True)
+        if record.numel():
+            self.store.write(shard.key("state", self.ledger.committed(shard).slot), record).result()
         self.ledger.load(shard, steps)
 
     # ------------------------------------------------------------------ worker thread
@@ -518,36 +540,31 @@ class CpuAdam:
         version = self.ledger.latest(shard)
         n = shard.numel
         master = shard.host_master() if shard.master_in_host else b.master[:n]
-        exp_avg, exp_avg_sq = b.exp_avg[:n], b.exp_avg_sq[:n]
-        if not version.moments:
-            exp_avg.zero_()
-            exp_avg_sq.zero_()
         grad = self.accumulator.grad(shard)
         if plan.clip_value is not None:
             grad.clamp_(min=-plan.clip_value, max=plan.clip_value)
-        hyper = plan.hyper[shard.group]
         out = self._compute_out(shard, b)
         with_grad = self.accumulator.with_grad(shard)
         steps = list(version.steps)
-        if len(with_grad) == len(shard.params) and len({steps[i] for i in with_grad}) == 1:
-            self._adamw(master, grad, exp_avg, exp_avg_sq, out, hyper, steps[0] + 1)
-        else:
-            if out is not None and self.compute_on_store:
-                # The whole staging buffer goes to the store: parameters without a gradient keep their copies.
+        if self.generic is not None:
+            states = {"state": b.state[: self.generic.nbytes(shard)]}
+            settings = plan.hyper[shard.group]
+            assert isinstance(settings, dict)
+            self.generic.update(shard, master, grad, states["state"], with_grad, [steps[i] == 0 for i in with_grad],
+                                settings)
+            if out is not None:
+                # Parameters without a gradient keep their values, so the whole copy is theirs too.
                 out.copy_(master)
-            for i in with_grad:
-                sp = shard.params[i]
-                sl = slice(sp.offset, sp.offset + sp.numel)
-                self._adamw(master[sl], grad[sl], exp_avg[sl], exp_avg_sq[sl], out[sl] if out is not None else None,
-                            hyper, steps[i] + 1)
+        else:
+            states = {"exp_avg": b.exp_avg[:n], "exp_avg_sq": b.exp_avg_sq[:n]}
+            self._adamw_shard(shard, plan, master, grad, states, out, with_grad, steps, version.moments)
         for i in with_grad:
             steps[i] += 1
         slot = self.ledger.ran(shard, step, steps).slot
         self.accumulator.clear(shard)
         self.timeline.record(f"update_end:{shard.index}")
-        writes = [self.store.write(shard.key("exp_avg", slot), exp_avg),
-                  self.store.write(shard.key("exp_avg_sq", slot), exp_avg_sq),
-                  self.store.write(shard.key("master", slot), master)]
+        writes = [self.store.write(shard.key(what, slot), flat) for what, flat in states.items() if flat.numel()]
+        writes.append(self.store.write(shard.key("master", slot), master))
         if out is not None and self.compute_on_store:
             writes.append(self.store.write(shard.compute_key, out))
         done = self._joined(writes, b)
@@ -557,6 +574,29 @@ class CpuAdam:
         moved = shard.key("master", slot) if self.compute_on_store and shard.dtype == torch.float32 else None
         shard.unit.ready.complete(done if self.compute_on_store else None, shard, moved)
         self.budget.updates_queued(-1)
+
+    def _adamw_shard(self, shard: Shard, plan: StepPlan, master: torch.Tensor, grad: torch.Tensor,
+                     moments: dict[str, torch.Tensor], out: torch.Tensor | None, with_grad: list[int],
+                     steps: list[int], written: bool) -> None:
+        """The fused AdamW step of a shard: in one call where every parameter has a gradient and the same step
+        count, else parameter by parameter."""
+        exp_avg, exp_avg_sq = moments["exp_avg"], moments["exp_avg_sq"]
+        if not written:
+            exp_avg.zero_()
+            exp_avg_sq.zero_()
+        hyper = plan.hyper[shard.group]
+        assert isinstance(hyper, GroupHyper)
+        if len(with_grad) == len(shard.params) and len({steps[i] for i in with_grad}) == 1:
+            self._adamw(master, grad, exp_avg, exp_avg_sq, out, hyper, steps[0] + 1)
+            return
+        if out is not None and self.compute_on_store:
+            # The whole staging buffer goes to the store: parameters without a gradient keep their copies.
+            out.copy_(master)
+        for i in with_grad:
+            sp = shard.params[i]
+            sl = slice(sp.offset, sp.offset + sp.numel)
+            self._adamw(master[sl], grad[sl], exp_avg[sl], exp_avg_sq[sl], out[sl] if out is not None else None,
+                        hyper, steps[i] + 1)
 
     def _joined(self, writes: list[Future], buffers: StateBufferSet) -> Future:
         """A future that completes when every write has (with the first error), handing ``buffers`` back then."""

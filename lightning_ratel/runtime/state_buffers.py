@@ -18,6 +18,7 @@ from concurrent.futures import Future
 
 import torch
 
+from lightning_ratel.runtime.generic import GenericUpdate
 from lightning_ratel.runtime.hostmem import ALIGNMENT, aligned_empty
 from lightning_ratel.runtime.ledger import StepLedger
 from lightning_ratel.runtime.storage import TensorStore
@@ -30,28 +31,30 @@ BUFFER_SETS = 3
 
 
 class StateBufferSet:
-    """Host memory for one shard's master, moments and (when compute copies are read from the store) new compute
-    copy, sized for the largest shard.
+    """Host memory for one shard's master, optimizer state and (when compute copies are read from the store) new
+    compute copy, sized for the largest shard.
 
     Args:
-        numel: elements of the largest shard (moments).
+        numel: elements of the largest shard (Adam moments; 0 for another optimizer).
         master_numel: elements of the largest shard whose master is not the host cache's compute copy.
         compute_bytes: bytes of the largest 16-bit compute copy written to the store (0: none is).
+        state_bytes: bytes of the largest state record of an optimizer other than AdamW/Adam (0 for those).
     """
 
-    def __init__(self, numel: int, master_numel: int, compute_bytes: int) -> None:
+    def __init__(self, numel: int, master_numel: int, compute_bytes: int, state_bytes: int = 0) -> None:
         self.master = aligned_empty(master_numel, torch.float32, huge=True)
         self.exp_avg = aligned_empty(numel, torch.float32, huge=True)
         self.exp_avg_sq = aligned_empty(numel, torch.float32, huge=True)
+        self.state = aligned_empty(state_bytes, torch.uint8, huge=True)
         # Whole pages, so any compute dtype can view it.
         pages = round_up(compute_bytes, ALIGNMENT)
         self.compute = aligned_empty(pages, torch.uint8, huge=True) if compute_bytes else None
 
     @property
     def nbytes(self) -> int:
-        # The master buffer is empty where every master lives in the host cache; the moments are always there.
+        # The master buffer is empty where every master lives in the host cache.
         states = self.master.numel() + self.exp_avg.numel() + self.exp_avg_sq.numel()
-        return 4 * states + (self.compute.numel() if self.compute is not None else 0)
+        return 4 * states + self.state.numel() + (self.compute.numel() if self.compute is not None else 0)
 
 
 Loaded = tuple[StateBufferSet, list[Future]]
@@ -68,18 +71,23 @@ class StateBuffers:
         timeline: where reads ahead are recorded.
         depth: buffer sets.
         compute_on_store: updates write 16-bit compute copies to the store (each set gets room for one).
+        generic: the state layout of an optimizer other than AdamW/Adam (a state record per shard instead of
+            moments), ``None`` for those.
     """
 
     def __init__(self, shards: Sequence[Shard], store: TensorStore, ledger: StepLedger, timeline: Timeline,
-                 depth: int = BUFFER_SETS, compute_on_store: bool = False) -> None:
+                 depth: int = BUFFER_SETS, compute_on_store: bool = False,
+                 generic: GenericUpdate | None = None) -> None:
         self.store = store
         self.ledger = ledger
         self.timeline = timeline
-        largest = max((s.numel for s in shards), default=1)
+        self.generic = generic
+        largest = max((s.numel for s in shards), default=1) if generic is None else 0
         largest_master = max((s.numel for s in shards if not s.master_in_host), default=0)
         compute_bytes = max((s.numel * s.dtype.itemsize for s in shards
                              if compute_on_store and s.dtype != torch.float32), default=0)
-        self.free = [StateBufferSet(largest, largest_master, compute_bytes) for _ in range(depth)]
+        state_bytes = max((generic.nbytes(s) for s in shards), default=0) if generic is not None else 0
+        self.free = [StateBufferSet(largest, largest_master, compute_bytes, state_bytes) for _ in range(depth)]
         self.nbytes = sum(b.nbytes for b in self.free)
         self.ahead: dict[int, Loaded] = {}
         self.reading_ahead = False
@@ -122,7 +130,11 @@ class StateBuffers:
         n = shard.numel
         version = self.ledger.latest(shard)
         reads = [] if shard.master_in_host else [self.store.read(shard.key("master", version.slot), buffers.master[:n])]
-        if version.moments:
+        if version.moments and self.generic is not None:
+            nbytes = self.generic.nbytes(shard)
+            if nbytes:
+                reads.append(self.store.read(shard.key("state", version.slot), buffers.state[:nbytes]))
+        elif version.moments:
             reads.append(self.store.read(shard.key("exp_avg", version.slot), buffers.exp_avg[:n]))
             reads.append(self.store.read(shard.key("exp_avg_sq", version.slot), buffers.exp_avg_sq[:n]))
         return reads
