@@ -137,7 +137,7 @@ class RatelEngine:
                                     unit_shards=self.layout.unit_shards())
         self.state = ModelState(module, self.layout, self.pager, self.store, self.adam, optimizer, originals)
         # Between passes the user's code reads the committed values instead of the paging placeholders.
-        self.reads = ParameterReads(self.pager, self.state.unit_values, self.state.quiesce)
+        self.reads = ParameterReads(self.pager, self.state.unit_values, self.state.quiesce, self.state.assign_unit)
         self.cache = ActivationCache(self.device, self.pager, [], _activation_store(self.device, config))
         self.scheduler = BlockScheduler(self.blocks, self.pager, self.cache, self.device, config.prefetch_depth,
                                         self.timeline, check=self.adam.check if self.adam is not None else lambda: None)
@@ -275,6 +275,8 @@ class RatelEngine:
 
     def begin_micro_batch(self) -> None:
         """Called before each training_step: forget stale activations and tell the optimizer what this pass is."""
+        # Values written between steps land before the step begins (its updates start from them).
+        self.reads.flush()
         if self.adam is not None:
             self.adam.check()
         self.cache.end_pass()
