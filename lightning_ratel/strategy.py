@@ -445,7 +445,8 @@ class RatelStrategy(SingleDeviceStrategy):
             if is_sharded_checkpoint(path):
                 shutil.rmtree(path)
             super().save_checkpoint(checkpoint, filepath, storage_options)
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        # A module connected without a fit (``strategy.connect(model)``, then a save) has no trainer to ask.
+        trainer = getattr(self.lightning_module, "_trainer", None)
         if trainer is not None and self._engine is not None:
             self._saved_step = trainer.global_step
 
@@ -477,7 +478,7 @@ class RatelStrategy(SingleDeviceStrategy):
         return self._pretrained
 
     def _progress(self) -> bool:
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        trainer = getattr(self.lightning_module, "_trainer", None)
         return trainer is not None and trainer.progress_bar_callback is not None
 
     def save_pretrained(self, path: str | os.PathLike[str], dtype: str | torch.dtype = "bf16",
@@ -527,7 +528,7 @@ class RatelStrategy(SingleDeviceStrategy):
             if engine is None:
                 raise
             broken = self._engine_broken(engine, err)
-            trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+            trainer = getattr(self.lightning_module, "_trainer", None)
             interrupted = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
             if not broken and not interrupted:
                 raise
@@ -592,7 +593,7 @@ class RatelStrategy(SingleDeviceStrategy):
             return
         engine.abort_step()
         plan = state.restore_plan()
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        trainer = getattr(self.lightning_module, "_trainer", None)
         saved = trainer is not None and self._saved_step == trainer.global_step
         keep = self.config.keep_swap_files or (bool(plan.lost) and not saved)
         if keep:
