@@ -50,6 +50,14 @@ from lightning_ratel.runtime.timeline import Timeline
 from lightning_ratel.schedule import BlockScheduler
 from lightning_ratel.switches import FitSwitches
 
+_FIXED_PARAMETERS = (
+    "RatelStrategy lays out the optimizer's states (fp32 masters, moments) for the parameters the optimizer holds at "
+    "setup and cannot add parameters during fit yet (fine-tuning callbacks such as BackboneFinetuning unfreeze a "
+    "backbone and call `optimizer.add_param_group` between epochs). Train each stage in a fit of its own: fit with "
+    "the backbone frozen, then fit again with it unfrozen (`configure_optimizers` then returns an optimizer holding "
+    "both); or use another strategy for this callback."
+)
+
 GRAD_BUDGET_SHARDS = 4
 """Gradient bytes backward may hold, in largest-shard buffers, before it waits for pending updates to free some: the
 shard being updated, one waiting for its turn, and the ones backward is filling."""
@@ -148,6 +156,11 @@ class RatelEngine:
         self.planner = Planner(config, self.device, self.blocks, self.layout, self.cache, self.scheduler,
                                self.accounts, StepBreakdown(self.device, self.timeline, self.pager, self.cache,
                                                             self.store), self.adam)
+        # The optimizer's parameters at setup, by group: the layout is made for them.
+        self._optimizer_params = ([[id(p) for p in g["params"]] for g in optimizer.param_groups]
+                                  if optimizer is not None else [])
+        if optimizer is not None:
+            optimizer.add_param_group = self._refuse_new_group  # type: ignore[method-assign]
         self._step_plan = StepPlan([], overlap=False)
         self._pending_plan: StepPlan | None = None
         self._clip: tuple[float, str] | None = None
@@ -295,10 +308,20 @@ class RatelEngine:
             deferred: updates must wait for the end of backward (global gradient norm, fp16 overflow check, or a
                 user-defined ``configure_gradient_clipping``).
         """
+        self._check_optimizer_params(optimizer)
         clip_value = float(clip_val) if clip_val and clip_algorithm == "value" and not deferred else None
         self._pending_plan = self._step_plan = StepPlan(GroupHyper.of(optimizer), overlap=not deferred,
                                                         clip_value=clip_value)
         self._clip = None
+
+    @staticmethod
+    def _refuse_new_group(param_group: dict) -> None:
+        raise RatelConfigError(f"`optimizer.add_param_group` was called during fit. {_FIXED_PARAMETERS}")
+
+    def _check_optimizer_params(self, optimizer: torch.optim.Optimizer) -> None:
+        """Refuse a step whose optimizer holds other parameters than at setup (its groups were edited)."""
+        if [[id(p) for p in g["params"]] for g in optimizer.param_groups] != self._optimizer_params:
+            raise RatelConfigError(f"the optimizer's parameter groups changed during fit. {_FIXED_PARAMETERS}")
 
     def request_clip(self, clip_val: float, algorithm: str) -> None:
         """Record a clipping request made (through Lightning) after the closure ran."""
@@ -377,6 +400,8 @@ class RatelEngine:
                 self.gradients.remove()
             if self._switches is not None:
                 self._switches.restore()
+            if self.optimizer is not None:
+                self.optimizer.__dict__.pop("add_param_group", None)
             if restore:
                 # A step stopped before it was finished must not leave its updates in what is copied back.
                 self.abort_step()

@@ -153,9 +153,10 @@ class ParameterReads(TorchDispatchMode):
                 self.pager.unbind(slot)
                 if value.shape != slot.shape:
                     raise RuntimeError(
-                        f"RatelStrategy: parameter {slot.name} was given a tensor of shape {tuple(value.shape)} between "
-                        f"training steps (its shape is {tuple(slot.shape)}); RatelStrategy lays its parameters out at "
-                        "setup and cannot change a shape during fit. Change the model's shapes before fit.")
+                        f"RatelStrategy: parameter {slot.name} was given a tensor of shape {tuple(value.shape)} "
+                        f"between training steps (its shape is {tuple(slot.shape)}); RatelStrategy lays its "
+                        "parameters out at setup and cannot change a shape during fit. Change the model's shapes "
+                        "before fit.")
                 with self._through():
                     self._unit_values(unit.index)[id(param)].copy_(value)
                 self._dirty.add(unit.index)

@@ -5,13 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint, ModelPruning, StochasticWeightAveraging, Timer
+from lightning.pytorch.callbacks import BackboneFinetuning, ModelPruning, StochasticWeightAveraging, Timer
 from lightning.pytorch.tuner import Tuner
 
-from lightning_ratel import RatelStrategy
+from lightning_ratel import RatelConfigError, RatelStrategy
 from tests.models import LM, final_state, max_rel_err, trainer
 
 
@@ -104,3 +103,23 @@ def test_model_checkpoint_saves_a_connected_model_without_fit(tmp_path: Path) ->
     t.save_checkpoint(tmp_path / "model.ckpt")
     saved = torch.load(tmp_path / "model.ckpt", weights_only=False)["state_dict"]
     assert max_rel_err({k: v for k, v in module.state_dict().items()}, saved) == 0
+
+
+class Backbone(LM):
+    """:class:`LM` whose optimizer holds the trainable parameters only, as BackboneFinetuning asks."""
+
+    def __init__(self) -> None:
+        super().__init__("llama", n_batches=3)
+        self.backbone = self.model.model
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(filter(lambda p: p.requires_grad, self.parameters()), lr=self.lr)
+
+
+def test_backbone_finetuning_is_refused_with_the_reason_when_it_unfreezes(tmp_path: Path) -> None:
+    finetuning = BackboneFinetuning(unfreeze_backbone_at_epoch=1)
+    t = trainer(RatelStrategy(ssd_paths=[str(tmp_path)]), max_steps=-1, max_epochs=2, callbacks=[finetuning])
+    with pytest.raises(RatelConfigError, match=r"add_param_group.*fit of its own"):
+        t.fit(Backbone())
+    # The optimizer is the user's again.
+    assert "add_param_group" not in t.optimizers[0].__dict__
