@@ -227,7 +227,7 @@ class ModelState:
             # Its value is no longer the pretrained folder's: a checkpoint must hold it.
             frozen.pretrained.pop(id(sp.param), None)
         rounded = any(not torch.equal(sp.view(compute).to(layout.orig_dtype[id(sp.param)]),
-                                      values[id(sp.param)].to(layout.orig_dtype[id(sp.param)], device="cpu"))
+                                      values[id(sp.param)].to(device="cpu", dtype=layout.orig_dtype[id(sp.param)]))
                       for sp in shard.params)
         if rounded or shard.index in frozen.exact_copies:
             dtype = frozen.exact_copies.get(shard.index, shard.dtype)

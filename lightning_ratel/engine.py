@@ -339,6 +339,11 @@ class RatelEngine:
         self.cache.end_pass()
         self.reads.resume()
 
+    def backward_stopped(self) -> None:
+        """Backward raised: the user's hooks (``on_exception``, ``OnExceptionCheckpoint``'s) read the committed values
+        again. (A forward that raises resumes them itself, see :meth:`watch_forward`.)"""
+        self.reads.resume()
+
     def finish_step(self, loss_scale: torch.Tensor | None = None) -> bool:
         """Run (or finish) the updates of the boundary micro-batch.
 

@@ -348,18 +348,6 @@ class RatelStrategy(SingleDeviceStrategy):
         return output
 
     @override
-    def backward(self, closure_loss: torch.Tensor, optimizer: torch.optim.Optimizer | None, *args: Any,
-                 **kwargs: Any) -> torch.Tensor:
-        try:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
-        except BaseException:
-            # The engine's pass stopped: the user's hooks (on_exception, OnExceptionCheckpoint's) read the committed
-            # values again. A forward that raises resumes them itself (RatelEngine.watch_forward).
-            if self._engine is not None:
-                self._engine.reads.resume()
-            raise
-
-    @override
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         with self._watch():
             return super().validation_step(*args, **kwargs)
