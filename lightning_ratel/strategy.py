@@ -143,6 +143,10 @@ class RatelStrategy(SingleDeviceStrategy):
         self._resume: ShardedReader | None = None
         self._resume_source: ValueSource | None = None
         self._saved_step: int | None = None
+        # The RatelProfiler of the last fit, and the trainer's callback list it was added to when this strategy added
+        # it (taken out again at teardown: a tuner compares the trainer's callbacks before and after its trials).
+        self._profiler: RatelProfiler | None = None
+        self._added_profiler_to: list | None = None
 
     @property
     def ssd_paths(self) -> list[str] | None:
@@ -231,8 +235,19 @@ class RatelStrategy(SingleDeviceStrategy):
     def connect(self, model: nn.Module) -> None:
         super().connect(model)
         trainer = getattr(model, "_trainer", None)
-        if trainer is not None and not any(isinstance(c, RatelProfiler) for c in trainer.callbacks):
-            trainer.callbacks.append(RatelProfiler())
+        if trainer is None:
+            return
+        self._profiler = next((c for c in trainer.callbacks if isinstance(c, RatelProfiler)), None)
+        if self._profiler is None:
+            self._profiler = RatelProfiler()
+            trainer.callbacks.append(self._profiler)
+            self._added_profiler_to = trainer.callbacks
+
+    @property
+    def profiler(self) -> RatelProfiler | None:
+        """The :class:`RatelProfiler` of the last fit (the plan, the measured steps): the trainer's own, or the one
+        the strategy added for the fit (and took out of ``trainer.callbacks`` at its end)."""
+        return self._profiler
 
     @property
     def engine(self) -> RatelEngine | None:
@@ -635,6 +650,9 @@ class RatelStrategy(SingleDeviceStrategy):
     @override
     def teardown(self) -> None:
         self._restore_device_memory()
+        added, self._added_profiler_to = self._added_profiler_to, None
+        if added is not None and self._profiler in added:
+            added.remove(self._profiler)
         engine, self._engine = self._engine, None
         if engine is not None:
             self._end_engine(engine, self._exception)

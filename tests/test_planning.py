@@ -37,7 +37,9 @@ def _close(ref: tuple[dict, dict], got: tuple[dict, dict], tol: float = 1e-5) ->
 
 
 def _profiler(t: L.Trainer) -> RatelProfiler:
-    return next(c for c in t.callbacks if isinstance(c, RatelProfiler))
+    profiler = t.strategy.profiler
+    assert isinstance(profiler, RatelProfiler)
+    return profiler
 
 
 @pytest.fixture(scope="module")
