@@ -174,3 +174,33 @@ def test_on_save_checkpoint_reads_the_weights_like_plain(tmp_path: Path) -> None
         trainer(strategy, callbacks=[callback], enable_checkpointing=True).fit(SavesAWeightNorm("llama"))
         norms.append([torch.load(path, weights_only=False)["head_norm"] for path in sorted((tmp_path / name).iterdir())])
     assert len(norms[0]) == 2 and norms[1] == pytest.approx(norms[0], rel=1e-6)
+
+
+class FrozenEmbeddings(LM):
+    """:class:`LM` with its token embeddings frozen (no fp32 master: a frozen shard)."""
+
+    def __init__(self) -> None:
+        super().__init__("llama")
+        self.model.model.embed_tokens.weight.requires_grad_(False)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.lr)
+
+
+class ScalesFrozenEmbeddings(L.Callback):
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        with torch.no_grad():
+            pl_module.model.model.embed_tokens.weight.mul_(1.0 + 2.0 ** -12)
+
+
+@pytest.mark.parametrize("param_cache", ["host", "ssd"])
+def test_a_write_to_a_frozen_parameter_between_steps_is_kept_exactly(tmp_path: Path, param_cache: str) -> None:
+    # bf16-mixed: the frozen shard's bf16 compute copy rounds the written values, which a copy in fp32 keeps exactly.
+    plain = FrozenEmbeddings()
+    t = trainer(callbacks=[ScalesFrozenEmbeddings()], precision="bf16-mixed")
+    t.fit(plain)
+    module = FrozenEmbeddings()
+    r = trainer(RatelStrategy(ssd_paths=[str(tmp_path)], param_cache=param_cache), callbacks=[ScalesFrozenEmbeddings()],
+                precision="bf16-mixed")
+    r.fit(module)
+    assert max_rel_err(final_state(plain, t)[0], final_state(module, r)[0]) <= 1e-5
