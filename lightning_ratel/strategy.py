@@ -20,6 +20,7 @@ from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.types import _PATH
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.accelerators import Accelerator, CUDAAccelerator
+from lightning.pytorch.callbacks import BaseFinetuning
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
@@ -289,6 +290,13 @@ class RatelStrategy(SingleDeviceStrategy):
             if len(self.optimizers) != 1:
                 raise RatelConfigError(f"RatelStrategy supports one optimizer, got {len(self.optimizers)}")
             optimizer = self.optimizers[0]
+            finetuning = [type(c).__name__ for c in trainer.callbacks if isinstance(c, BaseFinetuning)]
+            if finetuning:
+                # Said now rather than only when it happens, possibly many epochs in.
+                rank_zero_warn(
+                    f"RatelStrategy: {finetuning[0]} unfreezes parameters during fit with `optimizer.add_param_group`, "
+                    "which RatelStrategy cannot follow yet: fit stops with a RatelConfigError at that call. Train "
+                    "each stage in a fit of its own (the frozen backbone first, then everything).")
             # A forced "full" that cannot be gathered is refused now rather than at the first save.
             self._format = choose_checkpoint_format(self.config.checkpoint_format, module, optimizer,
                                                     self.config.host_memory_limit)

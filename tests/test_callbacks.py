@@ -119,7 +119,8 @@ class Backbone(LM):
 def test_backbone_finetuning_is_refused_with_the_reason_when_it_unfreezes(tmp_path: Path) -> None:
     finetuning = BackboneFinetuning(unfreeze_backbone_at_epoch=1)
     t = trainer(RatelStrategy(ssd_paths=[str(tmp_path)]), max_steps=-1, max_epochs=2, callbacks=[finetuning])
-    with pytest.raises(RatelConfigError, match=r"add_param_group.*fit of its own"):
+    with pytest.warns(UserWarning, match="BackboneFinetuning unfreezes"), \
+            pytest.raises(RatelConfigError, match=r"add_param_group.*fit of its own"):
         t.fit(Backbone())
     # The optimizer is the user's again.
     assert "add_param_group" not in t.optimizers[0].__dict__
