@@ -167,8 +167,9 @@ def cache_file() -> Path | None:
 def _cache_key(device: Device, ssd_paths: Sequence[str], probe_bytes: int, per_path: bool,
                threads: int | None) -> str:
     name = torch.cuda.get_device_name(device.device) if device.is_cuda else "cpu"
-    return json.dumps([socket.gethostname(), str(device.device), name, [os.stat(p).st_dev for p in ssd_paths],
-                       probe_bytes, per_path, threads, torch.__version__])
+    # Separate memory tells a CPU that simulates CUDA's streams (tests) from one that does not.
+    return json.dumps([socket.gethostname(), str(device.device), name, device.separate_memory,
+                       [os.stat(p).st_dev for p in ssd_paths], probe_bytes, per_path, threads, torch.__version__])
 
 
 def _cached(key: str) -> dict[str, Any] | None:
