@@ -501,9 +501,8 @@ def train_worker(spec: dict[str, Any]) -> dict[str, Any]:
     if not result["ok"]:
         result["error"] = f"no step was timed (ran {trainer.global_step} steps, warmup {spec['warmup']})"
     if system == "ratel":
-        from lightning_ratel.callbacks import RatelProfiler
-
-        plan = next((c.plan for c in trainer.callbacks if isinstance(c, RatelProfiler)), None)
+        profiler = trainer.strategy.profiler
+        plan = profiler.plan if profiler is not None else None
         if plan is not None:
             result["recompute_flops"] = plan_recompute_flops(plan)
             result["predicted_seconds_per_step"] = plan.predicted_iteration_time

@@ -202,6 +202,59 @@ class ModelState:
                 values[id(sp.param)] = sp.view(flat).to(self.layout.orig_dtype[id(sp.param)], copy=True)
         return values
 
+    def assign_unit(self, unit: int, values: dict[int, torch.Tensor]) -> None:
+        """Give one unit's parameters new values between steps, as a committed step would (a callback or
+        ``load_state_dict`` wrote them): a trainable shard's fp32 master and compute copy (its moments stay), a frozen
+        shard's compute copy and its values in their own dtype where the compute dtype rounds them.
+
+        Args:
+            unit: the unit.
+            values: every parameter of the unit, by parameter id, in any dtype and device.
+        """
+        layout = self.layout
+        if self.adam is None:
+            # Evaluation: the module's own tensors are the values; the host cache is the compute copy.
+            for slot in layout.units[unit].slots:
+                original = self._originals[id(slot.param)]
+                original.view(slot.shape).copy_(values[id(slot.param)])
+                slot.view(layout.units[unit].host).copy_(original.view(slot.shape))
+            return
+        self.quiesce()
+        for shard in layout.unit_shards().get(unit, ()):
+            if shard.group >= 0:
+                master = aligned_empty(shard.numel, torch.float32)[: shard.numel].zero_()
+                for sp in shard.params:
+                    sp.view(master).copy_(values[id(sp.param)])
+                self.adam.assign(shard, master)
+            else:
+                self._assign_frozen(shard, values)
+
+    def _assign_frozen(self, shard: Shard, values: dict[int, torch.Tensor]) -> None:
+        assert self.store is not None
+        layout = self.layout
+        frozen = layout.frozen_values
+        compute = aligned_empty(shard.numel, shard.dtype)[: shard.numel].zero_()
+        for sp in shard.params:
+            sp.view(compute).copy_(values[id(sp.param)])
+            # Its value is no longer the pretrained folder's: a checkpoint must hold it.
+            frozen.pretrained.pop(id(sp.param), None)
+        rounded = any(not torch.equal(sp.view(compute).to(layout.orig_dtype[id(sp.param)]),
+                                      values[id(sp.param)].to(device="cpu", dtype=layout.orig_dtype[id(sp.param)]))
+                      for sp in shard.params)
+        if rounded or shard.index in frozen.exact_copies:
+            dtype = frozen.exact_copies.get(shard.index, shard.dtype)
+            for sp in shard.params:
+                dtype = torch.promote_types(dtype, layout.orig_dtype[id(sp.param)])
+            exact = aligned_empty(shard.numel, dtype)[: shard.numel].zero_()
+            for sp in shard.params:
+                sp.view(exact).copy_(values[id(sp.param)])
+            frozen.exact_copies[shard.index] = dtype
+            self.store.write(frozen.key(shard), exact).result()
+        if shard.unit.host:
+            shard.compute_view(shard.unit.host[shard.dtype]).copy_(compute)
+        else:
+            self.store.write(shard.compute_key, compute).result()
+
     def _ensure_fits(self, nbytes: int, what: str) -> None:
         available = available_host_memory()
         if self.adam is not None and available and nbytes > available:

@@ -52,6 +52,14 @@ from lightning_ratel.runtime.timeline import Timeline
 from lightning_ratel.schedule import BlockScheduler
 from lightning_ratel.switches import FitSwitches
 
+_FIXED_PARAMETERS = (
+    "RatelStrategy lays out the optimizer's states (fp32 masters, moments) for the parameters the optimizer holds at "
+    "setup and cannot add parameters during fit yet (fine-tuning callbacks such as BackboneFinetuning unfreeze a "
+    "backbone and call `optimizer.add_param_group` between epochs). Train each stage in a fit of its own: fit with "
+    "the backbone frozen, then fit again with it unfrozen (`configure_optimizers` then returns an optimizer holding "
+    "both); or use another strategy for this callback."
+)
+
 GRAD_BUDGET_SHARDS = 4
 """Gradient bytes backward may hold, in largest-shard buffers, before it waits for pending updates to free some: the
 shard being updated, one waiting for its turn, and the ones backward is filling."""
@@ -168,7 +176,7 @@ class RatelEngine:
                                     unit_shards=self.layout.unit_shards())
         self.state = ModelState(module, self.layout, self.pager, self.store, self.adam, optimizer, originals)
         # Between passes the user's code reads the committed values instead of the paging placeholders.
-        self.reads = ParameterReads(self.pager, self.state.unit_values, self.state.quiesce)
+        self.reads = ParameterReads(self.pager, self.state.unit_values, self.state.quiesce, self.state.assign_unit)
         self.cache = ActivationCache(self.device, self.pager, [], _activation_store(self.device, config))
         self.scheduler = BlockScheduler(self.blocks, self.pager, self.cache, self.device, config.prefetch_depth,
                                         self.timeline, check=self.adam.check if self.adam is not None else lambda: None)
@@ -182,6 +190,11 @@ class RatelEngine:
         # A block found late gets an activation placement (the default) and forward hooks of its own.
         self.blocks.on_add(lambda block: self.cache.add_block())
         self.blocks.on_add(self.scheduler.add_block)
+        # The optimizer's parameters at setup, by group: the layout is made for them.
+        self._optimizer_params = ([[id(p) for p in g["params"]] for g in optimizer.param_groups]
+                                  if optimizer is not None else [])
+        if optimizer is not None:
+            optimizer.add_param_group = self._refuse_new_group  # type: ignore[method-assign]
         self._step_plan = StepPlan([], overlap=False)
         self._pending_plan: StepPlan | None = None
         self._clip: tuple[float, str] | None = None
@@ -298,6 +311,8 @@ class RatelEngine:
 
     def begin_micro_batch(self) -> None:
         """Called before each training_step: forget stale activations and tell the optimizer what this pass is."""
+        # Values written between steps land before the step begins (its updates start from them).
+        self.reads.flush()
         if self.adam is not None:
             self.adam.check()
         self.cache.end_pass()
@@ -317,6 +332,7 @@ class RatelEngine:
             custom_clipping: the module defines its own ``configure_gradient_clipping``.
             loss_scaled: fp16 loss scaling is on.
         """
+        self._check_optimizer_params(optimizer)
         rule = StepRule.decide(clip_val, clip_algorithm, custom_clipping, loss_scaled)
         hyper = GroupHyper.of(optimizer) if self.layout.generic is None else group_settings(optimizer)
         self._pending_plan = self._step_plan = StepPlan(hyper, overlap=rule.overlap, clip_value=rule.clip_value)
@@ -327,6 +343,7 @@ class RatelEngine:
         ``zero_grad``) accumulated are this step's. The updates wait for :meth:`finish_step` (nothing told backward that
         a step would follow), and a clip requested before the call (``self.clip_gradients``) applies to them."""
         assert self.adam is not None
+        self._check_optimizer_params(optimizer)
         hyper = GroupHyper.of(optimizer) if self.layout.generic is None else group_settings(optimizer)
         self._step_plan = StepPlan(hyper, overlap=False)
         self.adam.begin(self._step_plan)
@@ -337,6 +354,15 @@ class RatelEngine:
         shards = self.gradients.take_window(self.layout.shards)
         if shards:
             self.adam.discard(shards)
+
+    @staticmethod
+    def _refuse_new_group(param_group: dict) -> None:
+        raise RatelConfigError(f"`optimizer.add_param_group` was called during fit. {_FIXED_PARAMETERS}")
+
+    def _check_optimizer_params(self, optimizer: torch.optim.Optimizer) -> None:
+        """Refuse a step whose optimizer holds other parameters than at setup (its groups were edited)."""
+        if [[id(p) for p in g["params"]] for g in optimizer.param_groups] != self._optimizer_params:
+            raise RatelConfigError(f"the optimizer's parameter groups changed during fit. {_FIXED_PARAMETERS}")
 
     def request_clip(self, clip_val: float, algorithm: str) -> None:
         """Record a clipping request made (through Lightning) after the closure ran."""
@@ -352,6 +378,11 @@ class RatelEngine:
         self.scheduler.end_backward()
         self.planner.record_pass()
         self.cache.end_pass()
+        self.reads.resume()
+
+    def backward_stopped(self) -> None:
+        """Backward raised: the user's hooks (``on_exception``, ``OnExceptionCheckpoint``'s) read the committed values
+        again. (A forward that raises resumes them itself, see :meth:`watch_forward`.)"""
         self.reads.resume()
 
     def finish_step(self, loss_scale: torch.Tensor | None = None) -> bool:
@@ -416,6 +447,8 @@ class RatelEngine:
                 self.gradients.remove()
             if self._switches is not None:
                 self._switches.restore()
+            if self.optimizer is not None:
+                self.optimizer.__dict__.pop("add_param_group", None)
             if restore:
                 # A step stopped before it was finished must not leave its updates in what is copied back.
                 self.abort_step()

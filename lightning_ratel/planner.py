@@ -98,7 +98,7 @@ class Planner:
             rank_zero_info("RatelProfiler: using the plan from the checkpoint (reprofile=True to measure again)")
             return
         start = time.perf_counter()
-        self._hardware = self.measure_hardware()
+        self._hardware = self.measure_hardware(fresh=reprofile)
         self.begin_profile()
         self._profile_steps = profile_steps
         self._profiled_steps = 0
@@ -121,12 +121,13 @@ class Planner:
         show_plan(plan, planning_seconds=time.perf_counter() - start)
         return plan
 
-    def measure_hardware(self) -> HardwareProfile:
-        """Measure links, swap directories, CPU AdamW and free memory (see :mod:`lightning_ratel.runtime.probe`)."""
+    def measure_hardware(self, fresh: bool = False) -> HardwareProfile:
+        """Measure links, swap directories, CPU AdamW and free memory (see :mod:`lightning_ratel.runtime.probe`),
+        reusing the speeds measured on this machine recently unless ``fresh``."""
         threads = self.adam.threads if self.adam is not None else torch.get_num_threads()
         assert self.config.ssd_paths is not None
         return measure_hardware(self.device, self.config.ssd_paths,
-                                functools.partial(adamw_step(), num_threads=threads))
+                                functools.partial(adamw_step(), num_threads=threads), threads=threads, fresh=fresh)
 
     def begin_profile(self) -> None:
         """Run the next passes under the safe default, timing every op and counting its FLOPs and saved bytes."""

@@ -38,6 +38,8 @@ class StepEngine(Protocol):
     def pre_backward(self) -> None: ...
 
     def post_backward(self) -> None: ...
+
+    def backward_stopped(self) -> None: ...
 _HALF = {"32-true": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
@@ -127,6 +129,16 @@ class RatelPrecision(Precision):
         if self._engine is not None:
             self._engine.pre_backward()
         return tensor
+
+    @override
+    def backward(self, tensor: Tensor, model: pl.LightningModule, optimizer: Any, *args: Any,  # type: ignore[override]
+                 **kwargs: Any) -> None:
+        try:
+            super().backward(tensor, model, optimizer, *args, **kwargs)
+        except BaseException:
+            if self._engine is not None:
+                self._engine.backward_stopped()
+            raise
 
     @override
     def post_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]

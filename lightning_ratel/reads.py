@@ -1,17 +1,22 @@
-"""Parameters read between training steps: hooks and callbacks see the real values.
+"""Parameters used between training steps: hooks and callbacks see and change the real values.
 
 While a run trains, a parameter outside its block's forward and backward holds a paging placeholder (a NaN, see
 :mod:`lightning_ratel.runtime.pager`). Lightning runs the user's code between the steps' forward and backward passes:
 ``on_train_batch_end``, ``on_validation_*``, ``on_save_checkpoint``, callbacks (an EMA of the weights, weight
-statistics). :class:`ParameterReads` is a ``TorchDispatchMode`` on the stack for the whole run except while a
-forward or backward of the engine runs (it steps aside there, so the blocks' ops pay nothing): every op that reads a
-placeholder is given the parameter's value of the last committed step in the parameter's own dtype (the fp32 master
-under mixed precision, as plain Lightning holds it) on the parameters' device, read from the swap files unit by unit
-(:data:`CACHED_UNITS` kept). A write to a placeholder, or to a value handed out this way, would not reach the swap
-files: it raises, naming the parameter, the code writing and what to do (:meth:`ParameterReads._refuse_write` is where
-a write path to the masters and the optimizer would go).
+averaging, pruning), the Tuner restoring its checkpoint. :class:`ParameterReads` is a ``TorchDispatchMode`` on the
+stack for the whole run except while a forward or backward of the engine runs (it steps aside there, so the blocks'
+ops pay nothing): every op that reads a placeholder is given the parameter's value of the last committed step in the
+parameter's own dtype (the fp32 master under mixed precision, as plain Lightning holds it) on the parameters' device,
+read from the swap files unit by unit (:data:`CACHED_UNITS` kept).
 
-Values handed out are copies: a view taken between steps (``p.detach()``) keeps the values of that moment.
+Writes go the same way: an in-place op on a parameter (``copy_``, ``mul_``, ``load_state_dict``) changes the unit's
+values held here, and a parameter given another tensor (``param.data = ...``, as pruning's lottery ticket reset does)
+is found before the next pass. A changed unit is written back as a committed step would leave it (its fp32 master and
+compute copy; the optimizer's moments stay, as under plain training) before the next engine pass, before the engine's
+own whole-model work (checkpoints) and at the end of the run (:meth:`ParameterReads.flush`).
+
+A view taken between steps (``p.detach()``) is the unit's value held here: a write through it reaches the parameter
+while the unit is held (until the next pass, or until :data:`CACHED_UNITS` others were read since).
 """
 
 from __future__ import annotations
@@ -60,17 +65,21 @@ class ParameterReads(TorchDispatchMode):
         values: a unit's committed values, by parameter id, each in the parameter's own dtype and shape; called once
             every pending update has landed.
         settle: waits for every pending update (called before the first read after :meth:`invalidate`).
+        assign: gives a unit new values (every parameter's, by parameter id), as a committed step would.
     """
 
     def __init__(self, pager: ParameterPager, values: Callable[[int], dict[int, torch.Tensor]],
-                 settle: Callable[[], None]) -> None:
+                 settle: Callable[[], None], assign: Callable[[int, dict[int, torch.Tensor]], None]) -> None:
         super().__init__()
         self.pager = pager
         self._values = values
         self._settle = settle
+        self._assign = assign
         self._cache: OrderedDict[int, dict[int, torch.Tensor]] = OrderedDict()
-        # Storage of every cached value -> the parameter's name, to refuse writes into them.
-        self._storages: dict[int, str] = {}
+        # Storage of every cached value -> its unit, to find writes into them.
+        self._storages: dict[int, int] = {}
+        # Units whose cached values were written and not yet given to the engine.
+        self._dirty: set[int] = set()
         self._settled = False
         self._entered = False
         self._popped = False
@@ -86,6 +95,7 @@ class ParameterReads(TorchDispatchMode):
 
     def close(self) -> None:
         """Leave the dispatch stack (end of a run); a mode still above it keeps it there, passing ops through."""
+        self.flush()
         self.invalidate()
         self._bypass += 1
         if self._entered and not self._popped and _get_current_dispatch_mode() is self:
@@ -95,6 +105,7 @@ class ParameterReads(TorchDispatchMode):
     def pause(self) -> None:
         """An engine pass starts: step off the stack (its blocks page their parameters in themselves), and forget the
         values read so far (the pass's update changes them). Under a mode entered later it stays, passing ops on."""
+        self.flush()
         self.invalidate()
         if not self._entered or self._popped or self._passing:
             return
@@ -116,18 +127,52 @@ class ParameterReads(TorchDispatchMode):
 
     @contextlib.contextmanager
     def bypass(self) -> Iterator[None]:
-        """Let the engine's own whole-model work (checkpoints, exports) see the placeholders it handles itself."""
+        """Let the engine's own whole-model work (checkpoints, exports) see the placeholders it handles itself, once the
+        values written so far are the engine's."""
+        if not self._bypass:
+            self.flush()
+        with self._through():
+            yield
+
+    def invalidate(self) -> None:
+        """Forget the values read (an update may change them); call :meth:`flush` first to keep what was written."""
+        self._cache.clear()
+        self._storages.clear()
+        self._dirty.clear()
+        self._settled = False
+
+    def flush(self) -> None:
+        """Give the engine every value written since the last flush: in-place writes into the values held here, and
+        parameters given another tensor (``param.data = ...``), which get their placeholder back."""
+        for unit in self.pager.units.values():
+            for slot in unit.slots:
+                param = slot.param
+                if self.pager.holds_placeholder(param) or self.pager.device_flat(unit.index, slot.dtype) is not None:
+                    continue
+                value = param.data
+                self.pager.unbind(slot)
+                if value.shape != slot.shape:
+                    raise RuntimeError(
+                        f"RatelStrategy: parameter {slot.name} was given a tensor of shape {tuple(value.shape)} "
+                        f"between training steps (its shape is {tuple(slot.shape)}); RatelStrategy lays its "
+                        "parameters out at setup and cannot change a shape during fit. Change the model's shapes "
+                        "before fit.")
+                with self._through():
+                    self._unit_values(unit.index)[id(param)].copy_(value)
+                self._dirty.add(unit.index)
+                self._evict()
+        dirty, self._dirty = self._dirty, set()
+        for unit in sorted(dirty):
+            self._assign(unit, self._cache[unit])
+
+    @contextlib.contextmanager
+    def _through(self) -> Iterator[None]:
+        """Pass ops through (this mode's own copies)."""
         self._bypass += 1
         try:
             yield
         finally:
             self._bypass -= 1
-
-    def invalidate(self) -> None:
-        """Forget the values read (an update may change them)."""
-        self._cache.clear()
-        self._storages.clear()
-        self._settled = False
 
     # ------------------------------------------------------------------ ops
 
@@ -143,20 +188,20 @@ class ParameterReads(TorchDispatchMode):
         device = self.pager.device.device
         values = {pid: value.to(device) for pid, value in self._values(unit).items()}
         self._cache[unit] = values
-        while len(self._cache) > CACHED_UNITS:
-            for value in self._cache.popitem(last=False)[1].values():
-                self._storages.pop(value.untyped_storage().data_ptr(), None)
         for slot in self.pager.units[unit].slots:
-            self._storages[values[id(slot.param)].untyped_storage().data_ptr()] = slot.name
+            self._storages[values[id(slot.param)].untyped_storage().data_ptr()] = unit
         return values
 
-    def _refuse_write(self, func: Any, name: str) -> None:
-        raise RuntimeError(
-            f"RatelStrategy: {func} writes parameter {name} between training steps, in {reader()}. During fit the "
-            "parameters' values live in RatelStrategy's swap files, and a write there would not reach them (nor the "
-            "optimizer). Change parameters inside training_step's computation (through the optimizer), or before or "
-            "after fit."
-        )
+    def _evict(self) -> None:
+        """Keep :data:`CACHED_UNITS` units (after an op: one op's arguments all stay), giving written ones to the
+        engine."""
+        while len(self._cache) > CACHED_UNITS:
+            evicted, old = self._cache.popitem(last=False)
+            if evicted in self._dirty:
+                self._dirty.discard(evicted)
+                self._assign(evicted, old)
+            for value in old.values():
+                self._storages.pop(value.untyped_storage().data_ptr(), None)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -167,9 +212,8 @@ class ParameterReads(TorchDispatchMode):
             slot = self._placeholder(t)
             if slot is not None:
                 found[id(t)] = slot
-        if found or self._storages:
-            self._check_writes(func, args, kwargs, found)
-        if not found:
+        written = self._written_units(func, args, kwargs, found) if found or self._storages else set()
+        if not found and not written:
             return func(*args, **kwargs)
 
         def real(t: Any) -> Any:
@@ -185,7 +229,11 @@ class ParameterReads(TorchDispatchMode):
             )
 
         args, kwargs = tree_map(real, (args, kwargs))
-        return func(*args, **kwargs)
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self._dirty.update(written)
+            self._evict()
 
     def _placeholder(self, t: Any) -> Any:
         """The unit and slot of the placeholder ``t`` is (or views), ``None`` for anything else."""
@@ -197,12 +245,15 @@ class ParameterReads(TorchDispatchMode):
             return None
         return self.pager.placeholder_slot(t)
 
-    def _check_writes(self, func: Any, args: Any, kwargs: Any, found: dict[int, Any]) -> None:
+    def _written_units(self, func: Any, args: Any, kwargs: Any, found: dict[int, Any]) -> set[int]:
+        """The units whose values ``func`` writes: through a placeholder (mapped to the value held here) or through a
+        value handed out before."""
         schema = getattr(func, "_schema", None)
         if schema is None or not schema.is_mutable:
-            return
+            return set()
         named = dict(zip((a.name for a in schema.arguments), args))
         named.update(kwargs)
+        units = set()
         for argument in schema.arguments:
             if argument.alias_info is None or not argument.alias_info.is_write:
                 continue
@@ -210,8 +261,9 @@ class ParameterReads(TorchDispatchMode):
                 if not isinstance(t, torch.Tensor):
                     continue
                 if id(t) in found:
-                    self._refuse_write(func, found[id(t)][1].name)
-                if type(t) is torch.Tensor and t.layout == torch.strided and t.numel():
-                    name = self._storages.get(t.untyped_storage().data_ptr())
-                    if name is not None:
-                        self._refuse_write(func, name)
+                    units.add(found[id(t)][0])
+                elif type(t) is torch.Tensor and t.layout == torch.strided and t.numel():
+                    unit = self._storages.get(t.untyped_storage().data_ptr())
+                    if unit is not None:
+                        units.add(unit)
+        return units

@@ -21,6 +21,7 @@ from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.types import _PATH
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.accelerators import Accelerator, CUDAAccelerator
+from lightning.pytorch.callbacks import BaseFinetuning
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
@@ -158,6 +159,10 @@ class RatelStrategy(SingleDeviceStrategy):
         self._swap_directories: list[str] = []
         # Directories this run created for the swap files (parents included), removed again at teardown when empty.
         self._created_directories: list[Path] = []
+        # The RatelProfiler of the last fit, and the trainer's callback list it was added to when this strategy added
+        # it (taken out again at teardown: a tuner compares the trainer's callbacks before and after its trials).
+        self._profiler: RatelProfiler | None = None
+        self._added_profiler_to: list | None = None
 
     @property
     def ssd_paths(self) -> list[str] | None:
@@ -251,8 +256,19 @@ class RatelStrategy(SingleDeviceStrategy):
     def connect(self, model: nn.Module) -> None:
         super().connect(model)
         trainer = getattr(model, "_trainer", None)
-        if trainer is not None and not any(isinstance(c, RatelProfiler) for c in trainer.callbacks):
-            trainer.callbacks.append(RatelProfiler())
+        if trainer is None:
+            return
+        self._profiler = next((c for c in trainer.callbacks if isinstance(c, RatelProfiler)), None)
+        if self._profiler is None:
+            self._profiler = RatelProfiler()
+            trainer.callbacks.append(self._profiler)
+            self._added_profiler_to = trainer.callbacks
+
+    @property
+    def profiler(self) -> RatelProfiler | None:
+        """The :class:`RatelProfiler` of the last fit (the plan, the measured steps): the trainer's own, or the one
+        the strategy added for the fit (and took out of ``trainer.callbacks`` at its end)."""
+        return self._profiler
 
     @property
     def engine(self) -> RatelEngine | None:
@@ -315,6 +331,13 @@ class RatelStrategy(SingleDeviceStrategy):
                     "Put their parameters into parameter groups of one optimizer (each group keeps its own "
                     f"hyperparameters), or train with another strategy.{manual}")
             optimizer = self.optimizers[0]
+            finetuning = [type(c).__name__ for c in trainer.callbacks if isinstance(c, BaseFinetuning)]
+            if finetuning:
+                # Said now rather than only when it happens, possibly many epochs in.
+                rank_zero_warn(
+                    f"RatelStrategy: {finetuning[0]} unfreezes parameters during fit with `optimizer.add_param_group`, "
+                    "which RatelStrategy cannot follow yet: fit stops with a RatelConfigError at that call. Train "
+                    "each stage in a fit of its own (the frozen backbone first, then everything).")
             # A forced "full" that cannot be gathered is refused now rather than at the first save.
             self._format = choose_checkpoint_format(self.config.checkpoint_format, module, optimizer,
                                                     self.config.host_memory_limit)
@@ -401,18 +424,6 @@ class RatelStrategy(SingleDeviceStrategy):
         loss = output.get("loss") if isinstance(output, Mapping) else output
         self._engine.note_loss(loss if isinstance(loss, torch.Tensor) else None)
         return output
-
-    @override
-    def backward(self, closure_loss: torch.Tensor, optimizer: torch.optim.Optimizer | None, *args: Any,
-                 **kwargs: Any) -> torch.Tensor:
-        try:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
-        except BaseException:
-            # The engine's pass stopped: the user's hooks (on_exception, OnExceptionCheckpoint's) read the committed
-            # values again. A forward that raises resumes them itself (RatelEngine.watch_forward).
-            if self._engine is not None:
-                self._engine.reads.resume()
-            raise
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -523,7 +534,8 @@ class RatelStrategy(SingleDeviceStrategy):
             if is_sharded_checkpoint(path):
                 shutil.rmtree(path)
             super().save_checkpoint(checkpoint, filepath, storage_options)
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        # A module connected without a fit (``strategy.connect(model)``, then a save) has no trainer to ask.
+        trainer = getattr(self.lightning_module, "_trainer", None)
         if trainer is not None and self._engine is not None:
             self._saved_step = trainer.global_step
         if self.is_global_zero:
@@ -559,7 +571,7 @@ class RatelStrategy(SingleDeviceStrategy):
         return self._pretrained
 
     def _progress(self) -> bool:
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        trainer = getattr(self.lightning_module, "_trainer", None)
         return trainer is not None and trainer.progress_bar_callback is not None
 
     def save_pretrained(self, path: str | os.PathLike[str], dtype: str | torch.dtype = "bf16",
@@ -613,7 +625,7 @@ class RatelStrategy(SingleDeviceStrategy):
             if engine is None:
                 raise
             broken = self._engine_broken(engine, err)
-            trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+            trainer = getattr(self.lightning_module, "_trainer", None)
             interrupted = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
             if not broken and not interrupted:
                 raise
@@ -683,7 +695,7 @@ class RatelStrategy(SingleDeviceStrategy):
         engine.abort_step()
         plan = state.restore_plan()
         restored = _restored_summary(engine, plan)
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        trainer = getattr(self.lightning_module, "_trainer", None)
         saved = trainer is not None and self._saved_step == trainer.global_step
         keep = self.config.keep_swap_files or (bool(plan.lost) and not saved)
         if keep:
@@ -759,6 +771,9 @@ class RatelStrategy(SingleDeviceStrategy):
         for opt in (*self.optimizers, *self._lightning_optimizers):
             # The instance attribute manual optimization's setup put over the class's zero_grad.
             opt.__dict__.pop("zero_grad", None)
+        added, self._added_profiler_to = self._added_profiler_to, None
+        if added is not None and self._profiler in added:
+            added.remove(self._profiler)
         engine, self._engine = self._engine, None
         if engine is not None:
             self._end_engine(engine, self._exception)

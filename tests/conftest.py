@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from lightning_ratel.runtime.probe import CACHE_ENV
 from lightning_ratel.runtime.simulation import SIMULATE_STREAMS_ENV, take_simulation_errors
 
 
@@ -24,6 +25,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # Measured hardware speeds are kept in this process only: the tests leave nothing in the user's cache.
+    os.environ.setdefault(CACHE_ENV, "")
     if config.getoption("--simulate-streams"):
         os.environ[SIMULATE_STREAMS_ENV] = "1"
 

@@ -63,9 +63,19 @@ class WritesWeights(L.Callback):
             pl_module.model.lm_head.weight.mul_(0.5)
 
 
-def test_a_write_between_steps_is_refused_naming_the_parameter_and_the_writer(tmp_path: Path) -> None:
-    with pytest.raises(RuntimeError, match=r"writes parameter model\.lm_head\.weight.*on_train_batch_end"):
-        trainer(RatelStrategy(ssd_paths=[str(tmp_path)]), callbacks=[WritesWeights()]).fit(LM("llama"))
+@pytest.mark.parametrize("settings", [{"precision": "32-true"}, {"precision": "bf16-mixed"},
+                                      {"precision": "bf16-mixed", "param_cache": "ssd"}],
+                         ids=["fp32", "bf16", "bf16-param-cache-ssd"])
+def test_a_write_between_steps_reaches_the_master_like_plain(tmp_path: Path, settings: dict) -> None:
+    precision = settings["precision"]
+    plain = LM("llama")
+    t = trainer(callbacks=[WritesWeights()], precision=precision)
+    t.fit(plain)
+    strategy = RatelStrategy(ssd_paths=[str(tmp_path)], **{k: v for k, v in settings.items() if k != "precision"})
+    module = LM("llama")
+    r = trainer(strategy, callbacks=[WritesWeights()], precision=precision)
+    r.fit(module)
+    assert max_rel_err(final_state(plain, t)[0], final_state(module, r)[0]) <= 1e-5
 
 
 class LateReader(nn.Module):
@@ -133,9 +143,23 @@ class WritesThroughARead(L.Callback):
             pl_module.model.model.norm.weight.detach().zero_()
 
 
-def test_a_write_through_a_value_read_between_steps_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(RuntimeError, match=r"writes parameter model\.model\.norm\.weight"):
-        trainer(RatelStrategy(ssd_paths=[str(tmp_path)]), callbacks=[WritesThroughARead()]).fit(LM("llama"))
+class RebindsWeights(L.Callback):
+    """Gives a weight another tensor (``.data =``), as pruning's lottery-ticket reset does."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        weight = pl_module.model.model.layers[1].mlp.up_proj.weight
+        weight.data = torch.full_like(weight, 0.01)
+
+
+@pytest.mark.parametrize("callback", [WritesThroughARead, RebindsWeights])
+def test_a_write_through_a_read_or_a_rebinding_reaches_the_master_like_plain(tmp_path: Path, callback: type) -> None:
+    plain = LM("llama")
+    t = trainer(callbacks=[callback()])
+    t.fit(plain)
+    module = LM("llama")
+    r = trainer(RatelStrategy(ssd_paths=[str(tmp_path)]), callbacks=[callback()])
+    r.fit(module)
+    assert max_rel_err(final_state(plain, t)[0], final_state(module, r)[0]) <= 1e-5
 
 
 class SavesAWeightNorm(LM):
@@ -150,3 +174,33 @@ def test_on_save_checkpoint_reads_the_weights_like_plain(tmp_path: Path) -> None
         trainer(strategy, callbacks=[callback], enable_checkpointing=True).fit(SavesAWeightNorm("llama"))
         norms.append([torch.load(path, weights_only=False)["head_norm"] for path in sorted((tmp_path / name).iterdir())])
     assert len(norms[0]) == 2 and norms[1] == pytest.approx(norms[0], rel=1e-6)
+
+
+class FrozenEmbeddings(LM):
+    """:class:`LM` with its token embeddings frozen (no fp32 master: a frozen shard)."""
+
+    def __init__(self) -> None:
+        super().__init__("llama")
+        self.model.model.embed_tokens.weight.requires_grad_(False)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.lr)
+
+
+class ScalesFrozenEmbeddings(L.Callback):
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        with torch.no_grad():
+            pl_module.model.model.embed_tokens.weight.mul_(1.0 + 2.0 ** -12)
+
+
+@pytest.mark.parametrize("param_cache", ["host", "ssd"])
+def test_a_write_to_a_frozen_parameter_between_steps_is_kept_exactly(tmp_path: Path, param_cache: str) -> None:
+    # bf16-mixed: the frozen shard's bf16 compute copy rounds the written values, which a copy in fp32 keeps exactly.
+    plain = FrozenEmbeddings()
+    t = trainer(callbacks=[ScalesFrozenEmbeddings()], precision="bf16-mixed")
+    t.fit(plain)
+    module = FrozenEmbeddings()
+    r = trainer(RatelStrategy(ssd_paths=[str(tmp_path)], param_cache=param_cache), callbacks=[ScalesFrozenEmbeddings()],
+                precision="bf16-mixed")
+    r.fit(module)
+    assert max_rel_err(final_state(plain, t)[0], final_state(module, r)[0]) <= 1e-5

@@ -311,7 +311,7 @@ def test_device_memory_limit_caps_the_allocator_and_the_plan(tmp_path):
     assert torch.cuda.max_memory_allocated() <= limit
     # The cap is the run's: teardown puts the allocator back as it was.
     assert torch.cuda.get_per_process_memory_fraction(0) == 1.0
-    plan = next(c.plan for c in t.callbacks if isinstance(c, RatelProfiler))
+    plan = t.strategy.profiler.plan
     assert plan is not None
     assert plan.budgets["device"] == limit
     assert plan.memory["device"] <= limit

@@ -37,7 +37,9 @@ def _close(ref: tuple[dict, dict], got: tuple[dict, dict], tol: float = 1e-5) ->
 
 
 def _profiler(t: L.Trainer) -> RatelProfiler:
-    return next(c for c in t.callbacks if isinstance(c, RatelProfiler))
+    profiler = t.strategy.profiler
+    assert isinstance(profiler, RatelProfiler)
+    return profiler
 
 
 @pytest.fixture(scope="module")
@@ -243,7 +245,7 @@ def test_resume_keeps_the_plan_without_profiling(tmp_path, monkeypatch):
     from lightning_ratel.planner import Planner
 
     original = Planner.measure_hardware
-    monkeypatch.setattr(Planner, "measure_hardware", lambda self: calls.append(1) or original(self))
+    monkeypatch.setattr(Planner, "measure_hardware", lambda self, **kw: calls.append(1) or original(self, **kw))
     t2 = trainer(RatelStrategy(ssd_paths=[str(tmp_path)]), enable_checkpointing=True,
                  callbacks=[ModelCheckpoint(dirpath=str(tmp_path / "ckpt2"))], max_steps=5)
     t2.fit(LM("llama"), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
@@ -291,3 +293,35 @@ def test_device_memory_limit_needs_no_gpu_to_parse(tmp_path):
     strategy = RatelStrategy(ssd_paths=[str(tmp_path)], device_memory_limit="24GiB", host_memory_limit="2GiB")
     assert strategy.device_memory_limit == 24 << 30 and strategy.host_memory_limit == 2 << 30
     assert torch.device("cpu") == strategy.root_device
+
+
+def test_hardware_speeds_are_kept_per_machine_and_filesystem(tmp_path, monkeypatch):
+    from lightning_ratel.runtime import probe
+    from lightning_ratel.runtime.adamw import adamw_step
+    from lightning_ratel.runtime.device import Device
+
+    monkeypatch.setattr(probe, "_measured", {})
+    monkeypatch.setenv(probe.CACHE_ENV, str(tmp_path / "hardware.json"))
+    probes = []
+    original = probe.disk_bandwidth
+    monkeypatch.setattr(probe, "disk_bandwidth", lambda *a, **k: probes.append(1) or original(*a, **k))
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.mkdir()
+    second.mkdir()
+    device = Device(torch.device("cpu"))
+
+    def measure(path, **kwargs):
+        return probe.measure_hardware(device, [str(path)], adamw_step(), probe_bytes=1 << 20, threads=1, **kwargs)
+
+    measured = measure(first)
+    # Another swap directory on the same filesystem: the speeds are kept, the free capacities read again.
+    again = measure(second)
+    assert probes == [1]
+    assert again.ssd_read_bandwidth == measured.ssd_read_bandwidth
+    assert again.adam_params_per_s == measured.adam_params_per_s
+    # The next process finds them in the cache file.
+    monkeypatch.setattr(probe, "_measured", {})
+    measure(second)
+    assert probes == [1]
+    measure(second, fresh=True)
+    assert probes == [1, 1]

@@ -45,6 +45,9 @@ class FakeEngine:
     def post_backward(self) -> None:
         self.calls.append(("post_backward",))
 
+    def backward_stopped(self) -> None:
+        self.calls.append(("backward_stopped",))
+
 
 class Plain(pl.LightningModule):
     pass

@@ -136,6 +136,13 @@ class _Abort:
 
 
 @dataclass(frozen=True)
+class _Assign:
+    shard: Shard
+    master: torch.Tensor
+    future: Future
+
+
+@dataclass(frozen=True)
 class _Written:
     buffers: StateBufferSet
 
@@ -151,7 +158,7 @@ class _Stop:
     pass
 
 
-_Job = _Gradient | _Begin | _Schedule | _Discard | _Abort | _Written | _Barrier | _Stop
+_Job = _Gradient | _Begin | _Schedule | _Discard | _Abort | _Assign | _Written | _Barrier | _Stop
 
 
 @dataclass(frozen=True)
@@ -374,6 +381,16 @@ class CpuAdam:
             self.store.write(shard.key("state", self.ledger.committed(shard).slot), record).result()
         self.ledger.load(shard, steps)
 
+    def assign(self, shard: Shard, master: torch.Tensor) -> None:
+        """Give ``shard`` new values between steps (a callback or ``load_state_dict`` wrote its parameters): ``master``
+        (fp32, the shard's flat layout) replaces its committed master and its compute copy wherever the pager reads it,
+        as a committed step would; moments and step counts stay as they are. Waits until done."""
+        self.barrier(include_writes=True)
+        future: Future = Future()
+        self._jobs.put(_Assign(shard, master, future))
+        self.barrier()
+        future.result()
+
     # ------------------------------------------------------------------ worker thread
 
     def _run(self) -> None:
@@ -434,6 +451,13 @@ class CpuAdam:
         elif isinstance(job, _Abort):
             self._abort()
             job.future.set_result(None)
+        elif isinstance(job, _Assign):
+            try:
+                self._assign(job.shard, job.master)
+            except BaseException as err:
+                job.future.set_exception(err)
+            else:
+                job.future.set_result(None)
         elif isinstance(job, _Written):
             self.buffers.written(job.buffers)
         elif isinstance(job, _Barrier):
@@ -513,6 +537,23 @@ class CpuAdam:
         else:
             shard.compute_view(shard.unit.host[shard.dtype]).copy_(master)
         shard.unit.ready.retract()
+
+    def _assign(self, shard: Shard, master: torch.Tensor) -> None:
+        """See :meth:`assign` (worker thread)."""
+        if self.ledger.pending(shard):
+            raise RuntimeError(f"shard {shard.index} was given new values while an update of it is pending")
+        # States read ahead hold the old master.
+        if shard.index in self.buffers.ahead:
+            self.buffers.give_back(self.buffers.ahead.pop(shard.index))
+        self.buffers.settle(shard)
+        self.store.write(self.state_key(shard, "master"), master).result()
+        if shard.master_in_host:
+            shard.host_master().copy_(master)
+        elif not self.compute_on_store:
+            shard.compute_view(shard.unit.host[shard.dtype]).copy_(master)
+        elif shard.dtype != torch.float32:
+            # An fp32 shard's compute copy on the store is its committed master, written above.
+            self.store.write(shard.compute_key, master.to(shard.dtype)).result()
 
     def _advance(self) -> None:
         while True:

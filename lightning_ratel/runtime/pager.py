@@ -110,6 +110,11 @@ class ParameterPager:
         """Whether ``param`` holds a paging placeholder now (it is not resident)."""
         return param.data_ptr() in self._placeholder_slots
 
+    def unbind(self, slot: ParamSlot) -> None:
+        """Give a parameter that is not resident its placeholder again (code outside the engine had given it another
+        tensor, whose value was taken over)."""
+        slot.param.data = self._placeholder(slot)
+
     def placeholder_slot(self, tensor: torch.Tensor) -> tuple[int, ParamSlot] | None:
         """The unit and slot of the parameter whose placeholder ``tensor`` is (or views), ``None`` for any other."""
         return self._placeholder_slots.get(tensor.data_ptr()) if tensor.numel() else None

@@ -2,15 +2,22 @@
 
 Nothing here is assumed from a datasheet: each figure comes from a short transfer or kernel run on the actual device,
 the actual ``ssd_paths`` and the AdamW step the optimizer uses. The probes are small (tens of MiB), so together they
-cost well under a second on ordinary hardware.
+cost well under a second on ordinary hardware; still, a short fit (a test, a tuner's trial, a quick experiment) would
+spend much of its time on them. The speeds measured are kept per machine, device and filesystem of the swap
+directories for :data:`CACHE_SECONDS` (in this process, and in :func:`cache_file` for the next), and free capacities
+are always read afresh.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import socket
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -18,6 +25,15 @@ from lightning_ratel.plan.profile import HardwareProfile
 from lightning_ratel.runtime.device import Device
 from lightning_ratel.runtime.hostmem import aligned_empty
 from lightning_ratel.runtime.storage import TensorStore
+
+CACHE_SECONDS = 24 * 3600
+"""How long measured speeds are reused: long enough for a day's runs, short enough to follow a changed machine."""
+
+CACHE_ENV = "RATEL_HARDWARE_CACHE"
+"""The file measured speeds are kept in across processes; empty: only within the process."""
+
+# Measured speeds by cache key: (time measured, the profile's speed fields).
+_measured: dict[str, tuple[float, dict[str, Any]]] = {}
 
 
 def available_host_memory() -> int:
@@ -107,8 +123,13 @@ def measure_hardware(
     *,
     probe_bytes: int = 64 << 20,
     per_path: bool = True,
+    threads: int | None = None,
+    fresh: bool = False,
 ) -> HardwareProfile:
     """Profile the device link, the swap directories (together and, if several, each), the CPU AdamW and memory.
+
+    Speeds measured on this machine for the same device, the same filesystems and the same AdamW threads in the last
+    :data:`CACHE_SECONDS` are reused; free memory and disk space are read now.
 
     Args:
         device: the compute device.
@@ -116,29 +137,100 @@ def measure_hardware(
         adam_step: the AdamW step the CPU optimizer uses.
         probe_bytes: bytes moved by each bandwidth probe.
         per_path: also measure each directory alone when there are several.
+        threads: the threads ``adam_step`` runs with (part of what the speeds are kept under).
+        fresh: measure again even where speeds are kept.
     """
-    h2d, d2h = link_bandwidth(device, probe_bytes)
-    read, write = disk_bandwidth(ssd_paths, probe_bytes)
-    paths: dict[str, dict[str, float]] = {}
-    if per_path and len(ssd_paths) > 1:
-        for path in ssd_paths:
-            r, w = disk_bandwidth([path], probe_bytes)
-            paths[str(path)] = {"read": r, "write": w}
+    key = _cache_key(device, ssd_paths, probe_bytes, per_path, threads)
+    speeds = None if fresh else _cached(key)
+    if speeds is None:
+        speeds = _measure_speeds(device, ssd_paths, adam_step, probe_bytes, per_path)
+        _remember(key, speeds)
+    speeds = dict(speeds)
+    # Kept by position: the same filesystems under other directory names.
+    speeds["per_path"] = dict(zip(map(str, ssd_paths), speeds["per_path"]))
     host_free = available_host_memory()
     device_free = torch.cuda.mem_get_info(device.device)[0] if device.is_cuda else host_free
     ssd_free = sum(shutil.disk_usage(p).free for p in {os.stat(p).st_dev: p for p in ssd_paths}.values())
-    return HardwareProfile(
+    return HardwareProfile(**speeds, host_memory_free=host_free, device_memory_free=device_free, ssd_free=ssd_free)
+
+
+def cache_file() -> Path | None:
+    """Where measured speeds are kept across processes: ``$RATEL_HARDWARE_CACHE`` if set (empty: nowhere), else
+    ``lightning_ratel/hardware.json`` in the user's cache directory."""
+    configured = os.environ.get(CACHE_ENV)
+    if configured is not None:
+        return Path(configured) if configured else None
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "lightning_ratel" / "hardware.json"
+
+
+def _cache_key(device: Device, ssd_paths: Sequence[str], probe_bytes: int, per_path: bool,
+               threads: int | None) -> str:
+    name = torch.cuda.get_device_name(device.device) if device.is_cuda else "cpu"
+    # Separate memory tells a CPU that simulates CUDA's streams (tests) from one that does not.
+    return json.dumps([socket.gethostname(), str(device.device), name, device.separate_memory,
+                       [os.stat(p).st_dev for p in ssd_paths], probe_bytes, per_path, threads, torch.__version__])
+
+
+def _cached(key: str) -> dict[str, Any] | None:
+    entry = _measured.get(key)
+    if entry is None:
+        entry = _read_cache_file().get(key)
+    if entry is None or time.time() - entry[0] > CACHE_SECONDS:
+        return None
+    _measured[key] = entry
+    return entry[1]
+
+
+def _read_cache_file() -> dict[str, tuple[float, dict[str, Any]]]:
+    path = cache_file()
+    if path is None:
+        return {}
+    try:
+        entries = json.loads(path.read_text())
+        return {k: (float(v[0]), dict(v[1])) for k, v in entries.items()}
+    except (OSError, ValueError, TypeError, IndexError, AttributeError):
+        # Missing, unreadable or from another version: measure (the cache is advice, never a reason to stop).
+        return {}
+
+
+def _remember(key: str, speeds: dict[str, Any]) -> None:
+    _measured[key] = (time.time(), speeds)
+    path = cache_file()
+    if path is None:
+        return
+    entries = {k: v for k, v in _read_cache_file().items() if time.time() - v[0] <= CACHE_SECONDS}
+    entries[key] = _measured[key]
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.name}.{os.getpid()}")
+        partial.write_text(json.dumps(entries))
+        os.replace(partial, path)
+    except OSError:
+        # A read-only home directory: the speeds are kept in this process only.
+        pass
+
+
+def _measure_speeds(device: Device, ssd_paths: Sequence[str], adam_step: Callable[..., None], probe_bytes: int,
+                    per_path: bool) -> dict[str, Any]:
+    """The fields of a :class:`HardwareProfile` that describe the machine's speeds (``per_path`` as a list in the
+    order of ``ssd_paths``)."""
+    h2d, d2h = link_bandwidth(device, probe_bytes)
+    read, write = disk_bandwidth(ssd_paths, probe_bytes)
+    paths = []
+    if per_path and len(ssd_paths) > 1:
+        for path in ssd_paths:
+            r, w = disk_bandwidth([path], probe_bytes)
+            paths.append({"read": r, "write": w})
+    return {
         # Where the CPU is the device its compute already stands for DRAM traffic; on a GPU machine the optimizer and
         # the transfers share it.
-        host_memory_bandwidth=host_memory_bandwidth() if device.is_cuda else 0.0,
-        device_type=device.device.type,
-        h2d_bandwidth=h2d,
-        d2h_bandwidth=d2h,
-        ssd_read_bandwidth=read,
-        ssd_write_bandwidth=write,
-        adam_params_per_s=adam_throughput(adam_step),
-        host_memory_free=host_free,
-        device_memory_free=device_free,
-        ssd_free=ssd_free,
-        per_path=paths,
-    )
+        "host_memory_bandwidth": host_memory_bandwidth() if device.is_cuda else 0.0,
+        "device_type": device.device.type,
+        "h2d_bandwidth": h2d,
+        "d2h_bandwidth": d2h,
+        "ssd_read_bandwidth": read,
+        "ssd_write_bandwidth": write,
+        "adam_params_per_s": adam_throughput(adam_step),
+        "per_path": paths,
+    }
