@@ -22,8 +22,9 @@ the next forward's pre-hook asks the pager for the block, which waits on that si
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -43,8 +44,8 @@ from lightning_ratel.runtime import gds
 from lightning_ratel.runtime.activations import ActivationCache, PlaceholderRead
 from lightning_ratel.runtime.device import Device
 from lightning_ratel.runtime.escapes import Escape, EscapeDetector
-from lightning_ratel.runtime.gradients import GradientOffload
 from lightning_ratel.runtime.generic import group_settings
+from lightning_ratel.runtime.gradients import GradientOffload
 from lightning_ratel.runtime.optimizer import CpuAdam, GroupHyper, StepPlan
 from lightning_ratel.runtime.pager import ParameterPager
 from lightning_ratel.runtime.storage import TensorStore
@@ -202,7 +203,8 @@ class RatelEngine:
         self._ran_watched: set[int] = set()
         # Whether block forwards ran unwatched in the last pass, and that (training) pass's loss if they did.
         self._unwatched_ran = False
-        self._last_loss: torch.Tensor | None = None
+        # Whether the last training pass's loss was finite, on its way to host memory (flag, copy's event).
+        self._last_loss: tuple[torch.Tensor, Any] | None = None
 
     # ------------------------------------------------------------------ parameters used outside their block
 
@@ -264,16 +266,20 @@ class RatelEngine:
                 self.pager.release_all()
 
     def note_loss(self, loss: torch.Tensor | None) -> None:
-        """Keep the loss of a training pass in which block forwards ran unwatched, to check it before the next pass
-        (by then it is computed: checking costs no wait)."""
-        self._last_loss = loss.detach() if loss is not None and self._unwatched_ran else None
+        """Start copying whether the loss of a training pass in which block forwards ran unwatched is finite to host
+        memory, to check before the next pass; reading it on the device would be a host sync every step."""
+        if loss is None or not self._unwatched_ran:
+            self._last_loss = None
+            return
+        self._last_loss = self.device.to_host(torch.isfinite(loss.detach()).all().reshape(1))
 
     def _check_last_loss(self) -> None:
         """A NaN or infinite loss of a pass with unwatched block forwards may come from a paging placeholder read in
         one of them (a read that saved nothing for backward): say so, and watch every forward of the next pass, which
-        pages such a read in and adopts the parameter into that block from then on."""
-        loss, self._last_loss = self._last_loss, None
-        if loss is None or bool(torch.isfinite(loss).all()):
+        pages such a read in and adopts the parameter into that block from then on. A flag whose copy has not landed
+        yet is not waited for (the device is still busy with that step; the next step's flag follows)."""
+        pending, self._last_loss = self._last_loss, None
+        if pending is None or not pending[1].query() or bool(pending[0].item()):
             return
         self._ran_watched = set()
         rank_zero_warn(
