@@ -13,6 +13,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 import lightning_ratel
 from lightning_ratel import RatelPlanError, RatelStrategy
+from lightning_ratel.engine import GRAD_BUDGET_SHARDS
 from tests.models import LM, tiny_llama, trainer
 
 
@@ -52,7 +53,9 @@ def test_estimate_matches_a_run(tmp_path: Path, precision: str, param_cache: str
     assert close(estimate.disk, seen["disk"]), (estimate.disk, seen["disk"])
     assert close(estimate.host_cache, seen["host_cache"]), (estimate.host_cache, seen["host_cache"])
     assert close(estimate.optimizer_buffers, seen["optimizer"]), (estimate.optimizer_buffers, seen["optimizer"])
-    assert 0 < seen["gradients"] <= estimate.gradient_buffers
+    # The gradient budget holds back backward only while the optimizer has work that will free memory, so one more
+    # shard's gradient can be taken past it; how far backward runs ahead depends on timing.
+    assert 0 < seen["gradients"] <= estimate.gradient_buffers * (GRAD_BUDGET_SHARDS + 1) // GRAD_BUDGET_SHARDS
     written = sum(f.stat().st_size for f in Path(checkpoints.best_model_path).glob("unit-*.safetensors"))
     assert close(estimate.checkpoint, written), (estimate.checkpoint, written)
     assert estimate.parameters == estimate.trainable == sum(p.numel() for p in lm.parameters())
@@ -97,5 +100,5 @@ def test_host_budget_refused_before_the_model_is_built(tmp_path: Path) -> None:
     with pytest.raises(RatelPlanError, match=r"host_memory_limit \(64.00 KiB\).*CPU optimizer"):
         t.fit(lm)
     assert steps == []
-    assert list(swap.iterdir()) == [], "swap files written before the budget was checked"
+    assert not swap.exists(), "swap files written before the budget was checked, or the directory the run made left"
     assert all(torch.isfinite(p).all() for p in lm.parameters())
