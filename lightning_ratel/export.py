@@ -31,8 +31,15 @@ from lightning_ratel.checkpoint import ModelState
 from lightning_ratel.errors import RatelConfigError
 from lightning_ratel.progress import progress_bar
 from lightning_ratel.sizes import parse_bytes
-from lightning_ratel.tensorfiles import (TensorFileWriter, dtype_name, dtype_of, numel_of, remove_stale_staging,
-                                         replace_directory, staging_path)
+from lightning_ratel.tensorfiles import (
+    TensorFileWriter,
+    dtype_name,
+    dtype_of,
+    numel_of,
+    remove_stale_staging,
+    replace_directory,
+    staging_path,
+)
 
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"

@@ -20,10 +20,10 @@ from torch import nn
 from lightning_ratel.blocks import discover_blocks
 from lightning_ratel.checkpoint import choose_checkpoint_format, gathered_checkpoint_bytes
 from lightning_ratel.config import RatelConfig
+from lightning_ratel.engine import GRAD_BUDGET_SHARDS
 from lightning_ratel.errors import RatelConfigError, RatelPlanError
 from lightning_ratel.layout import Layout, build_layout
 from lightning_ratel.precision import RatelPrecision
-from lightning_ratel.engine import GRAD_BUDGET_SHARDS
 from lightning_ratel.runtime.state_buffers import BUFFER_SETS
 from lightning_ratel.runtime.storage import ALIGNMENT
 from lightning_ratel.sizes import format_bytes, round_up

@@ -11,10 +11,10 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only
 from rich.console import Console
 from rich.table import Table
 
-from lightning_ratel.tiers import TIERS
 from lightning_ratel.plan.cost import bottleneck
 from lightning_ratel.plan.search import Plan
 from lightning_ratel.sizes import format_bytes
+from lightning_ratel.tiers import TIERS
 
 STEP_KEYS = ("wall", "compute", "h2d", "d2h", "ssd", "cpu_optimizer", "idle")
 """The per-step measurements :func:`write_report` draws: the wall time, then the resources in bar order."""

@@ -52,8 +52,14 @@ from lightning_ratel.runtime.generic import ParamStates, StateEntry
 from lightning_ratel.runtime.hostmem import aligned_empty
 from lightning_ratel.runtime.units import ParamSlot, Shard
 from lightning_ratel.sizes import round_up
-from lightning_ratel.tensorfiles import (TensorFileReader, TensorFileWriter, dtype_name, remove_stale_staging,
-                                         replace_directory, staging_path)
+from lightning_ratel.tensorfiles import (
+    TensorFileReader,
+    TensorFileWriter,
+    dtype_name,
+    remove_stale_staging,
+    replace_directory,
+    staging_path,
+)
 
 INDEX = "ratel_checkpoint.json"
 META = "meta.pt"

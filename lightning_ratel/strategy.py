@@ -18,8 +18,8 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO
-from lightning.fabric.utilities.types import _PATH
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import Accelerator, CUDAAccelerator
 from lightning.pytorch.callbacks import BaseFinetuning
 from lightning.pytorch.core.optimizer import LightningOptimizer
@@ -37,17 +37,23 @@ from lightning_ratel.engine import RatelEngine
 from lightning_ratel.errors import RatelConfigError
 from lightning_ratel.export import DEFAULT_SHARD_SIZE, LiveReader, ModuleReader, write_hf_folder
 from lightning_ratel.materialize import ValueSource, persistent_buffers
-from lightning_ratel.pretrained import PretrainedFolder, PretrainedSource, StateDictSource
-from lightning_ratel.sharded import (ShardedReader, ShardedSource, is_sharded_checkpoint, load_moments,
-                                     not_a_checkpoint, save_sharded)
-from lightning_ratel.tensorfiles import parse_dtype
 from lightning_ratel.plan.search import Plan
 from lightning_ratel.planner import Planner
 from lightning_ratel.precision import RatelPrecision
 from lightning_ratel.preflight import check_host_budget
+from lightning_ratel.pretrained import PretrainedFolder, PretrainedSource, StateDictSource
 from lightning_ratel.report import show_plan
 from lightning_ratel.runtime.swapfile import prepare_directories
+from lightning_ratel.sharded import (
+    ShardedReader,
+    ShardedSource,
+    is_sharded_checkpoint,
+    load_moments,
+    not_a_checkpoint,
+    save_sharded,
+)
 from lightning_ratel.sizes import format_bytes, format_rate, path_bytes
+from lightning_ratel.tensorfiles import parse_dtype
 from lightning_ratel.tiers import ParamCache, Placement
 
 

@@ -8,8 +8,14 @@ from typing import Any
 import lightning as L
 import torch
 from torch import nn
-from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, T5Config,
-                          T5ForConditionalGeneration)
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    T5Config,
+    T5ForConditionalGeneration,
+)
 
 VOCAB = 64
 SEQ = 16

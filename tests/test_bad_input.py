@@ -23,8 +23,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.trainer.states import TrainerStatus
 
 from lightning_ratel import RatelConfigError, RatelStrategy
-from lightning_ratel.runtime import storage
-from lightning_ratel.runtime import swapfile
+from lightning_ratel.runtime import storage, swapfile
 from lightning_ratel.runtime.storage import TensorStore
 from tests.models import LM, final_state, max_rel_err, trainer
 

@@ -21,8 +21,9 @@ from torch import nn
 import lightning_ratel
 from lightning_ratel import RatelConfigError, RatelPlanError, RatelPrecision, RatelStrategy, checkpoint, engine, layout
 from lightning_ratel.runtime.pool import BufferPool
-from tests.models import LM, final_state, gradscaler_reference, max_rel_err, trainer
+from tests.models import LM
 from tests.models import compare_states as _compare
+from tests.models import final_state, gradscaler_reference, max_rel_err, trainer
 
 
 class _Inspect(Callback):

@@ -10,8 +10,14 @@ import numpy
 import pytest
 import torch
 from torch import nn
-from transformers import (GPT2Config, GPT2LMHeadModel, MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig,
-                          Qwen2MoeForCausalLM)
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
+)
 
 from lightning_ratel import Plan, RatelStrategy
 from lightning_ratel.runtime import recompute

@@ -11,11 +11,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
-import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
-
 from transformers import LlamaForCausalLM
 
 from lightning_ratel import RatelConfigError, RatelStrategy, tensorfiles
