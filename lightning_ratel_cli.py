@@ -44,7 +44,7 @@ def convert(argv: Sequence[str] | None = None, prog: str = "ratel-convert") -> i
     """Run ``ratel-convert`` with ``argv`` (``sys.argv[1:]`` when ``None``); the exit status."""
     parser = convert_parser(prog)
     args = parser.parse_args(argv)
-    from lightning_ratel.convert import run
+    from lightning_ratel.io.convert import run
 
     return run(args, parser)
 

@@ -48,10 +48,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from lightning_ratel import RatelHFExport, RatelStrategy  # noqa: E402
-from lightning_ratel.export import SAFE_INDEX, SAFE_WEIGHTS  # noqa: E402
+from lightning_ratel.io.export import SAFE_INDEX, SAFE_WEIGHTS  # noqa: E402
 from lightning_ratel.runtime.probe import disk_bandwidth  # noqa: E402
 from lightning_ratel.sizes import format_bytes  # noqa: E402
-from lightning_ratel.tensorfiles import TensorFileWriter  # noqa: E402
+from lightning_ratel.io.tensorfiles import TensorFileWriter  # noqa: E402
 from beyond_ram import (  # noqa: E402
     HelpFormatter,
     RepeatedWindowLM,

@@ -21,10 +21,10 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_ratel.export import ModuleReader, write_hf_folder
+from lightning_ratel.engine.planner import Planner
+from lightning_ratel.io.export import ModuleReader, write_hf_folder
+from lightning_ratel.io.tensorfiles import parse_dtype
 from lightning_ratel.plan.search import Plan
-from lightning_ratel.planner import Planner
-from lightning_ratel.tensorfiles import parse_dtype
 
 
 @runtime_checkable

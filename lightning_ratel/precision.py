@@ -24,7 +24,7 @@ _PRECISION_INPUT = Literal["32-true", "bf16-mixed", "16-mixed"]
 
 
 class StepEngine(Protocol):
-    """What this plugin asks of the engine during a step (:class:`~lightning_ratel.engine.RatelEngine` is it)."""
+    """What this plugin asks of the engine during a step (:class:`~lightning_ratel.engine.coordinator.RatelEngine` is it)."""
 
     def begin_step(self, optimizer: torch.optim.Optimizer, clip_val: float | None, clip_algorithm: str,
                    custom_clipping: bool, loss_scaled: bool) -> None: ...

@@ -1,6 +1,6 @@
 """RatelStrategy: the Lightning entry point.
 
-A thin adapter: it checks the settings (:class:`~lightning_ratel.config.RatelConfig`), builds a :class:`~lightning_ratel.engine.RatelEngine` for each
+A thin adapter: it checks the settings (:class:`~lightning_ratel.config.RatelConfig`), builds a :class:`~lightning_ratel.engine.coordinator.RatelEngine` for each
 fit/validate/test/predict run, and forwards Lightning's events to it. It never moves data itself.
 """
 
@@ -31,20 +31,15 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_ratel.callbacks import RatelProfiler
-from lightning_ratel.checkpoint import Restored, choose_checkpoint_format
 from lightning_ratel.config import ActivationPolicy, CheckpointFormat, ParamInitFn, PlanLike, RatelConfig
-from lightning_ratel.engine import RatelEngine
+from lightning_ratel.engine.coordinator import RatelEngine
+from lightning_ratel.engine.materialize import ValueSource, persistent_buffers
+from lightning_ratel.engine.planner import Planner
 from lightning_ratel.errors import RatelConfigError
-from lightning_ratel.export import DEFAULT_SHARD_SIZE, LiveReader, ModuleReader, write_hf_folder
-from lightning_ratel.materialize import ValueSource, persistent_buffers
-from lightning_ratel.plan.search import Plan
-from lightning_ratel.planner import Planner
-from lightning_ratel.precision import RatelPrecision
-from lightning_ratel.preflight import check_host_budget
-from lightning_ratel.pretrained import PretrainedFolder, PretrainedSource, StateDictSource
-from lightning_ratel.report import show_plan
-from lightning_ratel.runtime.swapfile import prepare_directories
-from lightning_ratel.sharded import (
+from lightning_ratel.io.checkpoint import Restored, choose_checkpoint_format
+from lightning_ratel.io.export import DEFAULT_SHARD_SIZE, LiveReader, ModuleReader, write_hf_folder
+from lightning_ratel.io.pretrained import PretrainedFolder, PretrainedSource, StateDictSource
+from lightning_ratel.io.sharded import (
     ShardedReader,
     ShardedSource,
     is_sharded_checkpoint,
@@ -52,8 +47,13 @@ from lightning_ratel.sharded import (
     not_a_checkpoint,
     save_sharded,
 )
+from lightning_ratel.io.tensorfiles import parse_dtype
+from lightning_ratel.plan.search import Plan
+from lightning_ratel.precision import RatelPrecision
+from lightning_ratel.preflight import check_host_budget
+from lightning_ratel.report import show_plan
+from lightning_ratel.runtime.swapfile import prepare_directories
 from lightning_ratel.sizes import format_bytes, format_rate, path_bytes
-from lightning_ratel.tensorfiles import parse_dtype
 from lightning_ratel.tiers import ParamCache, Placement
 
 
@@ -101,7 +101,7 @@ class RatelStrategy(SingleDeviceStrategy):
             attribute and peft's prefixes; trainable parameters the folder lacks (LoRA adapters, a new head) are
             initialized, a frozen one missing or a tensor of the wrong shape is an error before training.
         checkpoint_format: ``"full"``: Lightning's ordinary checkpoint file, gathered in host memory (loadable without
-            this plugin); ``"sharded"``: a directory written and read shard by shard (:mod:`lightning_ratel.sharded`;
+            this plugin); ``"sharded"``: a directory written and read shard by shard (:mod:`lightning_ratel.io.sharded`;
             ``ratel-convert`` turns it into either of the others); ``"auto"``: ``"sharded"`` when
             gathering the checkpoint would take more than half of the host memory budget.
         log_metrics: send the plugin's figures of every training step (time per part, disk bytes and throughput,
@@ -705,9 +705,9 @@ class RatelStrategy(SingleDeviceStrategy):
         saved = trainer is not None and self._saved_step == trainer.global_step
         keep = self.config.keep_swap_files or (bool(plan.lost) and not saved)
         if keep:
-            # Not a module-level import: `python -m lightning_ratel.convert` runs that module as __main__, and runpy
+            # Not a module-level import: `python -m lightning_ratel.io.convert` runs that module as __main__, and runpy
             # warns when importing the package has imported it already.
-            from lightning_ratel.convert import kept_metadata
+            from lightning_ratel.io.convert import kept_metadata
 
             with engine.user_settings():
                 engine.store.set_metadata(kept_metadata(state, engine.module, self._pretrained))

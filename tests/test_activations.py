@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_ratel.blocks import discover_blocks
-from lightning_ratel.layout import build_layout
-from lightning_ratel.materialize import Materializer
+from lightning_ratel.engine.blocks import discover_blocks
+from lightning_ratel.engine.layout import build_layout
+from lightning_ratel.engine.materialize import Materializer
 from lightning_ratel.runtime.activations import ActivationCache
 from lightning_ratel.runtime.device import Device
 from lightning_ratel.runtime.pager import ParameterPager

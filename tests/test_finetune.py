@@ -32,9 +32,9 @@ from transformers import (
 
 import lightning_ratel
 from lightning_ratel import RatelConfigError, RatelHFExport, RatelStrategy, checkpoint, pretrained
-from lightning_ratel.convert import main as convert_main
-from lightning_ratel.convert import sharded_to_hf, sharded_to_lightning
-from lightning_ratel.sharded import INDEX, META, is_sharded_checkpoint
+from lightning_ratel.io.convert import main as convert_main
+from lightning_ratel.io.convert import sharded_to_hf, sharded_to_lightning
+from lightning_ratel.io.sharded import INDEX, META, is_sharded_checkpoint
 from tests.models import LM, SEQ, VOCAB, compare_states, final_state, max_rel_err, tiny_gpt2, tiny_llama, trainer
 
 peft = pytest.importorskip("peft")

@@ -13,7 +13,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from transformers.optimization import Adafactor
 
 from lightning_ratel import RatelConfigError, RatelStrategy
-from lightning_ratel.convert import sharded_to_lightning
+from lightning_ratel.io.convert import sharded_to_lightning
 from lightning_ratel.runtime.generic import group_settings, probe_shape, probe_states
 from tests.models import LM, final_state, trainer
 from tests.test_step_commit import FAIL_AT, FaultyLM

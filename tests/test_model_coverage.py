@@ -15,7 +15,7 @@ from torch import nn
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
 from lightning_ratel import RatelModelError, RatelStrategy
-from lightning_ratel.blocks import discover_blocks
+from lightning_ratel.engine.blocks import discover_blocks
 from tests.models import LM, MLP, MODELS, SEQ, VOCAB, cache_off, final_state, max_rel_err, mlp_layers, trainer
 
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_ratel.blocks import BlockMembership, discover_blocks
-from lightning_ratel.layout import Layout, build_layout
-from lightning_ratel.materialize import Materializer
+from lightning_ratel.engine.blocks import BlockMembership, discover_blocks
+from lightning_ratel.engine.layout import Layout, build_layout
+from lightning_ratel.engine.materialize import Materializer
 from lightning_ratel.runtime.device import Device
 from lightning_ratel.runtime.pager import ParameterPager
 from lightning_ratel.runtime.storage import TensorStore

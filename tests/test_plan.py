@@ -450,7 +450,7 @@ def test_profiles_without_the_new_fields_still_load():
 
 
 def test_device_overhead_from_what_profiling_measured():
-    from lightning_ratel.planner import device_overhead
+    from lightning_ratel.engine.planner import device_overhead
 
     # bf16 logits of 1000 elements: themselves, the loss's fp32 copy and the gradient.
     estimated = device_overhead(2000, 1000, peaks_measured=False)

@@ -14,8 +14,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_ratel import Plan, RatelConfigError, RatelPlanError, RatelProfiler, RatelStrategy
-from lightning_ratel.blocks import discover_blocks
-from lightning_ratel.placement import plan_placements
+from lightning_ratel.engine.blocks import discover_blocks
+from lightning_ratel.engine.placement import plan_placements
 from lightning_ratel.runtime import recompute
 from lightning_ratel.sizes import parse_bytes
 from tests.models import LM, final_state, max_rel_err, trainer
@@ -242,7 +242,7 @@ def test_resume_keeps_the_plan_without_profiling(tmp_path, monkeypatch):
     t.fit(LM("llama"))
     first = _profiler(t).plan
     calls = []
-    from lightning_ratel.planner import Planner
+    from lightning_ratel.engine.planner import Planner
 
     original = Planner.measure_hardware
     monkeypatch.setattr(Planner, "measure_hardware", lambda self, **kw: calls.append(1) or original(self, **kw))

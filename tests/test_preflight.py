@@ -13,7 +13,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 import lightning_ratel
 from lightning_ratel import RatelPlanError, RatelStrategy
-from lightning_ratel.engine import GRAD_BUDGET_SHARDS
+from lightning_ratel.engine.coordinator import GRAD_BUDGET_SHARDS
 from tests.models import LM, tiny_llama, trainer
 
 

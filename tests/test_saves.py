@@ -18,8 +18,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from transformers import LlamaForCausalLM
 
 from lightning_ratel import RatelConfigError, RatelStrategy, tensorfiles
-from lightning_ratel.convert import sharded_to_lightning
-from lightning_ratel.export import ModuleReader, write_hf_folder
+from lightning_ratel.io.convert import sharded_to_lightning
+from lightning_ratel.io.export import ModuleReader, write_hf_folder
 from tests.models import LM, final_state, max_rel_err, trainer
 
 SHARDED = {"checkpoint_format": "sharded"}

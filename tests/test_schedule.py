@@ -10,17 +10,17 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_ratel.blocks import discover_blocks
-from lightning_ratel.layout import build_layout
-from lightning_ratel.materialize import Materializer
-from lightning_ratel.placement import plan_placements, resolve_policies
+from lightning_ratel.engine.blocks import discover_blocks
+from lightning_ratel.engine.layout import build_layout
+from lightning_ratel.engine.materialize import Materializer
+from lightning_ratel.engine.placement import plan_placements, resolve_policies
+from lightning_ratel.engine.schedule import BlockScheduler, TrainingState
 from lightning_ratel.runtime import recompute
 from lightning_ratel.runtime.activations import ActivationCache
 from lightning_ratel.runtime.device import Device
 from lightning_ratel.runtime.pager import ParameterPager
 from lightning_ratel.runtime.storage import TensorStore
 from lightning_ratel.runtime.timeline import Timeline
-from lightning_ratel.schedule import BlockScheduler, TrainingState
 
 
 class Net(nn.Module):

@@ -1,7 +1,7 @@
 """The step protocol between the precision plugin and the engine, with a stand-in engine: no Trainer, no threads.
 
 What is decided where: the plugin passes on what the Trainer and the module ask for (clipping value and algorithm, a
-custom ``configure_gradient_clipping``, fp16 loss scaling); :class:`~lightning_ratel.engine.StepRule` decides from
+custom ``configure_gradient_clipping``, fp16 loss scaling); :class:`~lightning_ratel.engine.coordinator.StepRule` decides from
 that whether updates wait for the end of backward and how they clip; the plugin hands a clipping request made after
 the closure to the engine and moves the fp16 loss scale as ``torch.amp.GradScaler`` does from whether the engine took
 the step.
@@ -17,7 +17,7 @@ import pytest
 import torch
 from lightning.pytorch.utilities import GradClipAlgorithmType
 
-from lightning_ratel.engine import StepRule
+from lightning_ratel.engine.coordinator import StepRule
 from lightning_ratel.precision import RatelPrecision
 
 

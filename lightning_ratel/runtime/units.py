@@ -5,7 +5,7 @@ one copy (or one set of store reads) per dtype. A *shard* is the part of a unit 
 group and one compute dtype: one contiguous range of the unit's compute copies, and three flat fp32 tensors (master,
 ``exp_avg``, ``exp_avg_sq``) in the swap store.
 
-Layouts are immutable once built (:mod:`lightning_ratel.layout` builds them). What changes while training lives with
+Layouts are immutable once built (:mod:`lightning_ratel.engine.layout` builds them). What changes while training lives with
 the part that owns it: the pager's residency, the optimizer worker's per-shard state, and :class:`UnitReady`, the
 one signal through which the optimizer tells the pager that a unit's compute copy is current.
 

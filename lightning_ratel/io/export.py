@@ -9,7 +9,7 @@ to ``adapter/`` in peft's format (``adapter_model.safetensors``, ``adapter_confi
 dtype.
 
 The weights come from a :class:`StateReader`: the running engine (:class:`LiveReader`, after every update has
-landed), a sharded checkpoint, or kept swap files (:mod:`lightning_ratel.convert`). Each yields one shard's values at
+landed), a sharded checkpoint, or kept swap files (:mod:`lightning_ratel.io.convert`). Each yields one shard's values at
 a time, so host memory holds a shard and the tensor being written, never the model.
 """
 
@@ -27,11 +27,9 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from lightning_ratel.checkpoint import ModelState
 from lightning_ratel.errors import RatelConfigError
-from lightning_ratel.progress import progress_bar
-from lightning_ratel.sizes import parse_bytes
-from lightning_ratel.tensorfiles import (
+from lightning_ratel.io.checkpoint import ModelState
+from lightning_ratel.io.tensorfiles import (
     TensorFileWriter,
     dtype_name,
     dtype_of,
@@ -40,6 +38,8 @@ from lightning_ratel.tensorfiles import (
     replace_directory,
     staging_path,
 )
+from lightning_ratel.progress import progress_bar
+from lightning_ratel.sizes import parse_bytes
 
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
@@ -236,7 +236,7 @@ class StateReader(Protocol):
 
 
 class LiveReader:
-    """The running engine's committed state (:class:`~lightning_ratel.checkpoint.ModelState`) as a
+    """The running engine's committed state (:class:`~lightning_ratel.io.checkpoint.ModelState`) as a
     :class:`StateReader`.
 
     Args:
@@ -296,7 +296,7 @@ def write_hf_folder(reader: StateReader, path: str | os.PathLike[str], dtype: to
     """Write ``reader``'s weights as a Hugging Face folder (see the module docstring).
 
     The export is built in a fresh staging directory beside ``path`` and swapped into place in one step
-    (:func:`~lightning_ratel.tensorfiles.replace_directory`): a reader, or a kill at any moment, finds the earlier
+    (:func:`~lightning_ratel.io.tensorfiles.replace_directory`): a reader, or a kill at any moment, finds the earlier
     export whole or this one whole, never weights of two steps. Files of the folder that this export does not write
     (a tokenizer) are carried over (hard links where possible); the weight files and the adapter of an earlier export
     are not.

@@ -5,7 +5,7 @@ placeholders. Every whole-model pass reads the state of the last committed step 
 update has landed (:meth:`ModelState.stream`): a trainable shard's fp32 master and Adam moments, a frozen shard's
 values (its compute copy, or its values in their own dtype where the compute dtype rounds them). An ordinary
 Lightning checkpoint gathers them (loadable without the plugin) and fits only small models; the sharded format
-(:mod:`lightning_ratel.sharded`) and the Hugging Face export (:mod:`lightning_ratel.export`) stream them to files.
+(:mod:`lightning_ratel.io.sharded`) and the Hugging Face export (:mod:`lightning_ratel.io.export`) stream them to files.
 At the end of a run the values are copied back into the module, and the optimizer state into the user's optimizer,
 as far as they fit in host memory: the trainable parameters first (a LoRA adapter always fits), then the rest.
 """
@@ -21,9 +21,9 @@ import torch
 from torch import nn
 
 from lightning_ratel.config import CheckpointFormat
+from lightning_ratel.engine.layout import Layout
+from lightning_ratel.engine.materialize import nan_placeholder
 from lightning_ratel.errors import RatelConfigError, RatelPlanError
-from lightning_ratel.layout import Layout
-from lightning_ratel.materialize import nan_placeholder
 from lightning_ratel.runtime.generic import OptimizerStateError
 from lightning_ratel.runtime.hostmem import ALIGNMENT, aligned_empty
 from lightning_ratel.runtime.optimizer import CpuAdam

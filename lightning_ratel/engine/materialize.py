@@ -8,7 +8,7 @@ store (fp32 masters of trainable parameters, compute copies read from the store)
 device then gets a paging placeholder instead of memory, so the whole model never has to fit in host memory.
 
 Parameters outside the optimizer (frozen shards) get no master: only their compute copy is written, plus their values
-in their own dtype where the compute dtype rounds them (see :class:`~lightning_ratel.layout.FrozenValues`).
+in their own dtype where the compute dtype rounds them (see :class:`~lightning_ratel.engine.layout.FrozenValues`).
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lightning_ratel.blocks import Block
 from lightning_ratel.config import ParamInitFn
+from lightning_ratel.engine.blocks import Block
+from lightning_ratel.engine.layout import Layout
 from lightning_ratel.errors import RatelConfigError
-from lightning_ratel.layout import Layout
 from lightning_ratel.progress import progress_bar
 from lightning_ratel.runtime.hostmem import ALIGNMENT, aligned_empty
 from lightning_ratel.runtime.storage import TensorStore

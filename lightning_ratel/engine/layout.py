@@ -28,7 +28,7 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from lightning_ratel.blocks import Block
+from lightning_ratel.engine.blocks import Block
 from lightning_ratel.errors import RatelConfigError
 from lightning_ratel.runtime.generic import GenericUpdate, OptimizerStateError, ParamStates, probe_states, rebuild
 from lightning_ratel.runtime.hostmem import ALIGNMENT
@@ -81,7 +81,7 @@ class Layout:
     Attributes:
         units: unit by owning block index.
         block_units: for each block found at setup, the units its forward uses (its own and any it shares); what is
-            learnt later lives in :class:`~lightning_ratel.blocks.BlockMembership`.
+            learnt later lives in :class:`~lightning_ratel.engine.blocks.BlockMembership`.
         shards: the shards the optimizer updates, in block order.
         frozen_shards: shards of parameters outside the optimizer (values kept, never updated).
         param_cache: ``"host"`` (compute copies live in the units' host caches) or ``"ssd"`` (read from the swap

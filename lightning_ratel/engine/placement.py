@@ -14,7 +14,7 @@ from lightning_ratel.errors import RatelConfigError
 from lightning_ratel.tiers import CONTAINER_OP, DEFAULT_TIER, INPUT_OP, TIERS, Placement, check_policy, stored
 
 if TYPE_CHECKING:
-    from lightning_ratel.blocks import Block
+    from lightning_ratel.engine.blocks import Block
 
 def resolve_policies(blocks: Sequence[Block], policy: str | Mapping[str, str]) -> list[Placement]:
     """The placement of each block: one policy for all, or the first matching ``fnmatch`` pattern (unmatched blocks

@@ -13,14 +13,14 @@ A sharded checkpoint is a directory (named like the file Lightning asked for, as
   :class:`~lightning_ratel.RatelProfiler` plan, LR schedulers, the precision plugin, the optimizer's parameter groups,
   persistent buffers), as ``torch.save`` writes it;
 - ``ratel_checkpoint.json``: the index (every parameter's shape, dtype, step count, file; the pretrained folder
-  referred to; the Hugging Face layout for :mod:`lightning_ratel.convert`; the xxh3-64 checksum of every tensor's
+  referred to; the Hugging Face layout for :mod:`lightning_ratel.io.convert`; the xxh3-64 checksum of every tensor's
   bytes, of ``meta.pt`` and of the index's own content, verified whenever they are read). It is written last, into a
   temporary directory swapped into place in one step once everything is on the drive
-  (:func:`~lightning_ratel.tensorfiles.replace_directory`): a checkpoint directory with an index is complete, and
+  (:func:`~lightning_ratel.io.tensorfiles.replace_directory`): a checkpoint directory with an index is complete, and
   replacing one (``last.ckpt``) never leaves neither.
 
 Writing reads the committed state of the last finished step from the store once the optimizer is idle
-(:meth:`~lightning_ratel.checkpoint.ModelState.stream`: two shards' worth of one state in host memory). Reading goes
+(:meth:`~lightning_ratel.io.checkpoint.ModelState.stream`: two shards' worth of one state in host memory). Reading goes
 the other way: masters as the model is materialized (:class:`ShardedSource`), moments and step counts into the CPU
 optimizer's store shard by shard (:func:`load_moments`).
 """
@@ -41,18 +41,13 @@ import torch
 import xxhash
 from torch import nn
 
-from lightning_ratel.checkpoint import ModelState
+from lightning_ratel.engine.layout import Layout
+from lightning_ratel.engine.materialize import SourceValue, ValueSource
 from lightning_ratel.errors import RatelConfigError
-from lightning_ratel.export import HFLayout, ParamRecord, hf_layout
-from lightning_ratel.layout import Layout
-from lightning_ratel.materialize import SourceValue, ValueSource
-from lightning_ratel.pretrained import PretrainedFolder
-from lightning_ratel.progress import progress_bar
-from lightning_ratel.runtime.generic import ParamStates, StateEntry
-from lightning_ratel.runtime.hostmem import aligned_empty
-from lightning_ratel.runtime.units import ParamSlot, Shard
-from lightning_ratel.sizes import round_up
-from lightning_ratel.tensorfiles import (
+from lightning_ratel.io.checkpoint import ModelState
+from lightning_ratel.io.export import HFLayout, ParamRecord, hf_layout
+from lightning_ratel.io.pretrained import PretrainedFolder
+from lightning_ratel.io.tensorfiles import (
     TensorFileReader,
     TensorFileWriter,
     dtype_name,
@@ -60,6 +55,11 @@ from lightning_ratel.tensorfiles import (
     replace_directory,
     staging_path,
 )
+from lightning_ratel.progress import progress_bar
+from lightning_ratel.runtime.generic import ParamStates, StateEntry
+from lightning_ratel.runtime.hostmem import aligned_empty
+from lightning_ratel.runtime.units import ParamSlot, Shard
+from lightning_ratel.sizes import round_up
 
 INDEX = "ratel_checkpoint.json"
 META = "meta.pt"

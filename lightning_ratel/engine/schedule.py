@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from lightning_ratel.blocks import Block
+from lightning_ratel.engine.blocks import Block
 from lightning_ratel.runtime.activations import ActivationCache
 from lightning_ratel.runtime.device import Device
 from lightning_ratel.runtime.pager import ParameterPager

@@ -2,14 +2,14 @@
 
 ``RatelStrategy(pretrained="path/to/folder")`` reads a folder with ``model.safetensors``, or with shards listed in
 ``model.safetensors.index.json``, while the engine materializes the model block by block
-(:mod:`lightning_ratel.materialize`): each block's tensors are read with safetensors' memory-mapped ``safe_open``,
+(:mod:`lightning_ratel.engine.materialize`): each block's tensors are read with safetensors' memory-mapped ``safe_open``,
 cast to the parameter's dtype as ``from_pretrained`` would, written to the swap store, and the file is closed (and
 unmapped) before the next block, so host memory holds about one block.
 
 Names are matched through the prefixes a LightningModule adds: the attribute holding the transformers model
 (``model.``), peft's wrapping (``base_model.model.``, ``.base_layer``). The prefix is the one under which most of the
 model's parameters are found in the folder. Parameters the folder does not hold are initialized (``param_init_fn``, or
-:class:`~lightning_ratel.materialize.DefaultInit`: a LoRA adapter as peft initializes it, a new head by its
+:class:`~lightning_ratel.engine.materialize.DefaultInit`: a LoRA adapter as peft initializes it, a new head by its
 ``reset_parameters()``) when they are trainable; a frozen parameter missing from the folder, a tensor of the wrong
 shape, or a folder that holds none of the model's parameters is a :class:`~lightning_ratel.errors.RatelConfigError`
 raised before anything is written.
@@ -29,11 +29,11 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
+from lightning_ratel.engine.layout import Layout
+from lightning_ratel.engine.materialize import SourceValue, ValueSource
 from lightning_ratel.errors import RatelConfigError
-from lightning_ratel.layout import Layout
-from lightning_ratel.materialize import SourceValue, ValueSource
+from lightning_ratel.io.tensorfiles import TensorEntry, TensorFileReader
 from lightning_ratel.runtime.units import ParamSlot
-from lightning_ratel.tensorfiles import TensorEntry, TensorFileReader
 
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"

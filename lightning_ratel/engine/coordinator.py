@@ -4,12 +4,12 @@ The Lightning adapters call into :class:`RatelEngine` at a handful of points (se
 boundary optimizer step, checkpoints, teardown). Each job lives in a module of its own, and nothing below calls back
 up here:
 
-- :mod:`~lightning_ratel.layout`: units, shards and the dtype policy;
-- :mod:`~lightning_ratel.materialize`: meta-device initialization and the first writes to the store;
-- :mod:`~lightning_ratel.schedule`: forward/backward block scheduling, which drives the pager and the cache;
-- :mod:`~lightning_ratel.planner`: profiling, planning and applying activation placement;
-- :mod:`~lightning_ratel.checkpoint`: everything that reads or writes whole-model state;
-- :mod:`~lightning_ratel.accounting`: bytes held and the per-step time breakdown;
+- :mod:`~lightning_ratel.engine.layout`: units, shards and the dtype policy;
+- :mod:`~lightning_ratel.engine.materialize`: meta-device initialization and the first writes to the store;
+- :mod:`~lightning_ratel.engine.schedule`: forward/backward block scheduling, which drives the pager and the cache;
+- :mod:`~lightning_ratel.engine.planner`: profiling, planning and applying activation placement;
+- :mod:`~lightning_ratel.io.checkpoint`: everything that reads or writes whole-model state;
+- :mod:`~lightning_ratel.engine.accounting`: bytes held and the per-step time breakdown;
 - :mod:`lightning_ratel.runtime`: the mechanisms (device streams, swap store, pager, activation cache, gradient
   offload, CPU AdamW).
 
@@ -30,16 +30,18 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from lightning_ratel.accounting import ByteAccount, StepBreakdown
-from lightning_ratel.blocks import BlockMembership, discover_blocks
-from lightning_ratel.checkpoint import ModelState
 from lightning_ratel.config import RatelConfig
+from lightning_ratel.engine.accounting import ByteAccount, StepBreakdown
+from lightning_ratel.engine.blocks import BlockMembership, discover_blocks
+from lightning_ratel.engine.layout import build_layout
+from lightning_ratel.engine.materialize import Materializer, ValueSource
+from lightning_ratel.engine.placement import check_patterns
+from lightning_ratel.engine.planner import Planner
+from lightning_ratel.engine.reads import ParameterReads
+from lightning_ratel.engine.schedule import BlockScheduler
+from lightning_ratel.engine.switches import FitSwitches
 from lightning_ratel.errors import RatelConfigError, RatelModelError
-from lightning_ratel.layout import build_layout
-from lightning_ratel.materialize import Materializer, ValueSource
-from lightning_ratel.placement import check_patterns
-from lightning_ratel.planner import Planner
-from lightning_ratel.reads import ParameterReads
+from lightning_ratel.io.checkpoint import ModelState
 from lightning_ratel.runtime import gds
 from lightning_ratel.runtime.activations import ActivationCache, PlaceholderRead
 from lightning_ratel.runtime.device import Device
@@ -50,8 +52,6 @@ from lightning_ratel.runtime.optimizer import CpuAdam, GroupHyper, StepPlan
 from lightning_ratel.runtime.pager import ParameterPager
 from lightning_ratel.runtime.storage import TensorStore
 from lightning_ratel.runtime.timeline import Timeline
-from lightning_ratel.schedule import BlockScheduler
-from lightning_ratel.switches import FitSwitches
 
 _FIXED_PARAMETERS = (
     "RatelStrategy lays out the optimizer's states (fp32 masters, moments) for the parameters the optimizer holds at "
@@ -434,7 +434,7 @@ class RatelEngine:
 
     def user_settings(self) -> contextlib.AbstractContextManager[None]:
         """The model's settings as the user made them, for the duration of the ``with`` block: what a checkpoint or
-        an export records is not what the fit switched off (:class:`~lightning_ratel.switches.FitSwitches`)."""
+        an export records is not what the fit switched off (:class:`~lightning_ratel.engine.switches.FitSwitches`)."""
         return self._switches.user_settings() if self._switches is not None else contextlib.nullcontext()
 
     # ------------------------------------------------------------------ teardown

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from lightning_ratel.checkpoint import ModelState
-from lightning_ratel.layout import Layout
+from lightning_ratel.engine.layout import Layout
+from lightning_ratel.io.checkpoint import ModelState
 from lightning_ratel.runtime.activations import ActivationCache
 from lightning_ratel.runtime.device import Device
 from lightning_ratel.runtime.optimizer import CpuAdam
