@@ -19,7 +19,10 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 
 import lightning_ratel
-from lightning_ratel import RatelConfigError, RatelPlanError, RatelPrecision, RatelStrategy, checkpoint, engine, layout
+from lightning_ratel import RatelConfigError, RatelPlanError, RatelPrecision, RatelStrategy
+from lightning_ratel.engine import coordinator as engine
+from lightning_ratel.engine import layout
+from lightning_ratel.io import checkpoint
 from lightning_ratel.runtime.pool import BufferPool
 from tests.models import LM
 from tests.models import compare_states as _compare

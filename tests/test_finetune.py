@@ -31,7 +31,8 @@ from transformers import (
 )
 
 import lightning_ratel
-from lightning_ratel import RatelConfigError, RatelHFExport, RatelStrategy, checkpoint, pretrained
+from lightning_ratel import RatelConfigError, RatelHFExport, RatelStrategy
+from lightning_ratel.io import checkpoint, pretrained
 from lightning_ratel.io.convert import main as convert_main
 from lightning_ratel.io.convert import sharded_to_hf, sharded_to_lightning
 from lightning_ratel.io.sharded import INDEX, META, is_sharded_checkpoint

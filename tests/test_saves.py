@@ -17,7 +17,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from transformers import LlamaForCausalLM
 
-from lightning_ratel import RatelConfigError, RatelStrategy, tensorfiles
+from lightning_ratel import RatelConfigError, RatelStrategy
+from lightning_ratel.io import tensorfiles
 from lightning_ratel.io.convert import sharded_to_lightning
 from lightning_ratel.io.export import ModuleReader, write_hf_folder
 from tests.models import LM, final_state, max_rel_err, trainer
@@ -291,7 +292,8 @@ import os, signal, sys, time
 from pathlib import Path
 sys.path.insert(0, {root!r})
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
-from lightning_ratel import RatelStrategy, tensorfiles
+from lightning_ratel import RatelStrategy
+from lightning_ratel.io import tensorfiles
 from tests.models import LM, trainer
 
 write = tensorfiles.pwrite_all
