@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 from collections.abc import Iterator
 
 import pytest
@@ -49,3 +50,14 @@ def _no_stream_order_errors() -> Iterator[None]:
     errors = take_simulation_errors()
     if errors:
         pytest.fail("the stream simulation caught:\n" + "\n".join(errors))
+
+
+@pytest.fixture(autouse=True)
+def sigint_handler() -> Iterator[None]:
+    """Lightning ignores SIGINT once a KeyboardInterrupt reached it (a second Ctrl-C must not stop its shutdown), and
+    a subprocess inherits an ignored SIGINT: put the handler back after every test, so no test depends on the ones
+    before it."""
+    handler = signal.getsignal(signal.SIGINT)
+    yield
+    signal.signal(signal.SIGINT, handler)
+

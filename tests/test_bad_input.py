@@ -11,7 +11,6 @@ import collections
 import errno
 import json
 import os
-import signal
 from pathlib import Path
 from typing import Any
 
@@ -493,15 +492,6 @@ def test_no_prefetch_is_a_valid_setting(tmp_path: Path) -> None:
     t = trainer(RatelStrategy(ssd_paths=[str(tmp_path)], prefetch_depth=0), max_steps=2)
     t.fit(lm)
     assert max_rel_err(plain_params(2), lm.state_dict()) <= 1e-5
-
-
-@pytest.fixture
-def sigint_handler():
-    """Lightning ignores SIGINT from a KeyboardInterrupt on (a second Ctrl-C must not stop its shutdown): put the
-    handler back for the tests that follow."""
-    handler = signal.getsignal(signal.SIGINT)
-    yield
-    signal.signal(signal.SIGINT, handler)
 
 
 def _fit_interrupted(strategy: Any, step: int, call: int = 1) -> tuple[L.Trainer, LM, list[BaseException]]:

@@ -290,6 +290,8 @@ def test_stale_staging_directories_are_cleaned_by_the_next_save(tmp_path: Path) 
 _CTRL_C_IN_THE_WRITER = """
 import os, signal, sys, time
 from pathlib import Path
+# Python's own Ctrl-C, whatever the launching shell or test left (a background job starts with SIGINT ignored).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.path.insert(0, {root!r})
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from lightning_ratel import RatelStrategy

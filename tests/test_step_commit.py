@@ -120,7 +120,9 @@ def test_exception_leaves_the_last_committed_step(tmp_path: Path, where: str) ->
 
 
 _SIGINT_RUN = """
-import sys
+import signal, sys
+# Python's own Ctrl-C, whatever the launching shell or test left (a background job starts with SIGINT ignored).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.path.insert(0, {root!r})
 from lightning.pytorch.callbacks import OnExceptionCheckpoint
 from lightning_ratel import RatelStrategy
