@@ -401,6 +401,15 @@ def _reopen_direct(path: Path, fd: int, direct: bool | None, *, header: bytes | 
     return direct_fd
 
 
+def _swap_file(path: Path, fd: int, direct_fd: int | None) -> SwapFile:
+    """The open swap file: its ``O_DIRECT`` descriptor where there is one (the plain one is closed then), else the
+    plain one."""
+    if direct_fd is None:
+        return SwapFile(path, fd, False)
+    os.close(fd)
+    return SwapFile(path, direct_fd, True)
+
+
 def create_swap(path: Path, direct: bool | None, header: SwapHeader) -> tuple[SwapFile, str | None]:
     """Create the swap file ``path`` exclusively, owner-only, with its header; ``O_DIRECT`` when wanted and supported.
 
@@ -428,10 +437,7 @@ def create_swap(path: Path, direct: bool | None, header: SwapHeader) -> tuple[Sw
         finally:
             os.close(fd)
         raise
-    if direct_fd is None:
-        return SwapFile(path, fd, False), replaced
-    os.close(fd)
-    return SwapFile(path, direct_fd, True), replaced
+    return _swap_file(path, fd, direct_fd), replaced
 
 
 def open_kept_file(path: Path, name: str, direct: bool | None) -> tuple[SwapFile, SwapHeader]:
@@ -465,10 +471,7 @@ def open_kept_file(path: Path, name: str, direct: bool | None) -> tuple[SwapFile
     except BaseException:
         os.close(fd)
         raise
-    if direct_fd is None:
-        return SwapFile(path, fd, False), header
-    os.close(fd)
-    return SwapFile(path, direct_fd, True), header
+    return _swap_file(path, fd, direct_fd), header
 
 
 def check_free_space(paths: Sequence[str | os.PathLike[str]], nbytes_per_path: Sequence[int]) -> None:
