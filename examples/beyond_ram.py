@@ -9,7 +9,11 @@ gradient). The default model here has 3.37B parameters, 53.9 GB of model states,
 - `param_cache="ssd"`: the compute copies are read from the swap files whenever a block runs (in fp32 training the
   fp32 master is the compute copy, so this costs no extra disk), instead of being cached in host memory;
 - gradients go into a few pooled shard buffers that the CPU AdamW gives back after each block's update, while
-  backward still runs; Adam moments stay on disk;
+  backward still runs;
+- the optimizer states (fp32 master and moments, in two slots) of the first blocks stay in host memory as far as
+  three quarters of the available memory hold them besides the run's buffers (`optimizer_states="auto"`), the rest in
+  the swap files; the summary compares each step's swap-file traffic with what those states need and says how busy
+  the disk was;
 - `activation_policy="recompute"`: only each block's input is kept between forward and backward;
 - no checkpoint is written (it would gather 12 bytes per parameter in host memory), and the trained parameters are
   not copied back into the module at the end (RatelStrategy warns and leaves NaN placeholders).
@@ -40,7 +44,7 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from lightning_ratel import RatelStrategy
+from lightning_ratel import RatelProfiler, RatelStrategy
 from text_data import TextDataModule
 
 GIB = 2**30
@@ -103,6 +107,11 @@ class StepReport(L.Callback):
         self._started = 0.0
         self._io = (0, 0)
         self.disk_bytes = 0
+        self.planned: dict[str, int] = {}
+        self.busy: list[float] = []
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.planned = trainer.strategy.state_traffic()
 
     def _store_io(self, trainer: L.Trainer) -> tuple[int, int]:
         io = trainer.strategy.io_bytes()
@@ -127,6 +136,9 @@ class StepReport(L.Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # Read before teardown removes the swap files.
         self.disk_bytes = trainer.strategy.byte_placement()["disk"]
+        profiler = next((c for c in trainer.callbacks if isinstance(c, RatelProfiler)), None)
+        if profiler is not None:
+            self.busy = [s["ssd"] / s["wall"] for s in profiler.steps if s.get("wall")]
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -242,6 +254,18 @@ def main() -> None:
     print(f"peak RSS: {peak_rusage / GIB:.2f} GiB (getrusage), {watch.peak / GIB:.2f} GiB (sampled VmRSS)")
     print(f"wall time per step: first {report.rows[0]['seconds']:.1f} s, then {sum(steady) / len(steady):.1f} s "
           f"on average; {total:.0f} s for the whole run including setup")
+    if report.planned and len(report.rows) > 1:
+        # The first step also writes what setup laid out and has no moments to read yet.
+        read = sum(row["read"] for row in report.rows[1:]) / (len(report.rows) - 1)
+        written = sum(row["written"] for row in report.rows[1:]) / (len(report.rows) - 1)
+        print(f"swap-file traffic per step after the first: read {read / GIB:.2f} GiB, written {written / GIB:.2f} "
+              f"GiB; the model states alone need read {report.planned['read'] / GIB:.2f} GiB, written "
+              f"{report.planned['written'] / GIB:.2f} GiB (the compute copies' reads for forward and backward, "
+              "and activations on the SSD, come on top)")
+    if len(report.busy) > 1:
+        busy = report.busy[1:]
+        print(f"disk busy: {100 * sum(busy) / len(busy):.0f}% of each step's wall time on average after the first "
+              f"(min {100 * min(busy):.0f}%, max {100 * max(busy):.0f}%)")
     print(f"disk: {report.disk_bytes:,} bytes in swap files during training; swap files left: "
           f"{sorted(os.listdir(args.swap_dir)) if args.swap_dir.exists() else 'none (directory removed)'}")
 

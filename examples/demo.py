@@ -1,5 +1,8 @@
 """Train a small Llama on Genesis with every Ratel offload tier active, then show where the bytes are.
 
+Activations go to device, host, SSD or recompute per layer; optimizer states are split between host memory and the
+swap files; compute copies live in the host cache.
+
 Run from the repository root: `make demo`, or `.venv/bin/python examples/demo.py`.
 `--strategy auto` runs the same training with Lightning's own strategy, for comparison.
 """
@@ -17,7 +20,8 @@ from lightning.pytorch.loggers import CSVLogger
 from rich.console import Console
 from rich.table import Table
 
-from lightning_ratel import RatelStrategy
+from lightning_ratel import RatelStrategy, estimate
+from lightning_ratel.plan.states import HOST_SHARE
 from lm_module import CausalLMModule
 from text_data import TextDataModule
 
@@ -49,6 +53,9 @@ class DemoReport(L.Callback):
         if isinstance(trainer.strategy, RatelStrategy):
             placements = trainer.strategy.activation_placements()
             self.console.print(tier_table(list(placements), list(placements.values())))
+            states = trainer.strategy.state_placement()
+            self.console.print("Optimizer states (fp32 masters and moments, both slots): "
+                               + ", ".join(f"{tier} {size / 2**20:.1f} MiB" for tier, size in states.items()))
         self.started = self.window_started = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -128,23 +135,28 @@ def main() -> None:
     console = Console()
     L.seed_everything(0, workers=True)
     on_gpu = torch.cuda.is_available()
-    if args.strategy == "ratel":
-        # Created by the strategy when missing; the swap files in it are removed when training ends.
-        strategy = RatelStrategy(ssd_paths=[str(OUTPUTS / "demo-swap")], prefetch_depth=1,
-                                 activation_policy=ACTIVATION_POLICY)
-    else:
-        strategy = "auto"
-
     data = TextDataModule()
     model = CausalLMModule(vocab_size=data.vocab_size, max_seq_len=data.seq_len)
     params = sum(p.numel() for p in model.parameters())
+    precision = "bf16-mixed" if on_gpu else "32-true"
+    if args.strategy == "ratel":
+        # The host memory limit stands in for a machine whose RAM holds only part of the optimizer states: what the
+        # run's buffers take, plus about half of the states (24 bytes per parameter), within the share of the limit
+        # the states may use. The first blocks' states stay in host memory, the rest go to the swap files.
+        buffers = estimate(model, precision=precision, optimizer_states="ssd").host
+        limit = int((buffers + 12 * params) / HOST_SHARE)
+        # Created by the strategy when missing; the swap files in it are removed when training ends.
+        strategy = RatelStrategy(ssd_paths=[str(OUTPUTS / "demo-swap")], prefetch_depth=1,
+                                 activation_policy=ACTIVATION_POLICY, host_memory_limit=limit)
+    else:
+        strategy = "auto"
     console.print(f"Llama with {params / 1e6:.2f}M parameters, strategy {args.strategy}, {'GPU' if on_gpu else 'CPU'}")
 
     trainer = L.Trainer(
         accelerator="gpu" if on_gpu else "cpu",
         devices=1,
         strategy=strategy,
-        precision="bf16-mixed" if on_gpu else "32-true",
+        precision=precision,
         max_steps=args.max_steps,
         gradient_clip_val=1.0,
         # Validate by optimizer step, across epoch boundaries, rather than at epoch ends.

@@ -57,7 +57,7 @@ def step_metrics(micro_batches: list[dict[str, float]], placement: dict[str, int
     ``ratel/<part>_seconds``: wall time of the step, time the training thread computed, waited for a page-in or a
     swapped activation, and the busy time of the CPU AdamW, the swap files and each link direction (resources overlap:
     the parts do not add up to the step); ``ratel/disk_{read,write}_bytes`` and ``ratel/disk_gbps`` (GB/s while the
-    swap files were busy); ``ratel/overlap``: the share of the disk and optimizer time that did not stall the training
+    swap files were busy), ``ratel/disk_busy`` (the share of the step they were busy); ``ratel/overlap``: the share of the disk and optimizer time that did not stall the training
     thread; ``ratel/{device,host,disk,pinned}_bytes``: where the run's bytes are at the end of the step;
     ``ratel/profiling``: 1 while the step ran under the safe default placement to be timed.
     """
@@ -69,6 +69,8 @@ def step_metrics(micro_batches: list[dict[str, float]], placement: dict[str, int
     metrics["ratel/disk_write_bytes"] = total["ssd_write_bytes"]
     if total["ssd"] > 0:
         metrics["ratel/disk_gbps"] = moved / total["ssd"] / 1e9
+    if total["wall"] > 0:
+        metrics["ratel/disk_busy"] = min(1.0, total["ssd"] / total["wall"])
     background = total["ssd"] + total["cpu_optimizer"]
     if background > 0:
         metrics["ratel/overlap"] = 1.0 - min(total["idle"], background) / background

@@ -13,7 +13,7 @@ from torch import nn
 from lightning_ratel.errors import RatelConfigError
 from lightning_ratel.plan.search import Plan
 from lightning_ratel.sizes import parse_bytes
-from lightning_ratel.tiers import PARAM_CACHES, ParamCache, check_policy
+from lightning_ratel.tiers import OPTIMIZER_STATES, PARAM_CACHES, OptimizerStates, ParamCache, check_policy
 
 ActivationPolicy = str | dict[str, str]
 
@@ -58,6 +58,7 @@ class RatelConfig:
     device_memory_limit: int | None = None
     blocks: BlockSpec = None
     param_cache: ParamCache = "auto"
+    optimizer_states: OptimizerStates = "auto"
     param_init_fn: ParamInitFn | None = None
     pretrained: str | None = None
     checkpoint_format: CheckpointFormat = "auto"
@@ -79,6 +80,14 @@ class RatelConfig:
         _check_blocks(self.blocks)
         if self.param_cache not in PARAM_CACHES:
             raise RatelConfigError(f"`param_cache` must be one of {PARAM_CACHES}, got {self.param_cache!r}")
+        if self.optimizer_states not in OPTIMIZER_STATES:
+            raise RatelConfigError(
+                f"`optimizer_states` must be one of {OPTIMIZER_STATES}, got {self.optimizer_states!r}")
+        if self.optimizer_states == "host" and self.keep_swap_files:
+            raise RatelConfigError(
+                "`keep_swap_files=True` keeps the optimizer states in the swap files for later use, so they cannot "
+                "live in host memory (`optimizer_states='host'`): give optimizer_states='ssd' (or 'auto'), or "
+                "keep_swap_files=False")
         if self.param_init_fn is not None and not callable(self.param_init_fn):
             raise RatelConfigError(f"`param_init_fn` must be callable, got {type(self.param_init_fn).__name__}")
         self.pretrained = _pretrained(self.pretrained)
@@ -92,6 +101,11 @@ class RatelConfig:
     def plans_automatically(self) -> bool:
         """Whether the first training step is profiled and a plan made from it (``plan="auto"``)."""
         return self.activation_policy is None and self.plan == "auto"
+
+    @property
+    def states_request(self) -> OptimizerStates:
+        """Where the optimizer states are to live: ``optimizer_states``, except that kept swap files hold them."""
+        return "ssd" if self.keep_swap_files else self.optimizer_states
 
     def with_ssd_paths(self, ssd_paths: Sequence[str]) -> RatelConfig:
         """A copy whose swap directories are ``ssd_paths`` (the run's default when none were given)."""

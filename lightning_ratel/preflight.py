@@ -24,7 +24,7 @@ from lightning_ratel.engine.layout import Layout, build_layout
 from lightning_ratel.errors import RatelConfigError, RatelPlanError
 from lightning_ratel.io.checkpoint import choose_checkpoint_format, gathered_checkpoint_bytes
 from lightning_ratel.precision import RatelPrecision
-from lightning_ratel.runtime.state_buffers import BUFFER_SETS
+from lightning_ratel.runtime.state_buffers import BUFFER_SETS, in_place
 from lightning_ratel.runtime.storage import ALIGNMENT
 from lightning_ratel.sizes import format_bytes, round_up
 
@@ -38,11 +38,14 @@ class Estimate:
         trainable: those the optimizer updates (``requires_grad``).
         param_cache: where the compute copies live, ``"host"`` or ``"ssd"`` (``"auto"`` resolved).
         checkpoint_format: ``"full"`` or ``"sharded"`` (``"auto"`` resolved).
-        disk: the swap files: each trainable parameter's fp32 master and two moments in two slots (24 bytes), and with
-            ``param_cache="ssd"`` the 16-bit and frozen compute copies. Activations a plan sends to the SSD, and the
-            own-dtype copies of frozen values bf16 would round, come on top.
+        disk: the swap files: the fp32 master and two moments in two slots (24 bytes) of each trainable parameter whose
+            states are not in host memory, and with ``param_cache="ssd"`` the 16-bit and frozen compute copies.
+            Activations a plan sends to the SSD, and the own-dtype copies of frozen values bf16 would round, come on
+            top.
         host_cache: the host cache of compute copies (``param_cache="host"``).
-        optimizer_buffers: the CPU AdamW's buffer sets (master and moments of the largest shard, each set).
+        host_states: the optimizer states kept in host memory (``optimizer_states``), both slots.
+        optimizer_buffers: the CPU AdamW's buffer sets (master and moments of the largest shard whose states are in
+            the swap files, each set).
         gradient_buffers: the gradients backward may hold in host memory before an update frees some (with gradient
             accumulation or deferred updates, 4 bytes per trainable parameter instead).
         device: the compute copies of the blocks in flight (``prefetch_depth + 1`` of the largest); activations and
@@ -57,6 +60,7 @@ class Estimate:
     checkpoint_format: Literal["full", "sharded"]
     disk: int
     host_cache: int
+    host_states: int
     optimizer_buffers: int
     gradient_buffers: int
     device: int
@@ -65,10 +69,11 @@ class Estimate:
     @property
     def host(self) -> int:
         """Host memory of the run's own buffers (its activations come on top)."""
-        return self.host_cache + self.optimizer_buffers + self.gradient_buffers
+        return self.host_cache + self.host_states + self.optimizer_buffers + self.gradient_buffers
 
     def _host_parts(self) -> str:
-        return (f"compute copies {format_bytes(self.host_cache)}, CPU optimizer "
+        return (f"compute copies {format_bytes(self.host_cache)}, optimizer states "
+                f"{format_bytes(self.host_states)}, CPU optimizer buffers "
                 f"{format_bytes(self.optimizer_buffers)}, gradients {format_bytes(self.gradient_buffers)}")
 
     def __str__(self) -> str:
@@ -124,9 +129,10 @@ def estimate(model: nn.Module | Any | str | os.PathLike[str], precision: str = "
 def _estimate(module: nn.Module, optimizer: torch.optim.Optimizer, config: RatelConfig,
               half_dtype: torch.dtype | None) -> Estimate:
     layout = build_layout(module, discover_blocks(module, config.blocks), optimizer, half_dtype, config.param_cache,
-                          config.host_memory_limit, _meta_empty, announce=False)
+                          config.host_memory_limit, _meta_empty, announce=False,
+                          optimizer_states=config.states_request)
     on_store = layout.param_cache == "ssd"
-    disk = sum(6 * s.numel * 4 for s in layout.shards)
+    disk = sum(6 * s.numel * 4 for s in layout.shards if s.state_tier == "ssd")
     if on_store:
         disk += sum(s.numel * s.dtype.itemsize for s in layout.all_shards if s.dtype != torch.float32 or s.group < 0)
     checkpoint_format = choose_checkpoint_format(config.checkpoint_format, module, optimizer,
@@ -144,6 +150,7 @@ def _estimate(module: nn.Module, optimizer: torch.optim.Optimizer, config: Ratel
         checkpoint_format=checkpoint_format,
         disk=disk,
         host_cache=sum(u.host_nbytes for u in layout.units.values()),
+        host_states=sum(6 * s.numel * 4 for s in layout.shards if s.state_tier == "host"),
         optimizer_buffers=BUFFER_SETS * _buffer_set_bytes(layout, on_store),
         gradient_buffers=GRAD_BUDGET_SHARDS * max((s.numel for s in layout.shards), default=0) * 4,
         device=(config.prefetch_depth + 1) * largest_unit,
@@ -153,9 +160,10 @@ def _estimate(module: nn.Module, optimizer: torch.optim.Optimizer, config: Ratel
 
 def _buffer_set_bytes(layout: Layout, compute_on_store: bool) -> int:
     """One of the CPU AdamW's buffer sets (as :class:`~lightning_ratel.runtime.optimizer.CpuAdam` allocates it)."""
-    largest = max((s.numel for s in layout.shards), default=1)
-    largest_master = max((s.numel for s in layout.shards if not s.master_in_host), default=0)
-    compute = max((s.numel * s.dtype.itemsize for s in layout.shards
+    shards = [s for s in layout.shards if not in_place(s, compute_on_store)]
+    largest = max((s.numel for s in shards), default=0)
+    largest_master = max((s.numel for s in shards if not s.master_in_host), default=0)
+    compute = max((s.numel * s.dtype.itemsize for s in shards
                    if compute_on_store and s.dtype != torch.float32), default=0)
     return 4 * (largest_master + 2 * largest) + round_up(compute, ALIGNMENT)
 
@@ -215,6 +223,8 @@ def check_host_budget(module: nn.Module, optimizer: torch.optim.Optimizer, confi
     if total <= limit:
         return
     fixes = ["raise host_memory_limit"]
+    if need.host_states:
+        fixes.append("use optimizer_states='ssd' (optimizer states in the swap files)")
     if need.param_cache == "host":
         fixes.append("use param_cache='ssd' (compute copies read from the swap files)")
     raise RatelPlanError(

@@ -54,13 +54,14 @@ from lightning_ratel.preflight import check_host_budget
 from lightning_ratel.report import show_plan
 from lightning_ratel.runtime.swapfile import prepare_directories
 from lightning_ratel.sizes import format_bytes, format_rate, path_bytes
-from lightning_ratel.tiers import ParamCache, Placement
+from lightning_ratel.tiers import OptimizerStates, ParamCache, Placement
 
 
 class RatelStrategy(SingleDeviceStrategy):
-    """Fine-tune a model larger than device memory on one device, with model states on NVMe.
+    """Fine-tune a model larger than device memory on one device, with model states in host memory or on NVMe.
 
-    The fp32 master weights and Adam moments live in swap files striped over ``ssd_paths``; 16-bit (or fp32)
+    The fp32 master weights and Adam moments live in host memory while it holds them, and in swap files striped over
+    ``ssd_paths`` for the rest (``optimizer_states``); 16-bit (or fp32)
     compute copies live in host memory and visit the device block by block; each gradient leaves the device as soon
     as it is accumulated and a CPU AdamW updates the block while backward continues; saved activations are kept,
     moved to host memory or to the swap files, or recomputed, per block.
@@ -88,6 +89,12 @@ class RatelStrategy(SingleDeviceStrategy):
             the blocks in flight; costs one read of the model per forward and per backward) or ``"auto"`` (``"ssd"``
             when the cache would take more than half of ``host_memory_limit``, or of the available host memory).
             Fitting only; evaluation runs keep them in host memory.
+        optimizer_states: where each shard's fp32 master and optimizer moments live (both the committed step's and
+            the one being written, 24 bytes per parameter for AdamW): ``"host"`` (host memory), ``"ssd"`` (the swap
+            files: 12 bytes per parameter read and 12 written each step) or ``"auto"`` (host memory for the first
+            blocks in forward order while they fit in three quarters of ``host_memory_limit``, or of the available
+            host memory, less the parameter cache; the swap files for the rest). ``keep_swap_files=True`` keeps them in
+            the swap files.
         param_init_fn: initializes one module whose parameters or buffers were on the meta device; called with the
             module after its tensors got (uninitialized) host memory. ``None`` calls ``module.reset_parameters()``
             (a peft LoRA adapter gets peft's initialization; with ``pretrained``, a module of a transformers model
@@ -127,6 +134,7 @@ class RatelStrategy(SingleDeviceStrategy):
         device_memory_limit: int | str | None = None,
         blocks: list[str] | Callable[[nn.Module], list[str]] | None = None,
         param_cache: ParamCache = "auto",
+        optimizer_states: OptimizerStates = "auto",
         param_init_fn: ParamInitFn | None = None,
         pretrained: str | None = None,
         checkpoint_format: CheckpointFormat = "auto",
@@ -145,6 +153,7 @@ class RatelStrategy(SingleDeviceStrategy):
             device_memory_limit=device_memory_limit,
             blocks=blocks,
             param_cache=param_cache,
+            optimizer_states=optimizer_states,
             param_init_fn=param_init_fn,
             pretrained=pretrained,
             checkpoint_format=checkpoint_format,
@@ -189,6 +198,11 @@ class RatelStrategy(SingleDeviceStrategy):
     def plan(self) -> str | Plan | None:
         """``"auto"``, the plan given (a file is loaded at construction), or ``None`` under a fixed policy."""
         return self.config.plan
+
+    @property
+    def optimizer_states(self) -> OptimizerStates:
+        """Where the optimizer states are asked to live (``"auto"``, ``"host"`` or ``"ssd"``)."""
+        return self.config.optimizer_states
 
     @property
     def host_memory_limit(self) -> int | None:
@@ -463,6 +477,23 @@ class RatelStrategy(SingleDeviceStrategy):
         figures). Empty outside a run."""
         store = self._engine.store if self._engine is not None else None
         return {"read": store.bytes_read, "written": store.bytes_written} if store is not None else {}
+
+    def state_traffic(self) -> dict[str, int]:
+        """Bytes each optimizer step must read (``"read"``) and write (``"written"``) in the swap files for the model
+        states: the moments and masters of the states kept there, and the new compute copies where the pager reads
+        them from there. Compare with :meth:`io_bytes` per step. Empty outside a fit."""
+        planner = self.planner
+        return planner.state_traffic() if planner is not None and self._engine.adam is not None else {}
+
+    def state_placement(self) -> dict[str, int]:
+        """Bytes of the optimizer states (fp32 masters and moments, both slots) by tier: ``"host"`` for those kept in
+        host memory, ``"ssd"`` for those in the swap files. Empty outside a fit."""
+        if self._engine is None or self._engine.adam is None:
+            return {}
+        placed = {"host": 0, "ssd": 0}
+        for shard in self._engine.layout.shards:
+            placed[shard.state_tier] += sum(self._engine.adam.state_sizes(shard).values()) * 2
+        return placed
 
     def activation_placements(self) -> dict[str, Placement]:
         """Where each block's saved activations go now, by block name: a tier (``"device"``, ``"host"``, ``"ssd"``,

@@ -7,7 +7,8 @@ recomputation, so never recomputed themselves) and ``"*"`` for every op a block 
 container block holding other blocks, whose ops cannot be told apart). The runtime places activations per block: one
 tier for everything the block saves, or a mapping from op names to tiers (:data:`Placement`).
 
-The compute copies of the parameters live between uses in a *parameter cache*: host memory or the swap files.
+The compute copies of the parameters live between uses in a *parameter cache*: host memory or the swap files. The
+optimizer states of each shard (fp32 master, moments) live in a *state tier*: host memory or the swap files.
 """
 
 from __future__ import annotations
@@ -76,3 +77,11 @@ def tier_of(placement: Placement, op: str | None) -> str:
     if op is None:
         return stored(placement.get(INPUT_OP, "host"))
     return placement.get(op, placement.get(CONTAINER_OP, DEFAULT_TIER))
+
+
+StateTier = Literal["host", "ssd"]
+"""Where one shard's optimizer states (fp32 master and moments, both slots) live."""
+OptimizerStates = Literal["auto", "host", "ssd"]
+"""Where a user asks the optimizer states to live; ``"auto"`` keeps in host memory what the budget holds."""
+OPTIMIZER_STATES: tuple[OptimizerStates, ...] = ("auto", "host", "ssd")
+"""Every :data:`OptimizerStates` a user may give."""

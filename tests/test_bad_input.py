@@ -39,7 +39,8 @@ class CountingLM(LM):
 
 def fit_expecting_config_error(ssd_paths: list[str], *, name: str = "ratel") -> RatelConfigError:
     lm = CountingLM(n_batches=2)
-    t = trainer(RatelStrategy(ssd_paths=ssd_paths), max_steps=2)
+    # The optimizer states in the swap files, so that the run needs the drives this checks.
+    t = trainer(RatelStrategy(ssd_paths=ssd_paths, optimizer_states="ssd"), max_steps=2)
     with pytest.raises(RatelConfigError) as info:
         t.fit(lm)
     assert lm.training_steps == 0, "training started before the configuration error"
@@ -307,7 +308,7 @@ def test_io_error_during_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     failures = inject_io_fault(monkeypatch, call, code, state)
     lm = CountingLM(n_batches=2)
     t = trainer(
-        RatelStrategy(ssd_paths=[str(ssd)]),
+        RatelStrategy(ssd_paths=[str(ssd)], optimizer_states="ssd"),
         max_steps=6,
         enable_checkpointing=True,
         callbacks=[FailFrom(state), ModelCheckpoint(dirpath=str(ckpt_dir), every_n_train_steps=1, save_top_k=-1)],
@@ -373,7 +374,7 @@ def test_io_error_with_on_exception_checkpoint(tmp_path: Path, monkeypatch: pyte
     inject_io_fault(monkeypatch, "_pwrite", errno.ENOSPC, state)
     lm = LM(n_batches=2)
     t = trainer(
-        RatelStrategy(ssd_paths=[str(ssd)]),
+        RatelStrategy(ssd_paths=[str(ssd)], optimizer_states="ssd"),
         max_steps=6,
         enable_checkpointing=True,
         callbacks=[FailFrom(state), OnExceptionCheckpoint(dirpath=str(exc_dir))],
@@ -403,7 +404,7 @@ def test_same_module_resumes_after_io_error(tmp_path: Path, monkeypatch: pytest.
     inject_io_fault(monkeypatch, "_pwrite", errno.ENOSPC, state)
     lm = LM(n_batches=2)
     t = trainer(
-        RatelStrategy(ssd_paths=[str(ssd)]),
+        RatelStrategy(ssd_paths=[str(ssd)], optimizer_states="ssd"),
         max_steps=4,
         enable_checkpointing=True,
         callbacks=[FailFrom(state), ModelCheckpoint(dirpath=str(ckpt_dir), every_n_train_steps=2, save_top_k=-1)],

@@ -114,10 +114,11 @@ def test_auto_follows_host_memory_limit(tmp_path: Path) -> None:
     inspect = _Inspect()
     # Room for the run's own buffers (a smaller budget is refused before the model is built), and less than twice
     # the compute copies, which therefore stay in the swap files.
-    need = lightning_ratel.estimate(LM("llama16"), precision="32-true", param_cache="ssd")
+    need = lightning_ratel.estimate(LM("llama16"), precision="32-true", param_cache="ssd", optimizer_states="ssd")
     limit = need.host + need.device
     assert lightning_ratel.estimate(LM("llama16"), precision="32-true", param_cache="host").host_cache > limit // 2
-    strategy = RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy="host", host_memory_limit=limit)
+    strategy = RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy="host", host_memory_limit=limit,
+                             optimizer_states="ssd")
     ref = _fit("auto", LM("llama16"))
     got = _fit(strategy, LM("llama16"), callbacks=[inspect])
     _compare(ref, got, 1e-5)

@@ -205,8 +205,8 @@ def test_fp32_masters_live_in_the_host_cache(tmp_path):
     ref = _fit("auto", "llama")
     probe = _HostCacheProbe()
     module = LM("llama")
-    t = trainer(RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy="host", param_cache="host"),
-                callbacks=[probe])
+    t = trainer(RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy="host", param_cache="host",
+                              optimizer_states="ssd"), callbacks=[probe])
     t.fit(module)
     _compare(ref, final_state(module, t), 1e-5)
     copies = probe.engine.device.separate_memory
@@ -220,8 +220,8 @@ def test_fp32_masters_live_in_the_host_cache(tmp_path):
 
 def test_mixed_precision_masters_stay_on_disk(tmp_path):
     probe = _HostCacheProbe()
-    trainer(RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy="host"), precision="bf16-mixed",
-            max_steps=1, callbacks=[probe]).fit(LM("llama"))
+    trainer(RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy="host", optimizer_states="ssd"),
+            precision="bf16-mixed", max_steps=1, callbacks=[probe]).fit(LM("llama"))
     half = [s for s in probe.engine.layout.shards if s.dtype == torch.bfloat16]
     # Shards computed in bf16 keep their fp32 masters on disk; those computed in fp32 (norms) keep them in the cache.
     assert half and not any(s.master_in_host for s in half)

@@ -370,11 +370,12 @@ def test_sharded_checkpoint_converts_to_the_ordinary_one(tmp_path: Path) -> None
 def test_checkpoint_format_follows_size(tmp_path: Path) -> None:
     # Room for the run's own buffers (a smaller budget is refused before the model is built), and less than twice
     # what a gathered checkpoint takes.
-    need = lightning_ratel.estimate(LM("llama"), precision="32-true", param_cache="host", checkpoint_format="full")
+    need = lightning_ratel.estimate(LM("llama"), precision="32-true", param_cache="host", checkpoint_format="full",
+                                    optimizer_states="ssd")
     limit = need.host + need.device
     assert need.checkpoint > limit // 2
     sharded_by_size = RatelStrategy(ssd_paths=[swap(tmp_path, "a")], host_memory_limit=limit,
-                                    activation_policy="host")
+                                    activation_policy="host", optimizer_states="ssd")
     for strategy, name, expect_dir in [
         (RatelStrategy(ssd_paths=[swap(tmp_path, "b")], activation_policy="host"), "small", False),
         (sharded_by_size, "large", True),

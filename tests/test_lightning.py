@@ -631,7 +631,7 @@ def test_public_figures_and_wait(tmp_path: Path) -> None:
             seen["placements"] = strategy.activation_placements()
 
     policy = {"*layers.0": "ssd", "*": "host"}
-    strategy = RatelStrategy([str(tmp_path)], activation_policy=policy)
+    strategy = RatelStrategy([str(tmp_path)], activation_policy=policy, optimizer_states="ssd")
     trainer(strategy, callbacks=[Look()]).fit(LM())
     assert seen["io"]["read"] > 0 and seen["io"]["written"] > 0
     names = list(seen["placements"])

@@ -69,8 +69,11 @@ def test_estimate_of_a_config_and_of_a_folder(tmp_path: Path) -> None:
     from_folder = lightning_ratel.estimate(tmp_path / "hf", precision="bf16-mixed")
     assert from_module == from_config == from_folder
     assert from_module.parameters == sum(p.numel() for p in model.parameters())
-    # Trainable parameters: 24 bytes each in the swap files (master and two moments, two slots).
-    assert from_module.disk == 24 * from_module.parameters
+    # Trainable parameters: 24 bytes each (master and two moments, two slots), in host memory where it holds them and
+    # in the swap files otherwise.
+    assert from_module.disk + from_module.host_states == 24 * from_module.parameters
+    on_disk = lightning_ratel.estimate(model, precision="bf16-mixed", optimizer_states="ssd")
+    assert on_disk.disk == 24 * on_disk.parameters and on_disk.host_states == 0
     text = str(from_module)
     assert "disk (swap files)" in text and "host memory" in text and "checkpoint" in text
 
@@ -79,7 +82,8 @@ def test_frozen_parameters_cost_no_optimizer_state() -> None:
     model = tiny_llama()
     for name, p in model.named_parameters():
         p.requires_grad = "q_proj" in name
-    frozen = lightning_ratel.estimate(model, precision="32-true", param_cache="ssd", checkpoint_format="sharded")
+    frozen = lightning_ratel.estimate(model, precision="32-true", param_cache="ssd", checkpoint_format="sharded",
+                                      optimizer_states="ssd")
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert frozen.trainable == trainable
     # Masters and moments of the trainable ones; the frozen ones' fp32 compute copies, read from the swap files.

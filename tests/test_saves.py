@@ -85,7 +85,7 @@ def test_a_full_disk_for_the_on_exception_checkpoint_too_still_restores_the_modu
                     tensorfiles._io_error(OSError(errno.ENOSPC, "No space left on device"), "write", disk, 0))
     module = LM("llama")
     callbacks = [ModelCheckpoint(dirpath=disk / "ckpt", every_n_train_steps=2), OnExceptionCheckpoint(disk / "exc")]
-    strategy = RatelStrategy(ssd_paths=[str(swap)], param_cache="ssd", **SHARDED)
+    strategy = RatelStrategy(ssd_paths=[str(swap)], param_cache="ssd", optimizer_states="ssd", **SHARDED)
     with pytest.raises(OSError) as raised:
         trainer(strategy, callbacks=callbacks, enable_checkpointing=True).fit(module)
     assert raised.value.errno == errno.ENOSPC
@@ -110,7 +110,7 @@ def test_a_truncated_swap_file_with_on_exception_checkpoint_is_reported(tmp_path
     swap = tmp_path / "swap"
     swap.mkdir()
     module = LM("llama")
-    strategy = RatelStrategy(ssd_paths=[str(swap)], param_cache="ssd", **SHARDED)
+    strategy = RatelStrategy(ssd_paths=[str(swap)], param_cache="ssd", optimizer_states="ssd", **SHARDED)
     callbacks = [TruncateSwap(swap), OnExceptionCheckpoint(tmp_path / "exc")]
     with pytest.warns(UserWarning, match="state could not be read back.*Resume from the last checkpoint"):
         with pytest.raises(OSError, match="swap"):

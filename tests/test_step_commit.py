@@ -103,13 +103,15 @@ def _resume_and_compare(tmp_path: Path, checkpoint: Path) -> None:
     _close(plain(STEPS), *final_state(lm, t))
 
 
+@pytest.mark.parametrize("states", ["host", "ssd"])
 @pytest.mark.parametrize("where", ["backward", "after_backward", "before_optimizer_step"])
-def test_exception_leaves_the_last_committed_step(tmp_path: Path, where: str) -> None:
+def test_exception_leaves_the_last_committed_step(tmp_path: Path, where: str, states: str) -> None:
+    """On either tier of the optimizer states, a fault leaves (and checkpoints) the last committed step."""
     swap = tmp_path / "swap"
     swap.mkdir()
     lm = FaultyLM(where)
-    t = trainer(RatelStrategy(ssd_paths=[str(swap)]), max_steps=STEPS, enable_checkpointing=True,
-                callbacks=[OnExceptionCheckpoint(str(tmp_path / "ckpt"))])
+    t = trainer(RatelStrategy(ssd_paths=[str(swap)], optimizer_states=states), max_steps=STEPS,
+                enable_checkpointing=True, callbacks=[OnExceptionCheckpoint(str(tmp_path / "ckpt"))])
     with pytest.raises(RuntimeError, match="injected fault"):
         t.fit(lm)
     assert t.global_step == FAIL_AT

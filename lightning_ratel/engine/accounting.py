@@ -14,6 +14,7 @@ from lightning_ratel.engine.layout import Layout
 from lightning_ratel.io.checkpoint import ModelState
 from lightning_ratel.runtime.activations import ActivationCache
 from lightning_ratel.runtime.device import Device
+from lightning_ratel.runtime.hoststore import TieredStore
 from lightning_ratel.runtime.optimizer import CpuAdam
 from lightning_ratel.runtime.pager import ParameterPager
 from lightning_ratel.runtime.storage import TensorStore
@@ -56,6 +57,8 @@ class ByteAccount:
             host += self.cache.host_bytes_in_use + pool.nbytes - pool.nbytes_in_use
         if self.adam is not None:
             host += self.adam.host_buffer_bytes
+        if isinstance(self.store, TieredStore):
+            host += self.store.host_bytes
         host += self.state.originals_nbytes
         disk = (self.store.nbytes_reserved if self.store is not None else 0) + self.cache.disk_bytes
         device = self.pager.resident_bytes

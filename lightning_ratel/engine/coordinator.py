@@ -22,6 +22,7 @@ the next forward's pre-hook asks the pager for the block, which waits on that si
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -48,10 +49,12 @@ from lightning_ratel.runtime.device import Device
 from lightning_ratel.runtime.escapes import Escape, EscapeDetector
 from lightning_ratel.runtime.generic import group_settings
 from lightning_ratel.runtime.gradients import GradientOffload
+from lightning_ratel.runtime.hoststore import HostStore, TieredStore
 from lightning_ratel.runtime.optimizer import CpuAdam, GroupHyper, StepPlan
 from lightning_ratel.runtime.pager import ParameterPager
 from lightning_ratel.runtime.storage import TensorStore
 from lightning_ratel.runtime.timeline import Timeline
+from lightning_ratel.runtime.units import Shard
 
 _FIXED_PARAMETERS = (
     "RatelStrategy lays out the optimizer's states (fp32 masters, moments) for the parameters the optimizer holds at "
@@ -79,6 +82,16 @@ def _activation_store(device: Device, config: RatelConfig) -> Callable[[], Tenso
         return TensorStore(paths, name=name, keep_files=False)
 
     return create
+
+
+def _state_store(device: Device, config: RatelConfig, shards: list[Shard]) -> TieredStore:
+    """The model-state store: the swap files, and host memory for the states of shards placed there."""
+    assert config.ssd_paths is not None
+    disk = TensorStore(config.ssd_paths, name=config.name, keep_files=config.keep_swap_files)
+    # Copies in host memory take cores from nothing on a GPU run; on the CPU the compute already fills them.
+    threads = max(1, min(4, (os.cpu_count() or 1) // 4)) if device.is_cuda else 1
+    host_keys = [key for shard in shards if shard.state_tier == "host" for key in shard.state_keys()]
+    return TieredStore(disk, HostStore(f"{config.name}-states", threads=threads), host_keys)
 
 
 @dataclass(frozen=True)
@@ -142,16 +155,17 @@ class RatelEngine:
         if config.activation_policy is not None:
             check_patterns(found, config.activation_policy)
         self.layout = build_layout(module, found, optimizer, half_dtype, config.param_cache,
-                                   config.host_memory_limit, self.device.host_empty)
+                                   config.host_memory_limit, self.device.host_empty,
+                                   optimizer_states=config.states_request)
         self.blocks = BlockMembership(found, self.layout.block_units)
         materializer = Materializer(module, found, self.layout, self.device.device, config.param_init_fn,
                                     source, progress)
-        self.store: TensorStore | None = None
+        self.store: TieredStore | None = None
         self.adam: CpuAdam | None = None
         self._switches = FitSwitches(module) if optimizer is not None else None
         try:
             if optimizer is not None:
-                self.store = TensorStore(config.ssd_paths, name=config.name, keep_files=config.keep_swap_files)
+                self.store = _state_store(self.device, config, self.layout.shards)
             materializer.load(self.store)
             if self.store is not None:
                 largest = max((s.numel for s in self.layout.shards), default=0)

@@ -20,6 +20,7 @@ back, what checkpoints hold and what an export writes are the values it started 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,12 +31,13 @@ from torch import nn
 
 from lightning_ratel.engine.blocks import Block
 from lightning_ratel.errors import RatelConfigError
+from lightning_ratel.plan.states import HOST_SHARE, describe, place_states, state_bytes
 from lightning_ratel.runtime.generic import GenericUpdate, OptimizerStateError, ParamStates, probe_states, rebuild
 from lightning_ratel.runtime.hostmem import ALIGNMENT
 from lightning_ratel.runtime.probe import available_host_memory
 from lightning_ratel.runtime.units import ParamSlot, Shard, ShardParam, Unit
 from lightning_ratel.sizes import format_bytes, round_up
-from lightning_ratel.tiers import ParamCache
+from lightning_ratel.tiers import OptimizerStates, ParamCache
 
 FUSED_OPTIMIZERS = (torch.optim.AdamW, torch.optim.Adam)
 """Optimizers the native fused AdamW kernel runs (exactly these classes: a subclass may change the step)."""
@@ -259,6 +261,7 @@ def build_layout(
     host_memory_limit: int | None,
     host_empty: HostAllocator,
     announce: bool = True,
+    optimizer_states: OptimizerStates = "auto",
 ) -> Layout:
     """Lay out ``module``'s parameters.
 
@@ -271,7 +274,10 @@ def build_layout(
         param_cache: the requested place of the compute copies (``"auto"`` resolved here).
         host_memory_limit: the run's host memory budget, for ``"auto"``.
         host_empty: allocates host-cache memory (pinned on CUDA).
-        announce: say so when ``"auto"`` chooses ``"ssd"`` (not for an estimate).
+        announce: say so when ``"auto"`` chooses ``"ssd"``, and where the optimizer states went (not for an
+            estimate).
+        optimizer_states: where the shards' optimizer states live: ``"host"``, ``"ssd"``, or ``"auto"`` (host
+            memory while :func:`states_budget` holds them, see :func:`~lightning_ratel.plan.states.place_states`).
 
     Raises:
         RatelConfigError: a parameter is not floating point, or the optimizer cannot be run (see
@@ -353,7 +359,27 @@ def build_layout(
                 (shards if g >= 0 else frozen).append(shard)
     block_units = tuple(tuple(sorted({owner[id(p)] for p in block.uses})) for block in blocks)
     generic = generic_update(optimizer, shards) if optimizer is not None and not fused(optimizer) else None
+    if shards:
+        sizes = [state_bytes(s.numel, generic.nbytes(s) if generic is not None else None) for s in shards]
+        held = (compute_bytes if cache == "host" else 0) + BUFFER_BYTES_PER_PARAM * max(s.numel for s in shards)
+        tiers = place_states(sizes, optimizer_states, states_budget(host_memory_limit, held))
+        shards = [dataclasses.replace(s, state_tier=t) for s, t in zip(shards, tiers)]
+        if announce:
+            rank_zero_info(f"RatelStrategy: {describe(sizes, tiers)}.")
     return Layout(units, block_units, shards, frozen, cache, orig_dtype, generic=generic)
+
+
+BUFFER_BYTES_PER_PARAM = 64
+"""Host bytes per element of the largest shard that the CPU optimizer's buffers may take: three buffer sets of master,
+moments and a compute copy (16 bytes each) and four gradient buffers (4 bytes each)."""
+
+
+def states_budget(host_memory_limit: int | None, held: int) -> int:
+    """Host bytes ``optimizer_states="auto"`` may give the optimizer states: a share of the run's host budget
+    (``host_memory_limit``, or the memory the kernel can hand out now) less what the run holds anyway (``held``: the
+    host cache of compute copies, the optimizer's buffers)."""
+    budget = host_memory_limit if host_memory_limit is not None else available_host_memory()
+    return max(0, int(budget * HOST_SHARE) - held)
 
 
 def resolve_param_cache(requested: ParamCache, fitting: bool, compute_bytes: int,

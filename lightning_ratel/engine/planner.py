@@ -25,7 +25,7 @@ from lightning_ratel.engine.layout import Layout
 from lightning_ratel.engine.placement import plan_placements, profiling_placements, resolve_policies
 from lightning_ratel.engine.schedule import BlockScheduler, BlockTimer
 from lightning_ratel.errors import RatelConfigError
-from lightning_ratel.plan.cost import CostSettings, DeviceOverhead
+from lightning_ratel.plan.cost import OPTIMIZER_MEMORY_BYTES_PER_PARAM, CostSettings, DeviceOverhead
 from lightning_ratel.plan.profile import HardwareProfile, LayerProfile, OpProfile
 from lightning_ratel.plan.search import Plan, search
 from lightning_ratel.report import show_plan
@@ -200,6 +200,18 @@ class Planner:
         self._profiled_times.clear()
         return layers
 
+    def state_traffic(self) -> dict[str, int]:
+        """Bytes each optimizer step must move between the swap files and the CPU optimizer: the moments and masters
+        of the shards whose states are in the swap files (masters are not read where the host cache holds them), and
+        the new 16-bit compute copies where the pager reads them from the swap files. The least a step can move for
+        its model states; the pager's reads of compute copies and activations sent to the SSD come on top."""
+        on_disk = [s for s in self.layout.shards if s.state_tier == "ssd"]
+        moments = sum(s.numel * 8 for s in on_disk)
+        copies = sum(s.numel * s.dtype.itemsize for s in self.layout.shards
+                     if self.layout.param_cache == "ssd" and s.dtype != torch.float32)
+        return {"read": moments + sum(s.numel * 4 for s in on_disk if not s.master_in_host),
+                "written": moments + sum(s.numel * 4 for s in on_disk) + copies}
+
     def make_plan(self, hardware: HardwareProfile, layers: list[LayerProfile]) -> Plan:
         """Search the placement with the least predicted iteration time under this run's memory budgets."""
         static = self.accounts.held()["host"]
@@ -212,17 +224,17 @@ class Planner:
         if hardware.unified_memory:
             device_budget = host_budget
         store_budget = int(hardware.ssd_free * 0.95)
-        # Moments always go through the store; masters unless the host cache holds them, and 16-bit compute copies
-        # when the pager reads them from there.
         shards = self.layout.shards
         trainable = sum(s.numel for s in shards) or 1
-        masters = sum(s.numel * 4 for s in shards if not s.master_in_host)
-        copies = sum(s.numel * s.dtype.itemsize for s in shards
-                     if self.layout.param_cache == "ssd" and s.dtype != torch.float32)
+        traffic = self.state_traffic()
+        # States in host memory cost a copy of the committed slot into the other (12 bytes read, 12 written) besides
+        # the update's own traffic.
+        in_host = sum(s.numel for s in shards if s.state_tier == "host")
         settings = CostSettings(
             prefetch_depth=self.config.prefetch_depth, host_static_bytes=static,
-            state_read_bytes_per_param=round(8 + masters / trainable),
-            state_write_bytes_per_param=round(12 + copies / trainable),
+            optimizer_memory_bytes_per_param=OPTIMIZER_MEMORY_BYTES_PER_PARAM + round(24 * in_host / trainable),
+            state_read_bytes_per_param=round(traffic["read"] / trainable),
+            state_write_bytes_per_param=round(traffic["written"] / trainable),
             param_cache=self.layout.param_cache,
             # Write-backs are waited for only by the next update of the same shard.
             state_spill=True,

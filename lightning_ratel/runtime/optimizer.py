@@ -59,7 +59,7 @@ from lightning_ratel.runtime.generic import GenericUpdate
 from lightning_ratel.runtime.hostmem import aligned_empty
 from lightning_ratel.runtime.ledger import StepLedger
 from lightning_ratel.runtime.pool import BufferPool
-from lightning_ratel.runtime.state_buffers import BUFFER_SETS, Loaded, StateBuffers, StateBufferSet
+from lightning_ratel.runtime.state_buffers import BUFFER_SETS, Loaded, SlotViews, StateBuffers, StateBufferSet
 from lightning_ratel.runtime.storage import TensorStore
 from lightning_ratel.runtime.timeline import Timeline
 from lightning_ratel.runtime.units import Shard
@@ -144,7 +144,7 @@ class _Assign:
 
 @dataclass(frozen=True)
 class _Written:
-    buffers: StateBufferSet
+    buffers: StateBufferSet | SlotViews
 
 
 @dataclass(frozen=True)
@@ -574,11 +574,14 @@ class CpuAdam:
             self._update(item.shard, item.plan, item.step, *item.loaded)
             self._commit()
 
-    def _update(self, shard: Shard, plan: StepPlan, step: int, b: StateBufferSet, reads: list[Future]) -> None:
+    def _update(self, shard: Shard, plan: StepPlan, step: int, b: StateBufferSet | SlotViews,
+                reads: list[Future]) -> None:
         for r in reads:
             r.result()
         self.timeline.record(f"update_start:{shard.index}")
         version = self.ledger.latest(shard)
+        # States updated in place must be in the slot this update writes, not in the one it reads.
+        assert not isinstance(b, SlotViews) or b.slot == 1 - version.slot
         n = shard.numel
         master = shard.host_master() if shard.master_in_host else b.master[:n]
         grad = self.accumulator.grad(shard)
@@ -639,7 +642,7 @@ class CpuAdam:
             self._adamw(master[sl], grad[sl], exp_avg[sl], exp_avg_sq[sl], out[sl] if out is not None else None,
                         hyper, steps[i] + 1)
 
-    def _joined(self, writes: list[Future], buffers: StateBufferSet) -> Future:
+    def _joined(self, writes: list[Future], buffers: StateBufferSet | SlotViews) -> Future:
         """A future that completes when every write has (with the first error), handing ``buffers`` back then."""
         done: Future = Future()
         remaining = [len(writes)]
@@ -661,7 +664,7 @@ class CpuAdam:
             w.add_done_callback(finished)
         return done
 
-    def _compute_out(self, shard: Shard, b: StateBufferSet) -> torch.Tensor | None:
+    def _compute_out(self, shard: Shard, b: StateBufferSet | SlotViews) -> torch.Tensor | None:
         """Where the update writes the shard's new compute copy: the host cache, a staging buffer bound for the
         store, or nowhere when the master itself is the compute copy."""
         if shard.master_in_host:

@@ -9,6 +9,10 @@ block and the embedding, which the next forward needs first) would each wait for
 Reads ahead happen only between the start of a boundary micro-batch and the step's schedule, so nothing else writes
 those states meanwhile; a shard whose previous write-back is still landing is read only once it has landed. Worker
 thread only (a write-back's completion comes back to the worker as a job).
+
+A shard whose states live in host memory (:func:`in_place`) needs no buffer set: its "buffers" are the memory of the
+state slot its update writes (:class:`SlotViews`), the read copies the latest slot there, the update runs in place,
+and its write-back copies nothing. Such shards take no set from the pool and are always read ahead.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 
 from lightning_ratel.runtime.generic import GenericUpdate
 from lightning_ratel.runtime.hostmem import ALIGNMENT, aligned_empty
+from lightning_ratel.runtime.hoststore import TieredStore
 from lightning_ratel.runtime.ledger import StepLedger
 from lightning_ratel.runtime.storage import TensorStore
 from lightning_ratel.runtime.timeline import Timeline
@@ -57,7 +62,42 @@ class StateBufferSet:
         return 4 * states + self.state.numel() + (self.compute.numel() if self.compute is not None else 0)
 
 
-Loaded = tuple[StateBufferSet, list[Future]]
+class SlotViews:
+    """A :class:`StateBufferSet` stand-in for a shard whose states live in host memory: views of the state slot
+    ``slot`` its update writes, so reading the latest version is one copy and the write-back none.
+
+    Args:
+        store: the run's tiered store (the views are of its host memory).
+        shard: the shard.
+        slot: the state slot the shard's next update writes.
+        state_bytes: bytes of its state record (an optimizer other than AdamW/Adam), 0 otherwise.
+    """
+
+    compute = None
+    nbytes = 0
+
+    def __init__(self, store: TieredStore, shard: Shard, slot: int, state_bytes: int) -> None:
+        host = store.host
+        self.slot = slot
+        self.master = (torch.empty(0) if shard.master_in_host
+                       else host.view(shard.key("master", slot), torch.float32))
+        if state_bytes:
+            self.state = host.view(shard.key("state", slot), torch.uint8)
+            self.exp_avg = self.exp_avg_sq = torch.empty(0)
+        else:
+            self.state = torch.empty(0, dtype=torch.uint8)
+            self.exp_avg = host.view(shard.key("exp_avg", slot), torch.float32)
+            self.exp_avg_sq = host.view(shard.key("exp_avg_sq", slot), torch.float32)
+
+
+def in_place(shard: Shard, compute_on_store: bool) -> bool:
+    """Whether ``shard``'s update runs in place in its host-memory state slot (:class:`SlotViews`) rather than in a
+    buffer set: its states live in host memory, and no staging buffer is needed for a compute copy bound for the
+    store."""
+    return shard.state_tier == "host" and not compute_on_store
+
+
+Loaded = tuple[StateBufferSet | SlotViews, list[Future]]
 """A buffer set and the reads filling it."""
 
 
@@ -82,11 +122,14 @@ class StateBuffers:
         self.ledger = ledger
         self.timeline = timeline
         self.generic = generic
-        largest = max((s.numel for s in shards), default=1) if generic is None else 0
-        largest_master = max((s.numel for s in shards if not s.master_in_host), default=0)
-        compute_bytes = max((s.numel * s.dtype.itemsize for s in shards
+        self.compute_on_store = compute_on_store
+        pooled = [s for s in shards if not self._in_place(s)]
+        largest = max((s.numel for s in pooled), default=0) if generic is None else 0
+        largest_master = max((s.numel for s in pooled if not s.master_in_host), default=0)
+        compute_bytes = max((s.numel * s.dtype.itemsize for s in pooled
                              if compute_on_store and s.dtype != torch.float32), default=0)
-        state_bytes = max((generic.nbytes(s) for s in shards), default=0) if generic is not None else 0
+        state_bytes = max((generic.nbytes(s) for s in pooled), default=0) if generic is not None else 0
+        depth = depth if pooled else 0
         self.free = [StateBufferSet(largest, largest_master, compute_bytes, state_bytes) for _ in range(depth)]
         self.nbytes = sum(b.nbytes for b in self.free)
         self.ahead: dict[int, Loaded] = {}
@@ -114,17 +157,28 @@ class StateBuffers:
         """The step was abandoned: its updates say nothing about the next step's order."""
         self._ran = []
 
+    def _in_place(self, shard: Shard) -> bool:
+        return isinstance(self.store, TieredStore) and in_place(shard, self.compute_on_store)
+
+    def _views(self, shard: Shard) -> SlotViews:
+        assert isinstance(self.store, TieredStore)
+        state_bytes = self.generic.nbytes(shard) if self.generic is not None else 0
+        return SlotViews(self.store, shard, 1 - self.ledger.latest(shard).slot, state_bytes)
+
     def take(self, shard: Shard) -> Loaded | None:
         """A buffer set holding (or being filled with) ``shard``'s latest state, or ``None`` while none is free."""
         loaded = self.ahead.pop(shard.index, None)
         if loaded is not None:
             return loaded
+        if self._in_place(shard):
+            views = self._views(shard)
+            return views, self.read(shard, views)
         if not self.free and not self._evict_ahead():
             return None
         buffers = self.free.pop()
         return buffers, self.read(shard, buffers)
 
-    def read(self, shard: Shard, buffers: StateBufferSet) -> list[Future]:
+    def read(self, shard: Shard, buffers: StateBufferSet | SlotViews) -> list[Future]:
         """Start reading ``shard``'s latest state into ``buffers`` (after its last write-back has landed)."""
         self.wait_written(shard)
         n = shard.numel
@@ -145,10 +199,15 @@ class StateBuffers:
         if not self.reading_ahead:
             return
         for shard in self._order:
-            if not self.free:
-                return
             if skip(shard) or shard.index in self.ahead:
                 continue
+            if self._in_place(shard):
+                self.timeline.record(f"read_ahead:{shard.index}")
+                views = self._views(shard)
+                self.ahead[shard.index] = (views, self.read(shard, views))
+                continue
+            if not self.free:
+                return
             last = self._last_write.get(shard.index)
             if last is not None and not last.done():
                 # Its previous write-back is still landing; later shards must not take the buffer it will need.
@@ -172,16 +231,18 @@ class StateBuffers:
         buffers, reads = loaded
         for read in reads:
             read.exception()
-        self.free.append(buffers)
+        if isinstance(buffers, StateBufferSet):
+            self.free.append(buffers)
 
     def writing(self, shard: Shard, done: Future) -> None:
         """A write-back of ``shard`` from a buffer set started; :meth:`written` hands the set back."""
         self.writes_pending += 1
         self._last_write[shard.index] = done
 
-    def written(self, buffers: StateBufferSet) -> None:
+    def written(self, buffers: StateBufferSet | SlotViews) -> None:
         """A write-back finished (or failed): its buffer set is free again."""
-        self.free.append(buffers)
+        if isinstance(buffers, StateBufferSet):
+            self.free.append(buffers)
         self.writes_pending -= 1
 
     def wait_written(self, shard: Shard) -> None:
@@ -212,10 +273,11 @@ class StateBuffers:
     def _evict_ahead(self) -> bool:
         """A ready shard needs a buffer set and none will come back from a write: free the read-ahead expected
         last. Returns whether one was freed."""
-        if self.writes_pending or not self.ahead:
+        pooled = [i for i, (buffers, _) in self.ahead.items() if isinstance(buffers, StateBufferSet)]
+        if self.writes_pending or not pooled:
             return False
         position = {s.index: i for i, s in enumerate(self._order)}
-        index = max(self.ahead, key=lambda i: position.get(i, len(position)))
+        index = max(pooled, key=lambda i: position.get(i, len(position)))
         self._release_ahead(index)
         return True
 

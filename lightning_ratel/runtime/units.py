@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from lightning_ratel.tiers import StateTier
+
 
 @dataclass(frozen=True, eq=False)
 class ParamSlot:
@@ -184,7 +186,8 @@ class Shard:
         params: its parameters, contiguous from offset 0.
         numel: elements of its flat tensors.
         master_in_host: an fp32 shard whose compute copy stays in the unit's host cache: that copy is the master
-            itself, updated there in place and never kept on the store.
+            itself, updated there in place (the store keeps its committed copy).
+        state_tier: where its master and moments live: ``"host"`` (host memory) or ``"ssd"`` (the swap files).
     """
 
     index: int
@@ -195,6 +198,14 @@ class Shard:
     params: tuple[ShardParam, ...]
     numel: int
     master_in_host: bool = False
+    state_tier: StateTier = "ssd"
+
+    STATES = ("master", "exp_avg", "exp_avg_sq", "state")
+    """What :meth:`key` names in the optimizer's state slots."""
+
+    def state_keys(self) -> list[str]:
+        """The store keys of every flat state this shard may have, in both slots."""
+        return [self.key(what, slot) for what in self.STATES for slot in (0, 1)]
 
     def key(self, what: str, slot: int = 0) -> str:
         """The store key of one of its flat states: ``master``, ``exp_avg`` or ``exp_avg_sq`` (fp32) in one of the

@@ -1,0 +1,70 @@
+"""Where each shard's optimizer states live: host memory while the budget holds them, the swap files for the rest.
+
+Every update reads a shard's fp32 master and moments and writes them back, so each byte kept in host memory is a byte
+the drives do not move twice a step. Which bytes matter most is set by the step's order: backward finishes the first
+blocks last, and the next forward needs them first, so their updates are the ones nothing overlaps. Shards are
+therefore placed in forward order, each in host memory if it still fits the budget (a later, smaller one may fit
+where a larger one did not).
+
+A shard kept in host memory holds both of its state slots there (the committed step and the one being written), so it
+takes twice its states' bytes. Pure arithmetic: the layout calls it with the shards' sizes and the budget.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from lightning_ratel.errors import RatelConfigError
+from lightning_ratel.sizes import format_bytes
+from lightning_ratel.tiers import OPTIMIZER_STATES, StateTier
+
+STATE_SLOTS = 2
+"""State slots per shard: the committed step's and the one an update writes."""
+HOST_SHARE = 0.75
+"""Of a host budget the run was not given (the memory the kernel can hand out), the share states may take in
+``"auto"``: the rest is for activations kept in host memory, staging buffers, the data loader and the page cache."""
+
+
+def state_bytes(numel: int, record_bytes: int | None = None) -> int:
+    """Host bytes one shard's states take in host memory: both slots of its fp32 master and of its moments (AdamW)
+    or of its state record (``record_bytes``, another optimizer)."""
+    per_slot = 4 * numel + (8 * numel if record_bytes is None else record_bytes)
+    return STATE_SLOTS * per_slot
+
+
+def place_states(sizes: Sequence[int], requested: str, budget: int | None) -> list[StateTier]:
+    """The tier of each shard's states.
+
+    Args:
+        sizes: host bytes of each shard's states (:func:`state_bytes`), in forward order.
+        requested: ``"host"``, ``"ssd"`` or ``"auto"`` (host memory while ``budget`` holds them, in forward order).
+        budget: host bytes the states may take in ``"auto"``; ``None``: unlimited.
+
+    Raises:
+        RatelConfigError: ``requested`` is not one of :data:`~lightning_ratel.tiers.OPTIMIZER_STATES`.
+    """
+    if requested not in OPTIMIZER_STATES:
+        raise RatelConfigError(f"`optimizer_states` must be one of {OPTIMIZER_STATES}, got {requested!r}")
+    if requested != "auto":
+        return [requested] * len(sizes)  # type: ignore[list-item]
+    left = budget if budget is not None else sum(sizes)
+    tiers: list[StateTier] = []
+    for size in sizes:
+        if size <= left:
+            tiers.append("host")
+            left -= size
+        else:
+            tiers.append("ssd")
+    return tiers
+
+
+def describe(sizes: Sequence[int], tiers: Sequence[StateTier]) -> str:
+    """One line on where the states went, for the run's log."""
+    host = sum(s for s, t in zip(sizes, tiers) if t == "host")
+    disk = sum(s for s, t in zip(sizes, tiers) if t == "ssd") // STATE_SLOTS
+    parts = []
+    if host:
+        parts.append(f"{format_bytes(host)} in host memory ({tiers.count('host')} shards, both slots)")
+    if disk:
+        parts.append(f"{format_bytes(disk)} per slot in the swap files ({tiers.count('ssd')} shards)")
+    return "optimizer states: " + (", ".join(parts) if parts else "none")

@@ -1,0 +1,222 @@
+"""Optimizer states in host memory, in the swap files, or split between them: placed by the layout, same numbers."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_ratel import RatelStrategy, estimate
+from lightning_ratel.engine import layout as layout_module
+from lightning_ratel.errors import RatelConfigError
+from lightning_ratel.plan.states import describe, place_states, state_bytes
+from lightning_ratel.runtime.hoststore import HostStore, TieredStore
+from lightning_ratel.runtime.storage import TensorStore
+from tests.models import LM, compare_states, final_state, tiny_llama, trainer
+
+# ------------------------------------------------------------------ the placement (pure)
+
+
+def test_auto_places_in_forward_order_while_the_budget_holds():
+    # The first shards fit; the third does not, the smaller fourth still does.
+    assert place_states([10, 20, 40, 5], "auto", 36) == ["host", "host", "ssd", "host"]
+    assert place_states([10, 20], "auto", None) == ["host", "host"]
+    assert place_states([10, 20], "auto", 0) == ["ssd", "ssd"]
+
+
+def test_forced_tiers_and_bad_request():
+    assert place_states([10, 20], "ssd", 1 << 40) == ["ssd", "ssd"]
+    assert place_states([10, 20], "host", 0) == ["host", "host"]
+    with pytest.raises(RatelConfigError, match="optimizer_states"):
+        place_states([1], "ram", None)
+
+
+def test_state_bytes_count_both_slots():
+    assert state_bytes(100) == 2 * 12 * 100
+    assert state_bytes(100, record_bytes=40) == 2 * (400 + 40)
+    line = describe([2400, 4800], ["host", "ssd"])
+    assert "in host memory (1 shards" in line and "swap files (1 shards" in line
+
+
+# ------------------------------------------------------------------ the host store
+
+
+def test_host_store_round_trip_zeros_and_errors():
+    store = HostStore(threads=2)
+    store.reserve("a", 4 * 1000)
+    store.reserve("b", 4 * 10)
+    store.preallocate()
+    out = torch.full((1000,), 7.0)
+    # Never written: zeros, like the swap store.
+    assert store.read("a", out).result() is out and not out.any()
+    values = torch.randn(1000)
+    store.write("a", values).result()
+    assert torch.equal(store.read("a", out).result(), values)
+    with pytest.raises(ValueError, match="holds 40 bytes"):
+        store.write("b", torch.zeros(11))
+    with pytest.raises(KeyError):
+        store.read("missing", out)
+    with pytest.raises(ValueError, match="reserved with"):
+        store.reserve("a", 8)
+    store.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        store.view("a", torch.float32)
+
+
+def test_host_store_large_copies_are_split_over_threads(monkeypatch):
+    monkeypatch.setattr("lightning_ratel.runtime.hoststore.COPY_PIECE_BYTES", 4096)
+    store = HostStore(threads=3)
+    values = torch.randn(50_000)
+    store.write("x", values).result()
+    out = torch.empty_like(values)
+    store.read("x", out).result()
+    assert torch.equal(out, values)
+    store.close()
+
+
+def test_writing_a_view_of_the_key_copies_nothing():
+    store = HostStore()
+    store.reserve("m", 4 * 256)
+    view = store.view("m", torch.float32)
+    view.copy_(torch.arange(256.0))
+    before = store.bytes_copied
+    store.write("m", view).result()
+    assert store.bytes_copied == before and store.written("m")
+    out = torch.empty(256)
+    store.read("m", out).result()
+    assert torch.equal(out, torch.arange(256.0))
+    store.close()
+
+
+def test_tiered_store_routes_each_key(tmp_path: Path):
+    disk = TensorStore([str(tmp_path)], name="tiers")
+    store = TieredStore(disk, HostStore(), host_keys=["h"])
+    store.reserve("h", 4096)
+    store.reserve("d", 4096)
+    store.preallocate()
+    store.write("h", torch.ones(1024)).result()
+    assert disk.bytes_written == 0
+    store.write("d", torch.ones(1024)).result()
+    assert disk.bytes_written >= 4096
+    out = torch.empty(1024)
+    assert torch.equal(store.read("h", out).result(), torch.ones(1024))
+    assert sorted(store.keys()) == ["d", "h"] and store.in_host("h") and not store.in_host("d")
+    # What concerns the swap files is the swap store's.
+    assert store.paths == disk.paths and store.host_bytes >= 4096
+    store.close()
+    assert os.listdir(tmp_path) == []
+
+
+# ------------------------------------------------------------------ training
+
+
+def _split_budget(monkeypatch: pytest.MonkeyPatch, fraction: float) -> None:
+    """Give ``optimizer_states="auto"`` a budget that holds about ``fraction`` of a tiny Llama's states."""
+    lm = LM("llama")
+    total = state_bytes(sum(p.numel() for p in lm.parameters()))
+    monkeypatch.setattr(layout_module, "states_budget", lambda limit, cache: int(total * fraction))
+
+
+class _Tiers:
+    def __init__(self) -> None:
+        self.tiers: list[str] = []
+        self.reserved = 0
+
+    def __call__(self, strategy: RatelStrategy) -> None:
+        engine = strategy.engine
+        self.tiers = [s.state_tier for s in engine.layout.shards]
+        self.reserved = engine.store.disk.nbytes_reserved
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+@pytest.mark.parametrize("states", ["host", "split", "ssd"])
+def test_every_state_tier_matches_plain(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, states: str,
+                                        precision: str):
+    kwargs = dict(precision=precision, accumulate_grad_batches=2, gradient_clip_val=0.05, max_steps=3)
+    ref = LM("llama")
+    t = trainer("auto", **kwargs)
+    t.fit(ref)
+    if states == "split":
+        _split_budget(monkeypatch, 0.5)
+    seen = _Tiers()
+    lm = LM("llama")
+    strategy = RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy={"*.0": "ssd", "*": "host"},
+                             optimizer_states="auto" if states == "split" else states)
+    lm.on_train_start = lambda: seen(strategy)  # type: ignore[method-assign]
+    got = trainer(strategy, **kwargs)
+    got.fit(lm)
+    compare_states(final_state(ref, t), final_state(lm, got), 0.0)
+    expected = {"host": {"host"}, "ssd": {"ssd"}, "split": {"host", "ssd"}}[states]
+    assert set(seen.tiers) == expected
+    if states == "host":
+        # Nothing of the optimizer's is laid out in the swap files.
+        assert seen.reserved == 0
+    if states == "split":
+        # The first blocks in forward order are the ones kept in host memory (a smaller later one may fit too).
+        assert seen.tiers[0] == "host" and seen.tiers.index("ssd") > 0
+    assert os.listdir(tmp_path) == []
+
+
+def test_states_in_host_memory_move_no_disk_bytes_in_a_step(tmp_path: Path):
+    """With every state in host memory and compute copies in the host cache, training steps read and write nothing
+    on the drives (activations stay off the disk too)."""
+    strategy = RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy="host", optimizer_states="host")
+    lm = LM("llama")
+    counts: list[dict[str, int]] = []
+    lm.on_train_batch_end = lambda *args: counts.append(strategy.io_bytes())  # type: ignore[method-assign]
+    trainer(strategy, max_steps=3).fit(lm)
+    assert len(counts) == 3 and counts[0] == counts[-1]
+
+
+def test_states_on_disk_move_the_planned_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Each step reads every shard's moments once and writes its master and moments once (fp32 masters live in the
+    host cache and are not read), whatever the order updates ran in: no state is read twice."""
+    reads: Counter[str] = Counter()
+    writes: Counter[str] = Counter()
+    read, write = TensorStore.read, TensorStore.write
+
+    def counted(counter: Counter[str], call: Any) -> Any:
+        def run(self: TensorStore, key: str, tensor: torch.Tensor, **kwargs: Any) -> Any:
+            counter[key.removesuffix(".1")] += 1
+            return call(self, key, tensor, **kwargs)
+        return run
+
+    monkeypatch.setattr(TensorStore, "read", counted(reads, read))
+    strategy = RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy="host", optimizer_states="ssd",
+                             param_cache="host")
+    lm = LM("llama")
+    shards: list[int] = []
+    lm.on_train_start = lambda: (  # type: ignore[method-assign]
+        shards.extend(s.index for s in strategy.engine.layout.shards),
+        monkeypatch.setattr(TensorStore, "write", counted(writes, write)))
+    steps = 4
+    trainer(strategy, max_steps=steps).fit(lm)
+    # The first step has no moments to read (they start as zeros); the copy back at the end reads each state once.
+    for index in shards:
+        for what in ("exp_avg", "exp_avg_sq"):
+            assert reads[f"shard{index}.{what}"] == steps - 1 + 1, (index, what)
+            assert writes[f"shard{index}.{what}"] == steps, (index, what)
+        assert reads[f"shard{index}.master"] == 1 and writes[f"shard{index}.master"] == steps
+
+
+def test_kept_swap_files_hold_the_states(tmp_path: Path):
+    with pytest.raises(RatelConfigError, match="keep_swap_files"):
+        RatelStrategy(ssd_paths=[str(tmp_path)], optimizer_states="host", keep_swap_files=True)
+    assert RatelStrategy(ssd_paths=[str(tmp_path)], keep_swap_files=True).config.states_request == "ssd"
+    with pytest.raises(RatelConfigError, match="optimizer_states"):
+        RatelStrategy(ssd_paths=[str(tmp_path)], optimizer_states="ram")  # type: ignore[arg-type]
+
+
+def test_estimate_counts_states_where_they_live():
+    model = tiny_llama()
+    numel = sum(p.numel() for p in model.parameters())
+    on_disk = estimate(model, precision="32-true", optimizer_states="ssd")
+    in_host = estimate(model, precision="32-true", optimizer_states="host")
+    assert on_disk.host_states == 0 and on_disk.disk >= 24 * numel
+    assert in_host.disk == 0 and in_host.host_states >= 24 * numel
+    assert in_host.optimizer_buffers == 0 < on_disk.optimizer_buffers
+    assert "optimizer states" in str(in_host)
