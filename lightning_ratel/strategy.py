@@ -33,7 +33,7 @@ from typing_extensions import override
 from lightning_ratel.callbacks import RatelProfiler
 from lightning_ratel.config import ActivationPolicy, CheckpointFormat, ParamInitFn, PlanLike, RatelConfig
 from lightning_ratel.engine.coordinator import RatelEngine
-from lightning_ratel.engine.materialize import ValueSource, persistent_buffers
+from lightning_ratel.engine.materialize import persistent_buffers
 from lightning_ratel.engine.planner import Planner
 from lightning_ratel.errors import RatelConfigError
 from lightning_ratel.io.checkpoint import Restored, choose_checkpoint_format
@@ -47,6 +47,7 @@ from lightning_ratel.io.sharded import (
     not_a_checkpoint,
     save_sharded,
 )
+from lightning_ratel.io.sources import ValueSource
 from lightning_ratel.io.tensorfiles import parse_dtype
 from lightning_ratel.plan.search import Plan
 from lightning_ratel.precision import RatelPrecision

@@ -34,7 +34,7 @@ from lightning_ratel.config import RatelConfig
 from lightning_ratel.engine.accounting import ByteAccount, StepBreakdown
 from lightning_ratel.engine.blocks import BlockMembership, discover_blocks
 from lightning_ratel.engine.layout import build_layout
-from lightning_ratel.engine.materialize import Materializer, ValueSource
+from lightning_ratel.engine.materialize import Materializer
 from lightning_ratel.engine.placement import check_patterns
 from lightning_ratel.engine.planner import Planner
 from lightning_ratel.engine.reads import ParameterReads
@@ -42,6 +42,7 @@ from lightning_ratel.engine.schedule import BlockScheduler
 from lightning_ratel.engine.switches import FitSwitches
 from lightning_ratel.errors import RatelConfigError, RatelModelError
 from lightning_ratel.io.checkpoint import ModelState
+from lightning_ratel.io.sources import ValueSource
 from lightning_ratel.runtime import gds
 from lightning_ratel.runtime.activations import ActivationCache, PlaceholderRead
 from lightning_ratel.runtime.device import Device

@@ -21,7 +21,6 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning_ratel.config import RatelConfig
 from lightning_ratel.engine.accounting import ByteAccount, StepBreakdown
 from lightning_ratel.engine.blocks import BlockMembership
-from lightning_ratel.engine.layout import Layout
 from lightning_ratel.engine.placement import plan_placements, profiling_placements, resolve_policies
 from lightning_ratel.engine.schedule import BlockScheduler, BlockTimer
 from lightning_ratel.errors import RatelConfigError
@@ -34,6 +33,7 @@ from lightning_ratel.runtime.adamw import adamw_step
 from lightning_ratel.runtime.device import Device
 from lightning_ratel.runtime.optimizer import CpuAdam
 from lightning_ratel.runtime.probe import measure_hardware
+from lightning_ratel.runtime.units import Layout
 from lightning_ratel.tiers import CONTAINER_OP, INPUT_OP
 
 

@@ -29,11 +29,10 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from lightning_ratel.engine.layout import Layout
-from lightning_ratel.engine.materialize import SourceValue, ValueSource
 from lightning_ratel.errors import RatelConfigError
+from lightning_ratel.io.sources import SourceValue, ValueSource
 from lightning_ratel.io.tensorfiles import TensorEntry, TensorFileReader
-from lightning_ratel.runtime.units import ParamSlot
+from lightning_ratel.runtime.units import Layout, ParamSlot
 
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
