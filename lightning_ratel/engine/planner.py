@@ -24,8 +24,9 @@ from lightning_ratel.engine.blocks import BlockMembership
 from lightning_ratel.engine.placement import plan_placements, profiling_placements, resolve_policies
 from lightning_ratel.engine.schedule import BlockScheduler, BlockTimer
 from lightning_ratel.errors import RatelConfigError
+from lightning_ratel.hardware import HardwareProfile
 from lightning_ratel.plan.cost import CostSettings, DeviceOverhead
-from lightning_ratel.plan.profile import HardwareProfile, LayerProfile, OpProfile
+from lightning_ratel.plan.profile import LayerProfile, OpProfile
 from lightning_ratel.plan.search import Plan, search
 from lightning_ratel.report import show_plan
 from lightning_ratel.runtime.activations import ActivationCache

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from lightning_ratel.plan.profile import HardwareProfile
+from lightning_ratel.hardware import HardwareProfile
 from lightning_ratel.runtime.device import Device
 from lightning_ratel.runtime.hostmem import aligned_empty
 from lightning_ratel.runtime.storage import TensorStore
