@@ -45,11 +45,12 @@ from lightning_ratel.io.checkpoint import ModelState
 from lightning_ratel.io.sources import ValueSource
 from lightning_ratel.runtime import gds
 from lightning_ratel.runtime.activations import ActivationCache, PlaceholderRead
+from lightning_ratel.runtime.adamw import GroupHyper
 from lightning_ratel.runtime.device import Device
 from lightning_ratel.runtime.escapes import Escape, EscapeDetector
 from lightning_ratel.runtime.generic import group_settings
 from lightning_ratel.runtime.gradients import GradientOffload
-from lightning_ratel.runtime.optimizer import CpuAdam, GroupHyper, StepPlan
+from lightning_ratel.runtime.optimizer import CpuAdam, StepPlan
 from lightning_ratel.runtime.pager import ParameterPager
 from lightning_ratel.runtime.storage import TensorStore
 from lightning_ratel.runtime.timeline import Timeline

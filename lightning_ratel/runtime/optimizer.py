@@ -54,7 +54,7 @@ from typing import Any
 import torch
 
 from lightning_ratel.runtime.accumulation import GradientAccumulator, GradientBudget
-from lightning_ratel.runtime.adamw import adamw_step
+from lightning_ratel.runtime.adamw import GroupHyper, adamw_step
 from lightning_ratel.runtime.generic import GenericUpdate
 from lightning_ratel.runtime.hostmem import aligned_empty
 from lightning_ratel.runtime.ledger import StepLedger
@@ -65,32 +65,6 @@ from lightning_ratel.runtime.timeline import Timeline
 from lightning_ratel.runtime.units import Shard
 
 _OPENMP_BACKEND = "parallel backend: OpenMP" in torch.__config__.parallel_info()
-
-
-@dataclass(frozen=True)
-class GroupHyper:
-    """Hyperparameters of one parameter group, read from the user's optimizer at the start of each step."""
-
-    lr: float
-    beta1: float
-    beta2: float
-    eps: float
-    weight_decay: float
-    decoupled: bool
-
-    @classmethod
-    def of(cls, optimizer: torch.optim.Optimizer) -> list[GroupHyper]:
-        """The current hyperparameters of every group of a ``torch.optim.AdamW`` or ``torch.optim.Adam``."""
-        decoupled_default = isinstance(optimizer, torch.optim.AdamW)
-        hyper = []
-        for group in optimizer.param_groups:
-            beta1, beta2 = group["betas"]
-            hyper.append(cls(
-                lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
-                weight_decay=float(group["weight_decay"]),
-                decoupled=bool(group.get("decoupled_weight_decay", decoupled_default)),
-            ))
-        return hyper
 
 
 @dataclass(frozen=True)
@@ -675,9 +649,7 @@ class CpuAdam:
 
     def _adamw(self, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                out: torch.Tensor | None, h: GroupHyper, step: int) -> None:
-        step_fn = adamw_step()
-        step_fn(master, grad, exp_avg, exp_avg_sq, out, lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
-                weight_decay=h.weight_decay, step=step, decoupled=h.decoupled, num_threads=self.threads)
+        adamw_step()(master, grad, exp_avg, exp_avg_sq, out, h, step=step, num_threads=self.threads)
 
     def _resolve_barriers(self) -> None:
         if not self._barriers:
