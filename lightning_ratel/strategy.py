@@ -500,7 +500,7 @@ class RatelStrategy(SingleDeviceStrategy):
                     "with `ratel-convert --swap ...` as the warning at the end of fit says")
             return super().lightning_module_state_dict()
         if self.sharded_checkpoints:
-            # Parameters go to the shard files; the checkpoint dict keeps the persistent buffers.
+            # Parameters go to the unit files; the checkpoint dict keeps the persistent buffers.
             module = self._engine.module
             with self._internal():
                 state = module.state_dict()
@@ -515,7 +515,7 @@ class RatelStrategy(SingleDeviceStrategy):
             raise self._failure
         if self._engine is not None and optimizer is self._engine.optimizer:
             if self.sharded_checkpoints:
-                # Moments and step counts go to the shard files.
+                # Moments and step counts go to the unit files.
                 return {"state": {}, "param_groups": optimizer.state_dict()["param_groups"]}
             return self._from_engine(self._engine.state.optimizer_state_dict)
         return super().optimizer_state(optimizer)
@@ -583,7 +583,7 @@ class RatelStrategy(SingleDeviceStrategy):
 
     def save_pretrained(self, path: str | os.PathLike[str], dtype: str | torch.dtype = "bf16",
                         max_shard_size: int | str = DEFAULT_SHARD_SIZE) -> Path:
-        """Write the trained weights as a Hugging Face folder, one shard at a time (``from_pretrained`` loads it).
+        """Write the trained weights as a Hugging Face folder, one tensor at a time (``from_pretrained`` loads it).
 
         During fit the weights are those of the last finished step, read from the swap files once every update has
         landed; outside fit, the module's own parameters. ``config.json`` and ``generation_config.json`` are written

@@ -324,8 +324,8 @@ class GdsStore(TensorStore):
             return tensor_checksum(data)
 
     def _move_device_chunk(self, request: _DeviceRequest, chunk: Chunk, view: torch.Tensor) -> None:
-        swap = self.swap_files[chunk.slot]
-        handle = self._handles[chunk.slot]
+        swap = self.swap_files[chunk.file]
+        handle = self._handles[chunk.file]
         call: Callable[..., int] = handle.raw_write if request.is_write else handle.raw_read
         operation = "write" if request.is_write else "read"
         done = 0
