@@ -358,10 +358,8 @@ class RatelEngine:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Manual optimization's ``optimizer.zero_grad()``: drop the gradients accumulated since the last step."""
-        assert self.adam is not None and self.gradients is not None
-        shards = self.gradients.take_window(self.layout.shards)
-        if shards:
-            self.adam.discard(shards)
+        assert self.adam is not None
+        self.adam.discard_window()
 
     @staticmethod
     def _refuse_new_group(param_group: dict) -> None:
@@ -394,7 +392,8 @@ class RatelEngine:
         self.reads.resume()
 
     def finish_step(self, loss_scale: torch.Tensor | None = None) -> bool:
-        """Run (or finish) the updates of the boundary micro-batch.
+        """Run (or finish) the updates of the boundary micro-batch: one call to
+        :meth:`~lightning_ratel.runtime.optimizer.CpuAdam.finish` with what this step decided.
 
         Args:
             loss_scale: the fp16 loss scale, to unscale gradients and check them for overflow.
@@ -402,23 +401,13 @@ class RatelEngine:
         Returns:
             Whether the step was taken (``False`` when nothing had a gradient or an fp16 overflow skipped it).
         """
-        assert self.adam is not None and self.gradients is not None
-        shards = self.gradients.take_window(self.layout.shards)
+        assert self.adam is not None
         plan = self._step_plan
-        if not shards:
-            return False
         clip = self._clip if self._clip is not None and self._clip[0] > 0 else None
         self._clip = None
         if plan.overlap and clip is not None and clip[1] == "norm":
             raise RatelModelError("gradient clipping by norm was requested after updates had started")
-        if not plan.overlap:
-            if loss_scale is not None and not self.adam.unscale_(shards, loss_scale):
-                self.adam.discard(shards)
-                return False
-            if clip is not None:
-                self.adam.clip_(shards, *clip)
-        self.adam.schedule(plan, sorted(shards, key=lambda s: self.scheduler.position(s.unit.index)))
-        return True
+        return self.adam.finish(plan, self.scheduler.order, loss_scale, clip)
 
     def abort_step(self) -> None:
         """An exception stopped the step before it was finished: put every shard back at the last committed step."""

@@ -72,8 +72,7 @@ class StepPlan:
     """How this optimizer step's updates run: hyperparameters per group (:class:`GroupHyper` for the fused AdamW, each
     group's settings as a dict for another optimizer), whether they start during backward, and
     the element-wise clip each shard applies to its own gradients first (global transforms such as norm clipping and
-    loss unscaling are applied through :meth:`CpuAdam.unscale_` and :meth:`CpuAdam.clip_` before the updates are
-    scheduled)."""
+    loss unscaling are applied by :meth:`CpuAdam.finish` before the updates are scheduled)."""
 
     hyper: list[GroupHyper] | list[dict[str, Any]]
     overlap: bool
@@ -189,6 +188,9 @@ class CpuAdam:
         self._barriers: list[_Barrier] = []
         self._error: BaseException | None = None
         self._plan: StepPlan | None = None
+        # Shards that received a gradient since the last finish or discard: added on autograd's thread, taken on the
+        # training thread once backward has finished.
+        self._window: set[int] = set()
         self._worker = threading.Thread(target=self._run, name="ratel-cpu-adam", daemon=True)
         self._worker.start()
 
@@ -229,6 +231,7 @@ class CpuAdam:
         """Hand over the gradient of ``shard.params[position]``, already on (or travelling to) host memory; waits
         first while the gradients held exceed the budget (see :class:`~lightning_ratel.runtime.accumulation.
         GradientBudget`)."""
+        self._window.add(shard.index)
         self.budget.wait_for_room(grad.numel() * grad.element_size())
         self._jobs.put(_Gradient(shard, position, grad, event))
 
@@ -237,6 +240,41 @@ class CpuAdam:
     def begin(self, plan: StepPlan | None) -> None:
         """Start a micro-batch; ``plan`` is set on the boundary micro-batch of an accumulation window."""
         self._jobs.put(_Begin(plan))
+
+    def finish(self, plan: StepPlan, unit_order: Sequence[int], loss_scale: torch.Tensor | None = None,
+               clip: tuple[float, str] | None = None) -> bool:
+        """Finish the step on the shards that received a gradient since the last one (after backward). Where ``plan``
+        deferred the updates to now, first divide the gradients by ``loss_scale`` and drop them if one is not finite,
+        then clip them by ``clip`` (value, algorithm: see :meth:`clip_`). The updates are scheduled units first in
+        ``unit_order`` (the forward's order; units it does not list last), so the next forward waits least.
+
+        Returns:
+            Whether the step is taken: ``False`` when no shard received a gradient or an overflow skipped it.
+        """
+        shards = self._take_window()
+        if not shards:
+            return False
+        if not plan.overlap:
+            if loss_scale is not None and not self.unscale_(shards, loss_scale):
+                self.discard(shards)
+                return False
+            if clip is not None:
+                self.clip_(shards, *clip)
+        position: dict[int, int] = {}
+        for i, unit in enumerate(unit_order):
+            position.setdefault(unit, i)
+        self.schedule(plan, sorted(shards, key=lambda s: position.get(s.unit.index, len(unit_order))))
+        return True
+
+    def discard_window(self) -> None:
+        """Drop the gradients received since the last step without updating anything (``zero_grad``)."""
+        shards = self._take_window()
+        if shards:
+            self.discard(shards)
+
+    def _take_window(self) -> list[Shard]:
+        window, self._window = self._window, set()
+        return [s for s in self.shards if s.index in window]
 
     def schedule(self, plan: StepPlan, shards: Sequence[Shard]) -> None:
         """Finish the step: update ``shards`` under ``plan`` (those not already updated during backward); the step
