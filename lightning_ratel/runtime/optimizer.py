@@ -277,7 +277,7 @@ class CpuAdam:
         return [s for s in self.shards if s.index in window]
 
     def schedule(self, plan: StepPlan, shards: Sequence[Shard]) -> None:
-        """Finish the step: update ``shards`` under ``plan`` (those not already updated during backward); the step
+        """Close the step: update ``shards`` under ``plan`` (those not already updated during backward); the step
         commits once they all have run.
 
         Each shard's unit stops being ready now, on the calling thread, so that a forward paging it in after this call
