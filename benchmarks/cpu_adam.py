@@ -59,16 +59,14 @@ def fused_step(grad: torch.Tensor, threads: int, ieee_sqrt: bool) -> Step:
     param = _filled(grad.numel(), torch.float32, torch.Generator().manual_seed(1))
     exp_avg, exp_avg_sq = torch.zeros_like(param), torch.zeros_like(param)
     out = torch.zeros_like(grad)
+    hyper = ops.GroupHyper(lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY, decoupled=True)
     step = 0
 
     def run() -> None:
         nonlocal step
         step += 1
         ops.set_native_sqrt(ieee_sqrt)
-        ops.fused_adamw_(
-            param, grad, exp_avg, exp_avg_sq, out, lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS,
-            weight_decay=WEIGHT_DECAY, step=step, num_threads=threads,
-        )
+        ops.fused_adamw_(param, grad, exp_avg, exp_avg_sq, out, hyper, step=step, num_threads=threads)
 
     return run
 

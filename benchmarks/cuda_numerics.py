@@ -27,9 +27,8 @@ import torch  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from lightning_ratel import RatelStrategy  # noqa: E402
-from tests.models import LM, HostAdamLM, trainer  # noqa: E402
+from tests.models import LM, MIXED_POLICY, HostAdamLM, trainer  # noqa: E402
 
-MIXED_POLICY = {"*.0": "ssd", "*.1": "recompute", "*": "host"}
 PLAIN = ("foreach", "single-tensor", "fused", "host")
 RATEL = {"ratel device": "device", "ratel every tier": MIXED_POLICY, "ratel auto": None}
 

@@ -75,8 +75,9 @@ from dataclasses import dataclass
 from rich.console import Console
 from rich.table import Table
 
+from lightning_ratel.hardware import HardwareProfile
 from lightning_ratel.plan.cost import CostModel, CostSettings, DeviceOverhead, bottleneck, largest_batch
-from lightning_ratel.plan.profile import HardwareProfile, LayerProfile, OpProfile
+from lightning_ratel.plan.profile import LayerProfile, OpProfile
 from lightning_ratel.plan.search import Plan, search
 
 GB = 10**9

@@ -14,6 +14,7 @@ import statistics
 import time
 
 from lightning_ratel.plan import HardwareProfile, LayerProfile, OpProfile, search
+from lightning_ratel.plan.cost import CostModel
 from lightning_ratel.plan.search import Plan
 
 BIG = 1 << 50  # a budget that never binds
@@ -35,9 +36,9 @@ def large_model(blocks: int = 32, ops: int = 39) -> tuple[HardwareProfile, list[
                                ssd_write_bandwidth=ssd, adam_params_per_s=2e9, host_memory_free=BIG,
                                device_memory_free=BIG, ssd_free=BIG,
                                per_path={"/nvme0": {"read": ssd, "write": ssd}})
-    largest = max(layer.param_bytes for layer in layers)
-    working = max(layer.param_bytes + layer.grad_bytes + layer.saved_bytes for layer in layers)
-    budgets = {"device_budget": 2 * largest + working + (600 << 20), "host_budget": 3 << 30, "store_budget": BIG}
+    # Paging buffers and the backward working set, as the planner counts them, plus room for some activations.
+    fixed = CostModel(hardware, layers).fixed_device_bytes
+    budgets = {"device_budget": fixed + (600 << 20), "host_budget": 3 << 30, "store_budget": BIG}
     return hardware, layers, budgets
 
 

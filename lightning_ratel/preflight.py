@@ -20,12 +20,13 @@ from torch import nn
 from lightning_ratel.config import RatelConfig
 from lightning_ratel.engine.blocks import discover_blocks
 from lightning_ratel.engine.coordinator import GRAD_BUDGET_SHARDS
-from lightning_ratel.engine.layout import Layout, build_layout
+from lightning_ratel.engine.layout import build_layout
 from lightning_ratel.errors import RatelConfigError, RatelPlanError
 from lightning_ratel.io.checkpoint import choose_checkpoint_format, gathered_checkpoint_bytes
 from lightning_ratel.precision import RatelPrecision
 from lightning_ratel.runtime.state_buffers import BUFFER_SETS, in_place
 from lightning_ratel.runtime.storage import ALIGNMENT
+from lightning_ratel.runtime.units import Layout
 from lightning_ratel.sizes import format_bytes, round_up
 
 

@@ -33,7 +33,7 @@ from typing_extensions import override
 from lightning_ratel.callbacks import RatelProfiler
 from lightning_ratel.config import ActivationPolicy, CheckpointFormat, ParamInitFn, PlanLike, RatelConfig
 from lightning_ratel.engine.coordinator import RatelEngine
-from lightning_ratel.engine.materialize import ValueSource, persistent_buffers
+from lightning_ratel.engine.materialize import persistent_buffers
 from lightning_ratel.engine.planner import Planner
 from lightning_ratel.errors import RatelConfigError
 from lightning_ratel.io.checkpoint import Restored, choose_checkpoint_format
@@ -47,6 +47,7 @@ from lightning_ratel.io.sharded import (
     not_a_checkpoint,
     save_sharded,
 )
+from lightning_ratel.io.sources import ValueSource
 from lightning_ratel.io.tensorfiles import parse_dtype
 from lightning_ratel.plan.search import Plan
 from lightning_ratel.precision import RatelPrecision
@@ -530,7 +531,7 @@ class RatelStrategy(SingleDeviceStrategy):
                     "with `ratel-convert --swap ...` as the warning at the end of fit says")
             return super().lightning_module_state_dict()
         if self.sharded_checkpoints:
-            # Parameters go to the shard files; the checkpoint dict keeps the persistent buffers.
+            # Parameters go to the unit files; the checkpoint dict keeps the persistent buffers.
             module = self._engine.module
             with self._internal():
                 state = module.state_dict()
@@ -545,7 +546,7 @@ class RatelStrategy(SingleDeviceStrategy):
             raise self._failure
         if self._engine is not None and optimizer is self._engine.optimizer:
             if self.sharded_checkpoints:
-                # Moments and step counts go to the shard files.
+                # Moments and step counts go to the unit files.
                 return {"state": {}, "param_groups": optimizer.state_dict()["param_groups"]}
             return self._from_engine(self._engine.state.optimizer_state_dict)
         return super().optimizer_state(optimizer)
@@ -613,7 +614,7 @@ class RatelStrategy(SingleDeviceStrategy):
 
     def save_pretrained(self, path: str | os.PathLike[str], dtype: str | torch.dtype = "bf16",
                         max_shard_size: int | str = DEFAULT_SHARD_SIZE) -> Path:
-        """Write the trained weights as a Hugging Face folder, one shard at a time (``from_pretrained`` loads it).
+        """Write the trained weights as a Hugging Face folder, one tensor at a time (``from_pretrained`` loads it).
 
         During fit the weights are those of the last finished step, read from the swap files once every update has
         landed; outside fit, the module's own parameters. ``config.json`` and ``generation_config.json`` are written

@@ -66,6 +66,11 @@ class MLP(nn.Module):
 MODELS = {"llama": tiny_llama, "llama8": lambda: tiny_llama(8), "llama16": lambda: tiny_llama(16), "gpt2": tiny_gpt2,
           "t5": tiny_t5, "mlp": MLP}
 
+# Every tier at once: a block's activations on disk, one recomputed, the rest in host memory.
+# The first layer of Llama (layers.0), GPT-2 (h.0) and the MLP on disk, the second recomputed (a pattern that places
+# no block is refused, so one written for all three names only what they share).
+MIXED_POLICY = {"*.0": "ssd", "*.1": "recompute", "*": "host"}
+
 
 class LM(L.LightningModule):
     """Wraps a causal LM; AdamW with a no-decay group and a step LR scheduler, like a typical fine-tuning script."""

@@ -24,7 +24,7 @@ from lightning_ratel.engine import coordinator as engine
 from lightning_ratel.engine import layout
 from lightning_ratel.io import checkpoint
 from lightning_ratel.runtime.pool import BufferPool
-from tests.models import LM
+from tests.models import LM, MIXED_POLICY
 from tests.models import compare_states as _compare
 from tests.models import final_state, gradscaler_reference, max_rel_err, trainer
 
@@ -65,9 +65,7 @@ def test_ssd_param_cache_matches_plain_adamw(tmp_path: Path, model: str, precisi
     kwargs = dict(precision=precision, accumulate_grad_batches=accumulate, gradient_clip_val=clip)
     ref = _fit("auto", LM(model), **kwargs)
     inspect = _Inspect()
-    # The first layer (Llama's layers.0, GPT-2's h.0, the MLP's layers.0) on disk, the second recomputed.
-    policy = {"*.0": "ssd", "*.1": "recompute", "*": "host"}
-    strategy = RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy=policy, param_cache="ssd")
+    strategy = RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy=MIXED_POLICY, param_cache="ssd")
     got = _fit(strategy, LM(model), callbacks=[inspect], **kwargs)
     _compare(ref, got, 1e-5)
     assert inspect.seen["param_cache"] == "ssd"

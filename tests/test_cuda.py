@@ -35,18 +35,13 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from lightning_ratel import RatelConfigError, RatelStrategy
 from lightning_ratel.callbacks import RatelProfiler
 from lightning_ratel.runtime import gds
-from tests.models import LM, MODELS, SEQ, VOCAB, HostAdamLM, cache_off, final_state, max_rel_err, trainer
+from tests.models import LM, MIXED_POLICY, MODELS, SEQ, VOCAB, HostAdamLM, cache_off, final_state, max_rel_err, trainer
 from tests.syncs import SyncCounter, extra_syncs
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 # cuBLAS reduces deterministically only with a fixed workspace, set before its first use in the process.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-
-# Every tier at once: a block's activations on disk, one recomputed, the rest in host memory.
-# The first layer of Llama (layers.0), GPT-2 (h.0) and the MLP on disk, the second recomputed (a pattern that places
-# no block is refused, so one written for all three names only what they share).
-MIXED_POLICY = {"*.0": "ssd", "*.1": "recompute", "*": "host"}
 
 # The yardstick on CUDA is plain Lightning's own spread: its default AdamW (foreach CUDA kernels) against the same
 # AdamW computed on the CPU (``HostAdamW``), which is RatelStrategy's arithmetic. Rounding differences of the last bit

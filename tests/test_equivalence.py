@@ -10,14 +10,9 @@ import torch
 
 from lightning_ratel import RatelPrecision, RatelStrategy
 from lightning_ratel.runtime import adamw as ops
-from tests.models import LM, HostAdamLM
+from tests.models import LM, MIXED_POLICY, HostAdamLM
 from tests.models import compare_states as _compare
 from tests.models import final_state, gradscaler_reference, max_rel_err, trainer
-
-# Every tier at once: a block's activations on disk, one recomputed, the rest in host memory.
-# The first layer of Llama (layers.0), GPT-2 (h.0) and the MLP on disk, the second recomputed (a pattern that places
-# no block is refused, so one written for all three names only what they share).
-MIXED_POLICY = {"*.0": "ssd", "*.1": "recompute", "*": "host"}
 
 
 def _fit(strategy: object, model: str, **kwargs: object) -> tuple[dict, dict]:

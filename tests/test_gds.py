@@ -327,7 +327,7 @@ def test_corruption_is_detected_with_path_key_and_offset(fake_kvikio, dirs, monk
         chunks = store._extents["x"].chunks
         # The top exponent bit of element 1500 (in stripe 1, so in the second directory).
         chunk = chunks[1500 * 4 // STRIPE]
-        path = store.swap_files[chunk.slot].path
+        path = store.swap_files[chunk.file].path
         offset = chunk.file_offset + 1500 * 4 - chunk.key_offset + 3
         _flip(path, offset, 0x40)
         with pytest.raises(RatelStoreError) as info:
@@ -340,7 +340,7 @@ def test_corruption_is_detected_with_path_key_and_offset(fake_kvikio, dirs, monk
         assert torch.equal(store.read("x", torch.empty_like(data)).result().view(torch.int32), data.view(torch.int32))
         # A whole 4 KiB block replaced.
         block = chunks[2]
-        path = store.swap_files[block.slot].path
+        path = store.swap_files[block.file].path
         with open(path, "r+b") as file:
             file.seek(block.file_offset)
             file.write(os.urandom(STRIPE))
@@ -362,7 +362,7 @@ def test_kept_device_store_reads_back_into_host_tensors(fake_kvikio, dirs):
         assert torch.equal(kept.read("x", torch.empty_like(data)).result(), data)
         assert torch.equal(kept.read("y", torch.empty_like(small)).result(), small)
         chunk = kept._extents["x"].chunks[0]
-        _flip(kept.swap_files[chunk.slot].path, chunk.file_offset + 10, 0x01)
+        _flip(kept.swap_files[chunk.file].path, chunk.file_offset + 10, 0x01)
         with pytest.raises(RatelStoreError, match="checksum mismatch"):
             kept.read("x", torch.empty_like(data)).result()
 

@@ -15,10 +15,9 @@ from transformers.optimization import Adafactor
 from lightning_ratel import RatelConfigError, RatelStrategy
 from lightning_ratel.io.convert import sharded_to_lightning
 from lightning_ratel.runtime.generic import group_settings, probe_shape, probe_states
-from tests.models import LM, final_state, trainer
+from tests.models import LM, MIXED_POLICY, final_state, trainer
 from tests.test_step_commit import FAIL_AT, FaultyLM
 
-MIXED_POLICY = {"*.0": "ssd", "*.1": "recompute", "*": "host"}
 Make = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
 
 OPTIMIZERS: dict[str, Make] = {

@@ -102,9 +102,10 @@ def _reference_step(param, grad32, exp_avg, exp_avg_sq, *, lr, step, decoupled, 
 
 
 def _fused(param, grad, exp_avg, exp_avg_sq, out, *, lr, step, decoupled, grad_scale=1.0, num_threads=None):
+    hyper = ops.GroupHyper(lr=lr, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY,
+                           decoupled=decoupled)
     ops.fused_adamw_(
-        param, grad, exp_avg, exp_avg_sq, out, lr=lr, beta1=BETAS[0], beta2=BETAS[1], eps=EPS,
-        weight_decay=WEIGHT_DECAY, step=step, decoupled=decoupled, grad_scale=grad_scale, num_threads=num_threads,
+        param, grad, exp_avg, exp_avg_sq, out, hyper, step=step, grad_scale=grad_scale, num_threads=num_threads
     )
 
 
@@ -317,9 +318,8 @@ def test_param_out_rounds_like_torch(native_isa, out_dtype):
     exp_avg, exp_avg_sq = torch.zeros(n), torch.zeros(n)
     out = torch.empty(n, dtype=out_dtype)
     # lr = 0 leaves every weight as it was, so the copy sees all of the values above.
-    ops.fused_adamw_(
-        param, grad, exp_avg, exp_avg_sq, out, lr=0.0, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1
-    )
+    hyper = ops.GroupHyper(lr=0.0, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True)
+    ops.fused_adamw_(param, grad, exp_avg, exp_avg_sq, out, hyper, step=1)
     expected = param.to(out_dtype)
     # Which NaN a bf16 copy holds differs between torch versions; that it is a NaN is what counts.
     nan = expected.isnan()
@@ -351,10 +351,8 @@ def test_lerp_weight_above_half(native_isa):
     torch_kernels = _uses_torch_fma(native_isa)
     param, exp_avg, exp_avg_sq, grads = _state(1001, torch.float32, 1, seed=5, fresh_moments=False)
     ref_avg = exp_avg.clone()
-    ops.fused_adamw_(
-        param, grads[0], exp_avg, exp_avg_sq, None, lr=1e-3, beta1=0.3, beta2=0.999, eps=1e-8, weight_decay=0.0,
-        step=1,
-    )
+    hyper = ops.GroupHyper(lr=1e-3, beta1=0.3, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True)
+    ops.fused_adamw_(param, grads[0], exp_avg, exp_avg_sq, None, hyper, step=1)
     if torch_kernels:
         ref_avg.lerp_(grads[0], 1 - 0.3)
     else:
@@ -517,10 +515,9 @@ def test_native_does_not_touch_grad_and_bumps_versions():
 
 def test_empty_tensors():
     empty = torch.empty(0)
-    ops.fused_adamw_(
-        empty, empty.clone(), empty.clone(), empty.clone(), torch.empty(0, dtype=torch.bfloat16), lr=1e-3,
-        beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1,
-    )
+    hyper = ops.GroupHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True)
+    ops.fused_adamw_(empty, empty.clone(), empty.clone(), empty.clone(), torch.empty(0, dtype=torch.bfloat16), hyper,
+                     step=1)
 
 
 def _valid(n: int = 8) -> dict:
@@ -559,8 +556,10 @@ def _valid(n: int = 8) -> dict:
     ],
 )
 def test_rejects_invalid_arguments(change, error, match):
-    kwargs = dict(_valid(), lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1)
+    kwargs = dict(_valid(), lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True, step=1)
     kwargs.update(change)
     tensors = [kwargs.pop(name) for name in ("param", "grad", "exp_avg", "exp_avg_sq", "param_out")]
+    hyper = ops.GroupHyper(**{name: kwargs.pop(name) for name in ("lr", "beta1", "beta2", "eps", "weight_decay",
+                                                                  "decoupled")})
     with pytest.raises(error, match=match):
-        ops.fused_adamw_(*tensors, **kwargs)
+        ops.fused_adamw_(*tensors, hyper, **kwargs)

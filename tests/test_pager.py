@@ -11,11 +11,12 @@ import torch
 from torch import nn
 
 from lightning_ratel.engine.blocks import BlockMembership, discover_blocks
-from lightning_ratel.engine.layout import Layout, build_layout
+from lightning_ratel.engine.layout import build_layout
 from lightning_ratel.engine.materialize import Materializer
 from lightning_ratel.runtime.device import Device
 from lightning_ratel.runtime.pager import ParameterPager
 from lightning_ratel.runtime.storage import TensorStore
+from lightning_ratel.runtime.units import Layout
 
 
 class Tied(nn.Module):

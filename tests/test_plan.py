@@ -44,7 +44,8 @@ def _container(index: int, saved: int) -> LayerProfile:
 
 
 def _fixed_device(layers: list[LayerProfile], prefetch_depth: int = 1) -> int:
-    """The device bytes every plan needs: paging buffers plus the largest backward working set."""
+    """The device bytes every plan needs: paging buffers plus the largest backward working set (written out here, not
+    read from ``CostModel.fixed_device_bytes``, so that these tests check the planner's count)."""
     largest = max(layer.param_bytes for layer in layers)
     working = max(layer.param_bytes + layer.grad_bytes + layer.saved_bytes for layer in layers)
     return (prefetch_depth + 1) * largest + working

@@ -53,7 +53,7 @@ def _locate(store: TensorStore, key: str, key_byte: int) -> tuple[Path, int, Chu
     """The swap file, file offset and chunk that hold byte ``key_byte`` of ``key``, from the store's layout."""
     for chunk in store._extents[key].chunks:
         if chunk.key_offset <= key_byte < chunk.key_offset + chunk.length:
-            path = store.swap_files[chunk.slot].path
+            path = store.swap_files[chunk.file].path
             return path, chunk.file_offset + key_byte - chunk.key_offset, chunk
     raise AssertionError(f"byte {key_byte} is not in key {key!r}")
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from lightning_ratel.engine.layout import Layout
 from lightning_ratel.io.checkpoint import ModelState
 from lightning_ratel.runtime.activations import ActivationCache
 from lightning_ratel.runtime.device import Device
@@ -19,6 +18,7 @@ from lightning_ratel.runtime.optimizer import CpuAdam
 from lightning_ratel.runtime.pager import ParameterPager
 from lightning_ratel.runtime.storage import TensorStore
 from lightning_ratel.runtime.timeline import Timeline
+from lightning_ratel.runtime.units import Layout
 
 
 class ByteAccount:

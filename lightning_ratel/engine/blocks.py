@@ -41,10 +41,11 @@ class BlockMembership(Sequence[Block]):
     """The model's blocks and the units each block's forward uses: the one owner of both, changed only through
     :meth:`adopt` and :meth:`add`.
 
-    It starts from the frozen :attr:`~lightning_ratel.engine.layout.Layout.block_units`. A forward found using a parameter of
-    another block (see :mod:`lightning_ratel.runtime.escapes`) makes that unit part of the block, or a module running
-    outside every block a block of its own; whoever keeps per-block state registers with :meth:`on_add`. The pager,
-    the scheduler and the planner read membership through this object and never hold its lists.
+    It starts from the frozen :attr:`~lightning_ratel.runtime.units.Layout.block_units`. A forward found using a
+    parameter of another block (see :mod:`lightning_ratel.runtime.escapes`) makes that unit part of the block, or a
+    module running outside every block a block of its own; whoever keeps per-block state registers with
+    :meth:`on_add`. The pager, the scheduler and the planner read membership through this object and never hold its
+    lists.
 
     Args:
         blocks: the blocks found at setup, in index order.

@@ -35,7 +35,7 @@ from lightning_ratel.config import RatelConfig
 from lightning_ratel.engine.accounting import ByteAccount, StepBreakdown
 from lightning_ratel.engine.blocks import BlockMembership, discover_blocks
 from lightning_ratel.engine.layout import build_layout
-from lightning_ratel.engine.materialize import Materializer, ValueSource
+from lightning_ratel.engine.materialize import Materializer
 from lightning_ratel.engine.placement import check_patterns
 from lightning_ratel.engine.planner import Planner
 from lightning_ratel.engine.reads import ParameterReads
@@ -43,14 +43,16 @@ from lightning_ratel.engine.schedule import BlockScheduler
 from lightning_ratel.engine.switches import FitSwitches
 from lightning_ratel.errors import RatelConfigError, RatelModelError
 from lightning_ratel.io.checkpoint import ModelState
+from lightning_ratel.io.sources import ValueSource
 from lightning_ratel.runtime import gds
 from lightning_ratel.runtime.activations import ActivationCache, PlaceholderRead
+from lightning_ratel.runtime.adamw import GroupHyper
 from lightning_ratel.runtime.device import Device
 from lightning_ratel.runtime.escapes import Escape, EscapeDetector
 from lightning_ratel.runtime.generic import group_settings
 from lightning_ratel.runtime.gradients import GradientOffload
 from lightning_ratel.runtime.hoststore import HostStore, TieredStore
-from lightning_ratel.runtime.optimizer import CpuAdam, GroupHyper, StepPlan
+from lightning_ratel.runtime.optimizer import CpuAdam, StepPlan
 from lightning_ratel.runtime.pager import ParameterPager
 from lightning_ratel.runtime.storage import TensorStore
 from lightning_ratel.runtime.timeline import Timeline
@@ -370,10 +372,8 @@ class RatelEngine:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Manual optimization's ``optimizer.zero_grad()``: drop the gradients accumulated since the last step."""
-        assert self.adam is not None and self.gradients is not None
-        shards = self.gradients.take_window(self.layout.shards)
-        if shards:
-            self.adam.discard(shards)
+        assert self.adam is not None
+        self.adam.discard_window()
 
     @staticmethod
     def _refuse_new_group(param_group: dict) -> None:
@@ -406,7 +406,8 @@ class RatelEngine:
         self.reads.resume()
 
     def finish_step(self, loss_scale: torch.Tensor | None = None) -> bool:
-        """Run (or finish) the updates of the boundary micro-batch.
+        """Run (or finish) the updates of the boundary micro-batch: one call to
+        :meth:`~lightning_ratel.runtime.optimizer.CpuAdam.finish` with what this step decided.
 
         Args:
             loss_scale: the fp16 loss scale, to unscale gradients and check them for overflow.
@@ -414,23 +415,13 @@ class RatelEngine:
         Returns:
             Whether the step was taken (``False`` when nothing had a gradient or an fp16 overflow skipped it).
         """
-        assert self.adam is not None and self.gradients is not None
-        shards = self.gradients.take_window(self.layout.shards)
+        assert self.adam is not None
         plan = self._step_plan
-        if not shards:
-            return False
         clip = self._clip if self._clip is not None and self._clip[0] > 0 else None
         self._clip = None
         if plan.overlap and clip is not None and clip[1] == "norm":
             raise RatelModelError("gradient clipping by norm was requested after updates had started")
-        if not plan.overlap:
-            if loss_scale is not None and not self.adam.unscale_(shards, loss_scale):
-                self.adam.discard(shards)
-                return False
-            if clip is not None:
-                self.adam.clip_(shards, *clip)
-        self.adam.schedule(plan, sorted(shards, key=lambda s: self.scheduler.position(s.unit.index)))
-        return True
+        return self.adam.finish(plan, self.scheduler.order, loss_scale, clip)
 
     def abort_step(self) -> None:
         """An exception stopped the step before it was finished: put every shard back at the last committed step."""

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,7 +34,7 @@ from lightning_ratel.plan.states import HOST_SHARE, describe, place_states, stat
 from lightning_ratel.runtime.generic import GenericUpdate, OptimizerStateError, ParamStates, probe_states, rebuild
 from lightning_ratel.runtime.hostmem import ALIGNMENT
 from lightning_ratel.runtime.probe import available_host_memory
-from lightning_ratel.runtime.units import ParamSlot, Shard, ShardParam, Unit
+from lightning_ratel.runtime.units import Layout, ParamSlot, Shard, ShardParam, Unit
 from lightning_ratel.sizes import format_bytes, round_up
 from lightning_ratel.tiers import OptimizerStates, ParamCache
 
@@ -47,87 +46,6 @@ _WHOLE_MODEL_OPTIMIZERS = {
 }
 """Optimizers known to need every parameter at once; others are checked by :func:`_reads_other_parameters`."""
 HostAllocator = Callable[[int, torch.dtype], torch.Tensor]
-
-
-class FrozenValues:
-    """Where the exact values of frozen shards are, as materialization found them.
-
-    A frozen shard's compute copy is its value unless rounding to the compute dtype changed one of its parameters; such
-    a shard also keeps its values in their own dtype on the store, under :meth:`key`. Frozen parameters whose values
-    came from the ``pretrained`` folder are remembered by the tensor name there, so a checkpoint can refer to the folder
-    instead of copying weights that never change.
-    """
-
-    def __init__(self) -> None:
-        self.exact_copies: dict[int, torch.dtype] = {}
-        self.pretrained: dict[int, str] = {}
-
-    @staticmethod
-    def key(shard: Shard) -> str:
-        """The store key of a frozen shard's values in their own dtype."""
-        return shard.key("value")
-
-    def value_dtype(self, shard: Shard) -> torch.dtype:
-        """The dtype a frozen shard's exact values are read in: the kept copy's, or the compute copy's."""
-        return self.exact_copies.get(shard.index, shard.dtype)
-
-    def nbytes(self, shards: Sequence[Shard]) -> int:
-        """Store bytes of the kept copies among ``shards``."""
-        return sum(s.numel * self.exact_copies[s.index].itemsize for s in shards if s.index in self.exact_copies)
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Units and shards of one model.
-
-    Attributes:
-        units: unit by owning block index.
-        block_units: for each block found at setup, the units its forward uses (its own and any it shares); what is
-            learnt later lives in :class:`~lightning_ratel.engine.blocks.BlockMembership`.
-        shards: the shards the optimizer updates, in block order.
-        frozen_shards: shards of parameters outside the optimizer (values kept, never updated).
-        param_cache: ``"host"`` (compute copies live in the units' host caches) or ``"ssd"`` (read from the swap
-            store on every page-in).
-        orig_dtype: each parameter's own dtype, by parameter id (what the module holds outside training).
-        frozen_values: where the frozen shards' exact values are (filled in by materialization).
-        generic: the update and state layout of an optimizer the fused AdamW kernel does not run; ``None`` for
-            AdamW/Adam (moments ``exp_avg``/``exp_avg_sq``) and for evaluation.
-    """
-
-    units: dict[int, Unit]
-    block_units: tuple[tuple[int, ...], ...]
-    shards: list[Shard]
-    frozen_shards: list[Shard]
-    param_cache: ParamCache
-    orig_dtype: dict[int, torch.dtype]
-    frozen_values: FrozenValues = field(default_factory=FrozenValues)
-    generic: GenericUpdate | None = None
-
-    @property
-    def all_shards(self) -> list[Shard]:
-        """Trainable then frozen shards."""
-        return self.shards + self.frozen_shards
-
-    def unit_shards(self) -> dict[int, list[Shard]]:
-        """Every shard by unit index."""
-        by_unit: dict[int, list[Shard]] = {}
-        for shard in self.all_shards:
-            by_unit.setdefault(shard.unit.index, []).append(shard)
-        return by_unit
-
-    @property
-    def slots(self) -> list[ParamSlot]:
-        """Every parameter's slot, unit by unit."""
-        return [slot for unit in self.units.values() for slot in unit.slots]
-
-    @property
-    def param_nbytes(self) -> int:
-        """Bytes of every parameter in its own dtype: what the module's full state takes in host memory."""
-        return sum(s.numel * self.orig_dtype[id(s.param)].itemsize for s in self.slots)
-
-    def nbytes_of(self, shards: Sequence[Shard]) -> int:
-        """Bytes of the parameters of ``shards`` in their own dtypes."""
-        return sum(sp.numel * self.orig_dtype[id(sp.param)].itemsize for s in shards for sp in s.params)
 
 
 def fused(optimizer: torch.optim.Optimizer) -> bool:

@@ -8,34 +8,28 @@ store (fp32 masters of trainable parameters, compute copies read from the store)
 device then gets a paging placeholder instead of memory, so the whole model never has to fit in host memory.
 
 Parameters outside the optimizer (frozen shards) get no master: only their compute copy is written, plus their values
-in their own dtype where the compute dtype rounds them (see :class:`~lightning_ratel.engine.layout.FrozenValues`).
+in their own dtype where the compute dtype rounds them (see :class:`~lightning_ratel.runtime.units.FrozenValues`).
 """
 
 from __future__ import annotations
 
-import abc
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from lightning_ratel.config import ParamInitFn
 from lightning_ratel.engine.blocks import Block
-from lightning_ratel.engine.layout import Layout
 from lightning_ratel.errors import RatelConfigError
+from lightning_ratel.io.sources import SourceValue, ValueSource
 from lightning_ratel.progress import progress_bar
 from lightning_ratel.runtime.hostmem import ALIGNMENT, aligned_empty
+from lightning_ratel.runtime.pager import nan_placeholder
 from lightning_ratel.runtime.storage import TensorStore
-from lightning_ratel.runtime.units import ParamSlot, Shard
+from lightning_ratel.runtime.units import Layout, ParamSlot, Shard
 from lightning_ratel.sizes import round_up
-
-
-def nan_placeholder(param: nn.Parameter, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A host tensor of ``param``'s shape that costs no memory (one NaN, expanded) and reads as NaN if used."""
-    return torch.full((), float("nan"), dtype=dtype or param.dtype).expand(param.shape)
 
 
 def _widens(source: torch.dtype, target: torch.dtype) -> bool:
@@ -48,61 +42,6 @@ def persistent_buffers(module: nn.Module) -> list[str]:
     """Qualified names of the buffers ``module.state_dict()`` holds."""
     return [f"{name}.{n}" if name else n for name, m in module.named_modules()
             for n, b in m._buffers.items() if b is not None and n not in m._non_persistent_buffers_set]
-
-
-@dataclass(frozen=True)
-class SourceValue:
-    """A parameter's first value from a :class:`ValueSource`.
-
-    Attributes:
-        tensor: the value; valid only inside the :meth:`ValueSource.read` block that produced it.
-        master: ``tensor`` is an fp32 master (a checkpoint's), used as is; otherwise it is a value that is cast to the
-            parameter's own dtype first, as loading it into the module would.
-    """
-
-    tensor: torch.Tensor
-    master: bool = False
-
-
-class ValueSource(abc.ABC):
-    """Where parameters (and persistent buffers) get their first values from, read one block at a time.
-
-    Subclasses implement :meth:`prepare`, :meth:`provides` and :meth:`read`.
-    """
-
-    description = "loading"
-
-    @abc.abstractmethod
-    def prepare(self, names: dict[int, list[str]], layout: Layout, buffers: Sequence[str] = ()) -> None:
-        """Match the model's parameters to what the source holds, before anything is allocated or written.
-
-        Args:
-            names: every name of each parameter (tied parameters have several), by parameter id.
-            layout: the model's layout (which parameters are trainable).
-            buffers: the qualified names of the model's persistent buffers.
-
-        Raises:
-            RatelConfigError: a tensor the model needs is missing or has the wrong shape.
-        """
-
-    @abc.abstractmethod
-    def provides(self, param: nn.Parameter) -> bool:
-        """Whether the source holds a value for ``param``."""
-
-    @abc.abstractmethod
-    def read(self, slots: Sequence[ParamSlot]) -> contextlib.AbstractContextManager[dict[int, SourceValue]]:
-        """The values of those of ``slots`` the source provides, by parameter id, valid inside the ``with`` block."""
-
-    def prefetch(self, slots: Sequence[ParamSlot]) -> None:
-        """Start bringing the values of ``slots`` closer (the next block's, while this one is written); optional."""
-
-    def buffers(self) -> dict[str, torch.Tensor]:
-        """Persistent buffer values by qualified name (empty: buffers are initialized)."""
-        return {}
-
-    def pretrained_key(self, param: nn.Parameter) -> str | None:
-        """The tensor name in the ``pretrained`` folder ``param``'s value came from, if it did."""
-        return None
 
 
 class DefaultInit:

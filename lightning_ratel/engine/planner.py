@@ -21,12 +21,12 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning_ratel.config import RatelConfig
 from lightning_ratel.engine.accounting import ByteAccount, StepBreakdown
 from lightning_ratel.engine.blocks import BlockMembership
-from lightning_ratel.engine.layout import Layout
 from lightning_ratel.engine.placement import plan_placements, profiling_placements, resolve_policies
 from lightning_ratel.engine.schedule import BlockScheduler, BlockTimer
 from lightning_ratel.errors import RatelConfigError
+from lightning_ratel.hardware import HardwareProfile
 from lightning_ratel.plan.cost import OPTIMIZER_MEMORY_BYTES_PER_PARAM, CostSettings, DeviceOverhead
-from lightning_ratel.plan.profile import HardwareProfile, LayerProfile, OpProfile
+from lightning_ratel.plan.profile import LayerProfile, OpProfile
 from lightning_ratel.plan.search import Plan, search
 from lightning_ratel.report import show_plan
 from lightning_ratel.runtime.activations import ActivationCache
@@ -34,6 +34,7 @@ from lightning_ratel.runtime.adamw import adamw_step
 from lightning_ratel.runtime.device import Device
 from lightning_ratel.runtime.optimizer import CpuAdam
 from lightning_ratel.runtime.probe import measure_hardware
+from lightning_ratel.runtime.units import Layout
 from lightning_ratel.tiers import CONTAINER_OP, INPUT_OP
 
 

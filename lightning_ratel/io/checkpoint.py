@@ -21,16 +21,14 @@ import torch
 from torch import nn
 
 from lightning_ratel.config import CheckpointFormat
-from lightning_ratel.engine.layout import Layout
-from lightning_ratel.engine.materialize import nan_placeholder
 from lightning_ratel.errors import RatelConfigError, RatelPlanError
 from lightning_ratel.runtime.generic import OptimizerStateError
 from lightning_ratel.runtime.hostmem import ALIGNMENT, aligned_empty
 from lightning_ratel.runtime.optimizer import CpuAdam
-from lightning_ratel.runtime.pager import ParameterPager
+from lightning_ratel.runtime.pager import ParameterPager, nan_placeholder
 from lightning_ratel.runtime.probe import available_host_memory
 from lightning_ratel.runtime.storage import TensorStore
-from lightning_ratel.runtime.units import Shard
+from lightning_ratel.runtime.units import Layout, Shard
 from lightning_ratel.sizes import format_bytes, round_up
 
 

@@ -29,7 +29,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_ratel.engine.layout import FrozenValues
 from lightning_ratel.errors import RatelConfigError
 from lightning_ratel.io.checkpoint import ModelState
 from lightning_ratel.io.export import DEFAULT_SHARD_SIZE, HFLayout, ParamRecord, hf_layout, write_hf_folder
@@ -39,6 +38,7 @@ from lightning_ratel.io.tensorfiles import dtype_of, parse_dtype
 from lightning_ratel.progress import progress_bar
 from lightning_ratel.runtime.hostmem import aligned_empty
 from lightning_ratel.runtime.kept import KeptStore
+from lightning_ratel.runtime.units import FrozenValues
 from lightning_ratel_cli import convert
 
 KEPT_FORMAT = "lightning_ratel kept swap files"

@@ -1,7 +1,7 @@
 """A Hugging Face folder of the trained weights, written one tensor at a time from wherever the state lives.
 
 The output is what ``PreTrainedModel.save_pretrained`` writes: ``model.safetensors`` (or ``model-0000k-of-0000n``
-shards with ``model.safetensors.index.json``), ``config.json`` and ``generation_config.json`` when the module holds a
+shard files with ``model.safetensors.index.json``), ``config.json`` and ``generation_config.json`` when the module holds a
 transformers model, in the dtype asked for. The tensor names are the transformers model's own: the LightningModule's
 attribute prefix (``model.``) and peft's wrapping (``base_model.model.``, ``.base_layer``) are taken off, tied weights
 are written once under the name transformers keeps. For a peft model the base weights go there and the adapter goes
@@ -306,7 +306,7 @@ def write_hf_folder(reader: StateReader, path: str | os.PathLike[str], dtype: to
         path: the folder (created if needed).
         dtype: the dtype of the weights (the adapter keeps its own).
         max_shard_size: the largest weight file (bytes or a string such as ``"5GB"``); more weights are split into
-            ``model-0000k-of-0000n.safetensors`` with an index.
+            shard files ``model-0000k-of-0000n.safetensors`` with an index.
         progress: show a progress bar.
 
     Returns:

@@ -1,6 +1,6 @@
 """Pretrained weights in, streamed: a Hugging Face checkpoint folder as the first values of a model's parameters.
 
-``RatelStrategy(pretrained="path/to/folder")`` reads a folder with ``model.safetensors``, or with shards listed in
+``RatelStrategy(pretrained="path/to/folder")`` reads a folder with ``model.safetensors``, or with shard files listed in
 ``model.safetensors.index.json``, while the engine materializes the model block by block
 (:mod:`lightning_ratel.engine.materialize`): each block's tensors are read with safetensors' memory-mapped ``safe_open``,
 cast to the parameter's dtype as ``from_pretrained`` would, written to the swap store, and the file is closed (and
@@ -29,11 +29,10 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from lightning_ratel.engine.layout import Layout
-from lightning_ratel.engine.materialize import SourceValue, ValueSource
 from lightning_ratel.errors import RatelConfigError
+from lightning_ratel.io.sources import SourceValue, ValueSource
 from lightning_ratel.io.tensorfiles import TensorEntry, TensorFileReader
-from lightning_ratel.runtime.units import ParamSlot
+from lightning_ratel.runtime.units import Layout, ParamSlot
 
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"

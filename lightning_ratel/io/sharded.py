@@ -41,12 +41,11 @@ import torch
 import xxhash
 from torch import nn
 
-from lightning_ratel.engine.layout import Layout
-from lightning_ratel.engine.materialize import SourceValue, ValueSource
 from lightning_ratel.errors import RatelConfigError
 from lightning_ratel.io.checkpoint import ModelState
 from lightning_ratel.io.export import HFLayout, ParamRecord, hf_layout
 from lightning_ratel.io.pretrained import PretrainedFolder
+from lightning_ratel.io.sources import SourceValue, ValueSource
 from lightning_ratel.io.tensorfiles import (
     TensorFileReader,
     TensorFileWriter,
@@ -58,7 +57,7 @@ from lightning_ratel.io.tensorfiles import (
 from lightning_ratel.progress import progress_bar
 from lightning_ratel.runtime.generic import ParamStates, StateEntry
 from lightning_ratel.runtime.hostmem import aligned_empty
-from lightning_ratel.runtime.units import ParamSlot, Shard
+from lightning_ratel.runtime.units import Layout, ParamSlot, Shard
 from lightning_ratel.sizes import round_up
 
 INDEX = "ratel_checkpoint.json"

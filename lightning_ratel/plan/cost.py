@@ -19,7 +19,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from lightning_ratel.errors import RatelConfigError
-from lightning_ratel.plan.profile import HardwareProfile, LayerProfile, validate_layers
+from lightning_ratel.hardware import HardwareProfile
+from lightning_ratel.plan.profile import LayerProfile, validate_layers
 from lightning_ratel.tiers import DEFAULT_TIER, INPUT_OP, PARAM_CACHE_TIERS, STORED_TIERS, TIERS, placement_key
 
 CORE_RESOURCES = ("compute", "h2d", "d2h", "cpu_optimizer")

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import NoReturn
 
 from lightning_ratel.errors import RatelConfigError, RatelPlanError
+from lightning_ratel.hardware import HardwareProfile
 from lightning_ratel.plan.cost import (
     CostModel,
     CostSettings,
@@ -24,7 +25,7 @@ from lightning_ratel.plan.cost import (
     layer_cost,
     recompute_ops,
 )
-from lightning_ratel.plan.profile import HardwareProfile, LayerProfile, OpProfile
+from lightning_ratel.plan.profile import LayerProfile, OpProfile
 from lightning_ratel.sizes import format_bytes, round_up
 from lightning_ratel.tiers import INPUT_OP, STORED_TIERS, TIERS, placement_key
 

@@ -20,6 +20,7 @@ import numbers
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
@@ -97,20 +98,51 @@ def isa() -> str:
     return _C.isa() if _C is not None else "torch"
 
 
+@dataclass(frozen=True)
+class GroupHyper:
+    """The hyperparameters of an Adam or AdamW step: one parameter group's, read from the user's optimizer at the start
+    of each step.
+
+    Attributes:
+        lr: Learning rate.
+        beta1: First-moment decay.
+        beta2: Second-moment decay.
+        eps: Added to the denominator.
+        weight_decay: Decay coefficient; decoupled (AdamW) or added to the gradient (Adam, L2).
+        decoupled: ``True`` for AdamW, ``False`` for Adam with L2 regularisation.
+    """
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    decoupled: bool
+
+    @classmethod
+    def of(cls, optimizer: torch.optim.Optimizer) -> list[GroupHyper]:
+        """The current hyperparameters of every group of a ``torch.optim.AdamW`` or ``torch.optim.Adam``."""
+        decoupled_default = isinstance(optimizer, torch.optim.AdamW)
+        hyper = []
+        for group in optimizer.param_groups:
+            beta1, beta2 = group["betas"]
+            hyper.append(cls(
+                lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+                weight_decay=float(group["weight_decay"]),
+                decoupled=bool(group.get("decoupled_weight_decay", decoupled_default)),
+            ))
+        return hyper
+
+
 def fused_adamw_(
     param: torch.Tensor,
     grad: torch.Tensor,
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
     param_out: torch.Tensor | None,
+    hyper: GroupHyper,
     *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
     step: int,
-    decoupled: bool = True,
     grad_scale: float = 1.0,
     num_threads: int | None = None,
 ) -> None:
@@ -125,13 +157,8 @@ def fused_adamw_(
         exp_avg: fp32 first moment, updated in place.
         exp_avg_sq: fp32 second moment, updated in place.
         param_out: Optional bf16, fp16 or fp32 buffer that receives the updated weights (round to nearest even).
-        lr: Learning rate.
-        beta1: First-moment decay.
-        beta2: Second-moment decay.
-        eps: Added to the denominator.
-        weight_decay: Decay coefficient; decoupled (AdamW) or added to the gradient (Adam, L2).
+        hyper: The step's hyperparameters.
         step: 1-based number of this step, for bias correction.
-        decoupled: ``True`` for AdamW, ``False`` for Adam with L2 regularisation.
         grad_scale: Loss scale the gradient still carries.
         num_threads: Threads for the native kernel; defaults to ``torch.get_num_threads()``. The torch fallback
             always uses torch's own thread pool.
@@ -140,7 +167,7 @@ def fused_adamw_(
         TypeError: A tensor argument is not a tensor or has an unsupported dtype.
         ValueError: A tensor is not on the CPU, not contiguous or of the wrong size, or a scalar is out of range.
     """
-    _validate(param, grad, exp_avg, exp_avg_sq, param_out, lr, beta1, beta2, eps, weight_decay, step, grad_scale)
+    _validate(param, grad, exp_avg, exp_avg_sq, param_out, hyper, step, grad_scale)
     if num_threads is None:
         num_threads = torch.get_num_threads()
     elif num_threads < 1:
@@ -155,10 +182,7 @@ def fused_adamw_(
                 " back to torch operations, which take several passes over memory and are slower."
             )
             _fallback_warned = True
-        _torch_step(
-            param, grad, exp_avg, exp_avg_sq, param_out, lr, beta1, beta2, eps, weight_decay, step, decoupled,
-            inv_scale,
-        )
+        _torch_step(param, grad, exp_avg, exp_avg_sq, param_out, hyper, step, inv_scale)
         return
 
     _C.adamw(
@@ -170,13 +194,13 @@ def fused_adamw_(
         param.numel(),
         _DTYPE_CODES[grad.dtype],
         _C.NONE if param_out is None else _DTYPE_CODES[param_out.dtype],
-        float(lr),
-        float(beta1),
-        float(beta2),
-        float(eps),
-        float(weight_decay),
+        float(hyper.lr),
+        float(hyper.beta1),
+        float(hyper.beta2),
+        float(hyper.eps),
+        float(hyper.weight_decay),
         int(step),
-        bool(decoupled),
+        bool(hyper.decoupled),
         inv_scale,
         int(num_threads),
     )
@@ -193,25 +217,17 @@ def torch_adamw_(
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
     param_out: torch.Tensor | None,
+    hyper: GroupHyper,
     *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
     step: int,
-    decoupled: bool = True,
     grad_scale: float = 1.0,
     num_threads: int | None = None,
 ) -> None:
     """The step of :func:`fused_adamw_` done by torch's own single-tensor Adam(W), bit for bit what
     ``torch.optim.AdamW`` computes on CPU; same arguments (``num_threads`` is accepted and ignored: torch's own
     thread pool runs it, sized by the calling thread's ``torch.set_num_threads``)."""
-    _validate(param, grad, exp_avg, exp_avg_sq, param_out, lr, beta1, beta2, eps, weight_decay, step, grad_scale)
-    _torch_step(
-        param, grad, exp_avg, exp_avg_sq, param_out, lr, beta1, beta2, eps, weight_decay, step, decoupled,
-        1.0 / grad_scale,
-    )
+    _validate(param, grad, exp_avg, exp_avg_sq, param_out, hyper, step, grad_scale)
+    _torch_step(param, grad, exp_avg, exp_avg_sq, param_out, hyper, step, 1.0 / grad_scale)
 
 
 def adamw_step() -> Callable[..., None]:
@@ -262,19 +278,18 @@ def _steps_match_torch() -> bool:
     # Gradients over many magnitudes, some zero: tiny ones are where Adam amplifies a difference in sqrt.
     grad = torch.randn(n, generator=gen) * torch.logspace(-12, 0, n).index_select(0, torch.randperm(n, generator=gen))
     grad[::97] = 0.0
-    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
     for decoupled, grad_dtype, out_dtype, grad_scale in (
         (True, torch.float32, None, 1.0),
         (False, torch.bfloat16, torch.bfloat16, 1024.0),
     ):
+        hyper = GroupHyper(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=decoupled)
         g = (grad * grad_scale).to(grad_dtype)
         ref, mine = start.clone(), start.clone()
         ref_m, ref_v, m, v = (torch.zeros(n) for _ in range(4))
         ref_out, out = (None, None) if out_dtype is None else (torch.empty(n, dtype=out_dtype) for _ in range(2))
         for step in (1, 2, 3):
-            kwargs = dict(step=step, decoupled=decoupled, grad_scale=grad_scale, **hyper)
-            torch_adamw_(ref, g, ref_m, ref_v, ref_out, **kwargs)
-            fused_adamw_(mine, g, m, v, out, **kwargs)
+            torch_adamw_(ref, g, ref_m, ref_v, ref_out, hyper, step=step, grad_scale=grad_scale)
+            fused_adamw_(mine, g, m, v, out, hyper, step=step, grad_scale=grad_scale)
         pairs = [(ref, mine), (ref_m, m), (ref_v, v)] + ([] if out is None else [(ref_out, out)])
         if not all(_same_bits(a, b) for a, b in pairs):
             return False
@@ -293,11 +308,7 @@ def _validate(
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
     param_out: torch.Tensor | None,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
+    hyper: GroupHyper,
     step: int,
     grad_scale: float,
 ) -> None:
@@ -322,14 +333,14 @@ def _validate(
     for name, tensor in tensors.items():
         if tensor.numel() != numel:
             raise ValueError(f"{name} has {tensor.numel()} elements but param has {numel}")
-    if not lr >= 0.0:
-        raise ValueError(f"lr must be >= 0, got {lr}")
-    if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
-        raise ValueError(f"betas must be in [0, 1), got ({beta1}, {beta2})")
-    if not eps >= 0.0:
-        raise ValueError(f"eps must be >= 0, got {eps}")
-    if not weight_decay >= 0.0:
-        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+    if not hyper.lr >= 0.0:
+        raise ValueError(f"lr must be >= 0, got {hyper.lr}")
+    if not (0.0 <= hyper.beta1 < 1.0 and 0.0 <= hyper.beta2 < 1.0):
+        raise ValueError(f"betas must be in [0, 1), got ({hyper.beta1}, {hyper.beta2})")
+    if not hyper.eps >= 0.0:
+        raise ValueError(f"eps must be >= 0, got {hyper.eps}")
+    if not hyper.weight_decay >= 0.0:
+        raise ValueError(f"weight_decay must be >= 0, got {hyper.weight_decay}")
     if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 1:
         raise ValueError(f"step must be an int >= 1, got {step!r}")
     if not 0.0 < grad_scale < float("inf"):
@@ -342,13 +353,8 @@ def _torch_step(
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
     param_out: torch.Tensor | None,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
+    hyper: GroupHyper,
     step: int,
-    decoupled: bool,
     inv_scale: float,
 ) -> None:
     # torch's single-tensor Adam, which is what torch.optim.AdamW runs on CPU by default, so that this path gives
@@ -360,7 +366,7 @@ def _torch_step(
         # The functional API counts the step itself before using it.
         step_before = torch.tensor(float(step - 1), dtype=torch.float32)
         # Separate functions rather than adam(decoupled_weight_decay=...), which older torch releases lack.
-        step_fn = _functional_adamw if decoupled else _functional_adam
+        step_fn = _functional_adamw if hyper.decoupled else _functional_adam
         step_fn(
             [param],
             [grad32],
@@ -371,11 +377,11 @@ def _torch_step(
             foreach=False,
             fused=False,
             amsgrad=False,
-            beta1=beta1,
-            beta2=beta2,
-            lr=lr,
-            weight_decay=weight_decay,
-            eps=eps,
+            beta1=hyper.beta1,
+            beta2=hyper.beta2,
+            lr=hyper.lr,
+            weight_decay=hyper.weight_decay,
+            eps=hyper.eps,
             maximize=False,
         )
         if param_out is not None:

@@ -158,15 +158,14 @@ class GdsStore(TensorStore):
 
     Args:
         paths: Directories for the swap files, ideally one per SSD.
-        name: Base name of the files: ``<path>/<name>.swap`` and ``<path>/<name>.lock``.
         stripe_bytes: Chunk size of the round-robin striping; a positive multiple of 4096. Larger than the host
             store's default, since each chunk costs a cuFile call (or a bounce-buffer round) of fixed overhead.
-        io_threads_per_path: I/O threads per directory.
-        keep_files: Leave the swap files in place at :meth:`close`, readable later with
-            :class:`~lightning_ratel.runtime.kept.KeptStore` (into CPU tensors).
-        verify: Checksum every chunk written and verify every chunk read, on the tensor's device.
         device: Device type of the tensors: ``"cuda"``. ``"cpu"`` works only with a stand-in for kvikio (kvikio's
             raw calls take device memory only); the tests use it to run the store without a GPU.
+        **options: ``name``, ``io_threads_per_path``, ``keep_files`` (the kept files are read later with
+            :class:`~lightning_ratel.runtime.kept.KeptStore`, into CPU tensors) and ``verify`` (on the tensor's
+            device), as :class:`~lightning_ratel.runtime.storage.TensorStore` takes them. Not ``direct``: chunks move
+            through kvikio's own handles, not the store's descriptors.
 
     Raises:
         RatelConfigError: If kvikio cannot be imported or cannot open a swap file, or for any reason
@@ -180,21 +179,15 @@ class GdsStore(TensorStore):
         self,
         paths: Sequence[str | os.PathLike[str]],
         *,
-        name: str = "ratel",
         stripe_bytes: int = 4 << 20,
-        io_threads_per_path: int = 4,
-        keep_files: bool = False,
-        verify: bool = True,
         device: str | torch.device = "cuda",
+        **options: Any,
     ) -> None:
         self._kvikio = _import_kvikio()
         self._device_type = torch.device(device).type
         # Set before the base class runs: its cleanup after a failed start calls _release, which closes these.
         self._handles: list[Any] = []
-        super().__init__(
-            paths, name=name, stripe_bytes=stripe_bytes, io_threads_per_path=io_threads_per_path, direct=False,
-            keep_files=keep_files, verify=verify,
-        )
+        super().__init__(paths, stripe_bytes=stripe_bytes, direct=False, **options)
         try:
             for swap in self.swap_files:
                 self._handles.append(self._open_handle(swap))
@@ -331,8 +324,8 @@ class GdsStore(TensorStore):
             return tensor_checksum(data)
 
     def _move_device_chunk(self, request: _DeviceRequest, chunk: Chunk, view: torch.Tensor) -> None:
-        swap = self.swap_files[chunk.slot]
-        handle = self._handles[chunk.slot]
+        swap = self.swap_files[chunk.file]
+        handle = self._handles[chunk.file]
         call: Callable[..., int] = handle.raw_write if request.is_write else handle.raw_read
         operation = "write" if request.is_write else "read"
         done = 0

@@ -8,8 +8,7 @@ takes it back once the worker has dropped it: the pinned staging is bounded by t
 optimizer's gradient budget bounds. Parameters outside the optimizer have no consumer for their gradient: it is
 dropped.
 
-Threads: the hooks run on autograd's thread; the window (shards that got a gradient since the last step) is read by
-the training thread once backward has finished.
+Threads: the hooks run on autograd's thread.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from lightning_ratel.runtime.units import Shard
 
 
 class GradientOffload:
-    """Installs the gradient hooks and remembers which shards received gradients.
+    """Installs the gradient hooks.
 
     Args:
         device: the compute device.
@@ -39,7 +38,6 @@ class GradientOffload:
     def __init__(self, device: Device, optimizer: CpuAdam, shards: Sequence[Shard], frozen: Sequence[Shard]) -> None:
         self.device = device
         self.optimizer = optimizer
-        self._window: set[int] = set()
         self._handles: list[Any] = []
         for shard in shards:
             for position, sp in enumerate(shard.params):
@@ -56,13 +54,7 @@ class GradientOffload:
         grad = param.grad
         param.grad = None
         host, event = self.device.to_host(grad)
-        self._window.add(shard.index)
         self.optimizer.gradient(shard, position, host, event)
-
-    def take_window(self, shards: Sequence[Shard]) -> list[Shard]:
-        """Those of ``shards`` that received a gradient since the last call, in the order given."""
-        window, self._window = self._window, set()
-        return [s for s in shards if s.index in window]
 
     def remove(self) -> None:
         """Remove every hook."""

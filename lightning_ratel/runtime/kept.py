@@ -144,7 +144,7 @@ class KeptStore(TensorStore):
             self._nbytes_reserved += entry["nbytes"]
         for extent in self._extents.values():
             for chunk in extent.chunks:
-                self._tails[chunk.slot] = max(self._tails[chunk.slot], chunk.file_offset + chunk.disk_length)
+                self._tails[chunk.file] = max(self._tails[chunk.file], chunk.file_offset + chunk.disk_length)
 
     def _kept_extent(self, entry: dict[str, Any], files: int) -> Extent:
         nbytes = entry["nbytes"]
@@ -153,9 +153,9 @@ class KeptStore(TensorStore):
             raise ValueError(f"{len(listed)} chunks for {nbytes!r} bytes")
         chunks = []
         sums: list[Any] = []
-        for index, (slot, file_offset, checksum) in enumerate(listed):
-            if not (isinstance(slot, int) and 0 <= slot < files):
-                raise ValueError(f"slot {slot!r}")
+        for index, (file, file_offset, checksum) in enumerate(listed):
+            if not (isinstance(file, int) and 0 <= file < files):
+                raise ValueError(f"file {file!r}")
             if not isinstance(file_offset, int) or file_offset < HEADER_BYTES or file_offset % ALIGNMENT:
                 raise ValueError(f"file offset {file_offset!r}")
             if isinstance(checksum, str):
@@ -164,6 +164,6 @@ class KeptStore(TensorStore):
                 raise ValueError(f"checksum {checksum!r}")
             key_offset = index * self._stripe_bytes
             length = min(self._stripe_bytes, nbytes - key_offset)
-            chunks.append(Chunk(slot, file_offset, key_offset, length, round_up(length, ALIGNMENT)))
+            chunks.append(Chunk(file, file_offset, key_offset, length, round_up(length, ALIGNMENT)))
             sums.append(checksum)
         return Extent(nbytes, tuple(chunks), sums)

@@ -54,7 +54,7 @@ from typing import Any
 import torch
 
 from lightning_ratel.runtime.accumulation import GradientAccumulator, GradientBudget
-from lightning_ratel.runtime.adamw import adamw_step
+from lightning_ratel.runtime.adamw import GroupHyper, adamw_step
 from lightning_ratel.runtime.generic import GenericUpdate
 from lightning_ratel.runtime.hostmem import aligned_empty
 from lightning_ratel.runtime.ledger import StepLedger
@@ -68,38 +68,11 @@ _OPENMP_BACKEND = "parallel backend: OpenMP" in torch.__config__.parallel_info()
 
 
 @dataclass(frozen=True)
-class GroupHyper:
-    """Hyperparameters of one parameter group, read from the user's optimizer at the start of each step."""
-
-    lr: float
-    beta1: float
-    beta2: float
-    eps: float
-    weight_decay: float
-    decoupled: bool
-
-    @classmethod
-    def of(cls, optimizer: torch.optim.Optimizer) -> list[GroupHyper]:
-        """The current hyperparameters of every group of a ``torch.optim.AdamW`` or ``torch.optim.Adam``."""
-        decoupled_default = isinstance(optimizer, torch.optim.AdamW)
-        hyper = []
-        for group in optimizer.param_groups:
-            beta1, beta2 = group["betas"]
-            hyper.append(cls(
-                lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
-                weight_decay=float(group["weight_decay"]),
-                decoupled=bool(group.get("decoupled_weight_decay", decoupled_default)),
-            ))
-        return hyper
-
-
-@dataclass(frozen=True)
 class StepPlan:
     """How this optimizer step's updates run: hyperparameters per group (:class:`GroupHyper` for the fused AdamW, each
     group's settings as a dict for another optimizer), whether they start during backward, and
     the element-wise clip each shard applies to its own gradients first (global transforms such as norm clipping and
-    loss unscaling are applied through :meth:`CpuAdam.unscale_` and :meth:`CpuAdam.clip_` before the updates are
-    scheduled)."""
+    loss unscaling are applied by :meth:`CpuAdam.finish` before the updates are scheduled)."""
 
     hyper: list[GroupHyper] | list[dict[str, Any]]
     overlap: bool
@@ -215,6 +188,9 @@ class CpuAdam:
         self._barriers: list[_Barrier] = []
         self._error: BaseException | None = None
         self._plan: StepPlan | None = None
+        # Shards that received a gradient since the last finish or discard: added on autograd's thread, taken on the
+        # training thread once backward has finished.
+        self._window: set[int] = set()
         self._worker = threading.Thread(target=self._run, name="ratel-cpu-adam", daemon=True)
         self._worker.start()
 
@@ -255,6 +231,7 @@ class CpuAdam:
         """Hand over the gradient of ``shard.params[position]``, already on (or travelling to) host memory; waits
         first while the gradients held exceed the budget (see :class:`~lightning_ratel.runtime.accumulation.
         GradientBudget`)."""
+        self._window.add(shard.index)
         self.budget.wait_for_room(grad.numel() * grad.element_size())
         self._jobs.put(_Gradient(shard, position, grad, event))
 
@@ -264,8 +241,43 @@ class CpuAdam:
         """Start a micro-batch; ``plan`` is set on the boundary micro-batch of an accumulation window."""
         self._jobs.put(_Begin(plan))
 
+    def finish(self, plan: StepPlan, unit_order: Sequence[int], loss_scale: torch.Tensor | None = None,
+               clip: tuple[float, str] | None = None) -> bool:
+        """Finish the step on the shards that received a gradient since the last one (after backward). Where ``plan``
+        deferred the updates to now, first divide the gradients by ``loss_scale`` and drop them if one is not finite,
+        then clip them by ``clip`` (value, algorithm: see :meth:`clip_`). The updates are scheduled units first in
+        ``unit_order`` (the forward's order; units it does not list last), so the next forward waits least.
+
+        Returns:
+            Whether the step is taken: ``False`` when no shard received a gradient or an overflow skipped it.
+        """
+        shards = self._take_window()
+        if not shards:
+            return False
+        if not plan.overlap:
+            if loss_scale is not None and not self.unscale_(shards, loss_scale):
+                self.discard(shards)
+                return False
+            if clip is not None:
+                self.clip_(shards, *clip)
+        position: dict[int, int] = {}
+        for i, unit in enumerate(unit_order):
+            position.setdefault(unit, i)
+        self.schedule(plan, sorted(shards, key=lambda s: position.get(s.unit.index, len(unit_order))))
+        return True
+
+    def discard_window(self) -> None:
+        """Drop the gradients received since the last step without updating anything (``zero_grad``)."""
+        shards = self._take_window()
+        if shards:
+            self.discard(shards)
+
+    def _take_window(self) -> list[Shard]:
+        window, self._window = self._window, set()
+        return [s for s in self.shards if s.index in window]
+
     def schedule(self, plan: StepPlan, shards: Sequence[Shard]) -> None:
-        """Finish the step: update ``shards`` under ``plan`` (those not already updated during backward); the step
+        """Close the step: update ``shards`` under ``plan`` (those not already updated during backward); the step
         commits once they all have run.
 
         Each shard's unit stops being ready now, on the calling thread, so that a forward paging it in after this call
@@ -678,9 +690,7 @@ class CpuAdam:
 
     def _adamw(self, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                out: torch.Tensor | None, h: GroupHyper, step: int) -> None:
-        step_fn = adamw_step()
-        step_fn(master, grad, exp_avg, exp_avg_sq, out, lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
-                weight_decay=h.weight_decay, step=step, decoupled=h.decoupled, num_threads=self.threads)
+        adamw_step()(master, grad, exp_avg, exp_avg_sq, out, h, step=step, num_threads=self.threads)
 
     def _resolve_barriers(self) -> None:
         if not self._barriers:

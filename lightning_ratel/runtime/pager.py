@@ -35,6 +35,12 @@ from lightning_ratel.runtime.timeline import span
 from lightning_ratel.runtime.units import ParamSlot, Shard, Unit
 
 
+def nan_placeholder(param: nn.Parameter, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A host tensor of ``param``'s shape that costs no memory (one NaN, expanded) and reads as NaN if used: what a
+    parameter holds outside the pager's reach while its values are elsewhere (the pager's own are on the device)."""
+    return torch.full((), float("nan"), dtype=dtype or param.dtype).expand(param.shape)
+
+
 @dataclass
 class _Residency:
     """A unit's state on the device (training thread only).

@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from lightning_ratel.plan.profile import HardwareProfile
+from lightning_ratel.hardware import HardwareProfile
+from lightning_ratel.runtime.adamw import GroupHyper
 from lightning_ratel.runtime.device import Device
 from lightning_ratel.runtime.hostmem import aligned_empty
 from lightning_ratel.runtime.storage import TensorStore
@@ -108,9 +109,10 @@ def adam_throughput(step: Callable[..., None], numel: int = 1 << 22, repeats: in
     grad = torch.randn(numel, generator=generator)
     m = torch.zeros(numel)
     v = torch.zeros(numel)
+    hyper = GroupHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True)
 
     def run() -> None:
-        step(master, grad, m, v, None, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=1)
+        step(master, grad, m, v, None, hyper, step=1)
 
     run()
     return numel / best_time(run, repeats)

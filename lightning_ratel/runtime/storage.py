@@ -85,9 +85,9 @@ def add_note(error: BaseException, note: str) -> None:
 @dataclass(frozen=True)
 class Chunk:
     """One stripe of a key: ``length`` bytes at ``key_offset`` in the key, stored at ``file_offset`` of the swap file
-    in slot ``slot`` (the directory's position in the store's paths), occupying ``disk_length`` bytes there."""
+    number ``file`` (its directory's position in the store's paths), occupying ``disk_length`` bytes there."""
 
-    slot: int
+    file: int
     file_offset: int
     key_offset: int
     length: int
@@ -239,7 +239,7 @@ class TensorStore:
     cannot be moved), ``_request(key, is_write, tensor, nbytes, **extra)`` (a :class:`Request` for the transfers;
     ``extra`` is what the subclass passes to ``_submit``), ``_transfer_chunk(request, chunk)`` (move one
     :class:`Chunk` on an I/O thread and return its checksum when :attr:`verify` is on) and ``_release()`` (free what
-    the subclass holds after the base class has drained its I/O). :attr:`swap_files` gives the open files by slot.
+    the subclass holds after the base class has drained its I/O). :attr:`swap_files` gives the open files in order.
 
     Args:
         paths: Directories for the swap files, ideally one per SSD. Several on the same drive are allowed.
@@ -291,11 +291,11 @@ class TensorStore:
                 except OSError as exc:
                     raise RatelConfigError(f"Cannot take the lock file {lock_path}: {exc.strerror}") from exc
             replaced = []
-            for slot, directory in enumerate(directories):
+            for index, directory in enumerate(directories):
                 swap_path = directory / f"{name}.swap"
                 try:
                     state = IN_USE_TO_KEEP if keep_files else IN_USE
-                    swap, stale = create_swap(swap_path, direct, self._header(slot, state))
+                    swap, stale = create_swap(swap_path, direct, self._header(index, state))
                 except OSError as exc:
                     raise RatelConfigError(
                         f"Cannot create the swap file {swap_path}: {exc.strerror}. Remove or fix that file, or "
@@ -346,7 +346,7 @@ class TensorStore:
         self._sums_lock = threading.Lock()
         self._extents: dict[str, Extent] = {}
         self._tails = [HEADER_BYTES] * len(directories)
-        self._next_slot = 0
+        self._next_file = 0
         self._nbytes_reserved = 0
         self._bytes_read = 0
         self._busy: list[tuple[float, float]] = []
@@ -359,21 +359,21 @@ class TensorStore:
         self._closed = False
         self._metadata: dict[str, Any] = {}
 
-    def _header(self, slot: int, state: str) -> SwapHeader:
+    def _header(self, index: int, state: str) -> SwapHeader:
         return SwapHeader(
-            version=FORMAT_VERSION, name=self._name, run_id=self._run_id, slot=slot, files=len(self._paths),
+            version=FORMAT_VERSION, name=self._name, run_id=self._run_id, slot=index, files=len(self._paths),
             stripe_bytes=self._stripe_bytes, pid=os.getpid(), host=os.uname().nodename, created=self._created,
             state=state,
         )
 
     @property
     def paths(self) -> tuple[Path, ...]:
-        """The swap directories, resolved to absolute paths, in slot order."""
+        """The swap directories, resolved to absolute paths, in the order of their files' numbers."""
         return self._paths
 
     @property
     def swap_files(self) -> tuple[SwapFile, ...]:
-        """The open swap files, by slot (empty once closed)."""
+        """The open swap files, by number (empty once closed)."""
         return tuple(self._files)
 
     @property
@@ -649,10 +649,10 @@ class TensorStore:
             length = min(self._stripe_bytes, nbytes - key_offset)
             disk_length = round_up(length, ALIGNMENT)
             # The round-robin continues across keys so that many small keys still spread over every drive.
-            slot = self._next_slot
-            self._next_slot = (slot + 1) % len(self._paths)
-            chunks.append(Chunk(slot, self._tails[slot], key_offset, length, disk_length))
-            self._tails[slot] += disk_length
+            file = self._next_file
+            self._next_file = (file + 1) % len(self._paths)
+            chunks.append(Chunk(file, self._tails[file], key_offset, length, disk_length))
+            self._tails[file] += disk_length
         extent = Extent(nbytes, tuple(chunks), [None] * len(chunks))
         self._extents[key] = extent
         self._nbytes_reserved += nbytes
@@ -735,7 +735,7 @@ class TensorStore:
     def _read_verified(self, request: Request, extent: Extent, index: int) -> None:
         """Read one chunk and check it against the checksum of the last write (or of zeros, if never written)."""
         chunk = extent.chunks[index]
-        path = self._files[chunk.slot].path
+        path = self._files[chunk.file].path
         where = f"offset {chunk.file_offset} of {path} (key offset {chunk.key_offset}, {chunk.length} bytes)"
         expected = extent.sums[index]
         if isinstance(expected, _Undefined):
@@ -783,7 +783,7 @@ class TensorStore:
         return checksum
 
     def _move_chunk(self, request: _HostRequest, chunk: Chunk) -> None:
-        swap = self._files[chunk.slot]
+        swap = self._files[chunk.file]
         start = chunk.key_offset
         if not swap.direct:
             # The page cache takes any address and length, so the tensor's own bytes always do.
@@ -859,9 +859,9 @@ class TensorStore:
     def _keep(self) -> list[tuple[OSError, Path, str]]:
         """Mark every swap file as kept (durably), then write the index; the failures, if any."""
         failures: list[tuple[OSError, Path, str]] = []
-        for slot, swap in enumerate(self._files):
+        for index, swap in enumerate(self._files):
             try:
-                write_block(swap.fd, self._header(slot, KEPT).encode())
+                write_block(swap.fd, self._header(index, KEPT).encode())
                 os.fsync(swap.fd)
             except OSError as exc:
                 failures.append((exc, swap.path, "marking as kept"))
@@ -882,7 +882,7 @@ class TensorStore:
             sums = [entry.code if isinstance(entry, _Undefined) else entry for entry in extent.sums]
             keys[key] = {
                 "nbytes": extent.nbytes,
-                "chunks": [[chunk.slot, chunk.file_offset, entry] for chunk, entry in zip(extent.chunks, sums)],
+                "chunks": [[chunk.file, chunk.file_offset, entry] for chunk, entry in zip(extent.chunks, sums)],
             }
         index = {
             "format": INDEX_FORMAT,

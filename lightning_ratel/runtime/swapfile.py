@@ -63,7 +63,8 @@ class SwapFile:
 
 @dataclass(frozen=True)
 class SwapHeader:
-    """What the first block of a swap file says about it."""
+    """What the first block of a swap file says about it; ``slot`` is the file's number among the store's files (the
+    position of its directory), under the key the format has always used."""
 
     version: int
     name: str

@@ -5,9 +5,11 @@ one copy (or one set of store reads) per dtype. A *shard* is the part of a unit 
 group and one compute dtype: one contiguous range of the unit's compute copies, and three flat fp32 tensors (master,
 ``exp_avg``, ``exp_avg_sq``) in the swap store.
 
-Layouts are immutable once built (:mod:`lightning_ratel.engine.layout` builds them). What changes while training lives with
-the part that owns it: the pager's residency, the optimizer worker's per-shard state, and :class:`UnitReady`, the
-one signal through which the optimizer tells the pager that a unit's compute copy is current.
+A :class:`Layout` holds every unit and shard of one model. It is immutable once built
+(:mod:`lightning_ratel.engine.layout` builds it) and lives here, below the engine and whole-model I/O, because both read
+it. What changes while training lives with the part that owns it: the pager's residency, the optimizer worker's
+per-shard state, and :class:`UnitReady`, the one signal through which the optimizer tells the pager that a unit's
+compute copy is current.
 
 Threads: ``Unit.host`` (the host cache) is written by the optimizer worker while it updates a shard of the unit and
 read by the training thread while the unit is paged in; :class:`UnitReady` keeps the two apart (the pager pages a
@@ -17,14 +19,18 @@ unit in only once every update asked for has landed, and an update of a unit run
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from lightning_ratel.tiers import StateTier
+from lightning_ratel.tiers import ParamCache, StateTier
+
+if TYPE_CHECKING:
+    from lightning_ratel.runtime.generic import GenericUpdate
 
 
 @dataclass(frozen=True, eq=False)
@@ -225,3 +231,84 @@ class Shard:
     def host_master(self) -> torch.Tensor:
         """The master of a ``master_in_host`` shard: its range of the unit's fp32 host cache."""
         return self.compute_view(self.unit.host[torch.float32])
+
+
+class FrozenValues:
+    """Where the exact values of frozen shards are, as materialization found them.
+
+    A frozen shard's compute copy is its value unless rounding to the compute dtype changed one of its parameters; such
+    a shard also keeps its values in their own dtype on the store, under :meth:`key`. Frozen parameters whose values
+    came from the ``pretrained`` folder are remembered by the tensor name there, so a checkpoint can refer to the folder
+    instead of copying weights that never change.
+    """
+
+    def __init__(self) -> None:
+        self.exact_copies: dict[int, torch.dtype] = {}
+        self.pretrained: dict[int, str] = {}
+
+    @staticmethod
+    def key(shard: Shard) -> str:
+        """The store key of a frozen shard's values in their own dtype."""
+        return shard.key("value")
+
+    def value_dtype(self, shard: Shard) -> torch.dtype:
+        """The dtype a frozen shard's exact values are read in: the kept copy's, or the compute copy's."""
+        return self.exact_copies.get(shard.index, shard.dtype)
+
+    def nbytes(self, shards: Sequence[Shard]) -> int:
+        """Store bytes of the kept copies among ``shards``."""
+        return sum(s.numel * self.exact_copies[s.index].itemsize for s in shards if s.index in self.exact_copies)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Units and shards of one model.
+
+    Attributes:
+        units: unit by owning block index.
+        block_units: for each block found at setup, the units its forward uses (its own and any it shares); what is
+            learnt later lives with the engine's block membership.
+        shards: the shards the optimizer updates, in block order.
+        frozen_shards: shards of parameters outside the optimizer (values kept, never updated).
+        param_cache: ``"host"`` (compute copies live in the units' host caches) or ``"ssd"`` (read from the swap
+            store on every page-in).
+        orig_dtype: each parameter's own dtype, by parameter id (what the module holds outside training).
+        frozen_values: where the frozen shards' exact values are (filled in by materialization).
+        generic: the update and state layout of an optimizer the fused AdamW kernel does not run; ``None`` for
+            AdamW/Adam (moments ``exp_avg``/``exp_avg_sq``) and for evaluation.
+    """
+
+    units: dict[int, Unit]
+    block_units: tuple[tuple[int, ...], ...]
+    shards: list[Shard]
+    frozen_shards: list[Shard]
+    param_cache: ParamCache
+    orig_dtype: dict[int, torch.dtype]
+    frozen_values: FrozenValues = field(default_factory=FrozenValues)
+    generic: GenericUpdate | None = None
+
+    @property
+    def all_shards(self) -> list[Shard]:
+        """Trainable then frozen shards."""
+        return self.shards + self.frozen_shards
+
+    def unit_shards(self) -> dict[int, list[Shard]]:
+        """Every shard by unit index."""
+        by_unit: dict[int, list[Shard]] = {}
+        for shard in self.all_shards:
+            by_unit.setdefault(shard.unit.index, []).append(shard)
+        return by_unit
+
+    @property
+    def slots(self) -> list[ParamSlot]:
+        """Every parameter's slot, unit by unit."""
+        return [slot for unit in self.units.values() for slot in unit.slots]
+
+    @property
+    def param_nbytes(self) -> int:
+        """Bytes of every parameter in its own dtype: what the module's full state takes in host memory."""
+        return sum(s.numel * self.orig_dtype[id(s.param)].itemsize for s in self.slots)
+
+    def nbytes_of(self, shards: Sequence[Shard]) -> int:
+        """Bytes of the parameters of ``shards`` in their own dtypes."""
+        return sum(sp.numel * self.orig_dtype[id(sp.param)].itemsize for s in shards for sp in s.params)
