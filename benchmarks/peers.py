@@ -89,7 +89,7 @@ LLAMA_SIZES = {
 }
 """``--size`` of the CPU Llama: ``CausalLMModule`` arguments (4.2M parameters at ``demo``, the demo's default)."""
 
-THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY", "DS_ACCELERATOR")
+THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY")
 RSS_POLL_SECONDS = 0.02
 OOM_MARKERS = ("out of memory", "can't allocate memory", "cannot allocate memory", "bad_alloc", "memoryerror")
 
@@ -664,7 +664,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"Command: python -m benchmarks.peers {' '.join(sys.argv[1:] if argv is None else argv)}",
         f"Started {started}; {os.cpu_count()} CPUs; load average (1/5/15 min) "
         f"{' / '.join(f'{x:.2f}' for x in load_before)} before and {' / '.join(f'{x:.2f}' for x in load_after)} "
-        "after (more than the CPU count: other work shared the machine and the timings are noisy).",
+        "after" + (" (above the CPU count: other work shared the machine, so the timings are noisy)."
+                   if max(load_before[0], load_after[0]) > (os.cpu_count() or 1) else "."),
         f"Model: {model}" + (f", {params:,} parameters." if params else "."),
         f"{args.warmup} untimed warm-up steps, then {args.steps} timed steps per run; {args.rounds} interleaved "
         "rounds. s/step: median of every timed step of every round; x fastest: over the fastest system that ran.",
