@@ -32,9 +32,14 @@ numerics=$!
 wait $tests; echo "tests rc=$?"
 wait $numerics; echo "cuda_numerics rc=$?"
 mkdir -p /tmp/ratel-bench
-timeout "$bench_seconds" python3 -m benchmarks.gpu_throughput --quick --systems ratel --no-search --ssd /tmp/ratel-bench \
-    --out "$out" --max-seconds $((bench_seconds - 20)) > "$out/gpu_throughput.log" 2>&1
-echo "gpu_throughput rc=$?"
+# Optimizer states in host memory (the default where they fit), then in the swap files (the disk-bound baseline).
+for states in auto ssd; do
+    mkdir -p "$out/states-$states"
+    timeout "$bench_seconds" python3 -m benchmarks.gpu_throughput --quick --systems ratel --no-search \
+        --ssd /tmp/ratel-bench --ratel-states "$states" --out "$out/states-$states" \
+        --max-seconds $((bench_seconds - 20)) > "$out/gpu_throughput-$states.log" 2>&1
+    echo "gpu_throughput ($states) rc=$?"
+done
 cat "$out/env.txt"
 grep -E "passed|failed|error" "$out/test_cuda.log" | tail -3
 grep -E "^(FAILED|ERROR)" "$out/test_cuda.log" | head -30

@@ -451,11 +451,11 @@ def deepspeed_config(system: str, shape: ModelShape, swap_dirs: Sequence[str],
 
 
 def _strategy(system: str, module: Any, shape: ModelShape, swap_dirs: list[str], cap: int,
-              aio: dict[str, Any] | None = None) -> Any:
+              aio: dict[str, Any] | None = None, ratel_states: str = "auto") -> Any:
     if system == "ratel":
         from lightning_ratel import RatelStrategy
 
-        return RatelStrategy(ssd_paths=swap_dirs, device_memory_limit=cap,
+        return RatelStrategy(ssd_paths=swap_dirs, device_memory_limit=cap, optimizer_states=ratel_states,
                              param_init_fn=gpt2_initializer(module.model))
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
@@ -486,7 +486,8 @@ def train_worker(spec: dict[str, Any]) -> dict[str, Any]:
     timer = _step_timer(spec["warmup"], steps - 1, _drain)
     trainer = L.Trainer(
         accelerator="gpu", devices=1,
-        strategy=_strategy(system, module, shape, spec["swap_dirs"], cap, spec.get("ds_aio")),
+        strategy=_strategy(system, module, shape, spec["swap_dirs"], cap, spec.get("ds_aio"),
+                           spec.get("ratel_states", "auto")),
         precision="bf16-mixed", max_steps=steps, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, callbacks=[timer],
     )
@@ -501,6 +502,7 @@ def train_worker(spec: dict[str, Any]) -> dict[str, Any]:
     if not result["ok"]:
         result["error"] = f"no step was timed (ran {trainer.global_step} steps, warmup {spec['warmup']})"
     if system == "ratel":
+        result["optimizer_states"] = trainer.strategy.state_placement()
         profiler = trainer.strategy.profiler
         plan = profiler.plan if profiler is not None else None
         if plan is not None:
@@ -728,6 +730,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3,
                         help="untimed steps first; RatelStrategy profiles 2 and plans before the 3rd (default 3)")
     parser.add_argument("--steps", type=int, default=4, help="timed steps per run (default 4)")
+    parser.add_argument("--ratel-states", choices=["auto", "host", "ssd"], default="auto",
+                        help="RatelStrategy's optimizer_states (default auto: host memory while it holds them)")
     parser.add_argument("--ds-aio", type=parse_ds_aio, default={},
                         help="JSON object replacing DeepSpeed aio settings, e.g. '{\"queue_depth\": 64}' or what "
                              f"ds_nvme_tune prints; keys: {', '.join(DS_AIO)}")
@@ -898,7 +902,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         "notes": notes,
     }
     run = Runner(args.ssd, Budget(args.max_seconds, args.run_timeout))
-    base = {"device_memory": cap, "ds_checkpointing": args.ds_checkpointing, "ds_aio": args.ds_aio}
+    base = {"device_memory": cap, "ds_checkpointing": args.ds_checkpointing, "ds_aio": args.ds_aio,
+            "ratel_states": args.ratel_states}
     try:
         report["io"] = run({**base, "kind": "io"})
         _write(report, args.out)
