@@ -312,6 +312,13 @@ class CpuAdam:
             for g in grads:
                 g.clamp_(min=-value, max=value)
 
+    def gradients(self, shards: Sequence[Shard]) -> tuple[list[torch.Tensor], list[int]]:
+        """After every gradient is taken in: the gradients of ``shards`` that arrived, in the optimizer's parameter
+        order, and their parameters' positions in that order (for a norm over several ranks' shards)."""
+        self.barrier()
+        indexed = self.accumulator.indexed_views(shards)
+        return [v for _, v in indexed], [i for i, _ in indexed]
+
     def _ordered_grads(self, shards: Sequence[Shard]) -> list[torch.Tensor]:
         """After every gradient is taken in: the gradients that arrived, in the optimizer's parameter order."""
         self.barrier()
