@@ -469,6 +469,12 @@ class RatelStrategy(ParallelStrategy):
             # A forced "full" that cannot be gathered is refused now rather than at the first save.
             self._format = choose_checkpoint_format(self.config.checkpoint_format, module, optimizer,
                                                     self.config.host_memory_limit)
+            if self._format == "sharded" and self.is_distributed:
+                raise RatelConfigError(
+                    "RatelStrategy on several ranks writes ordinary checkpoints only for now (rank 0 writes what the "
+                    "owners of the states send), and this run would write sharded ones "
+                    f"(checkpoint_format={self.config.checkpoint_format!r}). Pass checkpoint_format='full' with a "
+                    "host memory budget that holds the gathered checkpoint, or train on one rank.")
             # Before the model is materialized: the budget must hold at least the run's own buffers.
             check_host_budget(module, optimizer, self.config, self.precision_plugin.half_dtype,
                               unified=self.root_device.type == "cpu")
@@ -868,6 +874,13 @@ class RatelStrategy(ParallelStrategy):
             exception: the error that stopped training, if one did: a failure to restore is then only warned about.
         """
         engine.reads.close()
+        if exception is not None and self.is_distributed:
+            # Copying back reads each state from its owner, a collective the other ranks (stopped, or gone) never
+            # join: the last checkpoint holds the state.
+            rank_zero_warn(f"RatelStrategy: training stopped on {exception!r}; with several ranks the parameters are "
+                           "not copied back into the module. Resume from the last checkpoint.")
+            engine.close(restore=False)
+            return
         try:
             try:
                 restored = self._keep_what_is_not_restored(engine)

@@ -21,7 +21,7 @@ import torch
 
 from lightning_ratel import RatelStrategy
 from lightning_ratel.sizes import path_bytes
-from tests.models import LM, final_state, trainer
+from tests.models import LM, cache_off, final_state, trainer
 
 
 class _Measure(L.Callback):
@@ -91,6 +91,8 @@ def main(argv: list[str]) -> None:
         rank, step = (int(x) for x in args.fail.split(":"))
         callbacks.append(_Raise(rank, step))
     module = LM(args.model, batch_size=2)
+    # As RatelStrategy does during fit: with the cache on, attention rounds differently (an encoder-decoder's decoder).
+    cache_off(module)
     t = trainer(strategy, devices=args.devices, num_nodes=args.num_nodes, max_steps=args.steps,
                 accumulate_grad_batches=args.accumulate, gradient_clip_val=args.clip, precision=args.precision,
                 callbacks=callbacks)
