@@ -42,8 +42,8 @@ from lightning_ratel.engine.schedule import BlockScheduler
 from lightning_ratel.engine.switches import FitSwitches
 from lightning_ratel.errors import RatelConfigError, RatelModelError
 from lightning_ratel.io.checkpoint import ModelState
-from lightning_ratel.runtime import gds
 from lightning_ratel.plan.owners import UnitCost, assign_owners
+from lightning_ratel.runtime import gds
 from lightning_ratel.runtime.activations import ActivationCache, PlaceholderRead
 from lightning_ratel.runtime.collectives import DataParallelAdam, Ranks
 from lightning_ratel.runtime.device import Device
