@@ -12,21 +12,34 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import replace
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.plugins import CheckpointIO
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from lightning.fabric.utilities.types import _PATH
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import _PATH, ReduceOp
 from lightning.pytorch.accelerators import Accelerator, CUDAAccelerator
 from lightning.pytorch.callbacks import BaseFinetuning
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.strategies import ParallelStrategy, Strategy
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.utilities.types import STEP_OUTPUT
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import nn
 from typing_extensions import override
 
@@ -53,13 +66,15 @@ from lightning_ratel.plan.search import Plan
 from lightning_ratel.precision import RatelPrecision
 from lightning_ratel.preflight import check_host_budget
 from lightning_ratel.report import show_plan
+from lightning_ratel.runtime.collectives import Ranks
 from lightning_ratel.runtime.swapfile import prepare_directories
 from lightning_ratel.sizes import format_bytes, format_rate, path_bytes
 from lightning_ratel.tiers import OptimizerStates, ParamCache, Placement
 
 
-class RatelStrategy(SingleDeviceStrategy):
-    """Fine-tune a model larger than device memory on one device, with model states in host memory or on NVMe.
+class RatelStrategy(ParallelStrategy):
+    """Fine-tune a model larger than device memory, with model states in host memory or on NVMe, on one device or
+    data parallel on several (``Trainer(devices=N, num_nodes=M)``, launched as Lightning's ``ddp`` strategy is).
 
     The fp32 master weights and Adam moments live in host memory while it holds them, and in swap files striped over
     ``ssd_paths`` for the rest (``optimizer_states``); 16-bit (or fp32)
@@ -115,7 +130,14 @@ class RatelStrategy(SingleDeviceStrategy):
         log_metrics: send the plugin's figures of every training step (time per part, disk bytes and throughput,
             overlap, bytes per tier; ``ratel/...`` keys) to the Trainer's loggers, at the rate of ``self.log``
             (``log_every_n_steps``).
+        process_group_backend: the torch.distributed backend of several ranks (``None``: NCCL on CUDA, gloo on the
+            CPU). The engine's own collectives run on host memory over gloo groups either way.
+        timeout: how long a collective waits for the other ranks before the run fails (a rank that died).
+        start_method: how several ranks are launched, as for Lightning's ``DDPStrategy``: ``"popen"`` runs the script
+            again for each rank, ``"spawn"``/``"fork"``/``"forkserver"`` start processes with ``multiprocessing``.
         accelerator: the accelerator; normally set by the Trainer.
+        parallel_devices: the devices of this node's ranks; normally set by the Trainer.
+        cluster_environment: the cluster environment (ranks, the main address); normally set by the Trainer.
         checkpoint_io: how checkpoints are written; normally set by the Trainer.
 
     Every argument but ``ssd_paths`` is keyword-only.
@@ -140,10 +162,20 @@ class RatelStrategy(SingleDeviceStrategy):
         pretrained: str | None = None,
         checkpoint_format: CheckpointFormat = "auto",
         log_metrics: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = timedelta(minutes=30),
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
         checkpoint_io: CheckpointIO | None = None,
     ) -> None:
-        super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io)
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io)
+        self._num_nodes = 1
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._start_method = start_method
         self.config = RatelConfig(
             ssd_paths=ssd_paths,
             prefetch_depth=prefetch_depth,
@@ -254,8 +286,93 @@ class RatelStrategy(SingleDeviceStrategy):
     @override
     def root_device(self) -> torch.device:
         if isinstance(self.accelerator, CUDAAccelerator):
+            if self.parallel_devices:
+                return self.parallel_devices[self.local_rank]
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
+
+    @property
+    def num_nodes(self) -> int:
+        """The nodes training (set by the Trainer from ``num_nodes``)."""
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        """The ranks of one node (one per device)."""
+        return len(self.parallel_devices) if self.parallel_devices else 1
+
+    @property
+    def is_distributed(self) -> bool:
+        """Whether several ranks train (Lightning then gives each its part of the data)."""
+        return self.num_processes * self.num_nodes > 1
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> str | None:
+        """The torch.distributed backend of the run (``None`` before it started, or on one rank)."""
+        return self._process_group_backend
+
+    @override
+    def _configure_launcher(self) -> None:
+        # One rank runs in the process the user started, without a process group: exactly the single-device run.
+        if not self.is_distributed:
+            return
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    def set_world_ranks(self) -> None:
+        """Tell the cluster environment this process's global rank and the world size (as ``DDPStrategy`` does)."""
+        if self.cluster_environment is not None and self.is_distributed:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    def _setup_distributed(self) -> None:
+        reset_seed()
+        self.set_world_ranks()
+        if self._process_group_backend is None:
+            self._process_group_backend = _get_default_process_group_backend_for_device(self.root_device)
+        assert self.cluster_environment is not None
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
+
+    def _ranks(self) -> Ranks | None:
+        if not self.is_distributed:
+            return None
+        return Ranks(rank=self.global_rank, world=self.world_size, local_world=self.num_processes,
+                     timeout=self._timeout)
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if _distributed_is_initialized():
+            if dist.get_backend() == "nccl":
+                dist.barrier(device_ids=[self.root_device.index])
+            else:
+                dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        if isinstance(tensor, torch.Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
 
     @property  # type: ignore[override]
     @override
@@ -329,11 +446,16 @@ class RatelStrategy(SingleDeviceStrategy):
         # a run that cannot have its devices or its swap directories stops before it has cost anything.
         assert self.lightning_module is not None
         trainer = self.lightning_module.trainer
-        _check_one_device(trainer)
+        super().setup_environment()
+        if self.is_distributed:
+            self._setup_distributed()
         paths = self.config.ssd_paths or [os.path.join(trainer.default_root_dir, "ratel_swap")]
         self._created_directories = [missing for path in paths for missing in _missing_directories(Path(path))]
-        self._swap_directories = [str(p) for p in prepare_directories(paths, self.config.name)]
-        super().setup_environment()
+        self._swap_directories = [str(p) for p in prepare_directories(paths, self._store_name())]
+
+    def _store_name(self) -> str:
+        """The swap files' name: ranks sharing a directory each have their own files (and lock)."""
+        return f"{self.config.name}-rank{self.global_rank}" if self.is_distributed else self.config.name
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -362,11 +484,17 @@ class RatelStrategy(SingleDeviceStrategy):
             # A forced "full" that cannot be gathered is refused now rather than at the first save.
             self._format = choose_checkpoint_format(self.config.checkpoint_format, module, optimizer,
                                                     self.config.host_memory_limit)
+            if self._format == "sharded" and self.is_distributed:
+                raise RatelConfigError(
+                    "RatelStrategy on several ranks writes ordinary checkpoints only for now (rank 0 writes what the "
+                    "owners of the states send), and this run would write sharded ones "
+                    f"(checkpoint_format={self.config.checkpoint_format!r}). Pass checkpoint_format='full' with a "
+                    "host memory budget that holds the gathered checkpoint, or train on one rank.")
             # Before the model is materialized: the budget must hold at least the run's own buffers.
             check_host_budget(module, optimizer, self.config, self.precision_plugin.half_dtype,
                               unified=self.root_device.type == "cpu")
         self.model_to_device()
-        config = self.config.with_ssd_paths(self._swap_directories)
+        config = replace(self.config.with_ssd_paths(self._swap_directories), name=self._store_name())
         self._limit_device_memory()
         precision = self.precision_plugin
         self._exception = None
@@ -380,7 +508,7 @@ class RatelStrategy(SingleDeviceStrategy):
         self._resume_source = None
         start = time.perf_counter()
         self._engine = RatelEngine(module, self.root_device, config, precision.half_dtype, optimizer, source,
-                                   progress=trainer.progress_bar_callback is not None)
+                                   progress=trainer.progress_bar_callback is not None, ranks=self._ranks())
         if source is not None:
             layout = self._engine.layout
             rank_zero_info(f"RatelStrategy: {source.description.replace('loading', 'loaded', 1)}: "
@@ -487,13 +615,20 @@ class RatelStrategy(SingleDeviceStrategy):
         return planner.state_traffic() if planner is not None and self._engine.adam is not None else {}
 
     def state_placement(self) -> dict[str, int]:
-        """Bytes of the optimizer states (fp32 masters and moments, both slots) by tier: ``"host"`` for those kept in
-        host memory, ``"ssd"`` for those in the swap files. Empty outside a fit."""
-        if self._engine is None or self._engine.adam is None:
+        """Bytes of the optimizer states this process holds (fp32 masters and moments, both slots) by tier: ``"host"``
+        for those kept in host memory, ``"ssd"`` for those in the swap files. Empty outside a fit."""
+        engine = self._engine
+        if engine is None or engine.store is None:
             return {}
+        store = engine.store
+        on_disk = set(store.disk.keys())
         placed = {"host": 0, "ssd": 0}
-        for shard in self._engine.layout.shards:
-            placed[shard.state_tier] += sum(self._engine.adam.state_sizes(shard).values()) * 2
+        for shard in engine.layout.shards:
+            for key in shard.state_keys():
+                if key in store.host:
+                    placed["host"] += store.host.nbytes(key)
+                elif key in on_disk:
+                    placed["ssd"] += store.disk.nbytes(key)
         return placed
 
     def activation_placements(self) -> dict[str, Placement]:
@@ -778,6 +913,13 @@ class RatelStrategy(SingleDeviceStrategy):
             exception: the error that stopped training, if one did: a failure to restore is then only warned about.
         """
         engine.reads.close()
+        if exception is not None and self.is_distributed:
+            # Copying back reads each state from its owner, a collective the other ranks (stopped, or gone) never
+            # join: the last checkpoint holds the state.
+            rank_zero_warn(f"RatelStrategy: training stopped on {exception!r}; with several ranks the parameters are "
+                           "not copied back into the module. Resume from the last checkpoint.")
+            engine.close(restore=False)
+            return
         try:
             try:
                 restored = self._keep_what_is_not_restored(engine)
@@ -822,16 +964,18 @@ class RatelStrategy(SingleDeviceStrategy):
         if self._precision_plugin is not None:
             # The ended engine must not stay reachable (with its buffers) through the plugin.
             self.precision_plugin.bind(None, self.root_device.type)
+        if self.cluster_environment is not None:
+            self.cluster_environment.teardown()
         module = self.lightning_module
         if module is None or not any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers())):
-            super().teardown()
+            Strategy.teardown(self)
             return
         # Setup failed before the model left the meta device. Lightning's teardown moves the module to the CPU, which
         # a meta tensor cannot do: move the rest here and let it tear down everything else.
         module._apply(lambda t: t if t.is_meta else t.cpu())
         self._lightning_module = None
         try:
-            super().teardown()
+            Strategy.teardown(self)
         finally:
             self._lightning_module = module
 
@@ -866,21 +1010,6 @@ def _explain_out_of_memory(exception: BaseException, device_memory_limit: int | 
         exception.add_note(advice)
     else:  # Python 3.10: no exception notes
         rank_zero_warn(advice)
-
-
-def _check_one_device(trainer: pl.Trainer) -> None:
-    """Refuse ``devices``/``num_nodes`` asking for more than one device, which Lightning would silently reduce to one
-    for a single-device strategy."""
-    # The Trainer keeps what it was asked for only in its accelerator connector.
-    connector = trainer._accelerator_connector
-    devices = len(getattr(connector, "_parallel_devices", None) or [None])
-    nodes = getattr(connector, "_num_nodes_flag", 1)
-    if devices * nodes > 1:
-        raise RatelConfigError(
-            f"RatelStrategy trains on one device for now, but the Trainer asks for {devices} device(s) on {nodes} "
-            "node(s). Pass `devices=1` and `num_nodes=1` (choose the GPU with CUDA_VISIBLE_DEVICES); a model that "
-            "fits one GPU trains data parallel with `strategy='ddp'` or `'fsdp'` instead."
-        )
 
 
 def _restored_summary(engine: RatelEngine, plan: Restored) -> tuple[str, int] | None:

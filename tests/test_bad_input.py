@@ -114,16 +114,6 @@ def test_activation_policy_default_for_no_remaining_block_accepted(tmp_path: Pat
     trainer(RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy=policy), max_steps=1).fit(LM(n_batches=2))
 
 
-@pytest.mark.parametrize("devices", [{"devices": 2}, {"num_nodes": 2}])
-def test_more_than_one_device_refused(tmp_path: Path, devices: dict[str, int]) -> None:
-    lm = CountingLM(n_batches=2)
-    t = trainer(RatelStrategy(ssd_paths=[str(tmp_path / "swap")]), max_steps=1, **devices)
-    with pytest.raises(RatelConfigError, match="one device.*devices=1"):
-        t.fit(lm)
-    assert lm.training_steps == 0
-    assert not (tmp_path / "swap").exists(), "refused after creating the swap directory"
-
-
 def test_same_directory_twice_rejected(tmp_path: Path) -> None:
     error = fit_expecting_config_error([str(tmp_path), str(tmp_path / ".." / tmp_path.name)])
     assert "more than once" in str(error)

@@ -34,7 +34,7 @@ from torch import nn
 from lightning_ratel.config import RatelConfig
 from lightning_ratel.engine.accounting import ByteAccount, StepBreakdown
 from lightning_ratel.engine.blocks import BlockMembership, discover_blocks
-from lightning_ratel.engine.layout import build_layout
+from lightning_ratel.engine.layout import build_layout, with_state_tiers
 from lightning_ratel.engine.materialize import Materializer
 from lightning_ratel.engine.placement import check_patterns
 from lightning_ratel.engine.planner import Planner
@@ -44,9 +44,11 @@ from lightning_ratel.engine.switches import FitSwitches
 from lightning_ratel.errors import RatelConfigError, RatelModelError
 from lightning_ratel.io.checkpoint import ModelState
 from lightning_ratel.io.sources import ValueSource
+from lightning_ratel.plan.owners import UnitCost, assign_owners
 from lightning_ratel.runtime import gds
 from lightning_ratel.runtime.activations import ActivationCache, PlaceholderRead
 from lightning_ratel.runtime.adamw import GroupHyper
+from lightning_ratel.runtime.collectives import DataParallelAdam, Ranks
 from lightning_ratel.runtime.device import Device
 from lightning_ratel.runtime.escapes import Escape, EscapeDetector
 from lightning_ratel.runtime.generic import group_settings
@@ -56,7 +58,7 @@ from lightning_ratel.runtime.optimizer import CpuAdam, StepPlan
 from lightning_ratel.runtime.pager import ParameterPager
 from lightning_ratel.runtime.storage import TensorStore
 from lightning_ratel.runtime.timeline import Timeline
-from lightning_ratel.runtime.units import Shard
+from lightning_ratel.runtime.units import Layout, Shard
 
 _FIXED_PARAMETERS = (
     "RatelStrategy lays out the optimizer's states (fp32 masters, moments) for the parameters the optimizer holds at "
@@ -96,6 +98,20 @@ def _state_store(device: Device, config: RatelConfig, shards: list[Shard]) -> Ti
     return TieredStore(disk, HostStore(f"{config.name}-states", threads=threads), host_keys)
 
 
+def _owners(layout: Layout, ranks: Ranks) -> dict[int, int]:
+    """Each unit's owner rank, balancing the states' bytes (both slots) and the update's CPU time over the ranks."""
+    if layout.param_cache == "ssd":
+        raise RatelConfigError(
+            "RatelStrategy on several ranks keeps the compute copies in host memory for now: pass "
+            "`param_cache='host'` (the host memory limit made 'auto' choose 'ssd'), or train on one rank.")
+    costs: dict[int, tuple[int, int]] = {}
+    for shard in layout.shards:
+        nbytes = 2 * shard.numel * (8 if shard.master_in_host else 12)
+        before = costs.get(shard.unit.index, (0, 0))
+        costs[shard.unit.index] = (before[0] + nbytes, before[1] + shard.numel)
+    return assign_owners([UnitCost(unit, nbytes, work) for unit, (nbytes, work) in costs.items()], ranks.world)
+
+
 @dataclass(frozen=True)
 class StepRule:
     """How one optimizer step treats its gradients, decided once at its start from what the Trainer and the module ask
@@ -133,6 +149,8 @@ class RatelEngine:
         source: first values of the parameters (a pretrained folder, a checkpoint being resumed); ``None``: the
             module's own values, or initialization for a model on the meta device.
         progress: show a progress bar while the model is materialized.
+        ranks: this process's place among several training data parallel (each unit's states and update then live on
+            one owner rank, :mod:`lightning_ratel.runtime.collectives`); ``None``: one process.
     """
 
     def __init__(
@@ -144,6 +162,7 @@ class RatelEngine:
         optimizer: torch.optim.Optimizer | None = None,
         source: ValueSource | None = None,
         progress: bool = False,
+        ranks: Ranks | None = None,
     ) -> None:
         assert config.ssd_paths is not None
         self.module = module
@@ -156,14 +175,21 @@ class RatelEngine:
             raise RatelConfigError("the model has no parameters to manage")
         if config.activation_policy is not None:
             check_patterns(found, config.activation_policy)
+        parallel = ranks is not None and optimizer is not None
         self.layout = build_layout(module, found, optimizer, half_dtype, config.param_cache,
-                                   config.host_memory_limit, self.device.host_empty,
+                                   config.host_memory_limit, self.device.host_empty, announce=not parallel,
                                    optimizer_states=config.states_request)
         self.blocks = BlockMembership(found, self.layout.block_units)
+        owners = _owners(self.layout, ranks) if parallel else None
+        owned = None if owners is None else {s.index for s in self.layout.shards if owners[s.unit.index] == ranks.rank}
+        if owned is not None:
+            # Each rank places the states it owns, in its share of the node's memory.
+            self.layout = with_state_tiers(self.layout, config.states_request, config.host_memory_limit, owned,
+                                           ranks.local_world)
         materializer = Materializer(module, found, self.layout, self.device.device, config.param_init_fn,
-                                    source, progress)
+                                    source, progress, owned)
         self.store: TieredStore | None = None
-        self.adam: CpuAdam | None = None
+        self.adam: CpuAdam | DataParallelAdam | None = None
         self._switches = FitSwitches(module) if optimizer is not None else None
         try:
             if optimizer is not None:
@@ -171,11 +197,24 @@ class RatelEngine:
             materializer.load(self.store)
             if self.store is not None:
                 largest = max((s.numel for s in self.layout.shards), default=0)
-                self.adam = CpuAdam(self.layout.shards, self.store, timeline=self.timeline,
-                                    compute_on_store=self.layout.param_cache == "ssd",
-                                    grad_budget_bytes=GRAD_BUDGET_SHARDS * largest * 4,
-                                    # On the CPU the compute's own thread team already fills every core.
-                                    threads=None if self.device.is_cuda else 1, generic=self.layout.generic)
+                # On the CPU the compute's own thread team already fills every core; on a GPU the ranks of a node
+                # share its cores.
+                threads = None if not self.device.is_cuda or ranks is None else max(
+                    1, torch.get_num_threads() // ranks.local_world)
+
+                def cpu_adam(shards: list[Shard]) -> CpuAdam:
+                    assert self.store is not None
+                    return CpuAdam(shards, self.store, timeline=self.timeline,
+                                   compute_on_store=self.layout.param_cache == "ssd",
+                                   grad_budget_bytes=GRAD_BUDGET_SHARDS * largest * 4,
+                                   threads=threads if self.device.is_cuda else 1, generic=self.layout.generic)
+
+                if owners is None:
+                    self.adam = cpu_adam(self.layout.shards)
+                else:
+                    assert ranks is not None
+                    self.adam = DataParallelAdam(cpu_adam, self.layout.shards, owners, ranks)
+                    self.adam.sync_compute_copies()
                 # State the optimizer's constructor made (Adagrad's sums) is made again for each parameter at its
                 # first update; the run's state lives in the store.
                 optimizer.state.clear()

@@ -277,14 +277,36 @@ def build_layout(
                 (shards if g >= 0 else frozen).append(shard)
     block_units = tuple(tuple(sorted({owner[id(p)] for p in block.uses})) for block in blocks)
     generic = generic_update(optimizer, shards) if optimizer is not None and not fused(optimizer) else None
-    if shards:
-        sizes = [state_bytes(s.numel, generic.nbytes(s) if generic is not None else None) for s in shards]
-        held = (compute_bytes if cache == "host" else 0) + BUFFER_BYTES_PER_PARAM * max(s.numel for s in shards)
-        tiers = place_states(sizes, optimizer_states, states_budget(host_memory_limit, held))
-        shards = [dataclasses.replace(s, state_tier=t) for s, t in zip(shards, tiers)]
-        if announce:
-            rank_zero_info(f"RatelStrategy: {describe(sizes, tiers)}.")
-    return Layout(units, block_units, shards, frozen, cache, orig_dtype, generic=generic)
+    layout = Layout(units, block_units, shards, frozen, cache, orig_dtype, generic=generic)
+    return with_state_tiers(layout, optimizer_states, host_memory_limit, announce=announce)
+
+
+def with_state_tiers(layout: Layout, requested: OptimizerStates, host_memory_limit: int | None,
+                     owned: set[int] | None = None, ranks_on_node: int = 1, announce: bool = True) -> Layout:
+    """``layout`` with the optimizer states of its shards placed (:func:`~lightning_ratel.plan.states.place_states`).
+
+    Args:
+        layout: the layout.
+        requested: ``"host"``, ``"ssd"`` or ``"auto"``.
+        host_memory_limit: this process's host budget; ``None``: its share of what the kernel can hand out.
+        owned: the shards whose states this process holds (data parallel: the units its rank owns); ``None``: all.
+            The others' states are another rank's, and stay ``"ssd"`` here.
+        ranks_on_node: processes sharing the node's memory (data parallel), each with its share of it.
+        announce: say where they went.
+    """
+    mine = [s for s in layout.shards if owned is None or s.index in owned]
+    if not mine:
+        return layout
+    generic = layout.generic
+    sizes = [state_bytes(s.numel, generic.nbytes(s) if generic is not None else None) for s in mine]
+    compute = sum(u.nbytes for u in layout.units.values()) if layout.param_cache == "host" else 0
+    held = compute + BUFFER_BYTES_PER_PARAM * max(s.numel for s in mine)
+    tiers = dict(zip((s.index for s in mine), place_states(sizes, requested,
+                                                           states_budget(host_memory_limit, held, ranks_on_node))))
+    if announce:
+        rank_zero_info(f"RatelStrategy: {describe(sizes, list(tiers.values()))}.")
+    shards = [dataclasses.replace(s, state_tier=tiers.get(s.index, "ssd")) for s in layout.shards]
+    return dataclasses.replace(layout, shards=shards)
 
 
 BUFFER_BYTES_PER_PARAM = 64
@@ -292,11 +314,11 @@ BUFFER_BYTES_PER_PARAM = 64
 moments and a compute copy (16 bytes each) and four gradient buffers (4 bytes each)."""
 
 
-def states_budget(host_memory_limit: int | None, held: int) -> int:
-    """Host bytes ``optimizer_states="auto"`` may give the optimizer states: a share of the run's host budget
-    (``host_memory_limit``, or the memory the kernel can hand out now) less what the run holds anyway (``held``: the
-    host cache of compute copies, the optimizer's buffers)."""
-    budget = host_memory_limit if host_memory_limit is not None else available_host_memory()
+def states_budget(host_memory_limit: int | None, held: int, ranks_on_node: int = 1) -> int:
+    """Host bytes ``optimizer_states="auto"`` may give one process's optimizer states: a share of its host budget
+    (``host_memory_limit``, or its part of the memory the kernel can hand out now when ``ranks_on_node`` processes
+    share it) less what it holds anyway (``held``: the host cache of compute copies, the optimizer's buffers)."""
+    budget = host_memory_limit if host_memory_limit is not None else available_host_memory() // ranks_on_node
     return max(0, int(budget * HOST_SHARE) - held)
 
 

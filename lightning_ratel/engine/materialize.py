@@ -133,6 +133,8 @@ class Materializer:
         param_init_fn: initializes one module; ``None``: :class:`DefaultInit`.
         source: first values of (some) parameters and buffers; the rest are initialized or keep their values.
         progress: show a progress bar.
+        owned: the trainable shards whose states this rank keeps, by index, when several ranks train (each unit's
+            states are on one rank); ``None``: all.
 
     Raises:
         RatelConfigError: the source does not match the model, or a module on the meta device cannot be initialized
@@ -141,13 +143,15 @@ class Materializer:
     """
 
     def __init__(self, module: nn.Module, blocks: Sequence[Block], layout: Layout, device: torch.device,
-                 param_init_fn: ParamInitFn | None, source: ValueSource | None = None, progress: bool = False) -> None:
+                 param_init_fn: ParamInitFn | None, source: ValueSource | None = None, progress: bool = False,
+                 owned: set[int] | None = None) -> None:
         self.module = module
         self.blocks = blocks
         self.layout = layout
         self.device = device
         self.source = source
         self.progress = progress
+        self.owned = owned
         self._default = DefaultInit(module, fallback=source is not None) if param_init_fn is None else None
         self.init: Callable[[nn.Module], None] = param_init_fn or self._default  # type: ignore[assignment]
         self._meta = {id(s.param) for s in layout.slots if s.param.is_meta}
@@ -247,6 +251,8 @@ class Materializer:
         compute_on_store = layout.param_cache == "ssd"
         if store is not None:
             for shard in layout.shards:
+                if self.owned is not None and shard.index not in self.owned:
+                    continue
                 # Another optimizer's state records are laid out by the CPU optimizer, which knows their sizes.
                 for what in ("exp_avg", "exp_avg_sq") if layout.generic is None else ():
                     store.reserve(shard.key(what), shard.numel * 4)
@@ -256,7 +262,7 @@ class Materializer:
                 if compute_on_store and (shard.dtype != torch.float32 or shard.group < 0):
                     store.reserve(shard.compute_key, shard.numel * shard.dtype.itemsize)
             store.preallocate()
-        writer = _ShardWriter(store, layout, compute_on_store)
+        writer = _ShardWriter(store, layout, compute_on_store, self.owned)
         unit_shards = layout.unit_shards()
         def nbytes(slots: Sequence[ParamSlot]) -> int:
             return sum(s.numel * layout.orig_dtype[id(s.param)].itemsize for s in slots)
@@ -352,12 +358,15 @@ class _ShardWriter:
         store: the swap store; ``None`` writes nothing.
         layout: the model's layout (every shard sizes the staging buffers).
         compute_copies: also write compute copies (the pager reads them from the store).
+        owned: the trainable shards this rank keeps states of, by index (``None``: all).
     """
 
-    def __init__(self, store: TensorStore | None, layout: Layout, compute_copies: bool) -> None:
+    def __init__(self, store: TensorStore | None, layout: Layout, compute_copies: bool,
+                 owned: set[int] | None = None) -> None:
         self.store = store
         self.layout = layout
         self.compute_copies = compute_copies
+        self.owned = owned
         shards = layout.all_shards if store is not None else []
         largest = round_up(max((s.numel * 4 for s in shards), default=0), ALIGNMENT)
         # A compute copy of its own: 16-bit trainable shards and every frozen shard (an fp32 master is its own copy).
@@ -392,8 +401,9 @@ class _ShardWriter:
 
     def _write_trainable(self, shard: Shard, values: dict[int, SourceValue]) -> None:
         assert self.store is not None
-        if shard.master_in_host:
-            # The host cache holds the fp32 compute copy, which is the master (the optimizer stores its first copy).
+        if shard.master_in_host or (self.owned is not None and shard.index not in self.owned):
+            # The host cache holds the fp32 compute copy, which is the master (the optimizer stores its first copy), or
+            # another rank keeps the states.
             return
         master_buf, half_buf = self._buffers()
         buf = master_buf.view(torch.float32)[: shard.numel]

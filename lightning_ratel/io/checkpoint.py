@@ -22,6 +22,7 @@ from torch import nn
 
 from lightning_ratel.config import CheckpointFormat
 from lightning_ratel.errors import RatelConfigError, RatelPlanError
+from lightning_ratel.runtime.collectives import DataParallelAdam
 from lightning_ratel.runtime.generic import OptimizerStateError
 from lightning_ratel.runtime.hostmem import ALIGNMENT, aligned_empty
 from lightning_ratel.runtime.optimizer import CpuAdam
@@ -61,13 +62,14 @@ class ModelState:
         layout: its units and shards.
         pager: the parameter pager (placeholders, buffers to free before gathering).
         store: the swap store; ``None`` for evaluation, where the module's original tensors are the values.
-        adam: the CPU optimizer; ``None`` for evaluation.
+        adam: the CPU optimizer (of several ranks: every whole-model pass is then a collective, made by every rank at
+            the same point); ``None`` for evaluation.
         optimizer: the user's optimizer; ``None`` for evaluation.
         originals: evaluation only: the module's own tensors by parameter id, the values to put back at teardown.
     """
 
     def __init__(self, module: nn.Module, layout: Layout, pager: ParameterPager, store: TensorStore | None = None,
-                 adam: CpuAdam | None = None, optimizer: torch.optim.Optimizer | None = None,
+                 adam: CpuAdam | DataParallelAdam | None = None, optimizer: torch.optim.Optimizer | None = None,
                  originals: dict[int, torch.Tensor] | None = None) -> None:
         self.module = module
         self.layout = layout
@@ -134,9 +136,18 @@ class ModelState:
             assert self.store is not None
             return self.store.read(key, flat), flat
         assert self.store is not None and self.adam is not None
-        if what != "master" and (not self.adam.moments_on_store(shard) or not numel):
+        if isinstance(self.adam, DataParallelAdam):
+            # Several ranks: the owner reads its store, every rank receives the values.
+            return None, self.adam.fetch(shard, flat, lambda adam: self._read_owned(adam, shard, what, flat))
+        return self._read_owned(self.adam, shard, what, flat)
+
+    def _read_owned(self, adam: CpuAdam, shard: Shard, what: str, flat: torch.Tensor
+                    ) -> tuple[Future | None, torch.Tensor]:
+        """Start reading ``what`` of a trainable shard whose states ``adam`` holds."""
+        assert self.store is not None
+        if what != "master" and (not adam.moments_on_store(shard) or not flat.numel()):
             return None, flat.zero_()
-        return self.store.read(self.adam.state_key(shard, what), flat), flat
+        return self.store.read(adam.state_key(shard, what), flat), flat
 
     def quiesce(self) -> None:
         """Wait until every update handed over has run and every write has landed."""
@@ -195,7 +206,18 @@ class ModelState:
             return {id(s.param): self._originals[id(s.param)].view(s.shape).clone() for s in slots}
         values: dict[int, torch.Tensor] = {}
         for shard in self.layout.unit_shards().get(unit, ()):
-            flat = self.read_flat(shard, "master")
+            if isinstance(self.adam, DataParallelAdam) and shard.group >= 0:
+                # Read by one rank's code, not all ranks' at once: no collective. Another rank's master is not here;
+                # the compute copy is its value (exact in fp32).
+                if self.adam.owns(shard):
+                    future, flat = self._read_owned(self.adam.local, shard, "master",
+                                                    aligned_empty(shard.numel, torch.float32)[: shard.numel])
+                    if future is not None:
+                        future.result()
+                else:
+                    flat = shard.compute_view(shard.unit.host[shard.dtype]).float()
+            else:
+                flat = self.read_flat(shard, "master")
             for sp in shard.params:
                 values[id(sp.param)] = sp.view(flat).to(self.layout.orig_dtype[id(sp.param)], copy=True)
         return values

@@ -77,11 +77,15 @@ class GradientAccumulator:
     def views(self, shards: Sequence[Shard]) -> list[torch.Tensor]:
         """The gradients that arrived, in the optimizer's parameter order, as torch's clipping and unscaling see them
         (the rest of a pooled buffer holds whatever its last user left there)."""
+        return [v for _, v in self.indexed_views(shards)]
+
+    def indexed_views(self, shards: Sequence[Shard]) -> list[tuple[int, torch.Tensor]]:
+        """:meth:`views`, each with its parameter's position in the optimizer's order."""
         views = []
         for shard in shards:
             buffer = self.grad(shard)
             views.extend((sp.index, sp.view(buffer)) for sp, has in zip(shard.params, self._has[shard.index]) if has)
-        return [v for _, v in sorted(views, key=lambda t: t[0])]
+        return sorted(views, key=lambda t: t[0])
 
     def clear(self, shard: Shard) -> None:
         """Drop the window's gradient of ``shard`` (used by an update, or discarded) and give its buffer back."""

@@ -49,7 +49,7 @@ from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -77,6 +77,36 @@ class StepPlan:
     hyper: list[GroupHyper] | list[dict[str, Any]]
     overlap: bool
     clip_value: float | None = None
+
+
+class StepOptimizer(Protocol):
+    """What :func:`finish_step` needs: the CPU optimizer of one process or of one rank among several."""
+
+    def unscale_(self, shards: Sequence[Shard], loss_scale: torch.Tensor) -> bool: ...
+
+    def clip_(self, shards: Sequence[Shard], value: float, algorithm: str) -> None: ...
+
+    def discard(self, shards: Sequence[Shard]) -> None: ...
+
+    def schedule(self, plan: StepPlan, shards: Sequence[Shard]) -> None: ...
+
+
+def finish_step(optimizer: StepOptimizer, shards: list[Shard], plan: StepPlan, unit_order: Sequence[int],
+                loss_scale: torch.Tensor | None, clip: tuple[float, str] | None) -> bool:
+    """Finish a step on ``shards`` (its window) as :meth:`CpuAdam.finish` describes; returns whether it is taken."""
+    if not shards:
+        return False
+    if not plan.overlap:
+        if loss_scale is not None and not optimizer.unscale_(shards, loss_scale):
+            optimizer.discard(shards)
+            return False
+        if clip is not None:
+            optimizer.clip_(shards, *clip)
+    position: dict[int, int] = {}
+    for i, unit in enumerate(unit_order):
+        position.setdefault(unit, i)
+    optimizer.schedule(plan, sorted(shards, key=lambda s: position.get(s.unit.index, len(unit_order))))
+    return True
 
 
 @dataclass(frozen=True)
@@ -251,28 +281,16 @@ class CpuAdam:
         Returns:
             Whether the step is taken: ``False`` when no shard received a gradient or an overflow skipped it.
         """
-        shards = self._take_window()
-        if not shards:
-            return False
-        if not plan.overlap:
-            if loss_scale is not None and not self.unscale_(shards, loss_scale):
-                self.discard(shards)
-                return False
-            if clip is not None:
-                self.clip_(shards, *clip)
-        position: dict[int, int] = {}
-        for i, unit in enumerate(unit_order):
-            position.setdefault(unit, i)
-        self.schedule(plan, sorted(shards, key=lambda s: position.get(s.unit.index, len(unit_order))))
-        return True
+        return finish_step(self, self.take_window(), plan, unit_order, loss_scale, clip)
 
     def discard_window(self) -> None:
         """Drop the gradients received since the last step without updating anything (``zero_grad``)."""
-        shards = self._take_window()
+        shards = self.take_window()
         if shards:
             self.discard(shards)
 
-    def _take_window(self) -> list[Shard]:
+    def take_window(self) -> list[Shard]:
+        """The shards that received a gradient since the last step, in forward order; the next window starts empty."""
         window, self._window = self._window, set()
         return [s for s in self.shards if s.index in window]
 
@@ -323,6 +341,13 @@ class CpuAdam:
         else:
             for g in grads:
                 g.clamp_(min=-value, max=value)
+
+    def gradients(self, shards: Sequence[Shard]) -> tuple[list[torch.Tensor], list[int]]:
+        """After every gradient is taken in: the gradients of ``shards`` that arrived, in the optimizer's parameter
+        order, and their parameters' positions in that order (for a norm over several ranks' shards)."""
+        self.barrier()
+        indexed = self.accumulator.indexed_views(shards)
+        return [v for _, v in indexed], [i for i, _ in indexed]
 
     def _ordered_grads(self, shards: Sequence[Shard]) -> list[torch.Tensor]:
         """After every gradient is taken in: the gradients that arrived, in the optimizer's parameter order."""

@@ -1,0 +1,572 @@
+"""Data-parallel training on torch.distributed: each unit's states and its update on one owner rank.
+
+Every rank runs forward and backward on its own micro-batch and holds every unit's compute copy (the pager needs it),
+but only the units it owns (:mod:`lightning_ratel.plan.owners`) have their fp32 master and optimizer states in its
+swap store and their update on its CPU optimizer. :class:`DataParallelAdam` stands where
+:class:`~lightning_ratel.runtime.optimizer.CpuAdam` stands on one rank and takes the same calls:
+
+1. Gradients (autograd's thread) go to a per-rank exchange thread, ``ratel-grad-reduce``, which sums each shard's
+   gradients of the accumulation window in an fp32 host buffer. On the boundary micro-batch a shard whose gradients
+   are complete is multiplied by ``1 / world_size`` and reduced (summed) onto its owner, asynchronously, while backward
+   goes on: the arithmetic of ``DistributedDataParallel`` (local sum of the window, pre-divided, summed over ranks).
+   Shards are reduced in one fixed order on every rank (reverse forward order, the order backward completes them): a
+   shard completed out of that order waits for the ones before it, and the end of backward reduces whatever is left,
+   so the ranks always issue the same collectives in the same order. Each buffer carries, after the gradient, one flag
+   per parameter (1: this rank has its gradient), so the owner knows which parameters got a gradient on any rank.
+2. The owner hands the reduced gradients to its ``CpuAdam``, which updates the shard as on one rank (overlapped with
+   backward where the step allows it; clipping by norm and fp16 overflow checks use the norm and the overflow of all
+   ranks, :meth:`DataParallelAdam.clip_` and :meth:`DataParallelAdam.unscale_`).
+3. When the training thread finishes the step (:meth:`DataParallelAdam.schedule`) the ranks first agree that every one
+   of them got there (a rank that raised never does, and the others then fail in that collective instead of
+   committing), then a publisher thread, ``ratel-publish``, broadcasts each updated shard's new compute copy from its
+   owner into every rank's host cache, in the order the next forward needs them, and completes the unit's
+   :class:`~lightning_ratel.runtime.units.UnitReady` there: the pager waits for it as for an update on one rank.
+
+Each thread issues its collectives on a process group of its own (gloo, on host memory, whatever the default backend),
+so collectives of different threads never interleave differently on two ranks. The training thread's own collectives
+(the agreement, the global norm and overflow, reading another rank's states for a checkpoint) use a third group; they
+happen only where every rank runs the same code at the same point (finishing a step, a checkpoint, the end of fit).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_ratel.runtime.device import DONE
+from lightning_ratel.runtime.optimizer import CpuAdam, StepPlan, finish_step
+from lightning_ratel.runtime.units import Shard, Unit
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """Where this process stands among the ranks training data parallel.
+
+    Attributes:
+        rank: its global rank.
+        world: the number of ranks.
+        local_world: the ranks on its node (they share its cores, drives and host memory).
+        timeout: how long a collective of the engine's waits for the other ranks before it fails.
+    """
+
+    rank: int
+    world: int
+    local_world: int = 1
+    timeout: timedelta | None = None
+
+
+def _wire(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s bytes as a dtype every backend sends (a 16-bit float goes as int16, bit for bit)."""
+    return tensor.view(torch.int16) if tensor.dtype in (torch.bfloat16, torch.float16) else tensor
+
+
+def _compute_copy(shard: Shard) -> torch.Tensor:
+    """The shard's compute copy in its unit's host cache (an fp32 master kept there is that copy)."""
+    return shard.compute_view(shard.unit.host[shard.dtype])
+
+
+@dataclass(frozen=True)
+class _Gradient:
+    shard: Shard
+    position: int
+    grad: torch.Tensor
+    event: Any
+
+
+@dataclass(frozen=True)
+class _Begin:
+    boundary: bool
+
+
+@dataclass(frozen=True)
+class _Flush:
+    future: Future
+
+
+@dataclass(frozen=True)
+class _Drop:
+    future: Future
+
+
+@dataclass(frozen=True)
+class _Stop:
+    pass
+
+
+@dataclass
+class _Reducing:
+    shard: Shard
+    buffer: torch.Tensor
+    work: Any
+
+
+class _GradientExchange:
+    """The exchange thread: sums a rank's gradients of the window and reduces each shard onto its owner.
+
+    Args:
+        shards: the trainable shards.
+        owner: each shard's owner rank, by shard index.
+        ranks: this rank's place.
+        group: the process group of its reduces.
+        deliver: called on the owner with a shard and its reduced buffer (gradient, then one flag per parameter).
+    """
+
+    def __init__(self, shards: Sequence[Shard], owner: dict[int, int], ranks: Ranks, group: Any,
+                 deliver: Callable[[Shard, torch.Tensor], None]) -> None:
+        self._owner = owner
+        self._ranks = ranks
+        self._group = group
+        self._deliver = deliver
+        # Positions that get a gradient from autograd (the others never complete a shard).
+        self._expected = {s.index: {i for i, sp in enumerate(s.params) if sp.param.requires_grad} for s in shards}
+        self._order = [s for s in reversed(shards) if self._expected[s.index]]
+        self._cursor = 0
+        self._boundary = False
+        self._buffers: dict[int, torch.Tensor] = {}
+        self._seen: dict[int, set[int]] = {}
+        self._complete: set[int] = set()
+        self._reducing: deque[_Reducing] = deque()
+        self._jobs: queue.SimpleQueue[_Gradient | _Begin | _Flush | _Drop | _Stop] = queue.SimpleQueue()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="ratel-grad-reduce", daemon=True)
+        self._thread.start()
+
+    def put(self, job: _Gradient | _Begin | _Flush | _Drop | _Stop) -> None:
+        self._jobs.put(job)
+
+    def wait(self, job_type: type[_Flush] | type[_Drop]) -> None:
+        """Queue a flush (reduce everything left, deliver it) or a drop (forget the window) and wait for it."""
+        future: Future = Future()
+        self._jobs.put(job_type(future))
+        while True:
+            try:
+                future.result(timeout=1.0)
+                return
+            except TimeoutError:
+                if not self._thread.is_alive():
+                    raise RuntimeError(f"the gradient exchange stopped: {self.error!r}") from self.error
+
+    def stop(self) -> None:
+        self._jobs.put(_Stop())
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if isinstance(job, _Stop):
+                return
+            try:
+                self._handle(job)
+                # A gradient must not stay alive while waiting for the reduces below or the next job.
+                job = None
+                # With nothing else to do, deliver each reduce as soon as it lands (the owner's update can start).
+                self._collect(block=self._jobs.empty(), everything=True)
+            except BaseException as err:  # noqa: BLE001 - handed to the training thread through wait/check
+                if self.error is None:
+                    self.error = err
+                self._forget()
+                if isinstance(job, (_Flush, _Drop)) and not job.future.done():
+                    job.future.set_exception(err)
+
+    def _handle(self, job: _Gradient | _Begin | _Flush | _Drop) -> None:
+        if isinstance(job, _Gradient):
+            if self.error is None:
+                self._add(job)
+        elif isinstance(job, _Begin):
+            self._boundary = job.boundary
+            self._seen = {}
+            if job.boundary:
+                self._issue_ready()
+        elif isinstance(job, _Flush):
+            if self.error is not None:
+                job.future.set_exception(self.error)
+                return
+            while self._cursor < len(self._order):
+                self._issue(self._order[self._cursor])
+            self._collect(block=True, everything=True)
+            self._forget()
+            job.future.set_result(None)
+        elif isinstance(job, _Drop):
+            self._forget()
+            job.future.set_result(None)
+
+    def _add(self, job: _Gradient) -> None:
+        job.event.synchronize()
+        shard = job.shard
+        buffer = self._buffers.get(shard.index)
+        if buffer is None:
+            # The gradient, then one flag per parameter: 1 where this rank has that parameter's gradient.
+            buffer = self._buffers[shard.index] = torch.zeros(shard.numel + len(shard.params))
+        sp = shard.params[job.position]
+        sp.view(buffer).add_(job.grad)
+        buffer[shard.numel + job.position] = 1.0
+        seen = self._seen.setdefault(shard.index, set())
+        seen.add(job.position)
+        if self._boundary and seen >= self._expected[shard.index]:
+            self._complete.add(shard.index)
+            self._issue_ready()
+
+    def _issue_ready(self) -> None:
+        while self._cursor < len(self._order) and self._order[self._cursor].index in self._complete:
+            self._issue(self._order[self._cursor])
+
+    def _issue(self, shard: Shard) -> None:
+        self._cursor += 1
+        buffer = self._buffers.pop(shard.index, None)
+        if buffer is None:
+            buffer = torch.zeros(shard.numel + len(shard.params))
+        # DistributedDataParallel's arithmetic: each rank's sum multiplied by 1/world, then summed over the ranks.
+        buffer[: shard.numel].mul_(1.0 / self._ranks.world)
+        work = dist.reduce(buffer, dst=self._owner[shard.index], op=dist.ReduceOp.SUM, group=self._group,
+                           async_op=True)
+        self._reducing.append(_Reducing(shard, buffer, work))
+
+    def _collect(self, block: bool, everything: bool = False) -> None:
+        """Deliver the reduces that finished, in order; with ``block``, wait for the oldest one (all of them with
+        ``everything``)."""
+        while self._reducing:
+            item = self._reducing[0]
+            if not item.work.is_completed():
+                if not block:
+                    return
+                item.work.wait()
+            self._reducing.popleft()
+            if self._owner[item.shard.index] == self._ranks.rank:
+                self._deliver(item.shard, item.buffer)
+            block = block and everything
+
+    def _forget(self) -> None:
+        self._buffers = {}
+        self._seen = {}
+        self._complete = set()
+        self._reducing.clear()
+        self._cursor = 0
+
+
+@dataclass(frozen=True)
+class _Publish:
+    items: tuple[tuple[Unit, tuple[Shard, ...]], ...]
+
+
+class _Publisher:
+    """The publisher thread: broadcasts updated compute copies from their owners and completes the units' signals.
+
+    Args:
+        owner: each trainable shard's owner rank, by shard index.
+        rank: this rank.
+        group: the process group of its broadcasts.
+    """
+
+    def __init__(self, owner: dict[int, int], rank: int, group: Any) -> None:
+        self._owner = owner
+        self._rank = rank
+        self._group = group
+        self._jobs: queue.SimpleQueue[_Publish | _Stop] = queue.SimpleQueue()
+        self._cond = threading.Condition()
+        self._pending = 0
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="ratel-publish", daemon=True)
+        self._thread.start()
+
+    def publish(self, items: Sequence[tuple[Unit, Sequence[Shard]]]) -> None:
+        with self._cond:
+            self._pending += 1
+        self._jobs.put(_Publish(tuple((unit, tuple(shards)) for unit, shards in items)))
+
+    def idle(self) -> None:
+        """Wait until everything handed over was published; raise the error that stopped publishing."""
+        with self._cond:
+            while self._pending and self.error is None:
+                self._cond.wait(timeout=1.0)
+        if self.error is not None:
+            raise self.error
+
+    def stop(self) -> None:
+        self._jobs.put(_Stop())
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if isinstance(job, _Stop):
+                return
+            try:
+                if self.error is None:
+                    self._publish(job)
+            except BaseException as err:  # noqa: BLE001 - raised on the training thread through idle/check
+                self.error = err
+                # The pager must not wait for values that will not come.
+                for unit, _ in job.items:
+                    unit.ready.fail(err)
+            finally:
+                with self._cond:
+                    self._pending -= 1
+                    self._cond.notify_all()
+
+    def _publish(self, job: _Publish) -> None:
+        for unit, shards in job.items:
+            mine = [s for s in shards if self._owner[s.index] == self._rank]
+            if mine:
+                # The owner's updates of this step wrote the copies; they were expected when the step was scheduled.
+                unit.ready.wait()
+            for shard in shards:
+                dist.broadcast(_wire(_compute_copy(shard)), src=self._owner[shard.index], group=self._group)
+                if self._owner[shard.index] != self._rank:
+                    unit.ready.complete()
+
+
+class DataParallelAdam:
+    """The CPU optimizer of one rank among several: the calls of :class:`~lightning_ratel.runtime.optimizer.CpuAdam`,
+    over every trainable shard, with the updates of the shards this rank owns run by a ``CpuAdam`` of its own.
+
+    Whole-model reads (:meth:`fetch`, :meth:`param_steps`, :meth:`moments_on_store`) are collectives: every rank makes
+    them for the same shards in the same order (a checkpoint, the copy back at the end of fit).
+
+    Args:
+        make: builds the local ``CpuAdam`` for the shards given.
+        shards: every trainable shard, in forward order.
+        owners: each unit's owner rank (:func:`~lightning_ratel.plan.owners.assign_owners`).
+        ranks: this rank's place.
+    """
+
+    def __init__(self, make: Callable[[list[Shard]], CpuAdam], shards: Sequence[Shard], owners: dict[int, int],
+                 ranks: Ranks) -> None:
+        self.shards = list(shards)
+        self.ranks = ranks
+        self._owner = {s.index: owners[s.unit.index] for s in self.shards}
+        self.owned = [s for s in self.shards if self.owns(s)]
+        # Every rank creates the groups in the same order (new_group is itself a collective).
+        groups = [dist.new_group(backend="gloo", timeout=ranks.timeout) for _ in range(3)]
+        self._groups = groups
+        self._control = groups[2]
+        self.local = make(self.owned)
+        # Shards that received a gradient on this rank since the last step (autograd's thread adds, the training
+        # thread takes after backward).
+        self._window: set[int] = set()
+        self._exchange = _GradientExchange(self.shards, self._owner, ranks, groups[0], self._deliver)
+        self._publisher = _Publisher(self._owner, ranks.rank, groups[1])
+        # Parameters of every shard in the optimizer's order, for the global norm.
+        self._param_count = sum(len(s.params) for s in self.shards)
+
+    def owns(self, shard: Shard) -> bool:
+        """Whether this rank holds ``shard``'s states and runs its update."""
+        return self._owner[shard.index] == self.ranks.rank
+
+    def owner(self, shard: Shard) -> int:
+        """The rank holding ``shard``'s states."""
+        return self._owner[shard.index]
+
+    @property
+    def threads(self) -> int:
+        """OpenMP threads of the local optimizer's updates."""
+        return self.local.threads
+
+    @property
+    def host_buffer_bytes(self) -> int:
+        """Host bytes of the local optimizer's buffers."""
+        return self.local.host_buffer_bytes
+
+    def _mine(self, shards: Sequence[Shard]) -> list[Shard]:
+        return [s for s in shards if self.owns(s)]
+
+    # ------------------------------------------------------------------ gradients
+
+    def gradient(self, shard: Shard, position: int, grad: torch.Tensor, event: Any) -> None:
+        """Hand over the gradient of ``shard.params[position]`` (autograd's thread)."""
+        self._window.add(shard.index)
+        self._exchange.put(_Gradient(shard, position, grad, event))
+
+    def take_window(self) -> list[Shard]:
+        """The shards that received a gradient on this rank since the last step, in forward order; the next window
+        starts empty."""
+        window, self._window = self._window, set()
+        return [s for s in self.shards if s.index in window]
+
+    def _deliver(self, shard: Shard, buffer: torch.Tensor) -> None:
+        """The reduced gradient of an owned shard reaches the local optimizer (exchange thread)."""
+        flags = buffer[shard.numel :]
+        grad = buffer[: shard.numel]
+        for position, sp in enumerate(shard.params):
+            if flags[position] > 0:
+                self.local.gradient(shard, position, sp.view(grad), DONE)
+
+    # ------------------------------------------------------------------ the step (training thread)
+
+    def begin(self, plan: StepPlan | None) -> None:
+        """Start a micro-batch; ``plan`` is set on the boundary micro-batch of an accumulation window."""
+        self.local.begin(plan)
+        self._exchange.put(_Begin(plan is not None))
+
+    def _flush(self) -> None:
+        """Reduce whatever is left of the window and wait until the owned shards' gradients are with the optimizer."""
+        self._exchange.wait(_Flush)
+
+    def _agree(self, value: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
+        dist.all_reduce(value, op=op, group=self._control)
+        return value
+
+    def unscale_(self, shards: Sequence[Shard], loss_scale: torch.Tensor) -> bool:
+        """Unscale the owned gradients; whether every rank's are finite (the step is skipped everywhere if not)."""
+        self._flush()
+        mine = self._mine(shards)
+        finite = self.local.unscale_(mine, loss_scale) if mine else True
+        return bool(self._agree(torch.tensor([0 if finite else 1]), dist.ReduceOp.MAX).item() == 0)
+
+    def clip_(self, shards: Sequence[Shard], value: float, algorithm: str) -> None:
+        """Clip as ``torch.nn.utils.clip_grad_norm_`` over the gradients of all ranks (each rank's norms of its owned
+        parameters gathered in the optimizer's order, so the total is the one a single process computes), or
+        element-wise (``"value"``)."""
+        self._flush()
+        mine = self._mine(shards)
+        if algorithm != "norm":
+            self.local.clip_(mine, value, algorithm)
+            return
+        grads, indices = self.local.gradients(mine) if mine else ([], [])
+        table = torch.zeros(2, self._param_count)
+        if grads:
+            table[0, indices] = torch.stack(torch._foreach_norm(grads, 2.0))
+            table[1, indices] = 1.0
+        self._agree(table)
+        total_norm = torch.linalg.vector_norm(table[0][table[1] > 0], 2.0)
+        coef = torch.clamp(value / (total_norm + 1e-6), max=1.0)
+        if grads:
+            torch._foreach_mul_(grads, coef)
+
+    def finish(self, plan: StepPlan, unit_order: Sequence[int], loss_scale: torch.Tensor | None = None,
+               clip: tuple[float, str] | None = None) -> bool:
+        """Finish the step on the shards that received a gradient on this rank, as
+        :meth:`CpuAdam.finish <lightning_ratel.runtime.optimizer.CpuAdam.finish>` does, over every rank."""
+        # The local optimizer's own window (the owned shards the reduces delivered) is part of this one.
+        self.local.take_window()
+        return finish_step(self, self.take_window(), plan, unit_order, loss_scale, clip)
+
+    def discard_window(self) -> None:
+        """Drop the gradients received since the last step without updating anything (``zero_grad``)."""
+        self.local.take_window()
+        shards = self.take_window()
+        if shards:
+            self.discard(shards)
+
+    def schedule(self, plan: StepPlan, shards: Sequence[Shard]) -> None:
+        """Finish the step on every rank or on none: wait for the reduces, agree that every rank finished its step,
+        update the owned shards and publish every updated shard's new compute copy."""
+        self._flush()
+        # Every rank gets here, or the others fail here (the collective breaks when a rank's process ends): a step
+        # never commits on some ranks only.
+        self._agree(torch.ones(1))
+        self.local.schedule(plan, self._mine(shards))
+        by_unit: dict[int, list[Shard]] = {}
+        for shard in shards:
+            if not self.owns(shard):
+                shard.unit.ready.expect()
+            by_unit.setdefault(shard.unit.index, []).append(shard)
+        self._publisher.publish([(shards_of[0].unit, shards_of) for shards_of in by_unit.values()])
+
+    def discard(self, shards: Sequence[Shard]) -> None:
+        """Drop the window's gradients (a skipped step, ``zero_grad``)."""
+        self._exchange.wait(_Drop)
+        self.local.discard(self._mine(shards))
+
+    def abort(self) -> None:
+        """Abandon the unfinished step on this rank (no collective: the others may be gone)."""
+        self._exchange.wait(_Drop)
+        self.local.abort()
+
+    def barrier(self, include_writes: bool = False) -> None:
+        """Wait until everything handed over has run and been published (and written back, optionally)."""
+        self.local.barrier(include_writes)
+        self._publisher.idle()
+
+    def check(self) -> None:
+        """Raise the error of the local optimizer, the exchange or the publisher, if one had one."""
+        self.local.check()
+        for part in (self._exchange, self._publisher):
+            if part.error is not None:
+                raise part.error
+
+    def release_memory(self) -> None:
+        """Free the buffers of the updates (no more will run)."""
+        self._exchange.wait(_Drop)
+        self.local.release_memory()
+
+    def close(self) -> None:
+        """Stop the threads and the local optimizer, and release the process groups."""
+        try:
+            self._exchange.stop()
+            self._publisher.stop()
+            self.local.close()
+        finally:
+            for group in self._groups:
+                dist.destroy_process_group(group)
+            self._groups = []
+
+    # ------------------------------------------------------------------ state (whole-model passes)
+
+    def sync_compute_copies(self) -> None:
+        """Give every rank the owners' compute copies of all trainable shards (after the model is materialized: the
+        owners' masters are the values, as rank 0's are under ``DistributedDataParallel``)."""
+        for shard in self.shards:
+            dist.broadcast(_wire(_compute_copy(shard)), src=self.owner(shard), group=self._control)
+
+    def fetch(self, shard: Shard, flat: torch.Tensor, read: Callable[[CpuAdam], tuple[Future | None, Any]]) -> Any:
+        """Collective: the owner reads one of ``shard``'s committed states into ``flat`` with ``read`` (given its local
+        optimizer) and every rank receives it there."""
+        if self.owns(shard):
+            future, _ = read(self.local)
+            if future is not None:
+                future.result()
+        dist.broadcast(_wire(flat), src=self.owner(shard), group=self._control)
+        return flat
+
+    def _ledger(self, shard: Shard) -> tuple[list[int], bool]:
+        """Collective: ``shard``'s committed step counts and whether its moments were ever written."""
+        entry = torch.zeros(len(shard.params) + 1, dtype=torch.int64)
+        if self.owns(shard):
+            entry[0] = int(self.local.moments_on_store(shard))
+            entry[1:] = torch.tensor(self.local.param_steps(shard), dtype=torch.int64)
+        dist.broadcast(entry, src=self.owner(shard), group=self._control)
+        return [int(s) for s in entry[1:]], bool(entry[0])
+
+    def param_steps(self, shard: Shard) -> list[int]:
+        """Collective: ``torch.optim.AdamW``'s committed step count of each parameter of ``shard``."""
+        self.barrier(include_writes=True)
+        return self._ledger(shard)[0]
+
+    def moments_on_store(self, shard: Shard) -> bool:
+        """Collective: whether ``shard``'s committed moments were ever written."""
+        self.barrier(include_writes=True)
+        return self._ledger(shard)[1]
+
+    def state_key(self, shard: Shard, what: str) -> str:
+        """The store key of an owned shard's committed state (another rank's store holds the others)."""
+        if not self.owns(shard):
+            raise KeyError(f"shard {shard.index}'s states are on rank {self.owner(shard)}, not on {self.ranks.rank}")
+        return self.local.state_key(shard, what)
+
+    def load_state(self, shard: Shard, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, steps: Sequence[int]) -> None:
+        """Replace an owned shard's committed moments and step counts; the owner keeps them, others skip."""
+        if self.owns(shard):
+            self.local.load_state(shard, exp_avg, exp_avg_sq, steps)
+
+    def load_record(self, shard: Shard, record: torch.Tensor, steps: Sequence[int]) -> None:
+        """Replace an owned shard's committed state record; the owner keeps it, others skip."""
+        if self.owns(shard):
+            self.local.load_record(shard, record, steps)
+
+    def assign(self, shard: Shard, master: torch.Tensor) -> None:
+        """Give ``shard`` new values between steps: its master on the owner, its compute copy on every rank (each
+        rank runs the same code that wrote them)."""
+        if self.owns(shard):
+            self.local.assign(shard, master)
+        else:
+            self.barrier()
+            _compute_copy(shard).copy_(master)
