@@ -33,7 +33,9 @@ class _Measure(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         placement = getattr(trainer.strategy, "byte_placement", dict)()
-        self.figures = {"placement": placement, "swap_bytes": path_bytes(self.swap) if self.swap.exists() else 0}
+        states = getattr(trainer.strategy, "state_placement", dict)()
+        self.figures = {"placement": placement, "states": states,
+                        "swap_bytes": path_bytes(self.swap) if self.swap.exists() else 0}
 
 
 class _Save(L.Callback):
@@ -74,6 +76,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--checkpoint-format", default="full")
     parser.add_argument("--save", default=None, help="save a checkpoint here at the end of training")
     parser.add_argument("--resume", default=None, help="resume from this checkpoint")
+    parser.add_argument("--states", default="auto", help="RatelStrategy's optimizer_states")
     parser.add_argument("--fail", default=None, help="RANK:STEP: raise on that rank at that step")
     args = parser.parse_args(argv)
     out = Path(args.out)
@@ -82,7 +85,8 @@ def main(argv: list[str]) -> None:
     strategy: Any = args.strategy
     if args.strategy == "ratel":
         strategy = RatelStrategy(ssd_paths=[str(swap)], activation_policy="device", param_cache="host",
-                                 checkpoint_format=args.checkpoint_format, timeout=timedelta(seconds=60))
+                                 optimizer_states=args.states, checkpoint_format=args.checkpoint_format,
+                                 timeout=timedelta(seconds=60))
     measure = _Measure(swap)
     callbacks: list[L.Callback] = [measure]
     if args.save:

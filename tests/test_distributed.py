@@ -108,15 +108,19 @@ def test_encoder_decoder_equals_ddp(tmp_path: Path) -> None:
     _assert_same(_load(tmp_path / "ddp"), _load(tmp_path / "ratel", 1))
 
 
-def test_each_state_once_per_node(tmp_path: Path) -> None:
-    """Two ranks on one node hold the optimizer states of one rank between them: the swap files' bytes on disk (both
-    ranks' files share the directory) are within 1.1x of one rank's, and each rank's engine holds part of them."""
-    _ok(_run(tmp_path / "one", "--devices", "1"))
-    _ok(_run(tmp_path / "two"))
+@pytest.mark.parametrize("states", ["ssd", "host"])
+def test_each_state_once_per_node(tmp_path: Path, states: str) -> None:
+    """Two ranks on one node hold the optimizer states of one rank between them, in the swap files (whose bytes on
+    disk, both ranks' files in one directory, are within 1.1x of one rank's) or in host memory; each rank holds part."""
+    _ok(_run(tmp_path / "one", "--devices", "1", "--states", states))
+    _ok(_run(tmp_path / "two", "--states", states))
     one, two = _load(tmp_path / "one"), [_load(tmp_path / "two", r) for r in (0, 1)]
-    assert two[0]["swap_bytes"] <= 1.1 * one["swap_bytes"]
-    assert sum(t["placement"]["disk"] for t in two) <= 1.1 * one["placement"]["disk"]
-    assert all(0 < t["placement"]["disk"] < one["placement"]["disk"] for t in two)
+    assert sum(t["states"][states] for t in two) == one["states"][states] > 0
+    assert all(0 < t["states"][states] < one["states"][states] for t in two)
+    if states == "ssd":
+        assert two[0]["swap_bytes"] <= 1.1 * one["swap_bytes"]
+        assert sum(t["placement"]["disk"] for t in two) <= 1.1 * one["placement"]["disk"]
+        assert all(0 < t["placement"]["disk"] < one["placement"]["disk"] for t in two)
 
 
 def test_a_killed_rank_stops_the_others(tmp_path: Path) -> None:

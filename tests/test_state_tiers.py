@@ -118,7 +118,7 @@ def _split_budget(monkeypatch: pytest.MonkeyPatch, fraction: float) -> None:
     """Give ``optimizer_states="auto"`` a budget that holds about ``fraction`` of a tiny Llama's states."""
     lm = LM("llama")
     total = state_bytes(sum(p.numel() for p in lm.parameters()))
-    monkeypatch.setattr(layout_module, "states_budget", lambda limit, cache: int(total * fraction))
+    monkeypatch.setattr(layout_module, "states_budget", lambda *budget: int(total * fraction))
 
 
 class _Tiers:
