@@ -18,6 +18,12 @@ and the embedding, which the next forward needs first) would each wait for a dis
 gradients held exceed a budget and the worker has work that will release some, the thread handing gradients over
 waits, so backward cannot run arbitrarily far ahead of the optimizer.
 
+Where the step needs something global about its gradients (the norm for clipping, the fp16 overflow check), the
+updates still run during backward, speculatively: as if the clip coefficient were 1 and nothing overflowed, each
+shard's gradients unscaled as it completes, and each shard keeping its gradient until :meth:`CpuAdam.resolve` knows.
+A wrong guess is undone like an abort and redone from the committed state with the clipped gradients (or dropped, on
+an overflow), so the numbers are those of updating after backward.
+
 A step commits as a whole. Each shard's master and moments have two slots in the store: an update reads the newest
 state and writes the other slot, and the shard's *committed* state (what checkpoints read and what a failed run
 leaves) moves to the new slot only when the step commits: once the training thread has finished the step
@@ -37,8 +43,9 @@ its write-back.
 Threads. Jobs reach the worker as typed records through one queue. The accumulator, the ledger and the buffer sets
 belong to the worker thread. The training thread reads them only while the worker is idle:
 :meth:`CpuAdam.unscale_`, :meth:`CpuAdam.clip_`, :meth:`CpuAdam.param_steps`, :meth:`CpuAdam.load_state` and
-:meth:`CpuAdam.moments_on_store` first wait for everything handed over so far. The gradient budget is the one object
-both threads use, under its own lock.
+:meth:`CpuAdam.moments_on_store` first wait for everything handed over so far; :meth:`CpuAdam.resolve` reads the kept
+gradients while speculative updates still run, which only read them too. The gradient budget is the one object both
+threads use, under its own lock.
 """
 
 from __future__ import annotations
