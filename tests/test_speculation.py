@@ -9,6 +9,7 @@ optimizer's counts show which way the steps went.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -20,26 +21,32 @@ from lightning.pytorch.callbacks import OnExceptionCheckpoint
 
 from lightning_ratel import RatelPrecision, RatelStrategy
 from lightning_ratel.engine.coordinator import RatelEngine
+from lightning_ratel.runtime.optimizer import CpuAdam
 from tests.models import LM, trainer
 from tests.test_step_commit import FAIL_AT, STEPS, FaultyLM
 
 
 class _Steps(L.Callback):
-    """Parameters and optimizer state after every step, and the optimizer's update counts at the end."""
+    """Parameters and optimizer state after every step (reading them waits for the step's updates) or only at the end
+    (``every_step=False``), and the optimizer's update counts at the end."""
 
-    def __init__(self) -> None:
+    def __init__(self, every_step: bool = True) -> None:
+        self.every_step = every_step
         self.states: list[tuple[dict, dict]] = []
+        self.final: tuple[dict, dict] | None = None
         self.counts: Counter[str] = Counter()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        engine = trainer.strategy.engine
-        self.states.append((engine.state.state_dict(), engine.state.optimizer_state_dict()))
+        if self.every_step:
+            engine = trainer.strategy.engine
+            self.states.append((engine.state.state_dict(), engine.state.optimizer_state_dict()))
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        adam = trainer.strategy.engine.adam
-        adam.barrier()
-        self.counts = Counter(adam.counts)
+        engine = trainer.strategy.engine
+        engine.adam.barrier()
+        self.counts = Counter(engine.adam.counts)
+        self.final = (engine.state.state_dict(), engine.state.optimizer_state_dict())
 
 
 class Overflowing(LM):
@@ -81,11 +88,11 @@ class OwnClipping(LM):
 
 
 def _fit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, speculate: bool, module: LM,
-         precision: str = "32-true", **kwargs: Any) -> _Steps:
+         precision: str = "32-true", every_step: bool = True, **kwargs: Any) -> _Steps:
     monkeypatch.setattr(RatelEngine, "speculate", speculate)
     swap = tmp_path / ("speculative" if speculate else "deferred")
     swap.mkdir()
-    record = _Steps()
+    record = _Steps(every_step)
     plugins = [RatelPrecision("16-mixed", device="cpu")] if precision == "16-mixed" else []
     extra = {} if plugins else {"precision": precision}
     trainer(RatelStrategy(ssd_paths=[str(swap)]), callbacks=[record], plugins=plugins, **extra, **kwargs).fit(module)
@@ -139,6 +146,24 @@ def test_norm_that_always_clips_stops_speculating(tmp_path, monkeypatch):
     # Only the first step guessed (and was redone); the predictor deferred the others.
     assert counts["redone"] == counts["overlapped"] > 0
     assert counts["deferred"] == 5 * counts["redone"]
+
+
+def test_updates_still_running_when_the_next_step_begins(tmp_path, monkeypatch):
+    """Slow updates: a step's last updates (stood or redone) run while the next step's backward hands gradients over,
+    and must still release their own gradients rather than keep them for the next step's speculation."""
+    adamw = CpuAdam._adamw
+
+    def slow(self: CpuAdam, *args: Any, **kwargs: Any) -> None:
+        time.sleep(0.02)
+        adamw(self, *args, **kwargs)
+
+    monkeypatch.setattr(CpuAdam, "_adamw", slow)
+    fit = dict(every_step=False, max_steps=8, gradient_clip_val=2.0)
+    deferred = _fit(tmp_path, monkeypatch, False, LM("llama"), **fit)
+    speculative = _fit(tmp_path, monkeypatch, True, LM("llama"), **fit)
+    # The states are compared at the end only: reading them after every step would let each step's updates finish.
+    assert _same_bits(speculative.final, deferred.final)
+    assert speculative.counts["redone"] > 0 and speculative.counts["overlapped"] > speculative.counts["redone"]
 
 
 @pytest.mark.parametrize("clip", [None, 2.0])

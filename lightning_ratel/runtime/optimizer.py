@@ -266,8 +266,9 @@ class CpuAdam:
         # The boundary micro-batch's fp16 overflow flag (GradScaler's ``found_inf``) and the shards unscaled so far.
         self._found_inf = torch.zeros(1)
         self._unscaled: set[int] = set()
-        # A speculative step is not resolved yet: updates keep their shards' gradients, which a redo needs.
-        self._keep = False
+        # The speculative step not resolved yet, if any: its updates keep their shards' gradients, which a redo needs.
+        # Per step: updates of the step before may still run after the next one began, and must release theirs.
+        self._keep_step: int | None = None
         self.counts: Counter[str] = Counter()
         """Updates by how they were queued: ``overlapped`` (during backward), ``deferred`` (when the step was finished,
         a redo included); and speculative updates undone: ``redone`` (the norm clipped), ``dropped`` (an overflow).
@@ -536,13 +537,13 @@ class CpuAdam:
                 self.ledger.open_step()
                 self._found_inf.zero_()
                 self._unscaled.clear()
-                self._keep = job.plan.speculative
-                self.budget.keeping(self._keep)
+                self._keep_step = self.ledger.step if job.plan.speculative else None
+                self.budget.keeping(job.plan.speculative)
             self.buffers.start_micro_batch(boundary=job.plan is not None)
             self._scheduled.clear()
             self.accumulator.new_micro_batch()
         elif isinstance(job, _Schedule):
-            if self._keep:
+            if self._keep_step is not None:
                 self._stop_keeping()
             for shard in job.shards:
                 if shard.index not in self._scheduled:
@@ -656,7 +657,7 @@ class CpuAdam:
 
     def _stop_keeping(self) -> None:
         """The speculative updates stand: the gradients of those that ran are not needed any more."""
-        self._keep = False
+        self._keep_step = None
         self.budget.keeping(False)
         for shard in self.shards:
             if shard.index in self._scheduled and not self.ledger.pending(shard):
@@ -677,7 +678,7 @@ class CpuAdam:
         _, reverted = self.ledger.abort(item.shard for item in dropped)
         for shard in reverted:
             self._revert(shard)
-        self._keep = False
+        self._keep_step = None
         self.budget.keeping(False)
         self.buffers.forget_order()
         return len(dropped) + len(reverted)
@@ -787,7 +788,7 @@ class CpuAdam:
         for i in with_grad:
             steps[i] += 1
         slot = self.ledger.ran(shard, step, steps).slot
-        if not self._keep:
+        if step != self._keep_step:
             self.accumulator.clear(shard)
         self.timeline.record(f"update_end:{shard.index}")
         writes = [self.store.write(shard.key(what, slot), flat) for what, flat in states.items() if flat.numel()]
