@@ -13,7 +13,9 @@ The clock starts when the batch after the ``--warmup`` untimed steps starts and 
 ``--steps`` starts, so every timed step is a whole step, Ratel's optimizer work that overlaps the next forward
 included. tokens/s counts input tokens (batch size times window length). The CPU time of the whole process (all
 threads) over the same span is printed too: on a machine shared with other work it shows how much computing each
-run did, which wall time alone mixes up with waiting for a core.
+run did, which wall time alone mixes up with waiting for a core. So are counts that do not depend on the load: Ratel's
+updates per timed step by how they ran (overlapped with backward, deferred to its end, speculative ones redone or
+dropped) and the bytes its swap store wrote and read (each checksummed).
 
 Run from the repository root::
 
@@ -29,6 +31,7 @@ import os
 import statistics
 import sys
 import time
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -59,21 +62,37 @@ class StepClock(L.Callback):
         self.cpu_seconds = 0.0
         self.tokens = 0
         self.last_loss: float | None = None
+        # Ratel's counts over the timed steps (empty for other strategies).
+        self.counts: Counter[str] = Counter()
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
                              ) -> None:
         if batch_idx == self.first:
+            self.counts = _ratel_counts(trainer)
             self.started = time.perf_counter()
             self.cpu_started = time.process_time()
         elif batch_idx == self.first + self.count:
             self.seconds = time.perf_counter() - self.started
             self.cpu_seconds = time.process_time() - self.cpu_started
+            start, end = self.counts, _ratel_counts(trainer)
+            self.counts = Counter({key: end[key] - start[key] for key in end})
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if self.first <= batch_idx < self.first + self.count:
             self.tokens += batch["input_ids"].numel()
             self.last_loss = float(outputs["loss"])
+
+
+def _ratel_counts(trainer: L.Trainer) -> Counter[str]:
+    """Ratel's updates by how they ran and its swap store's bytes so far (worker and I/O threads settled first); empty
+    for another strategy."""
+    engine = getattr(trainer.strategy, "engine", None)
+    if engine is None or engine.adam is None:
+        return Counter()
+    engine.adam.barrier(include_writes=True)
+    return Counter({**engine.adam.counts, "bytes written": engine.store.bytes_written,
+                    "bytes read": engine.store.bytes_read})
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -141,6 +160,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     cpu_seconds: dict[str, list[float]] = {"plain": [], "ratel": []}
     tokens: dict[str, int] = {}
     losses: dict[str, float | None] = {}
+    counts: Counter[str] = Counter()
     for _ in range(args.repeats):
         for strategy in seconds:
             clock = run(strategy, args, data)
@@ -148,6 +168,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             cpu_seconds[strategy].append(clock.cpu_seconds)
             tokens[strategy] = clock.tokens
             losses[strategy] = clock.last_loss
+            counts += clock.counts
 
     params = sum(p.numel() for p in CausalLMModule(vocab_size=data.vocab_size, max_seq_len=data.seq_len).parameters())
     console.print(
@@ -180,6 +201,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"Ratel / plain throughput (median wall time): {median['plain'] / median['ratel']:.3f}, i.e. Ratel "
         f"{100 * (median['ratel'] / median['plain'] - 1):+.1f}% time per step (the goal is at most +15%); "
         f"CPU time Ratel / plain: {cpu_median['ratel'] / cpu_median['plain']:.3f}"
+    )
+    steps = args.steps * args.repeats
+    console.print(
+        "Ratel per timed step: updates "
+        + ", ".join(f"{kind} {counts[kind] / steps:.1f}" for kind in ("overlapped", "deferred", "redone", "dropped"))
+        + f"; swap store {counts['bytes written'] / steps / 2**20:.1f} MiB written, "
+        f"{counts['bytes read'] / steps / 2**20:.1f} MiB read (each checksummed)"
     )
 
 

@@ -27,7 +27,7 @@ class StepEngine(Protocol):
     """What this plugin asks of the engine during a step (:class:`~lightning_ratel.engine.coordinator.RatelEngine` is it)."""
 
     def begin_step(self, optimizer: torch.optim.Optimizer, clip_val: float | None, clip_algorithm: str,
-                   custom_clipping: bool, loss_scaled: bool) -> None: ...
+                   custom_clipping: bool, loss_scale: Tensor | None) -> None: ...
 
     def begin_manual_step(self, optimizer: torch.optim.Optimizer) -> None: ...
 
@@ -162,7 +162,7 @@ class RatelPrecision(Precision):
                                is not pl.LightningModule.configure_gradient_clipping)
             # Lightning clips by norm unless told otherwise; the engine decides what that means for the updates.
             engine.begin_step(optimizer, trainer.gradient_clip_val, GradClipAlgorithmType(algorithm or "norm").value,
-                              custom_clipping, loss_scaled=self._scale is not None)
+                              custom_clipping, loss_scale=self._scale)
         else:
             # The user's training_step already ran its manual_backward calls; their gradients are the step's.
             engine.begin_manual_step(optimizer)

@@ -108,3 +108,24 @@ def test_a_loaded_checkpoint_is_committed():
     ledger = StepLedger([a])
     version = ledger.load(a, [7, 7])
     assert version == ledger.committed(a) == ledger.latest(a) == ShardVersion(0, (7, 7), True)
+
+
+def test_a_redone_step_reads_the_committed_slot_again_and_commits_once():
+    """A speculative step whose guess was wrong: its updates are aborted (one ran, one was still queued), queued again
+    in the same step, and the step then commits the redone versions."""
+    a, b, _ = _shards()
+    ledger = StepLedger([a, b])
+    step = ledger.open_step()
+    ledger.queue(a)
+    ledger.queue(b)
+    ledger.ran(a, step, [1, 1])
+    aborted, reverted = ledger.abort([b])
+    assert aborted == step and reverted == [a]
+    assert ledger.latest(a) == ledger.committed(a) == ShardVersion(0, (0, 0), False)
+    assert not ledger.pending(b)
+    assert ledger.queue(a) == ledger.queue(b) == step
+    assert ledger.ran(a, step, [1, 1]).slot == 1
+    assert ledger.ran(b, step, [1, 1]).slot == 1
+    ledger.decide()
+    assert ledger.commit() == [step]
+    assert ledger.committed(a) == ledger.committed(b) == ShardVersion(1, (1, 1), True)

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_ratel.runtime.accumulation import GradientBudget
 from lightning_ratel.runtime.optimizer import CpuAdam, GroupHyper, StepPlan
 from lightning_ratel.runtime.storage import TensorStore
 from lightning_ratel.runtime.units import Shard, ShardParam, Unit
@@ -207,3 +208,13 @@ def test_abort_undoes_the_updates_of_an_unfinished_step(tmp_path: Path) -> None:
     finally:
         adam.close()
         store.close()
+
+
+def test_updates_that_keep_their_gradients_are_not_waited_for():
+    """Over budget with an update pending, gradients are handed over at once while updates keep their gradients (a
+    speculative step): waiting for that update would free nothing."""
+    budget = GradientBudget(limit=10, in_use=lambda: 20)
+    budget.updates_queued(1)
+    budget.keeping(True)
+    budget.wait_for_room(4)
+    budget.taken(4)

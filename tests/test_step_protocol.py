@@ -29,8 +29,8 @@ class FakeEngine:
         self.calls: list[tuple[Any, ...]] = []
 
     def begin_step(self, optimizer: Any, clip_val: Any, clip_algorithm: str, custom_clipping: bool,
-                   loss_scaled: bool) -> None:
-        self.calls.append(("begin", clip_val, clip_algorithm, custom_clipping, loss_scaled))
+                   loss_scale: torch.Tensor | None) -> None:
+        self.calls.append(("begin", clip_val, clip_algorithm, custom_clipping, loss_scale is not None))
 
     def finish_step(self, loss_scale: torch.Tensor | None = None) -> bool:
         self.calls.append(("finish", None if loss_scale is None else float(loss_scale)))
@@ -111,9 +111,26 @@ def test_the_plugin_passes_what_is_asked_for(cls, clip_val, algorithm, precision
         (1.0, "value", False, True, False, None),
     ],
 )
-def test_step_rule(clip_val, algorithm, custom, scaled, overlap, clip_value):
+def test_step_rule_without_speculation(clip_val, algorithm, custom, scaled, overlap, clip_value):
     rule = StepRule.decide(clip_val, algorithm, custom, scaled)
-    assert (rule.overlap, rule.clip_value) == (overlap, clip_value)
+    assert (rule.overlap, rule.clip_value, rule.speculative) == (overlap, clip_value, False)
+
+
+@pytest.mark.parametrize(
+    ("clip_val", "algorithm", "custom", "scaled", "overlap", "speculative", "clip_value"),
+    [
+        (None, "norm", False, False, True, False, None),  # nothing global: plainly overlapped
+        (1.0, "value", False, False, True, False, 1.0),
+        (1.0, "norm", False, False, True, True, None),  # the norm is guessed to leave the gradients as they are
+        (None, "norm", False, True, True, True, None),  # ... and so is the overflow check
+        (1.0, "value", False, True, True, True, 1.0),  # unscaled, then clipped element-wise, shard by shard
+        (None, "norm", True, False, False, False, None),  # the module's own clipping can do anything: deferred
+        (1.0, "norm", True, True, False, False, None),
+    ],
+)
+def test_step_rule_with_speculation(clip_val, algorithm, custom, scaled, overlap, speculative, clip_value):
+    rule = StepRule.decide(clip_val, algorithm, custom, scaled, speculate=True)
+    assert (rule.overlap, rule.speculative, rule.clip_value) == (overlap, speculative, clip_value)
 
 
 def test_a_clip_requested_in_the_closure_reaches_the_engine_before_the_step_finishes():

@@ -122,19 +122,37 @@ class StepRule:
         overlap: updates run during backward as each shard's gradients complete. Otherwise they wait for the end of
             backward, where something global about the gradients must be known first: the norm (clipping by norm),
             the overflow check (fp16 loss scaling), or whatever the module's own ``configure_gradient_clipping`` asks.
+        speculative: the norm or the overflow check is needed, yet updates overlap backward: each runs as if the clip
+            coefficient were 1 and nothing overflowed, and the step's end confirms that or redoes them
+            (:meth:`~lightning_ratel.runtime.optimizer.CpuAdam.resolve`), with the numbers of the deferred path.
         clip_value: the element-wise clip each shard applies to its own gradients before its overlapped update
             (clipping by value), or ``None``.
     """
 
     overlap: bool
     clip_value: float | None
+    speculative: bool = False
 
     @classmethod
-    def decide(cls, clip_val: float | None, clip_algorithm: str, custom_clipping: bool, loss_scaled: bool) -> StepRule:
+    def decide(cls, clip_val: float | None, clip_algorithm: str, custom_clipping: bool, loss_scaled: bool,
+               speculate: bool = False) -> StepRule:
+        """The rule of one step.
+
+        Args:
+            clip_val: the Trainer's gradient clipping value (``None`` or 0 for none).
+            clip_algorithm: ``"norm"`` or ``"value"``.
+            custom_clipping: the module defines its own ``configure_gradient_clipping`` (it may do anything with
+                the gradients, so its steps always wait for the end of backward).
+            loss_scaled: fp16 loss scaling is on.
+            speculate: a step that needs the norm or the overflow check may speculate (the engine's predictor: the
+                last step neither clipped nor overflowed, so the guess is likely right).
+        """
         clipping = bool(clip_val) and float(clip_val) > 0
-        deferred = loss_scaled or custom_clipping or (clipping and clip_algorithm == "norm")
+        needs_global = loss_scaled or (clipping and clip_algorithm == "norm")
+        deferred = custom_clipping or (needs_global and not speculate)
         by_value = clipping and clip_algorithm == "value" and not deferred
-        return cls(overlap=not deferred, clip_value=float(clip_val) if by_value else None)
+        return cls(overlap=not deferred, clip_value=float(clip_val) if by_value else None,
+                   speculative=needs_global and not deferred)
 
 
 class RatelEngine:
@@ -152,6 +170,10 @@ class RatelEngine:
         ranks: this process's place among several training data parallel (each unit's states and update then live on
             one owner rank, :mod:`lightning_ratel.runtime.collectives`); ``None``: one process.
     """
+
+    speculate = True
+    """Whether steps that clip by norm or scale the loss may speculate (:class:`StepRule`); ``False`` keeps every such
+    step on the deferred path (the reference the speculative path is tested against)."""
 
     def __init__(
         self,
@@ -254,6 +276,9 @@ class RatelEngine:
         self._step_plan = StepPlan([], overlap=False)
         self._pending_plan: StepPlan | None = None
         self._clip: tuple[float, str] | None = None
+        # The predictor of speculation: whether the last step clipped by norm or overflowed (a speculative update would
+        # have been redone or dropped).
+        self._missed = False
         # ``id`` of every module whose forward ran in a watched pass (empty before the first pass).
         self._ran_watched: set[int] = set()
         # Whether block forwards ran unwatched in the last pass, and that (training) pass's loss if they did.
@@ -382,21 +407,34 @@ class RatelEngine:
             self.adam.begin(plan)
 
     def begin_step(self, optimizer: torch.optim.Optimizer, clip_val: float | None, clip_algorithm: str,
-                   custom_clipping: bool, loss_scaled: bool) -> None:
+                   custom_clipping: bool, loss_scale: torch.Tensor | None) -> None:
         """The boundary micro-batch is about to run: snapshot hyperparameters and decide how updates run
         (:meth:`StepRule.decide`).
+
+        Speculation is predicted to pay where the last step neither clipped by norm nor overflowed: once clipping
+        starts it tends to go on for a while, and each such step would redo every update, so those steps wait for the
+        end of backward instead until one of them does not clip. It is only tried for the fused AdamW, which never
+        writes the gradient it reads (another optimizer's step may).
 
         Args:
             optimizer: the user's optimizer, whose param_groups hold the current hyperparameters.
             clip_val: the Trainer's gradient clipping value (``None`` or 0 for none).
             clip_algorithm: ``"norm"`` or ``"value"``.
             custom_clipping: the module defines its own ``configure_gradient_clipping``.
-            loss_scaled: fp16 loss scaling is on.
+            loss_scale: the fp16 loss scale (host memory), ``None`` without loss scaling. It does not change before
+                the step is finished.
         """
         self._check_optimizer_params(optimizer)
-        rule = StepRule.decide(clip_val, clip_algorithm, custom_clipping, loss_scaled)
+        # Ranks would each have to redo their part of a missed guess together; they keep the deferred path.
+        speculate = (self.speculate and self.layout.generic is None and not self._missed
+                     and not isinstance(self.adam, DataParallelAdam))
+        rule = StepRule.decide(clip_val, clip_algorithm, custom_clipping, loss_scale is not None, speculate)
         hyper = GroupHyper.of(optimizer) if self.layout.generic is None else group_settings(optimizer)
-        self._pending_plan = self._step_plan = StepPlan(hyper, overlap=rule.overlap, clip_value=rule.clip_value)
+        # GradScaler's reciprocal, taken once for every shard's unscale during backward.
+        inv_scale = (loss_scale.double().reciprocal().float()
+                     if rule.speculative and loss_scale is not None else None)
+        self._pending_plan = self._step_plan = StepPlan(hyper, overlap=rule.overlap, speculative=rule.speculative,
+                                                        inv_scale=inv_scale, clip_value=rule.clip_value)
         self._clip = None
 
     def begin_manual_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -458,9 +496,12 @@ class RatelEngine:
         plan = self._step_plan
         clip = self._clip if self._clip is not None and self._clip[0] > 0 else None
         self._clip = None
-        if plan.overlap and clip is not None and clip[1] == "norm":
+        by_norm = clip is not None and clip[1] == "norm"
+        if plan.overlap and not plan.speculative and by_norm:
             raise RatelModelError("gradient clipping by norm was requested after updates had started")
-        return self.adam.finish(plan, self.scheduler.order, loss_scale, clip)
+        finished = self.adam.finish(plan, self.scheduler.order, loss_scale, clip)
+        self._missed = finished.missed
+        return finished.taken
 
     def abort_step(self) -> None:
         """An exception stopped the step before it was finished: put every shard back at the last committed step."""

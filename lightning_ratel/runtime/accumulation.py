@@ -118,17 +118,18 @@ class GradientBudget:
         self._in_use = in_use
         self._queued = 0
         self._pending_updates = 0
+        self._keeping = False
         self._failed = False
         self._cond = threading.Condition()
 
     def wait_for_room(self, nbytes: int) -> None:
         """Count ``nbytes`` handed over, first waiting while the budget is exceeded and the worker has something that
-        may release memory: pending updates, or gradients not taken in yet (which may complete a shard). Once neither
-        is left nothing would release memory (deferred updates, accumulation), so it goes on over budget rather than
-        wait forever."""
+        may release memory: pending updates (unless they keep their gradients), or gradients not taken in yet (which
+        may complete a shard). Once neither is left nothing would release memory (deferred updates, accumulation), so
+        it goes on over budget rather than wait forever."""
         with self._cond:
             if self.limit is not None:
-                while ((self._pending_updates or self._queued) and not self._failed
+                while (((self._pending_updates and not self._keeping) or self._queued) and not self._failed
                        and self._queued + self._in_use() + nbytes > self.limit):
                     self._cond.wait()
             self._queued += nbytes
@@ -143,6 +144,13 @@ class GradientBudget:
         """``count`` updates were queued (negative: ran or dropped), which release gradient memory when they run."""
         with self._cond:
             self._pending_updates += count
+            self._cond.notify_all()
+
+    def keeping(self, keep: bool) -> None:
+        """Whether updates keep their gradients (a speculative step not resolved yet): then pending updates release
+        no memory, and :meth:`wait_for_room` does not wait for them."""
+        with self._cond:
+            self._keeping = keep
             self._cond.notify_all()
 
     def fail(self) -> None:

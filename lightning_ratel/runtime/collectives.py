@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_ratel.runtime.device import DONE
-from lightning_ratel.runtime.optimizer import CpuAdam, StepPlan, finish_step
+from lightning_ratel.runtime.optimizer import CpuAdam, Finished, StepPlan, finish_step
 from lightning_ratel.runtime.units import Shard, Unit
 
 
@@ -421,15 +421,19 @@ class DataParallelAdam:
         finite = self.local.unscale_(mine, loss_scale) if mine else True
         return bool(self._agree(torch.tensor([0 if finite else 1]), dist.ReduceOp.MAX).item() == 0)
 
-    def clip_(self, shards: Sequence[Shard], value: float, algorithm: str) -> None:
+    def clip_(self, shards: Sequence[Shard], value: float, algorithm: str) -> bool:
         """Clip as ``torch.nn.utils.clip_grad_norm_`` over the gradients of all ranks (each rank's norms of its owned
         parameters gathered in the optimizer's order, so the total is the one a single process computes), or
-        element-wise (``"value"``)."""
+        element-wise (``"value"``).
+
+        Returns:
+            Whether the norm clipped (its coefficient was below 1).
+        """
         self._flush()
         mine = self._mine(shards)
         if algorithm != "norm":
             self.local.clip_(mine, value, algorithm)
-            return
+            return False
         grads, indices = self.local.gradients(mine) if mine else ([], [])
         table = torch.zeros(2, self._param_count)
         if grads:
@@ -440,9 +444,10 @@ class DataParallelAdam:
         coef = torch.clamp(value / (total_norm + 1e-6), max=1.0)
         if grads:
             torch._foreach_mul_(grads, coef)
+        return coef.item() != 1.0
 
     def finish(self, plan: StepPlan, unit_order: Sequence[int], loss_scale: torch.Tensor | None = None,
-               clip: tuple[float, str] | None = None) -> bool:
+               clip: tuple[float, str] | None = None) -> Finished:
         """Finish the step on the shards that received a gradient on this rank, as
         :meth:`CpuAdam.finish <lightning_ratel.runtime.optimizer.CpuAdam.finish>` does, over every rank."""
         # The local optimizer's own window (the owned shards the reduces delivered) is part of this one.

@@ -8,7 +8,8 @@ Steps are numbered by boundary micro-batch. A step commits once the training thr
 is in and nothing can skip it any more) and every update queued for it has run; steps commit oldest first, and
 commit moves each updated shard's committed version to its latest. An abort drops the open (undecided) step: its
 queued updates never run, and the shards it already updated go back to their committed version, which the caller
-then restores where the pager reads compute copies.
+then restores where the pager reads compute copies. A speculative step whose guess was wrong is aborted the same way
+and then queued again: its redone updates read the committed slots, which nothing wrote since the last commit.
 
 Pure bookkeeping: no threads, no I/O, so the protocol is tested on its own (``tests/test_ledger.py``). The CPU
 optimizer's worker thread is its only user.
@@ -112,7 +113,8 @@ class StepLedger:
         return done
 
     def abort(self, dropped: Iterable[Shard]) -> tuple[int | None, list[Shard]]:
-        """Abandon the open step, if the training thread has not decided it.
+        """Abandon the open step's updates, if the training thread has not decided it. The step stays open: updates
+        queued afterwards belong to it (a speculative step redone from the committed state).
 
         Args:
             dropped: the shards whose queued updates of that step will not run (the caller took them off its

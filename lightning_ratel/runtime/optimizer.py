@@ -18,6 +18,12 @@ and the embedding, which the next forward needs first) would each wait for a dis
 gradients held exceed a budget and the worker has work that will release some, the thread handing gradients over
 waits, so backward cannot run arbitrarily far ahead of the optimizer.
 
+Where the step needs something global about its gradients (the norm for clipping, the fp16 overflow check), the
+updates still run during backward, speculatively: as if the clip coefficient were 1 and nothing overflowed, each
+shard's gradients unscaled as it completes, and each shard keeping its gradient until :meth:`CpuAdam.resolve` knows.
+A wrong guess is undone like an abort and redone from the committed state with the clipped gradients (or dropped, on
+an overflow), so the numbers are those of updating after backward.
+
 A step commits as a whole. Each shard's master and moments have two slots in the store: an update reads the newest
 state and writes the other slot, and the shard's *committed* state (what checkpoints read and what a failed run
 leaves) moves to the new slot only when the step commits: once the training thread has finished the step
@@ -37,19 +43,20 @@ its write-back.
 Threads. Jobs reach the worker as typed records through one queue. The accumulator, the ledger and the buffer sets
 belong to the worker thread. The training thread reads them only while the worker is idle:
 :meth:`CpuAdam.unscale_`, :meth:`CpuAdam.clip_`, :meth:`CpuAdam.param_steps`, :meth:`CpuAdam.load_state` and
-:meth:`CpuAdam.moments_on_store` first wait for everything handed over so far. The gradient budget is the one object
-both threads use, under its own lock.
+:meth:`CpuAdam.moments_on_store` first wait for everything handed over so far; :meth:`CpuAdam.resolve` reads the kept
+gradients while speculative updates still run, which only read them too. The gradient budget is the one object both
+threads use, under its own lock.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 
@@ -66,16 +73,46 @@ from lightning_ratel.runtime.units import Shard
 
 _OPENMP_BACKEND = "parallel backend: OpenMP" in torch.__config__.parallel_info()
 
+Outcome = Literal["stand", "redo", "skip"]
+"""How :meth:`CpuAdam.resolve` settles a speculative step."""
+
+
+def clip_coefficient(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_``'s clamped coefficient, from the same reductions over the same gradients.
+
+    Args:
+        grads: the gradients, in the optimizer's parameter order.
+        max_norm: the largest total 2-norm allowed.
+
+    Returns:
+        A 0-dim tensor: ``max_norm / (norm + 1e-6)`` clamped to at most 1.0.
+    """
+    total_norm = torch.nn.utils.get_total_norm(grads, 2.0)
+    return torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+
 
 @dataclass(frozen=True)
 class StepPlan:
-    """How this optimizer step's updates run: hyperparameters per group (:class:`GroupHyper` for the fused AdamW, each
-    group's settings as a dict for another optimizer), whether they start during backward, and
-    the element-wise clip each shard applies to its own gradients first (global transforms such as norm clipping and
-    loss unscaling are applied by :meth:`CpuAdam.finish` before the updates are scheduled)."""
+    """How this optimizer step's updates run.
+
+    Attributes:
+        hyper: hyperparameters per group (:class:`GroupHyper` for the fused AdamW, each group's settings as a dict
+            for another optimizer).
+        overlap: updates start during backward, as each shard's gradients complete. Otherwise global transforms
+            (norm clipping, loss unscaling) are applied by :meth:`CpuAdam.finish` once backward has ended, and then
+            the updates are scheduled.
+        speculative: with ``overlap``: each update runs as if the clip coefficient were 1 and no gradient overflowed,
+            and the shard keeps its gradient until :meth:`CpuAdam.resolve` knows; a wrong guess is undone and redone
+            from the committed state (or dropped on an overflow).
+        inv_scale: with ``overlap``: the reciprocal of the fp16 loss scale, multiplied into each shard's gradients
+            when they complete (as ``torch.amp.GradScaler.unscale_``), which also checks them for inf/NaN.
+        clip_value: the element-wise clip each shard applies to its own gradients before its update.
+    """
 
     hyper: list[GroupHyper] | list[dict[str, Any]]
     overlap: bool
+    speculative: bool = False
+    inv_scale: torch.Tensor | None = None
     clip_value: float | None = None
 
 
@@ -84,29 +121,50 @@ class StepOptimizer(Protocol):
 
     def unscale_(self, shards: Sequence[Shard], loss_scale: torch.Tensor) -> bool: ...
 
-    def clip_(self, shards: Sequence[Shard], value: float, algorithm: str) -> None: ...
+    def clip_(self, shards: Sequence[Shard], value: float, algorithm: str) -> bool: ...
 
     def discard(self, shards: Sequence[Shard]) -> None: ...
 
     def schedule(self, plan: StepPlan, shards: Sequence[Shard]) -> None: ...
 
 
+@dataclass(frozen=True)
+class Finished:
+    """How :meth:`CpuAdam.finish` ended a step.
+
+    Attributes:
+        taken: the step's updates are scheduled (``False``: no shard had a gradient, or an fp16 overflow skipped it).
+        missed: the norm clipped or the gradients overflowed, so a speculative update would not have stood (the
+            predictor of the next step's speculation).
+    """
+
+    taken: bool
+    missed: bool = False
+
+
 def finish_step(optimizer: StepOptimizer, shards: list[Shard], plan: StepPlan, unit_order: Sequence[int],
-                loss_scale: torch.Tensor | None, clip: tuple[float, str] | None) -> bool:
-    """Finish a step on ``shards`` (its window) as :meth:`CpuAdam.finish` describes; returns whether it is taken."""
+                loss_scale: torch.Tensor | None, clip: tuple[float, str] | None) -> Finished:
+    """Finish a step on ``shards`` (its window) as :meth:`CpuAdam.finish` describes."""
     if not shards:
-        return False
-    if not plan.overlap:
+        return Finished(False)
+    missed = False
+    if plan.speculative:
+        # Only a single process's optimizer speculates (the engine plans it so).
+        assert isinstance(optimizer, CpuAdam)
+        outcome = optimizer.resolve(shards, clip[0] if clip is not None and clip[1] == "norm" else None)
+        if outcome == "skip":
+            return Finished(False, missed=True)
+        missed = outcome != "stand"
+    elif not plan.overlap:
         if loss_scale is not None and not optimizer.unscale_(shards, loss_scale):
             optimizer.discard(shards)
-            return False
-        if clip is not None:
-            optimizer.clip_(shards, *clip)
+            return Finished(False, missed=True)
+        missed = clip is not None and optimizer.clip_(shards, *clip)
     position: dict[int, int] = {}
     for i, unit in enumerate(unit_order):
         position.setdefault(unit, i)
     optimizer.schedule(plan, sorted(shards, key=lambda s: position.get(s.unit.index, len(unit_order))))
-    return True
+    return Finished(True, missed)
 
 
 @dataclass(frozen=True)
@@ -131,6 +189,18 @@ class _Schedule:
 @dataclass(frozen=True)
 class _Discard:
     shards: tuple[Shard, ...]
+
+
+@dataclass(frozen=True)
+class _Gather:
+    shards: tuple[Shard, ...]
+    future: Future
+
+
+@dataclass(frozen=True)
+class _Undo:
+    coef: torch.Tensor | None
+    future: Future
 
 
 @dataclass(frozen=True)
@@ -161,7 +231,7 @@ class _Stop:
     pass
 
 
-_Job = _Gradient | _Begin | _Schedule | _Discard | _Abort | _Assign | _Written | _Barrier | _Stop
+_Job = _Gradient | _Begin | _Schedule | _Discard | _Gather | _Undo | _Abort | _Assign | _Written | _Barrier | _Stop
 
 
 @dataclass(frozen=True)
@@ -221,6 +291,16 @@ class CpuAdam:
         # Shards that received a gradient since the last finish or discard: added on autograd's thread, taken on the
         # training thread once backward has finished.
         self._window: set[int] = set()
+        # The boundary micro-batch's fp16 overflow flag (GradScaler's ``found_inf``) and the shards unscaled so far.
+        self._found_inf = torch.zeros(1)
+        self._unscaled: set[int] = set()
+        # The speculative step not resolved yet, if any: its updates keep their shards' gradients, which a redo needs.
+        # Per step: updates of the step before may still run after the next one began, and must release theirs.
+        self._keep_step: int | None = None
+        self.counts: Counter[str] = Counter()
+        """Updates by how they were queued: ``overlapped`` (during backward), ``deferred`` (when the step was finished,
+        a redo included); and speculative updates undone: ``redone`` (the norm clipped), ``dropped`` (an overflow).
+        Worker thread; read it after :meth:`barrier`."""
         self._worker = threading.Thread(target=self._run, name="ratel-cpu-adam", daemon=True)
         self._worker.start()
 
@@ -272,14 +352,16 @@ class CpuAdam:
         self._jobs.put(_Begin(plan))
 
     def finish(self, plan: StepPlan, unit_order: Sequence[int], loss_scale: torch.Tensor | None = None,
-               clip: tuple[float, str] | None = None) -> bool:
+               clip: tuple[float, str] | None = None) -> Finished:
         """Finish the step on the shards that received a gradient since the last one (after backward). Where ``plan``
         deferred the updates to now, first divide the gradients by ``loss_scale`` and drop them if one is not finite,
-        then clip them by ``clip`` (value, algorithm: see :meth:`clip_`). The updates are scheduled units first in
-        ``unit_order`` (the forward's order; units it does not list last), so the next forward waits least.
+        then clip them by ``clip`` (value, algorithm: see :meth:`clip_`); where it speculated, settle the updates that
+        ran (:meth:`resolve`). The updates are scheduled units first in ``unit_order`` (the forward's order; units it
+        does not list last), so the next forward waits least.
 
         Returns:
-            Whether the step is taken: ``False`` when no shard received a gradient or an overflow skipped it.
+            Whether the step is taken (``False`` when no shard received a gradient or an overflow skipped it), and
+            whether a speculative update would have missed.
         """
         return finish_step(self, self.take_window(), plan, unit_order, loss_scale, clip)
 
@@ -318,6 +400,45 @@ class CpuAdam:
         self.barrier()
         future.result()
 
+    def resolve(self, shards: Sequence[Shard], max_norm: float | None) -> Outcome:
+        """Settle a speculative step once backward has ended: say whether the updates it ran during backward stand.
+
+        The worker first unscales the gradients no completed shard unscaled yet (fp16). The norm is then computed here,
+        on the training thread, from the gradients the shards kept, exactly as :meth:`clip_` computes it (the same
+        reductions with the same threads), while the worker goes on with the updates still queued. Where nothing
+        overflowed and the clip coefficient is 1 (torch's multiply by it then changes no bit) the updates stand.
+        Otherwise they are undone (:meth:`abort`'s way, the committed slots were never written): on an overflow the
+        gradients are dropped; on a clip they are multiplied by the coefficient and :meth:`schedule` then updates
+        every shard again from its committed state, as the deferred path would have.
+
+        Args:
+            shards: the shards holding gradients this step.
+            max_norm: the norm to clip to, or ``None``.
+
+        Returns:
+            ``"stand"`` or ``"redo"``: schedule the step; ``"skip"``: an overflow, the step is not taken.
+        """
+        future: Future = Future()
+        self._jobs.put(_Gather(tuple(shards), future))
+        finite, grads = self._wait(future)
+        if not finite:
+            self._undo(None)
+            return "skip"
+        if max_norm is None:
+            return "stand"
+        coef = clip_coefficient(grads, max_norm)
+        if coef.item() == 1.0:
+            return "stand"
+        self._undo(coef)
+        return "redo"
+
+    def _undo(self, coef: torch.Tensor | None) -> None:
+        """Undo the speculative updates of the open step, then clip its gradients by ``coef`` (or drop them, for
+        ``None``). Waits: until the undo is done the units those updates completed still look ready to the pager."""
+        future: Future = Future()
+        self._jobs.put(_Undo(coef, future))
+        self._wait(future)
+
     def unscale_(self, shards: Sequence[Shard], loss_scale: torch.Tensor) -> bool:
         """Divide the gradients of ``shards`` by the fp16 loss scale and check them for inf/NaN.
 
@@ -330,17 +451,21 @@ class CpuAdam:
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
         return found_inf.item() == 0
 
-    def clip_(self, shards: Sequence[Shard], value: float, algorithm: str) -> None:
+    def clip_(self, shards: Sequence[Shard], value: float, algorithm: str) -> bool:
         """Clip the gradients of ``shards`` as ``torch.nn.utils.clip_grad_norm_`` (``"norm"``, the same reductions
-        and the same clamped coefficient) or ``clip_grad_value_`` (``"value"``) would."""
+        and the same clamped coefficient) or ``clip_grad_value_`` (``"value"``) would.
+
+        Returns:
+            Whether the norm clipped (its coefficient was below 1): a speculative update would have been redone.
+        """
         grads = self._ordered_grads(shards)
         if algorithm == "norm":
-            total_norm = torch.nn.utils.get_total_norm(grads, 2.0)
-            coef = torch.clamp(value / (total_norm + 1e-6), max=1.0)
+            coef = clip_coefficient(grads, value)
             torch._foreach_mul_(grads, coef)
-        else:
-            for g in grads:
-                g.clamp_(min=-value, max=value)
+            return coef.item() != 1.0
+        for g in grads:
+            g.clamp_(min=-value, max=value)
+        return False
 
     def gradients(self, shards: Sequence[Shard]) -> tuple[list[torch.Tensor], list[int]]:
         """After every gradient is taken in: the gradients of ``shards`` that arrived, in the optimizer's parameter
@@ -358,10 +483,13 @@ class CpuAdam:
         """Wait until all work handed over so far is done (and, optionally, written back); re-raise its error."""
         future: Future = Future()
         self._jobs.put(_Barrier(future, include_writes))
+        self._wait(future)
+
+    def _wait(self, future: Future) -> Any:
+        """The result of a job's ``future``, or an error once the worker has stopped without giving one."""
         while True:
             try:
-                future.result(timeout=1.0)
-                return
+                return future.result(timeout=1.0)
             except TimeoutError:
                 if not self._worker.is_alive():
                     raise RuntimeError(f"the CPU optimizer worker stopped: {self._error!r}") from self._error
@@ -468,13 +596,19 @@ class CpuAdam:
             self._plan = job.plan
             if job.plan is not None:
                 self.ledger.open_step()
+                self._found_inf.zero_()
+                self._unscaled.clear()
+                self._keep_step = self.ledger.step if job.plan.speculative else None
+                self.budget.keeping(job.plan.speculative)
             self.buffers.start_micro_batch(boundary=job.plan is not None)
             self._scheduled.clear()
             self.accumulator.new_micro_batch()
         elif isinstance(job, _Schedule):
+            if self._keep_step is not None:
+                self._stop_keeping()
             for shard in job.shards:
                 if shard.index not in self._scheduled:
-                    self._enqueue(shard, job.plan)
+                    self._enqueue(shard, job.plan, "deferred")
             # Every update of the step is queued: states read ahead for shards without one are dropped.
             pending = {shard.index for shard in self.shards if self.ledger.pending(shard)}
             self.buffers.stop_reading_ahead(keep=pending.__contains__)
@@ -485,6 +619,18 @@ class CpuAdam:
                 self.accumulator.clear(shard)
             self.buffers.reading_ahead = False
             self.buffers.drop_ahead()
+        elif isinstance(job, _Gather):
+            try:
+                self._gather(job.shards, job.future)
+            except BaseException as err:
+                job.future.set_exception(err)
+        elif isinstance(job, _Undo):
+            try:
+                self._redo(job.coef)
+            except BaseException as err:
+                job.future.set_exception(err)
+            else:
+                job.future.set_result(None)
         elif isinstance(job, _Abort):
             self._abort()
             job.future.set_result(None)
@@ -516,15 +662,87 @@ class CpuAdam:
         complete = self.accumulator.add(shard, position, grad)
         if overlap and complete:
             assert plan is not None
-            self._enqueue(shard, plan)
+            if plan.inv_scale is not None:
+                self._unscale([shard], plan.inv_scale)
+            if plan.speculative and self._found_inf.item():
+                # The step will be skipped: an update now would only be undone.
+                self._scheduled.add(shard.index)
+            else:
+                self._enqueue(shard, plan, "overlapped")
 
-    def _enqueue(self, shard: Shard, plan: StepPlan) -> None:
+    def _enqueue(self, shard: Shard, plan: StepPlan, kind: str) -> None:
         self._scheduled.add(shard.index)
         if self.accumulator.holds(shard):
             step = self.ledger.queue(shard)
             self._ready.append(_Queued(shard, plan, step))
             self.buffers.queued(shard)
             self.budget.updates_queued(1)
+            self.counts[kind] += 1
+
+    def _unscale(self, shards: Sequence[Shard], inv_scale: torch.Tensor) -> None:
+        """Unscale the gradients of those of ``shards`` not unscaled yet this step, into the step's overflow flag
+        (``torch.amp.GradScaler.unscale_``'s operation: element-wise, so shard by shard gives the same bits)."""
+        todo = [s for s in shards if s.index not in self._unscaled and self.accumulator.holds(s)]
+        self._unscaled.update(s.index for s in todo)
+        if todo:
+            torch._amp_foreach_non_finite_check_and_unscale_(self.accumulator.views(todo), self._found_inf, inv_scale)
+
+    def _gather(self, shards: Sequence[Shard], future: Future) -> None:
+        """See :meth:`resolve` (worker thread): unscale what is left, hand over the overflow flag and the gradients.
+        Every gradient handed over before is in (jobs run in order); the updates still queued only read them."""
+        if self._error is not None:
+            raise self._error
+        plan = self._plan
+        assert plan is not None and plan.speculative
+        if plan.inv_scale is not None:
+            self._unscale(shards, plan.inv_scale)
+        future.set_result((self._found_inf.item() == 0, self.accumulator.views(shards)))
+
+    def _redo(self, coef: torch.Tensor | None) -> None:
+        """See :meth:`resolve` (worker thread): undo the open step's updates; clip its gradients by ``coef`` for the
+        updates :meth:`schedule` queues again, or drop them (``None``)."""
+        undone = self._undo_open_step()
+        held = [shard for shard in self.shards if self.accumulator.holds(shard)]
+        if coef is None:
+            self.counts["dropped"] += undone
+            for shard in held:
+                self.accumulator.clear(shard)
+            self.buffers.reading_ahead = False
+            self.buffers.drop_ahead()
+            return
+        self.counts["redone"] += undone
+        torch._foreach_mul_(self.accumulator.views(held), coef)
+        # Every shard is updated again, in the order schedule gives, from the committed state (reads ahead of shards
+        # not updated yet hold it too: the committed slots were not written).
+        self._scheduled.clear()
+
+    def _stop_keeping(self) -> None:
+        """The speculative updates stand: the gradients of those that ran are not needed any more."""
+        self._keep_step = None
+        self.budget.keeping(False)
+        for shard in self.shards:
+            if shard.index in self._scheduled and not self.ledger.pending(shard):
+                self.accumulator.clear(shard)
+
+    def _undo_open_step(self) -> int:
+        """Take the open step's updates off the queues and undo those that ran: the ledger forgets them and their
+        shards get their committed values back, also where the pager reads them. Returns how many were undone or
+        dropped."""
+        step = self.ledger.step
+        dropped = [item for item in (*self._ready, *self._inflight) if item.step == step]
+        self._ready = deque(item for item in self._ready if item.step != step)
+        self._inflight = deque(item for item in self._inflight if item.step != step)
+        for item in dropped:
+            if item.loaded is not None:
+                self.buffers.give_back(item.loaded)
+        self.budget.updates_queued(-len(dropped))
+        _, reverted = self.ledger.abort(item.shard for item in dropped)
+        for shard in reverted:
+            self._revert(shard)
+        self._keep_step = None
+        self.budget.keeping(False)
+        self.buffers.forget_order()
+        return len(dropped) + len(reverted)
 
     def _commit(self) -> None:
         for step in self.ledger.commit():
@@ -532,18 +750,10 @@ class CpuAdam:
 
     def _abort(self) -> None:
         """See :meth:`abort` (worker thread)."""
-        step, reverted = None, []
+        step = None
         if not self.ledger.decided(self.ledger.step):
-            dropped = [item for item in (*self._ready, *self._inflight) if item.step == self.ledger.step]
-            self._ready = deque(item for item in self._ready if item.step != self.ledger.step)
-            self._inflight = deque(item for item in self._inflight if item.step != self.ledger.step)
-            for item in dropped:
-                if item.loaded is not None:
-                    self.buffers.give_back(item.loaded)
-            self.budget.updates_queued(-len(dropped))
-            step, reverted = self.ledger.abort(item.shard for item in dropped)
-            for shard in reverted:
-                self._revert(shard)
+            step = self.ledger.step
+            self._undo_open_step()
         for shard in self.shards:
             # The gradients of a finished step's update still to run are its input.
             if not self.ledger.pending(shard):
@@ -642,7 +852,8 @@ class CpuAdam:
         for i in with_grad:
             steps[i] += 1
         slot = self.ledger.ran(shard, step, steps).slot
-        self.accumulator.clear(shard)
+        if step != self._keep_step:
+            self.accumulator.clear(shard)
         self.timeline.record(f"update_end:{shard.index}")
         writes = [self.store.write(shard.key(what, slot), flat) for what, flat in states.items() if flat.numel()]
         writes.append(self.store.write(shard.key("master", slot), master))
