@@ -197,9 +197,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"{losses[name]:.4f}",
         )
     console.print(table)
+    # The goals of issue 22: safety costs at most 10% of a step, 12% under clipping by norm.
+    goal = 12 if args.gradient_clip_val else 10
     console.print(
         f"Ratel / plain throughput (median wall time): {median['plain'] / median['ratel']:.3f}, i.e. Ratel "
-        f"{100 * (median['ratel'] / median['plain'] - 1):+.1f}% time per step (the goal is at most +15%); "
+        f"{100 * (median['ratel'] / median['plain'] - 1):+.1f}% time per step (the goal is at most +{goal}%); "
         f"CPU time Ratel / plain: {cpu_median['ratel'] / cpu_median['plain']:.3f}"
     )
     steps = args.steps * args.repeats
