@@ -24,7 +24,7 @@ import torch
 
 from lightning_ratel.errors import RatelConfigError
 from lightning_ratel.runtime.hostmem import ALIGNMENT, aligned_empty
-from lightning_ratel.runtime.storage import TensorStore
+from lightning_ratel.runtime.storage import Gather, TensorStore
 from lightning_ratel.sizes import format_bytes, round_up
 
 COPY_PIECE_BYTES = 64 << 20
@@ -191,47 +191,29 @@ class HostStore:
 
     def _copy(self, key: str, dst: torch.Tensor, src: torch.Tensor, result: Any) -> concurrent.futures.Future:
         nbytes = dst.numel() * dst.element_size()
-        if nbytes == 0:
-            return _done(result)
         with self._lock:
             self.bytes_copied += nbytes
         pieces = max(1, min(self._threads, -(-nbytes // COPY_PIECE_BYTES)))
-        step = round_up(-(-nbytes // pieces), ALIGNMENT)
-        # Each task holds both tensors: the caller may drop its references before the copy runs.
-        parts = [self._pool.submit(_copy_bytes, dst, src, start, min(step, nbytes - start), result)
-                 for start in range(0, nbytes, step)]
-        future = parts[0] if len(parts) == 1 else _joined(parts, result)
+        step = max(ALIGNMENT, round_up(-(-nbytes // pieces), ALIGNMENT))
+        starts = range(0, nbytes, step)
+        gather = Gather(len(starts), result)
+        for start in starts:
+            # Each task holds both tensors: the caller may drop its references before the copy runs.
+            self._pool.submit(_copy_bytes, dst, src, start, min(step, nbytes - start), gather)
+        future = gather.future
         self._last[key] = future
         # A finished copy's future (and the tensor it resolves to) need not outlive it.
         future.add_done_callback(lambda f: self._last.pop(key, None) if self._last.get(key) is f else None)
         return future
 
 
-def _copy_bytes(dst: torch.Tensor, src: torch.Tensor, start: int, nbytes: int, result: Any) -> Any:
-    ctypes.memmove(dst.data_ptr() + start, src.data_ptr() + start, nbytes)
-    return result
-
-
-def _joined(parts: list[concurrent.futures.Future], result: Any) -> concurrent.futures.Future:
-    """A future done when every part is, with the first error or ``result``."""
-    done: concurrent.futures.Future = concurrent.futures.Future()
-    remaining = [len(parts)]
-    lock = threading.Lock()
-
-    def finished(part: concurrent.futures.Future) -> None:
-        with lock:
-            remaining[0] -= 1
-            last = remaining[0] == 0
-        if last:
-            errors = [p.exception() for p in parts if p.exception() is not None]
-            if errors:
-                done.set_exception(errors[0])
-            else:
-                done.set_result(result)
-
-    for part in parts:
-        part.add_done_callback(finished)
-    return done
+def _copy_bytes(dst: torch.Tensor, src: torch.Tensor, start: int, nbytes: int, gather: Gather) -> None:
+    error = None
+    try:
+        ctypes.memmove(dst.data_ptr() + start, src.data_ptr() + start, nbytes)
+    except BaseException as err:
+        error = err
+    gather.finish(error)
 
 
 class TieredStore:

@@ -149,8 +149,9 @@ class _HostRequest(Request):
         self.view = raw_memory(self.address, span) if span else None
 
 
-class _Gather:
-    """Resolves one caller-facing future once every chunk task of a request has finished.
+class Gather:
+    """Resolves one caller-facing future once every chunk task of a request has finished (also the pieces of a copy
+    in :class:`~lightning_ratel.runtime.hoststore.HostStore`).
 
     The future resolves only after the last chunk, even when an earlier one failed, because the remaining chunks
     still use the caller's tensor until then.
@@ -687,14 +688,14 @@ class TensorStore:
                     raise ValueError(
                         f"Key {key!r} holds {extent.nbytes} bytes but the output tensor has {nbytes} bytes"
                     )
-            gather = _Gather(len(extent.chunks), None if is_write else tensor)
+            gather = Gather(len(extent.chunks), None if is_write else tensor)
             request = self._request(key, is_write, tensor, nbytes, **extra)
             # Submitting under the lock keeps close() from shutting the pool down halfway through a request.
             for index in range(len(extent.chunks)):
                 self._pool.submit(urgent, self._run_chunk, request, gather, extent, index)
         return gather.future
 
-    def _run_chunk(self, request: Request, gather: _Gather, extent: Extent, index: int) -> None:
+    def _run_chunk(self, request: Request, gather: Gather, extent: Extent, index: int) -> None:
         error: BaseException | None = None
         chunk = extent.chunks[index]
         start = time.perf_counter()
