@@ -23,6 +23,7 @@ from lightning_ratel.engine.coordinator import GRAD_BUDGET_SHARDS
 from lightning_ratel.engine.layout import build_layout
 from lightning_ratel.errors import RatelConfigError, RatelPlanError
 from lightning_ratel.io.checkpoint import choose_checkpoint_format, gathered_checkpoint_bytes
+from lightning_ratel.plan.states import state_bytes
 from lightning_ratel.precision import RatelPrecision
 from lightning_ratel.runtime.state_buffers import BUFFER_SETS, in_place
 from lightning_ratel.runtime.storage import ALIGNMENT
@@ -133,7 +134,7 @@ def _estimate(module: nn.Module, optimizer: torch.optim.Optimizer, config: Ratel
                           config.host_memory_limit, _meta_empty, announce=False,
                           optimizer_states=config.states_request)
     on_store = layout.param_cache == "ssd"
-    disk = sum(6 * s.numel * 4 for s in layout.shards if s.state_tier == "ssd")
+    disk = sum(state_bytes(s.numel) for s in layout.shards if s.state_tier == "ssd")
     if on_store:
         disk += sum(s.numel * s.dtype.itemsize for s in layout.all_shards if s.dtype != torch.float32 or s.group < 0)
     checkpoint_format = choose_checkpoint_format(config.checkpoint_format, module, optimizer,
@@ -151,7 +152,7 @@ def _estimate(module: nn.Module, optimizer: torch.optim.Optimizer, config: Ratel
         checkpoint_format=checkpoint_format,
         disk=disk,
         host_cache=sum(u.host_nbytes for u in layout.units.values()),
-        host_states=sum(6 * s.numel * 4 for s in layout.shards if s.state_tier == "host"),
+        host_states=sum(state_bytes(s.numel) for s in layout.shards if s.state_tier == "host"),
         optimizer_buffers=BUFFER_SETS * _buffer_set_bytes(layout, on_store),
         gradient_buffers=GRAD_BUDGET_SHARDS * max((s.numel for s in layout.shards), default=0) * 4,
         device=(config.prefetch_depth + 1) * largest_unit,
