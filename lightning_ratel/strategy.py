@@ -95,7 +95,8 @@ class RatelStrategy(ParallelStrategy):
             predicts the shortest iteration), a path to a plan JSON file (``ratel_plan.json`` of an earlier run), or a
             :class:`~lightning_ratel.plan.Plan`. Ignored when ``activation_policy`` is given.
         host_memory_limit: host memory (bytes, or a string such as ``"64GiB"``) the plan may use in total, the
-            engine's own buffers included. ``None``: what is available when planning, less a margin.
+            engine's own buffers included; the optimizer state is copied back into the user's optimizer at the end
+            of fit only within it. ``None``: what is available when planning, less a margin.
         device_memory_limit: device memory the plan and the CUDA caching allocator may use (e.g. ``"24GiB"`` to
             stand in for a consumer card). ``None``: what is free.
         blocks: names of the modules to treat as the repeated blocks, or a callable returning them from the model;
@@ -868,6 +869,10 @@ class RatelStrategy(ParallelStrategy):
         engine.abort_step()
         plan = state.restore_plan()
         restored = _restored_summary(engine, plan)
+        if plan.trainable and not plan.optimizer:
+            rank_zero_info("RatelStrategy: the optimizer state is not copied back into the optimizer: it would not "
+                           "fit in host memory beside the parameters, or within host_memory_limit. Checkpoints hold "
+                           "it.")
         trainer = getattr(self.lightning_module, "_trainer", None)
         saved = trainer is not None and self._saved_step == trainer.global_step
         keep = self.config.keep_swap_files or (bool(plan.lost) and not saved)

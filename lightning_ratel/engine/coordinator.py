@@ -252,7 +252,8 @@ class RatelEngine:
         self.pager = ParameterPager(self.device, self.layout.units, self.blocks.units_of,
                                     store=self.store if self.layout.param_cache == "ssd" else None,
                                     unit_shards=self.layout.unit_shards())
-        self.state = ModelState(module, self.layout, self.pager, self.store, self.adam, optimizer, originals)
+        self.state = ModelState(module, self.layout, self.pager, self.store, self.adam, optimizer, originals,
+                                config.host_memory_limit)
         # Between passes the user's code reads the committed values instead of the paging placeholders.
         self.reads = ParameterReads(self.pager, self.state.unit_values, self.state.quiesce, self.state.assign_unit)
         self.cache = ActivationCache(self.device, self.pager, [], _activation_store(self.device, config))

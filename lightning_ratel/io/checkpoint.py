@@ -66,12 +66,15 @@ class ModelState:
             the same point); ``None`` for evaluation.
         optimizer: the user's optimizer; ``None`` for evaluation.
         originals: evaluation only: the module's own tensors by parameter id, the values to put back at teardown.
+        host_memory_limit: the run's host memory budget, which the copy back at the end of fit stays within too;
+            ``None``: only what is available then bounds it.
     """
 
     def __init__(self, module: nn.Module, layout: Layout, pager: ParameterPager, store: TensorStore | None = None,
                  adam: CpuAdam | DataParallelAdam | None = None, optimizer: torch.optim.Optimizer | None = None,
-                 originals: dict[int, torch.Tensor] | None = None) -> None:
+                 originals: dict[int, torch.Tensor] | None = None, host_memory_limit: int | None = None) -> None:
         self.module = module
+        self.host_memory_limit = host_memory_limit
         self.layout = layout
         self.pager = pager
         self.store = store
@@ -394,24 +397,38 @@ class ModelState:
 
     # ------------------------------------------------------------------ the end of a run
 
-    @staticmethod
-    def fits(nbytes: int) -> bool:
+    def fits(self, nbytes: int, budgeted: bool = False) -> bool:
         """Whether ``nbytes`` can be put into host memory at the end of a run: at most half of what is available now
-        (assumed when that is unknown)."""
+        (assumed when that is unknown) and, when ``budgeted`` and a ``host_memory_limit`` is set, no more than the
+        limit leaves beside what the run still holds while it copies back (the states kept in host memory, the
+        parameter caches)."""
         available = available_host_memory()
-        return not available or nbytes <= available // 2
+        if available and nbytes > available // 2:
+            return False
+        return (not budgeted or self.host_memory_limit is None
+                or nbytes <= self.host_memory_limit - self._held_while_restoring())
+
+    def _held_while_restoring(self) -> int:
+        """Host bytes the run holds until it closes, after the optimizer's buffers and the paging pool are freed."""
+        host_store = getattr(self.store, "host", None)
+        held = host_store.nbytes_allocated if host_store is not None else 0
+        return held + sum(unit.host_nbytes for unit in self.layout.units.values())
 
     def restore_plan(self) -> Restored:
         """What :meth:`restore` will put back (nothing is done yet): the trainable parameters when they fit
-        (:meth:`fits`), the frozen ones too when everything fits, the optimizer state when it fits besides."""
+        (:meth:`fits`), the frozen ones too when both fit, the optimizer state when it fits besides them within the
+        run's host memory budget as well (the parameters were the user's before the run; the moments are new bytes)."""
         layout = self.layout
         if self.adam is None:
             return Restored(True, True, True)
         trainable = layout.nbytes_of(layout.shards)
+        frozen = layout.nbytes_of(layout.frozen_shards)
         result = Restored()
         result.trainable = self.fits(trainable)
-        result.frozen = result.trainable and self.fits(trainable + layout.nbytes_of(layout.frozen_shards))
-        result.optimizer = result.trainable and self.fits(sum(s.numel for s in layout.shards) * 8)
+        result.frozen = result.trainable and self.fits(trainable + frozen)
+        put_back = trainable + (frozen if result.frozen else 0)
+        moments = sum(s.numel for s in layout.shards) * 8
+        result.optimizer = result.trainable and self.fits(put_back + moments) and self.fits(moments, budgeted=True)
         restored = {id(sp.param) for s in self._restored_shards(result) for sp in s.params}
         pretrained = layout.frozen_values.pretrained
         result.lost = [slot.name for slot in layout.slots
