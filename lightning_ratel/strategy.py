@@ -131,8 +131,9 @@ class RatelStrategy(ParallelStrategy):
             initialized, a frozen one missing or a tensor of the wrong shape is an error before training.
         checkpoint_format: ``"full"``: Lightning's ordinary checkpoint file, gathered in host memory (loadable without
             this plugin); ``"sharded"``: a directory written and read shard by shard (:mod:`lightning_ratel.io.sharded`;
-            ``ratel-convert`` turns it into either of the others); ``"auto"``: ``"sharded"`` when
-            gathering the checkpoint would take more than half of the host memory budget.
+            ``ratel-convert`` turns it into either of the others; with several ranks each writes the units it owns, in
+            parallel); ``"auto"``: ``"sharded"`` when gathering the checkpoint would take more than half of the host
+            memory budget. Either resumes at any world size.
         log_metrics: send the plugin's figures of every training step (time per part, disk bytes and throughput,
             overlap, bytes per tier; ``ratel/...`` keys) to the Trainer's loggers, at the rate of ``self.log``
             (``log_every_n_steps``).

@@ -128,7 +128,9 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--fail-save", default=None, help="RANK:STEP: that rank fails to write that step's checkpoint")
     parser.add_argument("--pretrained", default=None, help="RatelStrategy's pretrained folder")
     parser.add_argument("--keep-swap", action="store_true", help="RatelStrategy's keep_swap_files")
-    parser.add_argument("--export", default=None, help="RatelHFExport's dirpath (fp32, at the end of fit)")
+    parser.add_argument("--export", default=None, help="RatelHFExport's dirpath (fp32, at the end of fit); "
+                        "RatelStrategy.save_pretrained writes <dirpath>/after once fit is over")
+    parser.add_argument("--lora", action="store_true", help="LoRA adapters on a model built on the meta device")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -149,13 +151,21 @@ def main(argv: list[str]) -> None:
         rank, step = (int(x) for x in args.fail.split(":"))
         callbacks.append(_Raise(rank, step))
     reads = _count_reads(args.fail_save)
-    module = LM(args.model, batch_size=2)
+    with torch.device("meta") if args.lora else contextlib.nullcontext():
+        module = LM(args.model, batch_size=2)
+        if args.lora:
+            import peft  # only here: peft is optional, and its test skips without it
+
+            config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+            module.model = peft.get_peft_model(module.model, config)
     # As RatelStrategy does during fit: with the cache on, attention rounds differently (an encoder-decoder's decoder).
     cache_off(module)
     t = trainer(strategy, devices=args.devices, num_nodes=args.num_nodes, max_steps=args.steps,
                 accumulate_grad_batches=args.accumulate, gradient_clip_val=args.clip, precision=args.precision,
                 callbacks=callbacks)
     t.fit(module, ckpt_path=args.resume)
+    if args.export and args.strategy == "ratel":
+        t.strategy.save_pretrained(Path(args.export) / "after", dtype="fp32")
     params, optimizer = final_state(module, t)
     torch.save({"params": params, "optimizer": optimizer, **measure.figures,
                 "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "world": t.world_size,

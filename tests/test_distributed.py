@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from transformers import LlamaForCausalLM
 
 from lightning_ratel.io.convert import main as convert_main
 from lightning_ratel.io.convert import sharded_to_lightning
-from lightning_ratel.io.sharded import ShardedReader
+from lightning_ratel.io.sharded import ShardedReader, unit_writers
 from lightning_ratel.plan.owners import UnitCost, assign_owners, imbalance
 from tests.models import LM, max_rel_err
 
@@ -86,6 +87,22 @@ def test_owners_balance_bytes_and_time() -> None:
     assert assign_owners(costs, 1) == {u: 0 for u in range(12)}
     with pytest.raises(ValueError):
         assign_owners(costs, 0)
+
+
+def test_unit_files_of_a_sharded_checkpoint_go_to_owners_and_frozen_units_are_spread() -> None:
+    """The owner of a unit's trainable shards writes its file (a LoRA block: frozen base and trainable adapter); units
+    of frozen shards only go, largest first, to the rank with the fewest bytes to write."""
+
+    def shard(unit: int, group: int, numel: int) -> SimpleNamespace:
+        return SimpleNamespace(unit=unit, group=group, numel=numel, dtype=torch.bfloat16)
+
+    units = {0: [shard(0, -1, 1000)], 1: [shard(1, -1, 600), shard(1, 0, 10)], 2: [shard(2, -1, 600), shard(2, 0, 10)],
+             3: [shard(3, -1, 100)], 4: [shard(4, -1, 400)]}
+    layout = SimpleNamespace(unit_shards=lambda: units)
+    adam = SimpleNamespace(ranks=SimpleNamespace(world=2), owner=lambda s: {1: 1, 2: 0}[s.unit])
+    # Rank 0 writes unit 2 (1320 bytes) and rank 1 unit 1 (1320); then 0 (2000 bytes) goes to rank 0, 4 (800) and
+    # 3 (200) to rank 1.
+    assert unit_writers(layout, adam) == {0: 0, 1: 1, 2: 0, 3: 1, 4: 1}  # type: ignore[arg-type]
 
 
 def test_two_processes_equal_ddp_with_accumulation_and_clipping(tmp_path: Path, ddp_reference: dict) -> None:
@@ -247,7 +264,8 @@ def test_a_failed_sharded_save_keeps_the_last_checkpoint(tmp_path: Path) -> None
 def test_pretrained_on_two_ranks_reads_each_value_once_and_exports(tmp_path: Path, ddp_reference: dict) -> None:
     """Each rank reads from the pretrained folder only the units whose states it owns (every trainable byte once over
     the ranks; the other compute copies come from their owners), training equals ``ddp`` from the same weights, and
-    the trained weights export from the running ranks (``RatelHFExport``) and from the swap files both kept."""
+    the trained weights export from the running ranks (``RatelHFExport``), after fit (``save_pretrained``, written by
+    rank 0) and from the swap files both ranks kept."""
     folder = tmp_path / "pretrained"
     LM("llama").model.save_pretrained(folder, safe_serialization=True)
     _ok(_run(tmp_path / "run", *ACCUMULATE_CLIP, "--pretrained", str(folder), "--keep-swap",
@@ -261,7 +279,30 @@ def test_pretrained_on_two_ranks_reads_each_value_once_and_exports(tmp_path: Pat
     args = ["--swap", str(tmp_path / "run" / "swap"), str(tmp_path / "hf"), "--dtype", "fp32", "--no-progress"]
     assert convert_main(args) == 0
     trained = {name.removeprefix("model."): value for name, value in runs[0]["params"].items()}
-    for exported in (tmp_path / "hf", tmp_path / "export" / "final"):
+    for exported in (tmp_path / "hf", tmp_path / "export" / "final", tmp_path / "export" / "after"):
         model = LlamaForCausalLM.from_pretrained(exported, dtype=torch.float32)
         for name, p in model.named_parameters():
             assert torch.equal(p, trained[name]), (exported, name)
+
+
+def test_lora_on_two_ranks_checkpoint_refers_to_the_pretrained_folder(tmp_path: Path) -> None:
+    """LoRA on a model built on the meta device: every rank reads the frozen weights (its compute copies), the sharded
+    checkpoint the ranks write together refers to the folder for them and holds the trained adapters."""
+    pytest.importorskip("peft")
+    folder = tmp_path / "pretrained"
+    LM("llama").model.save_pretrained(folder, safe_serialization=True)
+    ckpt = tmp_path / "lora.ckpt"
+    _ok(_run(tmp_path / "run", "--lora", "--pretrained", str(folder), "--checkpoint-format", "sharded",
+             "--save", str(ckpt)))
+    runs = [_load(tmp_path / "run", rank) for rank in (0, 1)]
+    total = sum(t.numel() * t.element_size() for t in load_file(folder / "model.safetensors").values())
+    assert [run["reads"]["pretrained"] for run in runs] == [total, total]
+    index = json.loads((ckpt / "ratel_checkpoint.json").read_text())
+    frozen = [r for r in index["params"] if not r["trainable"]]
+    assert frozen and all("pretrained" in r["location"] for r in frozen)
+    files = [run["reads"]["checkpoint_files"] for run in runs]
+    assert all(files) and sum(files) == len(index["files"])
+    sharded_to_lightning(ckpt, tmp_path / "converted.ckpt")
+    converted = torch.load(tmp_path / "converted.ckpt", weights_only=False)["state_dict"]
+    for name, value in runs[0]["params"].items():
+        assert torch.equal(converted[name], value), name

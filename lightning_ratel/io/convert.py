@@ -10,7 +10,8 @@ written as they are read. From the command line (``ratel-convert``, or ``python 
 ``--to lightning`` writes the checkpoint Lightning itself would have written (``torch.load`` reads it; the parameters,
 the Adam state in ``torch.optim.AdamW``'s format, and everything in ``meta.pt``): it is loadable without this plugin,
 on a machine where the model fits. ``--swap`` reads the files a run kept because its result was not copied back
-(:class:`~lightning_ratel.runtime.kept.KeptStore`): they hold the committed weights of its last step.
+(:class:`~lightning_ratel.runtime.kept.KeptStore`): they hold the committed weights of its last step; a run of several
+ranks kept one store per rank (``ratel-rank<R>``, each with the units that rank owned), read together.
 ``--pretrained FOLDER`` names the folder frozen weights come from when it moved since the run.
 """
 
