@@ -705,7 +705,8 @@ class RatelStrategy(ParallelStrategy):
 
             self._from_engine(save)
         else:
-            if is_sharded_checkpoint(path):
+            if is_sharded_checkpoint(path) and self.is_global_zero:
+                # Rank 0 writes the file in its place.
                 shutil.rmtree(path)
             super().save_checkpoint(checkpoint, filepath, storage_options)
         # A module connected without a fit (``strategy.connect(model)``, then a save) has no trainer to ask.
