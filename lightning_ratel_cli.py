@@ -30,7 +30,8 @@ def convert_parser(prog: str = "ratel-convert") -> argparse.ArgumentParser:
     parser.add_argument("--swap", action="append", metavar="SWAP_DIR",
                         help="read the swap files a run kept in SWAP_DIR instead of a checkpoint (repeat for each "
                              "directory of the run)")
-    parser.add_argument("--name", default="ratel", help="the store name of the kept swap files (default: ratel)")
+    parser.add_argument("--name", default="ratel", help="the store name of the kept swap files (default: ratel; "
+                        "the files of a run of several ranks, <name>-rank<R>, are read together)")
     parser.add_argument("--dtype", default="bf16",
                         help="dtype of the exported weights: bf16, fp16 or fp32 (default: bf16)")
     parser.add_argument("--max-shard-size", default="5GB",

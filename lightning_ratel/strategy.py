@@ -50,7 +50,13 @@ from lightning_ratel.engine.materialize import persistent_buffers
 from lightning_ratel.engine.planner import Planner
 from lightning_ratel.errors import RatelConfigError
 from lightning_ratel.io.checkpoint import Restored, choose_checkpoint_format
-from lightning_ratel.io.export import DEFAULT_SHARD_SIZE, LiveReader, ModuleReader, write_hf_folder
+from lightning_ratel.io.export import (
+    DEFAULT_SHARD_SIZE,
+    LiveReader,
+    ModuleReader,
+    write_hf_folder,
+    write_live_hf_folder,
+)
 from lightning_ratel.io.pretrained import PretrainedFolder, PretrainedSource, StateDictSource
 from lightning_ratel.io.sharded import (
     ShardedReader,
@@ -126,8 +132,9 @@ class RatelStrategy(ParallelStrategy):
             initialized, a frozen one missing or a tensor of the wrong shape is an error before training.
         checkpoint_format: ``"full"``: Lightning's ordinary checkpoint file, gathered in host memory (loadable without
             this plugin); ``"sharded"``: a directory written and read shard by shard (:mod:`lightning_ratel.io.sharded`;
-            ``ratel-convert`` turns it into either of the others); ``"auto"``: ``"sharded"`` when
-            gathering the checkpoint would take more than half of the host memory budget.
+            ``ratel-convert`` turns it into either of the others; with several ranks each writes the units it owns, in
+            parallel); ``"auto"``: ``"sharded"`` when gathering the checkpoint would take more than half of the host
+            memory budget. Either resumes at any world size.
         log_metrics: send the plugin's figures of every training step (time per part, disk bytes and throughput,
             overlap, bytes per tier; ``ratel/...`` keys) to the Trainer's loggers, at the rate of ``self.log``
             (``log_every_n_steps``).
@@ -485,12 +492,6 @@ class RatelStrategy(ParallelStrategy):
             # A forced "full" that cannot be gathered is refused now rather than at the first save.
             self._format = choose_checkpoint_format(self.config.checkpoint_format, module, optimizer,
                                                     self.config.host_memory_limit)
-            if self._format == "sharded" and self.is_distributed:
-                raise RatelConfigError(
-                    "RatelStrategy on several ranks writes ordinary checkpoints only for now (rank 0 writes what the "
-                    "owners of the states send), and this run would write sharded ones "
-                    f"(checkpoint_format={self.config.checkpoint_format!r}). Pass checkpoint_format='full' with a "
-                    "host memory budget that holds the gathered checkpoint, or train on one rank.")
             # Before the model is materialized: the budget must hold at least the run's own buffers.
             check_host_budget(module, optimizer, self.config, self.precision_plugin.half_dtype,
                               unified=self.root_device.type == "cpu")
@@ -705,7 +706,8 @@ class RatelStrategy(ParallelStrategy):
 
             self._from_engine(save)
         else:
-            if is_sharded_checkpoint(path):
+            if is_sharded_checkpoint(path) and self.is_global_zero:
+                # Rank 0 writes the file in its place.
                 shutil.rmtree(path)
             super().save_checkpoint(checkpoint, filepath, storage_options)
         # A module connected without a fit (``strategy.connect(model)``, then a save) has no trainer to ask.
@@ -771,15 +773,35 @@ class RatelStrategy(ParallelStrategy):
             if engine is not None and engine.adam is not None:
                 with engine.user_settings():
                     reader: Any = LiveReader(engine.state, engine.module)
+                folder = write_live_hf_folder(reader, path, dtype, max_shard_size, progress=self._progress())
             else:
                 module = self.lightning_module
                 if module is None:
                     raise RatelConfigError("RatelStrategy.save_pretrained needs a LightningModule")
                 reader = ModuleReader(module)
-            folder = write_hf_folder(reader, path, dtype, max_shard_size, progress=self._progress())
+                folder = self._on_rank_zero(lambda: write_hf_folder(reader, path, dtype, max_shard_size,
+                                                                    progress=self._progress()))
         rank_zero_info(f"RatelStrategy: exported {len(reader.records)} tensors to {folder}: "
                        f"{format_rate(path_bytes(folder), time.perf_counter() - start)}")
         return folder
+
+    def _on_rank_zero(self, write: Callable[[], Path]) -> Path:
+        """Run ``write`` on rank 0 only (every rank holds the same module after fit); every rank returns its result or
+        raises its error."""
+        if not self.is_distributed:
+            return write()
+        outcome: tuple[bool, str] = (True, "")
+        if self.is_global_zero:
+            try:
+                outcome = (True, str(write()))
+            except BaseException as err:
+                outcome = (False, f"{type(err).__name__}: {err}")
+                self.broadcast(outcome)
+                raise
+        ok, what = self.broadcast(outcome)
+        if not ok:
+            raise RuntimeError(f"RatelStrategy: rank 0 could not write the export ({what})")
+        return Path(what)
 
     def _from_engine(self, read: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         """Read state for a checkpoint (or write one); a failure leaves the run as a plain run's would be.

@@ -2,13 +2,15 @@
 
 Lightning's own launcher starts the other ranks (``devices=N``), or the test starts one process per node
 (``--num-nodes``, with ``NODE_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` set). Every rank writes ``OUT/rank<r>.pt``:
-its parameters and optimizer state after fit (as a user reads them), the bytes the strategy held at the end of training
-and the process's peak RSS.
+its parameters and optimizer state after fit (as a user reads them), the bytes the strategy held at the end of training,
+the bytes it read from a pretrained folder and from a sharded checkpoint, and the process's peak RSS.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import os
 import resource
 import sys
@@ -19,7 +21,10 @@ from typing import Any
 import lightning as L
 import torch
 
-from lightning_ratel import RatelStrategy
+from lightning_ratel import RatelHFExport, RatelStrategy
+from lightning_ratel.io import sharded
+from lightning_ratel.io.pretrained import PretrainedFolder
+from lightning_ratel.io.sharded import ShardedReader
 from lightning_ratel.sizes import path_bytes
 from tests.models import LM, cache_off, final_state, trainer
 
@@ -39,13 +44,54 @@ class _Measure(L.Callback):
 
 
 class _Save(L.Callback):
-    """Save a checkpoint at the end of training, on every rank (as ``trainer.save_checkpoint`` is called)."""
+    """Save a checkpoint at the end of training, or after every step, on every rank (as ``trainer.save_checkpoint`` is
+    called)."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, every_step: bool = False) -> None:
         self.path = path
+        self.every_step = every_step
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
+        if self.every_step:
+            trainer.save_checkpoint(self.path)
 
     def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        trainer.save_checkpoint(self.path)
+        if not self.every_step:
+            trainer.save_checkpoint(self.path)
+
+
+def _count_reads(fail_save: str | None) -> dict[str, int]:
+    """Count the bytes this rank reads from a pretrained folder and from a sharded checkpoint (masters and moments),
+    and the files it wrote of the last sharded checkpoint; with ``fail_save`` (``LOCAL_RANK:STEP``), make that rank's
+    part of the sharded checkpoint of that step fail to write."""
+    counts = {"pretrained": 0, "checkpoint": 0, "checkpoint_files": 0}
+    folder_read = PretrainedFolder.read
+    read_into = ShardedReader.read_into
+
+    @contextlib.contextmanager
+    def counted_folder_read(self: PretrainedFolder, keys: Any) -> Any:
+        with folder_read(self, keys) as tensors:
+            counts["pretrained"] += sum(t.numel() * t.element_size() for t in tensors.values())
+            yield tensors
+
+    def counted_read_into(self: ShardedReader, record: Any, what: str, out: torch.Tensor) -> torch.Tensor:
+        counts["checkpoint"] += out.numel() * out.element_size()
+        return read_into(self, record, what, out)
+
+    failing = tuple(int(x) for x in fail_save.split(":")) if fail_save else None
+    write_files = sharded._write_files
+
+    def counted_write_files(directory: Path, checkpoint: dict, *args: Any, **kwargs: Any) -> Any:
+        if failing is not None and (int(os.environ.get("LOCAL_RANK", "0")), checkpoint.get("global_step")) == failing:
+            raise OSError(errno.ENOSPC, "No space left on device (injected)", str(directory))
+        parts = write_files(directory, checkpoint, *args, **kwargs)
+        counts["checkpoint_files"] = sum(part.file is not None for part in parts)
+        return parts
+
+    PretrainedFolder.read = counted_folder_read  # type: ignore[method-assign]
+    ShardedReader.read_into = counted_read_into  # type: ignore[method-assign]
+    sharded._write_files = counted_write_files  # type: ignore[attr-defined]
+    return counts
 
 
 class _Raise(L.Callback):
@@ -78,6 +124,13 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--resume", default=None, help="resume from this checkpoint")
     parser.add_argument("--states", default="auto", help="RatelStrategy's optimizer_states")
     parser.add_argument("--fail", default=None, help="RANK:STEP: raise on that rank at that step")
+    parser.add_argument("--save-every-step", action="store_true", help="save the checkpoint after every step")
+    parser.add_argument("--fail-save", default=None, help="RANK:STEP: that rank fails to write that step's checkpoint")
+    parser.add_argument("--pretrained", default=None, help="RatelStrategy's pretrained folder")
+    parser.add_argument("--keep-swap", action="store_true", help="RatelStrategy's keep_swap_files")
+    parser.add_argument("--export", default=None, help="RatelHFExport's dirpath (fp32, at the end of fit); "
+                        "RatelStrategy.save_pretrained writes <dirpath>/after once fit is over")
+    parser.add_argument("--lora", action="store_true", help="LoRA adapters on a model built on the meta device")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -86,24 +139,37 @@ def main(argv: list[str]) -> None:
     if args.strategy == "ratel":
         strategy = RatelStrategy(ssd_paths=[str(swap)], activation_policy="device", param_cache="host",
                                  optimizer_states=args.states, checkpoint_format=args.checkpoint_format,
+                                 pretrained=args.pretrained, keep_swap_files=args.keep_swap,
                                  timeout=timedelta(seconds=60))
     measure = _Measure(swap)
     callbacks: list[L.Callback] = [measure]
     if args.save:
-        callbacks.append(_Save(args.save))
+        callbacks.append(_Save(args.save, args.save_every_step))
+    if args.export:
+        callbacks.append(RatelHFExport(args.export, dtype="fp32"))
     if args.fail:
         rank, step = (int(x) for x in args.fail.split(":"))
         callbacks.append(_Raise(rank, step))
-    module = LM(args.model, batch_size=2)
+    reads = _count_reads(args.fail_save)
+    with torch.device("meta") if args.lora else contextlib.nullcontext():
+        module = LM(args.model, batch_size=2)
+        if args.lora:
+            import peft  # only here: peft is optional, and its test skips without it
+
+            config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+            module.model = peft.get_peft_model(module.model, config)
     # As RatelStrategy does during fit: with the cache on, attention rounds differently (an encoder-decoder's decoder).
     cache_off(module)
     t = trainer(strategy, devices=args.devices, num_nodes=args.num_nodes, max_steps=args.steps,
                 accumulate_grad_batches=args.accumulate, gradient_clip_val=args.clip, precision=args.precision,
                 callbacks=callbacks)
     t.fit(module, ckpt_path=args.resume)
+    if args.export and args.strategy == "ratel":
+        t.strategy.save_pretrained(Path(args.export) / "after", dtype="fp32")
     params, optimizer = final_state(module, t)
     torch.save({"params": params, "optimizer": optimizer, **measure.figures,
-                "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "world": t.world_size},
+                "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "world": t.world_size,
+                "reads": reads},
                out / f"rank{t.global_rank}.pt")
 
 

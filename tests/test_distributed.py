@@ -6,17 +6,24 @@ rank, or the test starts one process per node. The runs are small (a 3-layer tra
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import load_file
+from transformers import LlamaForCausalLM
 
+from lightning_ratel.io.convert import main as convert_main
+from lightning_ratel.io.convert import sharded_to_lightning
+from lightning_ratel.io.sharded import ShardedReader, unit_writers
 from lightning_ratel.plan.owners import UnitCost, assign_owners, imbalance
-from tests.models import max_rel_err
+from tests.models import LM, max_rel_err
 
 ROOT = Path(__file__).resolve().parent.parent
 ACCUMULATE_CLIP = ["--accumulate", "2", "--clip", "0.5"]
@@ -82,6 +89,22 @@ def test_owners_balance_bytes_and_time() -> None:
         assign_owners(costs, 0)
 
 
+def test_unit_files_of_a_sharded_checkpoint_go_to_owners_and_frozen_units_are_spread() -> None:
+    """The owner of a unit's trainable shards writes its file (a LoRA block: frozen base and trainable adapter); units
+    of frozen shards only go, largest first, to the rank with the fewest bytes to write."""
+
+    def shard(unit: int, group: int, numel: int) -> SimpleNamespace:
+        return SimpleNamespace(unit=unit, group=group, numel=numel, dtype=torch.bfloat16)
+
+    units = {0: [shard(0, -1, 1000)], 1: [shard(1, -1, 600), shard(1, 0, 10)], 2: [shard(2, -1, 600), shard(2, 0, 10)],
+             3: [shard(3, -1, 100)], 4: [shard(4, -1, 400)]}
+    layout = SimpleNamespace(unit_shards=lambda: units)
+    adam = SimpleNamespace(ranks=SimpleNamespace(world=2), owner=lambda s: {1: 1, 2: 0}[s.unit])
+    # Rank 0 writes unit 2 (1320 bytes) and rank 1 unit 1 (1320); then 0 (2000 bytes) goes to rank 0, 4 (800) and
+    # 3 (200) to rank 1.
+    assert unit_writers(layout, adam) == {0: 0, 1: 1, 2: 0, 3: 1, 4: 1}  # type: ignore[arg-type]
+
+
 def test_two_processes_equal_ddp_with_accumulation_and_clipping(tmp_path: Path, ddp_reference: dict) -> None:
     _ok(_run(tmp_path, *ACCUMULATE_CLIP))
     for rank in (0, 1):
@@ -138,25 +161,148 @@ def test_a_raising_rank_stops_the_others(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def saved_by_two(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Checkpoints written after 2 steps on 2 ranks by ``ddp`` (``ddp.ckpt``) and by RatelStrategy (``ratel.ckpt``)."""
+    """Checkpoints written after 2 steps on 2 ranks by ``ddp`` (``ddp.ckpt``) and by RatelStrategy, ordinary
+    (``ratel.ckpt``) and sharded (``sharded.ckpt``)."""
     out = tmp_path_factory.mktemp("saved")
     for name in ("ddp", "ratel"):
         _ok(_run(out / name, "--strategy", name, "--steps", "2", "--save", str(out / f"{name}.ckpt")))
+    _ok(_run(out / "sharded", "--steps", "2", "--checkpoint-format", "sharded", "--save", str(out / "sharded.ckpt")))
     return out
 
 
-def test_checkpoint_of_two_ranks_resumes_on_one(tmp_path: Path, saved_by_two: Path) -> None:
-    """Resumed on one rank, as plain Lightning resumes ``ddp``'s checkpoint on one device."""
-    _ok(_run(tmp_path / "plain", "--strategy", "auto", "--devices", "1", "--steps", "4",
-             "--resume", str(saved_by_two / "ddp.ckpt")))
-    _ok(_run(tmp_path / "ratel", "--devices", "1", "--steps", "4", "--resume", str(saved_by_two / "ratel.ckpt")))
-    _assert_same(_load(tmp_path / "plain"), _load(tmp_path / "ratel"))
+@pytest.fixture(scope="module")
+def resumed_from_ddp(saved_by_two: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
+    """``ddp.ckpt`` resumed to step 4 by plain Lightning on one device and by ``ddp`` on 2 and 3 (rank 0's state): three
+    ranks sum in another order than two, so each world size has its own reference."""
+    out = tmp_path_factory.mktemp("resumed")
+    ckpt = str(saved_by_two / "ddp.ckpt")
+    _ok(_run(out / "1", "--strategy", "auto", "--devices", "1", "--steps", "4", "--resume", ckpt))
+    for devices in (2, 3):
+        _ok(_run(out / str(devices), "--strategy", "ddp", "--devices", str(devices), "--steps", "4", "--resume", ckpt))
+    return {devices: _load(out / str(devices)) for devices in (1, 2, 3)}
 
 
-def test_checkpoint_of_two_ranks_resumes_on_three(tmp_path: Path, saved_by_two: Path) -> None:
-    """Resumed on three ranks, as ``ddp`` resumes its own (three ranks sum in another order: rounding apart)."""
-    _ok(_run(tmp_path / "ddp", "--strategy", "ddp", "--devices", "3", "--steps", "4",
-             "--resume", str(saved_by_two / "ddp.ckpt")))
-    _ok(_run(tmp_path / "ratel", "--devices", "3", "--steps", "4", "--resume", str(saved_by_two / "ratel.ckpt")))
-    for rank in (0, 2):
+def test_sharded_checkpoint_of_two_ranks_holds_the_ordinary_one(tmp_path: Path, saved_by_two: Path) -> None:
+    """Each rank wrote the files of its units; converted, they are the ordinary checkpoint of the same run, bit for
+    bit."""
+    index = json.loads((saved_by_two / "sharded.ckpt" / "ratel_checkpoint.json").read_text())
+    files = [_load(saved_by_two / "sharded", rank)["reads"]["checkpoint_files"] for rank in (0, 1)]
+    assert all(files) and sum(files) == len(index["files"])
+    sharded_to_lightning(saved_by_two / "sharded.ckpt", tmp_path / "converted.ckpt")
+    converted = torch.load(tmp_path / "converted.ckpt", weights_only=False)
+    full = torch.load(saved_by_two / "ratel.ckpt", weights_only=False)
+    assert converted["global_step"] == full["global_step"] == 2
+    assert converted["state_dict"].keys() == full["state_dict"].keys()
+    assert all(torch.equal(converted["state_dict"][k], v) for k, v in full["state_dict"].items())
+    _assert_identical(converted["optimizer_states"], full["optimizer_states"])
+
+
+def _assert_identical(a: object, b: object) -> None:
+    """Nested containers of tensors and plain values equal, tensors bit for bit."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys()
+        for key in a:
+            _assert_identical(a[key], b[key])
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b):
+            _assert_identical(x, y)
+    else:
+        assert a == b
+
+
+@pytest.mark.parametrize("saved, devices", [("ratel.ckpt", 1), ("ratel.ckpt", 3), ("sharded.ckpt", 1),
+                                            ("sharded.ckpt", 2), ("sharded.ckpt", 3)])
+def test_checkpoint_of_two_ranks_resumes_at_any_world_size(tmp_path: Path, saved_by_two: Path,
+                                                           resumed_from_ddp: dict[int, dict], saved: str,
+                                                           devices: int) -> None:
+    """Resumed on 1, 2 or 3 ranks, as Lightning resumes ``ddp``'s checkpoint there; from a sharded checkpoint each
+    rank reads the states of the units it owns, every byte of them once over the ranks."""
+    _ok(_run(tmp_path, "--devices", str(devices), "--steps", "4", "--resume", str(saved_by_two / saved)))
+    runs = [_load(tmp_path, rank) for rank in range(devices)]
+    for run in runs:
+        _assert_same(resumed_from_ddp[devices], run)
+    if saved == "sharded.ckpt":
+        reads = [run["reads"]["checkpoint"] for run in runs]
+        assert sum(reads) == _checkpoint_bytes(saved_by_two / saved)
+        assert all(reads)
+
+
+def _checkpoint_bytes(path: Path) -> int:
+    """The bytes of a sharded checkpoint's masters and moments (every one of its parameters is trainable here)."""
+    reader = ShardedReader(path)
+    return sum(r.numel * (r.stored.itemsize + (8 if r.location.get("moments") else 0)) for r in reader.records)
+
+
+def test_sharded_checkpoint_of_one_rank_resumes_on_two(tmp_path: Path) -> None:
+    """Written by one rank, resumed on two as ``ddp`` resumes the same state (the checkpoint converted to an ordinary
+    one)."""
+    ckpt = tmp_path / "one.ckpt"
+    _ok(_run(tmp_path / "one", "--devices", "1", "--steps", "2", "--checkpoint-format", "sharded", "--save", str(ckpt)))
+    sharded_to_lightning(ckpt, tmp_path / "one-full.ckpt")
+    _ok(_run(tmp_path / "ddp", "--strategy", "ddp", "--steps", "4", "--resume", str(tmp_path / "one-full.ckpt")))
+    _ok(_run(tmp_path / "ratel", "--steps", "4", "--resume", str(ckpt)))
+    for rank in (0, 1):
         _assert_same(_load(tmp_path / "ddp"), _load(tmp_path / "ratel", rank))
+
+
+def test_a_failed_sharded_save_keeps_the_last_checkpoint(tmp_path: Path) -> None:
+    """Rank 1 cannot write its part of step 2's checkpoint: both ranks stop with the error, and step 1's checkpoint
+    stays whole (every checksum verified) without a staging directory left beside it."""
+    ckpt = tmp_path / "last.ckpt"
+    result = _run(tmp_path / "run", "--steps", "3", "--checkpoint-format", "sharded", "--save", str(ckpt),
+                  "--save-every-step", "--fail-save", "1:2", timeout=180)
+    assert result.returncode != 0
+    assert "rank 1 failed (OSError: [Errno 28] No space left on device (injected)" in result.stderr
+    assert ShardedReader(ckpt).meta()["global_step"] == 1
+    sharded_to_lightning(ckpt, tmp_path / "check.ckpt")
+    assert not list(tmp_path.glob(".last.ckpt.*"))
+
+
+def test_pretrained_on_two_ranks_reads_each_value_once_and_exports(tmp_path: Path, ddp_reference: dict) -> None:
+    """Each rank reads from the pretrained folder only the units whose states it owns (every trainable byte once over
+    the ranks; the other compute copies come from their owners), training equals ``ddp`` from the same weights, and
+    the trained weights export from the running ranks (``RatelHFExport``), after fit (``save_pretrained``, written by
+    rank 0) and from the swap files both ranks kept."""
+    folder = tmp_path / "pretrained"
+    LM("llama").model.save_pretrained(folder, safe_serialization=True)
+    _ok(_run(tmp_path / "run", *ACCUMULATE_CLIP, "--pretrained", str(folder), "--keep-swap",
+             "--export", str(tmp_path / "export")))
+    runs = [_load(tmp_path / "run", rank) for rank in (0, 1)]
+    for run in runs:
+        _assert_same(ddp_reference, run)
+    total = sum(t.numel() * t.element_size() for t in load_file(folder / "model.safetensors").values())
+    reads = [run["reads"]["pretrained"] for run in runs]
+    assert sum(reads) == total and all(reads)
+    args = ["--swap", str(tmp_path / "run" / "swap"), str(tmp_path / "hf"), "--dtype", "fp32", "--no-progress"]
+    assert convert_main(args) == 0
+    trained = {name.removeprefix("model."): value for name, value in runs[0]["params"].items()}
+    for exported in (tmp_path / "hf", tmp_path / "export" / "final", tmp_path / "export" / "after"):
+        model = LlamaForCausalLM.from_pretrained(exported, dtype=torch.float32)
+        for name, p in model.named_parameters():
+            assert torch.equal(p, trained[name]), (exported, name)
+
+
+def test_lora_on_two_ranks_checkpoint_refers_to_the_pretrained_folder(tmp_path: Path) -> None:
+    """LoRA on a model built on the meta device: every rank reads the frozen weights (its compute copies), the sharded
+    checkpoint the ranks write together refers to the folder for them and holds the trained adapters."""
+    pytest.importorskip("peft")
+    folder = tmp_path / "pretrained"
+    LM("llama").model.save_pretrained(folder, safe_serialization=True)
+    ckpt = tmp_path / "lora.ckpt"
+    _ok(_run(tmp_path / "run", "--lora", "--pretrained", str(folder), "--checkpoint-format", "sharded",
+             "--save", str(ckpt)))
+    runs = [_load(tmp_path / "run", rank) for rank in (0, 1)]
+    total = sum(t.numel() * t.element_size() for t in load_file(folder / "model.safetensors").values())
+    assert [run["reads"]["pretrained"] for run in runs] == [total, total]
+    index = json.loads((ckpt / "ratel_checkpoint.json").read_text())
+    frozen = [r for r in index["params"] if not r["trainable"]]
+    assert frozen and all("pretrained" in r["location"] for r in frozen)
+    files = [run["reads"]["checkpoint_files"] for run in runs]
+    assert all(files) and sum(files) == len(index["files"])
+    sharded_to_lightning(ckpt, tmp_path / "converted.ckpt")
+    converted = torch.load(tmp_path / "converted.ckpt", weights_only=False)["state_dict"]
+    for name, value in runs[0]["params"].items():
+        assert torch.equal(converted[name], value), name

@@ -134,7 +134,7 @@ class Materializer:
         source: first values of (some) parameters and buffers; the rest are initialized or keep their values.
         progress: show a progress bar.
         owned: the trainable shards whose states this rank keeps, by index, when several ranks train (each unit's
-            states are on one rank); ``None``: all.
+            states are on one rank, which alone reads their values from ``source``); ``None``: all.
 
     Raises:
         RatelConfigError: the source does not match the model, or a module on the meta device cannot be initialized
@@ -164,6 +164,10 @@ class Materializer:
                 names.setdefault(id(p), []).append(name)
             source.prepare(names, layout, persistent_buffers(module))
         self._provided = {id(s.param) for s in layout.slots if source is not None and source.provides(s.param)}
+        # Values another rank reads: the trainable shards whose states it owns (it broadcasts their compute copies
+        # once the model is materialized), so each rank reads its own part of the source.
+        self._elsewhere = set() if owned is None else {
+            id(sp.param) for s in layout.shards if s.index not in owned for sp in s.params} & self._provided
         self._check()
 
     def _needs_init(self, m: nn.Module) -> bool:
@@ -280,10 +284,12 @@ class Materializer:
                     continue
                 following = units.index(unit) + 1
                 if self.source is not None and following < len(units):
-                    self.source.prefetch(units[following].slots)
+                    self.source.prefetch([s for s in units[following].slots if id(s.param) not in self._elsewhere])
                 with self._values(unit.slots) as values:
                     for slot in unit.slots:
-                        value = values[id(slot.param)]
+                        value = values.get(id(slot.param))
+                        if value is None:
+                            continue  # another rank's to read
                         if unit.host:
                             slot.view(unit.host).copy_(value.tensor)
                         if store is None and value.tensor is not slot.param.data:
@@ -305,8 +311,9 @@ class Materializer:
 
     @contextlib.contextmanager
     def _values(self, slots: Sequence[ParamSlot]) -> Iterator[dict[int, SourceValue]]:
-        """Each slot's first value: from the source, or the parameter's own (initialized) data."""
-        provided = [s for s in slots if id(s.param) in self._provided]
+        """Each slot's first value: from the source, or the parameter's own (initialized) data; none for a value
+        another rank reads."""
+        provided = [s for s in slots if id(s.param) in self._provided and id(s.param) not in self._elsewhere]
         reading = self.source.read(provided) if self.source is not None and provided else contextlib.nullcontext({})
         with reading as got:
             values = {id(s.param): SourceValue(s.param.data) for s in slots if id(s.param) not in self._provided}

@@ -12,7 +12,7 @@ as far as they fit in host memory: the trainable parameters first (a LoRA adapte
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -151,6 +151,48 @@ class ModelState:
         if what != "master" and (not adam.moments_on_store(shard) or not flat.numel()):
             return None, flat.zero_()
         return self.store.read(adam.state_key(shard, what), flat), flat
+
+    def holds(self, shard: Shard) -> bool:
+        """Whether this process keeps ``shard``'s states (with several ranks, only the owner of a trainable shard
+        does; every rank holds the frozen shards' values)."""
+        return shard.group < 0 or not isinstance(self.adam, DataParallelAdam) or self.adam.owns(shard)
+
+    def local(self) -> ModelState:
+        """The state this process holds, read without collectives: with several ranks, the trainable shards it owns
+        (through its own optimizer) and the frozen shards; on one rank, this state itself."""
+        if not isinstance(self.adam, DataParallelAdam):
+            return self
+        return ModelState(self.module, self.layout, self.pager, self.store, self.adam.local, self.optimizer)
+
+    def agree(self, step: Callable[[], Any], failed: str) -> list[Any]:
+        """Run ``step`` here and learn every rank's outcome (on one rank, just run it).
+
+        Args:
+            step: this rank's part of a whole-model pass (writing its files); its result must pickle.
+            failed: what a failure elsewhere means, for the error the other ranks raise.
+
+        Returns:
+            Every rank's result, in rank order.
+
+        Raises:
+            BaseException: the error of ``step`` on the rank where it failed; elsewhere a ``RuntimeError`` saying which
+                rank failed and how, so that every rank stops at the same point.
+        """
+        if not isinstance(self.adam, DataParallelAdam):
+            return [step()]
+        error: BaseException | None = None
+        try:
+            outcome: tuple[bool, Any] = (True, step())
+        except BaseException as err:
+            error = err
+            outcome = (False, f"{type(err).__name__}: {err}")
+        outcomes = self.adam.gather_objects(outcome)
+        if error is not None:
+            raise error
+        for rank, (ok, what) in enumerate(outcomes):
+            if not ok:
+                raise RuntimeError(f"{failed}: rank {rank} failed ({what})")
+        return [what for _, what in outcomes]
 
     def quiesce(self) -> None:
         """Wait until every update handed over has run and every write has landed."""

@@ -10,7 +10,8 @@ written as they are read. From the command line (``ratel-convert``, or ``python 
 ``--to lightning`` writes the checkpoint Lightning itself would have written (``torch.load`` reads it; the parameters,
 the Adam state in ``torch.optim.AdamW``'s format, and everything in ``meta.pt``): it is loadable without this plugin,
 on a machine where the model fits. ``--swap`` reads the files a run kept because its result was not copied back
-(:class:`~lightning_ratel.runtime.kept.KeptStore`): they hold the committed weights of its last step.
+(:class:`~lightning_ratel.runtime.kept.KeptStore`): they hold the committed weights of its last step; a run of several
+ranks kept one store per rank (``ratel-rank<R>``, each with the units that rank owned), read together.
 ``--pretrained FOLDER`` names the folder frozen weights come from when it moved since the run.
 """
 
@@ -36,6 +37,7 @@ from lightning_ratel.io.pretrained import PretrainedFolder
 from lightning_ratel.io.sharded import ShardedReader
 from lightning_ratel.io.tensorfiles import dtype_of, parse_dtype
 from lightning_ratel.progress import progress_bar
+from lightning_ratel.runtime.collectives import DataParallelAdam
 from lightning_ratel.runtime.hostmem import aligned_empty
 from lightning_ratel.runtime.kept import KeptStore
 from lightning_ratel.runtime.units import FrozenValues
@@ -51,9 +53,15 @@ KEPT_VERSION = 1
 def kept_metadata(state: ModelState, module: nn.Module, pretrained: PretrainedFolder | None) -> dict[str, Any]:
     """What kept swap files need beside them to be exported later: each parameter's committed value (its store key
     and offset), the Hugging Face layout, and the pretrained folder frozen weights may come from. Call once no update
-    is pending."""
+    is pending.
+
+    With several ranks each rank's store describes what it holds, without a collective: the masters of the trainable
+    shards it owns and, on rank 0, the frozen values kept on disk; ``order`` (every parameter, in the layout's order)
+    and ``rank`` / ``world`` let :class:`KeptReader` put the ranks' stores together."""
     layout = state.layout
     state.quiesce()
+    local = state.local()
+    ranks = state.adam.ranks if isinstance(state.adam, DataParallelAdam) else None
     aliases: dict[int, list[str]] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
@@ -61,14 +69,16 @@ def kept_metadata(state: ModelState, module: nn.Module, pretrained: PretrainedFo
     records = []
     for shard in layout.all_shards:
         trainable = shard.group >= 0
+        if not state.holds(shard) or (not trainable and ranks is not None and ranks.rank != 0):
+            continue  # in another rank's store (frozen values, the same on every rank: rank 0's)
         if trainable:
-            assert state.adam is not None
-            key: str | None = state.adam.state_key(shard, "master")
+            assert local.adam is not None
+            key: str | None = local.adam.state_key(shard, "master")
         elif shard.index in frozen.exact_copies:
             key = FrozenValues.key(shard)
         else:
             key = None if shard.unit.host else shard.compute_key
-        steps = state.param_steps(shard)
+        steps = local.param_steps(shard)
         for sp, step in zip(shard.params, steps):
             if key is not None:
                 location: dict[str, Any] = {"key": key, "offset": sp.offset}
@@ -79,8 +89,30 @@ def kept_metadata(state: ModelState, module: nn.Module, pretrained: PretrainedFo
             records.append(ParamRecord(sp.name, tuple(sp.shape), layout.orig_dtype[id(sp.param)], trainable,
                                        aliases[id(sp.param)][1:], sp.index, step, state.dtype_of(shard, "master"),
                                        location).to_json())
-    return {"format": KEPT_FORMAT, "version": KEPT_VERSION, "params": records, "hf": hf_layout(module).to_json(),
-            "pretrained": pretrained.fingerprint() if pretrained is not None else None}
+    meta: dict[str, Any] = {
+        "format": KEPT_FORMAT, "version": KEPT_VERSION, "params": records, "hf": hf_layout(module).to_json(),
+        "pretrained": pretrained.fingerprint() if pretrained is not None else None}
+    if ranks is not None:
+        meta.update(rank=ranks.rank, world=ranks.world, order=[sp.name for s in layout.all_shards for sp in s.params])
+    return meta
+
+
+def _open_kept(paths: Sequence[str | os.PathLike[str]], name: str) -> list[KeptStore]:
+    """The kept store ``name`` in ``paths``, or, where a run of several ranks kept them, every rank's store
+    (``<name>-rank<r>``), rank 0's first."""
+    if any((Path(p) / f"{name}.swap").exists() for p in paths) or not any(
+            (Path(p) / f"{name}-rank0.swap").exists() for p in paths):
+        return [KeptStore(list(paths), name)]
+    stores = [KeptStore(list(paths), f"{name}-rank0")]
+    try:
+        world = stores[0].metadata.get("world", 1)
+        for rank in range(1, world):
+            stores.append(KeptStore(list(paths), f"{name}-rank{rank}"))
+    except BaseException:
+        for store in stores:
+            store.close()
+        raise
+    return stores
 
 
 class KeptReader:
@@ -88,22 +120,50 @@ class KeptReader:
 
     Args:
         paths: the swap directories of that run.
-        name: the store name (``ratel`` unless the run named it otherwise).
+        name: the store name (``ratel`` unless the run named it otherwise); a run of several ranks kept one store per
+            rank, ``<name>-rank<r>``, which are read together.
         pretrained: the folder frozen weights come from, if not where the run found it.
 
     Raises:
-        RatelConfigError: the files cannot be opened as a kept store, or were not kept by a run of this package.
+        RatelConfigError: the files cannot be opened as a kept store, were not kept by a run of this package, or
+            (several ranks) a rank's store is missing or of another run.
     """
 
     def __init__(self, paths: Sequence[str | os.PathLike[str]], name: str = "ratel",
                  pretrained: PretrainedFolder | str | None = None) -> None:
-        self.store = KeptStore(list(paths), name)
-        meta = self.store.metadata
-        if meta.get("format") != KEPT_FORMAT:
-            self.store.close()
+        self.stores = _open_kept(paths, name)
+        try:
+            self._read_metadata(paths, pretrained)
+        except BaseException:
+            self.close()
+            raise
+
+    def _read_metadata(self, paths: Sequence[str | os.PathLike[str]], pretrained: PretrainedFolder | str | None
+                       ) -> None:
+        metas = [store.metadata for store in self.stores]
+        if any(meta.get("format") != KEPT_FORMAT for meta in metas):
             raise RatelConfigError(f"the swap files in {', '.join(map(str, paths))} carry no parameter index of "
                                    "lightning_ratel; only files a RatelStrategy run kept can be exported")
-        self.records = [ParamRecord.from_json(r) for r in meta["params"]]
+        meta = metas[0]
+        # The position in ``stores`` of the store holding each parameter.
+        self._store_of: dict[str, int] = {}
+        self.records = []
+        for position, part in enumerate(metas):
+            for r in part["params"]:
+                record = ParamRecord.from_json(r)
+                self.records.append(record)
+                self._store_of[record.name] = position
+        if len(metas) > 1:
+            order = {name: i for i, name in enumerate(meta["order"])}
+            odd = [f"rank {part.get('rank')}" for part in metas
+                   if part.get("world") != len(metas) or part.get("order") != meta["order"]]
+            missing = sorted(set(order) - set(self._store_of))
+            if odd or missing:
+                raise RatelConfigError(
+                    f"the kept swap files of a run of {len(metas)} ranks in {', '.join(map(str, paths))} do not fit "
+                    f"together ({'stores of another run: ' + ', '.join(odd) if odd else 'no rank holds ' + missing[0]})"
+                    "; give the directories of one run, each rank's files kept")
+            self.records.sort(key=lambda r: order[r.name])
         self.hf = HFLayout.from_json(meta.get("hf"))
         self.pretrained: PretrainedFolder | None = None
         recorded = meta.get("pretrained")
@@ -117,13 +177,14 @@ class KeptReader:
                                    f"{lost[:3]} (frozen parameters that lived in host memory only)")
 
     def close(self) -> None:
-        self.store.close()
+        for store in self.stores:
+            store.close()
 
     def values(self, records: Sequence[ParamRecord]) -> Iterator[tuple[ParamRecord, torch.Tensor]]:
-        current: str | None = None
+        current: tuple[int, str] | None = None
         flat = torch.empty(0)
-        keys = {r.location["key"] for r in records if "key" in r.location}
-        largest = max((self.store.nbytes(k) for k in keys), default=0)
+        keys = {(self._store_of[r.name], r.location["key"]) for r in records if "key" in r.location}
+        largest = max((self.stores[position].nbytes(k) for position, k in keys), default=0)
         buffer = aligned_empty(largest, torch.uint8)
         for record in records:
             if "pretrained" in record.location:
@@ -132,11 +193,12 @@ class KeptReader:
                 with self.pretrained.read([key]) as tensors:
                     yield record, tensors[key].to(record.dtype).reshape(-1)
                 continue
+            position = self._store_of[record.name]
             key = record.location["key"]
-            if key != current:
-                nbytes = self.store.nbytes(key)
-                flat = self.store.read(key, buffer[:nbytes]).result()
-                current = key
+            if (position, key) != current:
+                nbytes = self.stores[position].nbytes(key)
+                flat = self.stores[position].read(key, buffer[:nbytes]).result()
+                current = (position, key)
             start = record.location["offset"]
             yield record, flat.view(record.stored)[start : start + record.numel]
 

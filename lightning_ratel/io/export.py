@@ -39,6 +39,7 @@ from lightning_ratel.io.tensorfiles import (
     staging_path,
 )
 from lightning_ratel.progress import progress_bar
+from lightning_ratel.runtime.collectives import DataParallelAdam
 from lightning_ratel.sizes import parse_bytes
 
 SAFE_WEIGHTS = "model.safetensors"
@@ -278,6 +279,51 @@ class LiveReader:
                     yield wanted[sp.name], sp.view(flat)
 
 
+def exported_records(reader: StateReader) -> list[ParamRecord]:
+    """The records :func:`write_hf_folder` reads, in the order it reads them."""
+    hf = reader.hf
+    return [r for r in reader.records if r.name in hf.names or r.name in hf.adapter]
+
+
+class _Streamed:
+    """A :class:`StateReader` whose values are one stream already made (for :func:`write_live_hf_folder`)."""
+
+    def __init__(self, reader: StateReader, stream: Iterator[tuple[ParamRecord, torch.Tensor]]) -> None:
+        self.records = reader.records
+        self.hf = reader.hf
+        self._stream = stream
+
+    def values(self, records: Sequence[ParamRecord]) -> Iterator[tuple[ParamRecord, torch.Tensor]]:
+        return self._stream
+
+
+def write_live_hf_folder(reader: LiveReader, path: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat16,
+                         max_shard_size: int | str = DEFAULT_SHARD_SIZE, progress: bool = False) -> Path:
+    """:func:`write_hf_folder` of the running engine's weights, on one rank or on several.
+
+    With several ranks this is a collective: every rank takes part in reading each value from the rank that owns it,
+    in the export's order, and rank 0 alone writes the folder; every rank returns once it is in place, or raises when
+    it could not be written (the folder there before is then unchanged).
+    """
+    state = reader.state
+    adam = state.adam
+    if not isinstance(adam, DataParallelAdam):
+        return write_hf_folder(reader, path, dtype, max_shard_size, progress)
+    stream = reader.values(exported_records(reader))
+
+    def step() -> str | None:
+        try:
+            if adam.ranks.rank == 0:
+                return str(write_hf_folder(_Streamed(reader, stream), path, dtype, max_shard_size, progress))
+            return None
+        finally:
+            # The other ranks read every value with rank 0: what it left unread (it failed) is read all the same.
+            for _ in stream:
+                pass
+
+    return Path(state.agree(step, f"the export to {path} was not written")[0])
+
+
 def _plan_files(items: Sequence[tuple[str, int]], max_bytes: int) -> list[list[str]]:
     """Tensors (name, bytes) cut into files of at most ``max_bytes`` in the order given (a tensor is never split)."""
     files: list[list[str]] = [[]]
@@ -331,7 +377,7 @@ def write_hf_folder(reader: StateReader, path: str | os.PathLike[str], dtype: to
     writers: dict[str, TensorFileWriter] = {}
     adapter_values: dict[str, torch.Tensor] = {}
     total = sum(r.numel * r.stored.itemsize for r in model + adapter)
-    wanted = [r for r in reader.records if r.name in hf.names or r.name in hf.adapter]
+    wanted = exported_records(reader)
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_staging(out)
     staging = staging_path(out)

@@ -23,6 +23,12 @@ Writing reads the committed state of the last finished step from the store once 
 (:meth:`~lightning_ratel.io.checkpoint.ModelState.stream`: two shards' worth of one state in host memory). Reading goes
 the other way: masters as the model is materialized (:class:`ShardedSource`), moments and step counts into the CPU
 optimizer's store shard by shard (:func:`load_moments`).
+
+With several ranks the format is the same, so a checkpoint resumes at any world size. Each rank writes the unit files
+of the units whose states it owns (:func:`unit_writers`), in parallel, into one staging directory (on a filesystem
+every rank reaches); rank 0 writes ``meta.pt`` and the index once every rank has its files on the drive, and a failure
+on any rank stops every rank with the previous checkpoint in place. Resuming, each rank reads the masters and moments
+of the units it owns (and every frozen value); the other ranks' compute copies come from their owners.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import os
 import shutil
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,11 +57,13 @@ from lightning_ratel.io.tensorfiles import (
     TensorFileReader,
     TensorFileWriter,
     dtype_name,
+    fsync_directory,
     remove_stale_staging,
     replace_directory,
     staging_path,
 )
 from lightning_ratel.progress import progress_bar
+from lightning_ratel.runtime.collectives import DataParallelAdam
 from lightning_ratel.runtime.generic import ParamStates, StateEntry
 from lightning_ratel.runtime.hostmem import aligned_empty
 from lightning_ratel.runtime.units import Layout, ParamSlot, Shard
@@ -95,8 +104,15 @@ def save_sharded(path: str | os.PathLike[str], checkpoint: dict[str, Any], state
                  pretrained: PretrainedFolder | None = None, progress: bool = False) -> Path:
     """Write a sharded checkpoint of the committed state (see the module docstring).
 
+    With several ranks (``state.adam`` a :class:`~lightning_ratel.runtime.collectives.DataParallelAdam`) this is a
+    collective, called by every rank with its own ``checkpoint`` (rank 0's goes to ``meta.pt``): each rank writes the
+    files of the units whose states it owns (:func:`unit_writers`) into one staging directory, in parallel, and rank 0
+    writes the index once every rank's files are on the drive. When any rank fails, every rank raises and the previous
+    checkpoint at ``path`` stays as it was.
+
     Args:
-        path: the checkpoint directory (an existing checkpoint there is replaced once the new one is complete).
+        path: the checkpoint directory (an existing checkpoint there is replaced once the new one is complete); with
+            several ranks, on a filesystem every rank reaches.
         checkpoint: what Lightning dumped, minus parameter values and optimizer state (``state_dict`` holds the
             persistent buffers, ``optimizer_states`` the parameter groups); saved as ``meta.pt``.
         state: the engine's model state.
@@ -108,26 +124,122 @@ def save_sharded(path: str | os.PathLike[str], checkpoint: dict[str, Any], state
         The checkpoint directory.
     """
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_staging(target)
-    staging = staging_path(target)
-    staging.mkdir()
+    if isinstance(state.adam, DataParallelAdam):
+        return _save_parallel(target, checkpoint, state, state.adam, module, pretrained, progress)
+    staging = _make_staging(target)
     try:
-        index = _write_files(staging, checkpoint, state, module, pretrained, progress)
-        meta = io.BytesIO()
-        torch.save(checkpoint, meta)
-        index["meta_checksum"] = _write_bytes(staging / META, meta.getbuffer())
-        index["checksum"] = _index_checksum(index)
-        _write_bytes(staging / INDEX, json.dumps(index, indent=1).encode())
-        replace_directory(staging, target)
+        parts = _write_files(staging, checkpoint, state, module, pretrained, progress)
+        _write_index(staging, target, checkpoint, parts, state.layout, module, pretrained)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return target
 
 
+def _make_staging(target: Path) -> Path:
+    """A fresh staging directory beside ``target``, after removing what interrupted saves left there."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_staging(target)
+    staging = staging_path(target)
+    staging.mkdir()
+    return staging
+
+
+def unit_writers(layout: Layout, adam: DataParallelAdam) -> dict[int, int]:
+    """Which rank writes each unit's file of a sharded checkpoint: the owner of the unit's trainable shards (it holds
+    their states); a unit of frozen shards only (every rank holds their values) goes to the rank with the fewest bytes
+    to write so far, largest unit first. Every rank computes the same from the same layout."""
+    load = [0] * adam.ranks.world
+    writers: dict[int, int] = {}
+    frozen: list[tuple[int, int]] = []
+    for unit, shards in layout.unit_shards().items():
+        trainable = [s for s in shards if s.group >= 0]
+        # The master and two moments of a trainable shard, the value of a frozen one.
+        nbytes = sum(s.numel * (12 if s.group >= 0 else s.dtype.itemsize) for s in shards)
+        if trainable:
+            writers[unit] = adam.owner(trainable[0])
+            load[writers[unit]] += nbytes
+        else:
+            frozen.append((unit, nbytes))
+    for unit, nbytes in sorted(frozen, key=lambda item: (-item[1], item[0])):
+        writers[unit] = min(range(len(load)), key=lambda r: (load[r], r))
+        load[writers[unit]] += nbytes
+    return writers
+
+
+def _save_parallel(target: Path, checkpoint: dict[str, Any], state: ModelState, adam: DataParallelAdam,
+                   module: nn.Module, pretrained: PretrainedFolder | None, progress: bool) -> Path:
+    """:func:`save_sharded` on several ranks: three agreed stages (the staging directory, every rank's unit files, the
+    index), each ending with every rank learning whether all of them succeeded."""
+    rank = adam.ranks.rank
+    failed = f"the sharded checkpoint {target} was not written (the one there before, if any, is unchanged)"
+    state.quiesce()
+    made = state.agree(lambda: str(_make_staging(target)) if rank == 0 else None, failed)
+    staging = Path(made[0])
+    try:
+        mine = {unit for unit, writer in unit_writers(state.layout, adam).items() if writer == rank}
+
+        def write_mine() -> list[_UnitPart]:
+            if not staging.is_dir():
+                raise RatelConfigError(
+                    f"rank {rank} does not see the staging directory {staging} rank 0 made for the checkpoint: "
+                    "checkpoints of several ranks must go to a directory every rank reaches (a shared filesystem)")
+            parts = _write_files(staging, checkpoint, state.local(), module, pretrained, progress and rank == 0,
+                                 units=mine)
+            # The files of this rank are on the drive before rank 0 can write the index that names them.
+            fsync_directory(staging)
+            return parts
+
+        written = state.agree(write_mine, failed)
+        parts = sorted((part for rank_parts in written for part in rank_parts), key=lambda part: part.unit)
+        state.agree(lambda: _write_index(staging, target, checkpoint, parts, state.layout, module, pretrained)
+                    if rank == 0 else None, failed)
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
+
+
+@dataclass
+class _UnitPart:
+    """What writing one unit's file leaves for the index: its parameters' records and, when the unit has tensors to
+    store, the file's name and the checksum of every tensor in it."""
+
+    unit: int
+    records: list[dict[str, Any]]
+    file: str | None = None
+    checksums: dict[str, int] = field(default_factory=dict)
+
+
+def _write_index(staging: Path, target: Path, checkpoint: dict[str, Any], parts: Sequence[_UnitPart],
+                 layout: Layout, module: nn.Module, pretrained: PretrainedFolder | None) -> None:
+    """Write ``meta.pt`` and the index of the unit files ``parts`` (every unit's, in unit order), then swap the staging
+    directory into place."""
+    referred = layout.frozen_values.pretrained if pretrained is not None else {}
+    index = {
+        "format": FORMAT,
+        "version": VERSION,
+        "global_step": checkpoint.get("global_step"),
+        "files": [part.file for part in parts if part.file is not None],
+        "checksums": {part.file: part.checksums for part in parts if part.file is not None},
+        "params": [record for part in parts for record in part.records],
+        "pretrained": pretrained.fingerprint() if pretrained is not None and referred else None,
+        "hf": hf_layout(module).to_json(),
+    }
+    meta = io.BytesIO()
+    torch.save(checkpoint, meta)
+    index["meta_checksum"] = _write_bytes(staging / META, meta.getbuffer())
+    index["checksum"] = _index_checksum(index)
+    _write_bytes(staging / INDEX, json.dumps(index, indent=1).encode())
+    replace_directory(staging, target)
+
+
 def _write_files(directory: Path, checkpoint: dict[str, Any], state: ModelState, module: nn.Module,
-                 pretrained: PretrainedFolder | None, progress: bool) -> dict[str, Any]:
+                 pretrained: PretrainedFolder | None, progress: bool, units: set[int] | None = None
+                 ) -> list[_UnitPart]:
+    """Write the file of each unit of ``units`` (``None``: all) whose state takes bytes; returns the part of the index
+    of each of those units, in unit order."""
     layout = state.layout
     generic = layout.generic
     state.quiesce()
@@ -136,14 +248,16 @@ def _write_files(directory: Path, checkpoint: dict[str, Any], state: ModelState,
     for name, p in module.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
     referred = layout.frozen_values.pretrained if pretrained is not None else {}
-    records: list[dict[str, Any]] = []
-    files: list[str] = []
-    checksums: dict[str, dict[str, int]] = {}
-    # (file, [(shard, state, tensor names)]) per unit, in block order.
-    plan: list[tuple[str, list[tuple[Shard, str, list[str]]], list[tuple[str, torch.dtype, Sequence[int]]]]] = []
+    parts: list[_UnitPart] = []
+    # (part, [(shard, state, tensor names)], entries) per unit with a file, in block order.
+    plan: list[tuple[_UnitPart, list[tuple[Shard, str, list[str]]], list[tuple[str, torch.dtype, Sequence[int]]]]] = []
     unit_shards = layout.unit_shards()
     for unit_index in sorted(unit_shards):
+        if units is not None and unit_index not in units:
+            continue
         file = f"unit-{unit_index:05d}.safetensors"
+        part = _UnitPart(unit_index, [])
+        parts.append(part)
         jobs: list[tuple[Shard, str, list[str]]] = []
         entries: list[tuple[str, torch.dtype, Sequence[int]]] = []
         for shard in unit_shards[unit_index]:
@@ -179,20 +293,21 @@ def _write_files(directory: Path, checkpoint: dict[str, Any], state: ModelState,
                     "file": file, "moments": len(whats) == 3}
                 if i in described:
                     location["state"] = described[i]
-                records.append(ParamRecord(
+                part.records.append(ParamRecord(
                     sp.name, tuple(sp.shape), layout.orig_dtype[id(sp.param)], trainable, aliases[id(sp.param)][1:],
                     sp.index, step, dtype, location).to_json())
         if entries:
-            plan.append((file, jobs, entries))
-            files.append(file)
+            part.file = file
+            plan.append((part, jobs, entries))
     items = [(shard, what) for _, jobs, _ in plan for shard, what, _ in jobs]
     steps_of = {shard.index: state.param_steps(shard) for shard, _ in items}
     total = sum(state.numel_of(s, w) * state.dtype_of(s, w).itemsize for s, w in items)
     bar = progress_bar(total, f"RatelStrategy: checkpoint {directory.name.split('.tmp')[0].lstrip('.')}", progress)
     stream = state.stream(items)
     try:
-        for file, jobs, entries in plan:
-            writer = TensorFileWriter(directory / file, entries, metadata={"format": "pt"})
+        for part, jobs, entries in plan:
+            assert part.file is not None
+            writer = TensorFileWriter(directory / part.file, entries, metadata={"format": "pt"})
             try:
                 for shard, what, names in jobs:
                     got, _, flat = next(stream)
@@ -217,20 +332,11 @@ def _write_files(directory: Path, checkpoint: dict[str, Any], state: ModelState,
                 writer.abort()
                 raise
             writer.close()
-            checksums[file] = writer.checksums
+            part.checksums = writer.checksums
     finally:
         stream.close()
         bar.close()
-    return {
-        "format": FORMAT,
-        "version": VERSION,
-        "global_step": checkpoint.get("global_step"),
-        "files": files,
-        "checksums": checksums,
-        "params": records,
-        "pretrained": pretrained.fingerprint() if pretrained is not None and referred else None,
-        "hf": hf_layout(module).to_json(),
-    }
+    return parts
 
 
 def _stored_entries(states: ParamStates) -> list[StateEntry]:
@@ -445,7 +551,7 @@ class ShardedSource(ValueSource):
 def load_moments(state: ModelState, reader: ShardedReader, param_groups: list[dict[str, Any]]) -> None:
     """Put a sharded checkpoint's Adam moments (or another optimizer's state), step counts and parameter groups into
     the run's optimizer, one shard at a time (the next shard's state is read while the current one's is written to the
-    store).
+    store). With several ranks each reads the states of the shards it owns, whatever world size wrote them.
 
     Raises:
         RatelConfigError: the checkpoint was written for another model or optimizer.
@@ -466,6 +572,9 @@ def load_moments(state: ModelState, reader: ShardedReader, param_groups: list[di
     generic = state.layout.generic
     jobs = []
     for shard in state.layout.shards:
+        if not state.holds(shard):
+            # Another rank owns its states and reads them.
+            continue
         records = [reader.by_name.get(sp.name) for sp in shard.params]
         key = "moments" if generic is None else "state"
         stored = [r if r is not None and r.trainable and r.location.get(key) else None for r in records]

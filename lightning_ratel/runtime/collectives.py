@@ -532,6 +532,12 @@ class DataParallelAdam:
         dist.broadcast(_wire(flat), src=self.owner(shard), group=self._control)
         return flat
 
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """Collective: every rank's ``obj`` (picklable), in rank order, on every rank (a checkpoint's bookkeeping)."""
+        out: list[Any] = [None] * self.ranks.world
+        dist.all_gather_object(out, obj, group=self._control)
+        return out
+
     def _ledger(self, shard: Shard) -> tuple[list[int], bool]:
         """Collective: ``shard``'s committed step counts and whether its moments were ever written."""
         entry = torch.zeros(len(shard.params) + 1, dtype=torch.int64)
