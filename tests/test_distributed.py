@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_ratel.engine.coordinator import rank_threads
 from lightning_ratel.plan.owners import UnitCost, assign_owners, imbalance
 from tests.models import max_rel_err
 
@@ -82,6 +83,21 @@ def test_owners_balance_bytes_and_time() -> None:
         assign_owners(costs, 0)
 
 
+@pytest.mark.parametrize("cores", [1, 2, 16, 64, 96])
+def test_ranks_of_a_node_share_its_cores(cores: int) -> None:
+    for ranks in range(1, 9):
+        optimizer, copies = rank_threads(True, ranks, cores)
+        # The node's CPU optimizers together run one thread per core (one each where there are fewer cores).
+        assert ranks * optimizer <= max(cores, ranks) and optimizer >= max(1, cores // ranks)
+        assert 1 <= copies <= max(1, optimizer // 4)
+    # On the CPU the compute's own threads fill the cores.
+    assert rank_threads(False, 2, cores) == (1, 1)
+
+
+def _shared_caches() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("ratel-host-cache-*")} if Path("/dev/shm").is_dir() else set()
+
+
 def test_two_processes_equal_ddp_with_accumulation_and_clipping(tmp_path: Path, ddp_reference: dict) -> None:
     _ok(_run(tmp_path, *ACCUMULATE_CLIP))
     for rank in (0, 1):
@@ -123,10 +139,30 @@ def test_each_state_once_per_node(tmp_path: Path, states: str) -> None:
         assert all(0 < t["placement"]["disk"] < one["placement"]["disk"] for t in two)
 
 
+def test_host_cache_once_per_node(tmp_path: Path) -> None:
+    """Two ranks on one node page from one host cache of the compute copies: the node's engine host bytes (each rank
+    counts the units whose cache it writes, and the optimizer states it owns in host memory) are within 1.1x of one
+    rank's, and the cache's pages are resident once (the two ranks' proportional shares of them add up to what each
+    maps). Nothing of it is left in /dev/shm."""
+    before = _shared_caches()
+    args = ("--model", "llama16", "--states", "host")
+    _ok(_run(tmp_path / "one", "--devices", "1", *args))
+    _ok(_run(tmp_path / "two", *args))
+    one, two = _load(tmp_path / "one"), [_load(tmp_path / "two", r) for r in (0, 1)]
+    assert sum(t["placement"]["host"] for t in two) <= 1.1 * one["placement"]["host"]
+    assert all(0 < t["placement"]["host"] < one["placement"]["host"] for t in two)
+    assert one["shared_cache"] == (0, 0)
+    (rss0, pss0), (rss1, pss1) = (t["shared_cache"] for t in two)
+    assert rss0 == rss1 > 0 and pss0 + pss1 == rss0
+    assert _shared_caches() <= before
+
+
 def test_a_killed_rank_stops_the_others(tmp_path: Path) -> None:
+    before = _shared_caches()
     result = _run(tmp_path, "--fail", "1:1", env=_env(RATEL_TEST_KILL="1"), timeout=180)
     assert result.returncode != 0
     assert not (tmp_path / "rank0.pt").exists()
+    assert _shared_caches() <= before
 
 
 def test_a_raising_rank_stops_the_others(tmp_path: Path) -> None:
