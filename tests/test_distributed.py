@@ -118,6 +118,27 @@ def test_two_nodes_of_one_device_equal_ddp(tmp_path: Path, ddp_reference: dict) 
         _assert_same(ddp_reference, _load(tmp_path, rank))
 
 
+def test_two_nodes_of_two_ranks_each_share_a_host_cache(tmp_path: Path) -> None:
+    """Each node's two ranks page from one host cache, filled over a group of one rank per node: the numbers of ``ddp``
+    on four processes (four ranks' gradients are summed in another order than ``ddp``'s: rounding apart), and each
+    cache's pages shared by exactly two processes."""
+    _ok(_run(tmp_path / "ddp", "--strategy", "ddp", "--devices", "4", *ACCUMULATE_CLIP))
+    port = str(_free_port())
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.distributed_run", str(tmp_path / "ratel"), "--devices", "2",
+                               "--num-nodes", "2", *ACCUMULATE_CLIP], cwd=ROOT,
+                              env=_env(NODE_RANK=str(node), MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for node in (0, 1)]
+    for proc in procs:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-4000:]
+    for rank in range(4):
+        got = _load(tmp_path / "ratel", rank)
+        _assert_same(_load(tmp_path / "ddp"), got, tol=1e-5)
+        rss, pss = got["shared_cache"]
+        assert rss > 0 and 2 * pss == rss
+
+
 def test_encoder_decoder_equals_ddp(tmp_path: Path) -> None:
     _ok(_run(tmp_path / "ddp", "--strategy", "ddp", "--model", "t5", "--clip", "0.3"))
     _ok(_run(tmp_path / "ratel", "--model", "t5", "--clip", "0.3"))

@@ -254,7 +254,7 @@ class RatelEngine:
         if owned is not None:
             # Each rank places the states it owns, in its share of the node's memory.
             self.layout = with_state_tiers(self.layout, config.states_request, config.host_memory_limit, owned,
-                                           ranks.local_world)
+                                           ranks.local_world, cache_shared=node is not None)
         writes = None if node is None or owners is None else node.written_here(owners, list(self.layout.units))
         materializer = Materializer(module, found, self.layout, self.device.device, config.param_init_fn,
                                     source, progress, owned, writes)
