@@ -23,12 +23,14 @@ swap store and their update on its CPU optimizer. :class:`DataParallelAdam` stan
    owner into every rank's host cache, in the order the next forward needs them, and completes the unit's
    :class:`~lightning_ratel.runtime.units.UnitReady` there: the pager waits for it as for an update on one rank. With a
    shared cache the copy reaches each node once (the owner wrote it on its own node) and the node's writer of the unit
-   tells the node's other ranks when it is there.
+   tells the node's other ranks when it is there. The owner's update may overwrite the shared bytes during backward:
+   it runs on the reduced gradient, so after every rank's backward has left the unit.
 
 Each thread issues its collectives on a process group of its own (gloo, on host memory, whatever the default backend),
 so collectives of different threads never interleave differently on two ranks. The training thread's own collectives
 (the agreement, the global norm and overflow, reading another rank's states for a checkpoint) use a third group; they
 happen only where every rank runs the same code at the same point (finishing a step, a checkpoint, the end of fit).
+With a shared cache both also have a group of the node's ranks and, with several nodes, one of a rank per node.
 """
 
 from __future__ import annotations
