@@ -358,7 +358,7 @@ class RatelStrategy(ParallelStrategy):
         if not self.is_distributed:
             return None
         return Ranks(rank=self.global_rank, world=self.world_size, local_world=self.num_processes,
-                     timeout=self._timeout)
+                     timeout=self._timeout, local_rank=self.local_rank)
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:

@@ -3,7 +3,8 @@
 Lightning's own launcher starts the other ranks (``devices=N``), or the test starts one process per node
 (``--num-nodes``, with ``NODE_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` set). Every rank writes ``OUT/rank<r>.pt``:
 its parameters and optimizer state after fit (as a user reads them), the bytes the strategy held at the end of training,
-the bytes it read from a pretrained folder and from a sharded checkpoint, and the process's peak RSS.
+the bytes it read from a pretrained folder and from a sharded checkpoint, the growth of the process's proportional set
+size from the start of ``main`` to then, and its peak RSS.
 """
 
 from __future__ import annotations
@@ -29,18 +30,52 @@ from lightning_ratel.sizes import path_bytes
 from tests.models import LM, cache_off, final_state, trainer
 
 
-class _Measure(L.Callback):
-    """The bytes the strategy holds (engine accounting, swap files on disk) once training ends, before teardown."""
+def proportional_set_size() -> int:
+    """This process's memory with each page shared with others counted in proportion (Linux ``Pss``; 0 elsewhere):
+    summed over the processes of a node, memory they share counts once."""
+    try:
+        with open("/proc/self/smaps_rollup") as rollup:
+            return next(int(line.split()[1]) * 1024 for line in rollup if line.startswith("Pss:"))
+    except (OSError, StopIteration):
+        return 0
 
-    def __init__(self, swap: Path) -> None:
+
+def shared_cache_memory() -> tuple[int, int]:
+    """Resident and proportional bytes of this process's mappings of a host cache shared with the node's other ranks
+    (Linux; (0, 0) without one)."""
+    rss = pss = 0
+    inside = False
+    try:
+        with open("/proc/self/smaps") as smaps:
+            for line in smaps:
+                head = line.split()
+                if head and "-" in head[0] and not head[0].endswith(":"):
+                    inside = "ratel-host-cache-" in line
+                elif inside and head[0] == "Rss:":
+                    rss += int(head[1]) * 1024
+                elif inside and head[0] == "Pss:":
+                    pss += int(head[1]) * 1024
+    except OSError:
+        pass
+    return rss, pss
+
+
+class _Measure(L.Callback):
+    """The bytes the strategy holds (engine accounting, swap files on disk) once training ends, before teardown, the
+    process's proportional set size then, above ``baseline``, and its memory of a host cache shared on the node."""
+
+    def __init__(self, swap: Path, baseline: int) -> None:
         self.swap = swap
+        self.baseline = baseline
         self.figures: dict[str, Any] = {}
 
     def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         placement = getattr(trainer.strategy, "byte_placement", dict)()
         states = getattr(trainer.strategy, "state_placement", dict)()
         self.figures = {"placement": placement, "states": states,
-                        "swap_bytes": path_bytes(self.swap) if self.swap.exists() else 0}
+                        "swap_bytes": path_bytes(self.swap) if self.swap.exists() else 0,
+                        "pss_growth": proportional_set_size() - self.baseline,
+                        "shared_cache": shared_cache_memory()}
 
 
 class _Save(L.Callback):
@@ -109,6 +144,7 @@ class _Raise(L.Callback):
 
 
 def main(argv: list[str]) -> None:
+    baseline = proportional_set_size()
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--strategy", default="ratel")
@@ -141,7 +177,7 @@ def main(argv: list[str]) -> None:
                                  optimizer_states=args.states, checkpoint_format=args.checkpoint_format,
                                  pretrained=args.pretrained, keep_swap_files=args.keep_swap,
                                  timeout=timedelta(seconds=60))
-    measure = _Measure(swap)
+    measure = _Measure(swap, baseline)
     callbacks: list[L.Callback] = [measure]
     if args.save:
         callbacks.append(_Save(args.save, args.save_every_step))

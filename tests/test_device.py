@@ -1,7 +1,8 @@
 """The device layer below the engine: the CPU path makes no copies, the stream simulation behaves like CUDA's streams
 and caching allocator (so that a missing wait or keep_alive shows up on the CPU), the host pool pins exactly what it
 says and reuses memory only after the copies using it, the pager neither waits for uploads nor blocks in page-out, the
-fp16 loss scale is not copied to the device every step, and the device memory cap is undone at teardown."""
+fp16 loss scale is not copied to the device every step, the device memory cap is undone at teardown, and memory that
+the processes of a node share is one memory that leaves nothing behind."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 from lightning_ratel import RatelConfigError, RatelPrecision, RatelStrategy
 from lightning_ratel import strategy as strategy_module
 from lightning_ratel.runtime.device import DONE, Device
+from lightning_ratel.runtime.hostmem import SharedHostMemory
 from lightning_ratel.runtime.pool import HostPool
 from lightning_ratel.runtime.simulation import StreamOrderError, take_simulation_errors
 from lightning_ratel.runtime.storage import TensorStore
@@ -190,6 +192,30 @@ def test_simulated_device_accounts_pinned_memory(sim: Device) -> None:
     del cache, staging
     sim.synchronize()
     assert sim.pinned_bytes == 12288
+
+
+def test_shared_host_memory_is_the_same_bytes_in_each_mapping_and_leaves_no_name(sim: Device) -> None:
+    # Two "processes": each maps the file and takes the same allocations in the same order.
+    first = SharedHostMemory.create()
+    second = SharedHostMemory.open(first.path)
+    path = Path(first.path)
+    first.unlink()
+    assert not path.exists()
+    a = [sim.shared_host_empty(first, 1000, torch.bfloat16), sim.shared_host_empty(first, 10, torch.float32)]
+    a[0].fill_(1.5)
+    a[1].fill_(-2.0)
+    # Taken after the other side wrote: not poisoned (with simulated streams a pool's memory would be NaN).
+    b = [sim.shared_host_empty(second, 1000, torch.bfloat16), sim.shared_host_empty(second, 10, torch.float32)]
+    assert torch.equal(b[0], a[0]) and torch.equal(b[1], a[1])
+    b[1][3] = 7.0
+    assert a[1][3].item() == 7.0
+    assert a[0].data_ptr() % 4096 == 0 and a[1].data_ptr() % 4096 == 0
+    assert first.nbytes == second.nbytes == 2 * 4096
+    assert sim.pinned_bytes == 4 * 4096  # each process page-locks its own mapping (on CUDA)
+    first.close()
+    second.close()
+    # Closed, the allocations stay mapped.
+    assert a[0][999].item() == 1.5
 
 
 # ---------------------------------------------------------------------------------------------------- pager

@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
+from lightning_ratel.engine.coordinator import rank_threads
 from lightning_ratel.io.convert import main as convert_main
 from lightning_ratel.io.convert import sharded_to_lightning
 from lightning_ratel.io.sharded import ShardedReader, unit_writers
@@ -105,6 +106,21 @@ def test_unit_files_of_a_sharded_checkpoint_go_to_owners_and_frozen_units_are_sp
     assert unit_writers(layout, adam) == {0: 0, 1: 1, 2: 0, 3: 1, 4: 1}  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("cores", [1, 2, 16, 64, 96])
+def test_ranks_of_a_node_share_its_cores(cores: int) -> None:
+    for ranks in range(1, 9):
+        optimizer, copies = rank_threads(True, ranks, cores)
+        # The node's CPU optimizers together run one thread per core (one each where there are fewer cores).
+        assert ranks * optimizer <= max(cores, ranks) and optimizer >= max(1, cores // ranks)
+        assert 1 <= copies <= max(1, optimizer // 4)
+    # On the CPU the compute's own threads fill the cores.
+    assert rank_threads(False, 2, cores) == (1, 1)
+
+
+def _shared_caches() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("ratel-host-cache-*")} if Path("/dev/shm").is_dir() else set()
+
+
 def test_two_processes_equal_ddp_with_accumulation_and_clipping(tmp_path: Path, ddp_reference: dict) -> None:
     _ok(_run(tmp_path, *ACCUMULATE_CLIP))
     for rank in (0, 1):
@@ -123,6 +139,27 @@ def test_two_nodes_of_one_device_equal_ddp(tmp_path: Path, ddp_reference: dict) 
         assert proc.returncode == 0, err[-4000:]
     for rank in (0, 1):
         _assert_same(ddp_reference, _load(tmp_path, rank))
+
+
+def test_two_nodes_of_two_ranks_each_share_a_host_cache(tmp_path: Path) -> None:
+    """Each node's two ranks page from one host cache, filled over a group of one rank per node: the numbers of ``ddp``
+    on four processes (four ranks' gradients are summed in another order than ``ddp``'s: rounding apart), and each
+    cache's pages shared by exactly two processes."""
+    _ok(_run(tmp_path / "ddp", "--strategy", "ddp", "--devices", "4", *ACCUMULATE_CLIP))
+    port = str(_free_port())
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.distributed_run", str(tmp_path / "ratel"), "--devices", "2",
+                               "--num-nodes", "2", *ACCUMULATE_CLIP], cwd=ROOT,
+                              env=_env(NODE_RANK=str(node), MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for node in (0, 1)]
+    for proc in procs:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-4000:]
+    for rank in range(4):
+        got = _load(tmp_path / "ratel", rank)
+        _assert_same(_load(tmp_path / "ddp"), got, tol=1e-5)
+        rss, pss = got["shared_cache"]
+        assert rss > 0 and 2 * pss == rss
 
 
 def test_encoder_decoder_equals_ddp(tmp_path: Path) -> None:
@@ -146,10 +183,30 @@ def test_each_state_once_per_node(tmp_path: Path, states: str) -> None:
         assert all(0 < t["placement"]["disk"] < one["placement"]["disk"] for t in two)
 
 
+def test_host_cache_once_per_node(tmp_path: Path) -> None:
+    """Two ranks on one node page from one host cache of the compute copies: the node's engine host bytes (each rank
+    counts the units whose cache it writes, and the optimizer states it owns in host memory) are within 1.1x of one
+    rank's, and the cache's pages are resident once (the two ranks' proportional shares of them add up to what each
+    maps). Nothing of it is left in /dev/shm."""
+    before = _shared_caches()
+    args = ("--model", "llama16", "--states", "host")
+    _ok(_run(tmp_path / "one", "--devices", "1", *args))
+    _ok(_run(tmp_path / "two", *args))
+    one, two = _load(tmp_path / "one"), [_load(tmp_path / "two", r) for r in (0, 1)]
+    assert sum(t["placement"]["host"] for t in two) <= 1.1 * one["placement"]["host"]
+    assert all(0 < t["placement"]["host"] < one["placement"]["host"] for t in two)
+    assert one["shared_cache"] == (0, 0)
+    (rss0, pss0), (rss1, pss1) = (t["shared_cache"] for t in two)
+    assert rss0 == rss1 > 0 and pss0 + pss1 == rss0
+    assert _shared_caches() <= before
+
+
 def test_a_killed_rank_stops_the_others(tmp_path: Path) -> None:
+    before = _shared_caches()
     result = _run(tmp_path, "--fail", "1:1", env=_env(RATEL_TEST_KILL="1"), timeout=180)
     assert result.returncode != 0
     assert not (tmp_path / "rank0.pt").exists()
+    assert _shared_caches() <= before
 
 
 def test_a_raising_rank_stops_the_others(tmp_path: Path) -> None:

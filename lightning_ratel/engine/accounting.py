@@ -32,10 +32,14 @@ class ByteAccount:
         state: the originals an evaluation run keeps.
         adam: the CPU optimizer's buffers (fitting only).
         store: the model-state swap store (fitting only).
+        cache_units: with a host cache the node's ranks share, the units whose cache this rank counts (those it writes:
+            the node's ranks together count each once); ``None``: every unit's.
     """
 
     def __init__(self, device: Device, layout: Layout, pager: ParameterPager, cache: ActivationCache,
-                 state: ModelState, adam: CpuAdam | None, store: TensorStore | None) -> None:
+                 state: ModelState, adam: CpuAdam | None, store: TensorStore | None,
+                 cache_units: set[int] | None = None) -> None:
+        self.cache_units = cache_units
         self.device = device
         self.layout = layout
         self.pager = pager
@@ -46,7 +50,8 @@ class ByteAccount:
 
     def held(self) -> dict[str, int]:
         """Bytes held right now on the device, in host memory and on disk, and how many of the host's are pinned."""
-        host = sum(u.host_nbytes for u in self.layout.units.values())
+        host = sum(u.host_nbytes for u in self.layout.units.values()
+                   if self.cache_units is None or u.index in self.cache_units)
         pool = self.device.pool
         if self.device.separate_memory:
             # Every staging copy (activations, gradients, page-ins) is one of the pool's buffers.

@@ -22,6 +22,7 @@ the next forward's pre-hook asks the pager for the block, which waits on that si
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -48,11 +49,12 @@ from lightning_ratel.plan.owners import UnitCost, assign_owners
 from lightning_ratel.runtime import gds
 from lightning_ratel.runtime.activations import ActivationCache, PlaceholderRead
 from lightning_ratel.runtime.adamw import GroupHyper
-from lightning_ratel.runtime.collectives import DataParallelAdam, Ranks
+from lightning_ratel.runtime.collectives import DataParallelAdam, NodeCache, Ranks, SharedCacheUnavailable
 from lightning_ratel.runtime.device import Device
 from lightning_ratel.runtime.escapes import Escape, EscapeDetector
 from lightning_ratel.runtime.generic import group_settings
 from lightning_ratel.runtime.gradients import GradientOffload
+from lightning_ratel.runtime.hostmem import ALIGNMENT
 from lightning_ratel.runtime.hoststore import HostStore, TieredStore
 from lightning_ratel.runtime.optimizer import CpuAdam, StepPlan
 from lightning_ratel.runtime.pager import ParameterPager
@@ -88,14 +90,50 @@ def _activation_store(device: Device, config: RatelConfig) -> Callable[[], Tenso
     return create
 
 
-def _state_store(device: Device, config: RatelConfig, shards: list[Shard]) -> TieredStore:
+def rank_threads(is_cuda: bool, local_world: int, cores: int) -> tuple[int, int]:
+    """Threads of one rank's CPU optimizer updates and of its host-state copies, out of the ``cores`` it may run on.
+
+    On the CPU the compute's own thread team already fills every core: one each. On a GPU the cores are the CPU
+    optimizer's, split evenly among the ``local_world`` ranks of the node, so that their updates together run one
+    thread per core; the copies of states kept in host memory (memory-bound, run while the update waits for its
+    states) get a quarter of a rank's share, at most 4.
+    """
+    if not is_cuda:
+        return 1, 1
+    share = max(1, cores // max(1, local_world))
+    return share, max(1, min(4, share // 4))
+
+
+def _cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _state_store(device: Device, config: RatelConfig, shards: list[Shard], local_world: int) -> TieredStore:
     """The model-state store: the swap files, and host memory for the states of shards placed there."""
     assert config.ssd_paths is not None
     disk = TensorStore(config.ssd_paths, name=config.name, keep_files=config.keep_swap_files)
-    # Copies in host memory take cores from nothing on a GPU run; on the CPU the compute already fills them.
-    threads = max(1, min(4, (os.cpu_count() or 1) // 4)) if device.is_cuda else 1
+    threads = rank_threads(device.is_cuda, local_world, _cores())[1]
     host_keys = [key for shard in shards if shard.state_tier == "host" for key in shard.state_keys()]
     return TieredStore(disk, HostStore(f"{config.name}-states", threads=threads), host_keys)
+
+
+def _node_cache(module: nn.Module, ranks: Ranks) -> NodeCache | None:
+    """The host cache the ranks of this node share (collective over every rank), or ``None``: each rank keeps its
+    own, with a warning why where several ranks share the node."""
+    params = list(module.parameters())
+    # At least the host cache's bytes: compute dtypes are never wider than the parameters' own, and each of a unit's
+    # runs of one dtype and group starts on a page.
+    nbytes = sum(p.numel() * p.element_size() for p in params) + 2 * ALIGNMENT * len(params)
+    try:
+        return NodeCache.open(ranks, nbytes)
+    except SharedCacheUnavailable as err:
+        if ranks.local_world > 1:
+            rank_zero_warn(
+                f"RatelStrategy: the {ranks.local_world} ranks on each node keep a host cache of the compute copies "
+                f"each, {ranks.local_world}x the host memory of one: {err}. Give /dev/shm room for one copy (docker: "
+                "--shm-size) to hold it once per node.")
+        return None
 
 
 def _owners(layout: Layout, ranks: Ranks) -> dict[int, int]:
@@ -198,49 +236,61 @@ class RatelEngine:
         if config.activation_policy is not None:
             check_patterns(found, config.activation_policy)
         parallel = ranks is not None and optimizer is not None
-        self.layout = build_layout(module, found, optimizer, half_dtype, config.param_cache,
-                                   config.host_memory_limit, self.device.host_empty, announce=not parallel,
-                                   optimizer_states=config.states_request)
-        self.blocks = BlockMembership(found, self.layout.block_units)
-        owners = _owners(self.layout, ranks) if parallel else None
+        # The ranks of a node page from one host cache (each compute copy held once per node).
+        node = _node_cache(module, ranks) if parallel and ranks is not None else None
+        try:
+            host_empty = (self.device.host_empty if node is None
+                          else functools.partial(self.device.shared_host_empty, node.memory))
+            self.layout = build_layout(module, found, optimizer, half_dtype, config.param_cache,
+                                       config.host_memory_limit, host_empty, announce=not parallel,
+                                       optimizer_states=config.states_request)
+            self.blocks = BlockMembership(found, self.layout.block_units)
+            owners = _owners(self.layout, ranks) if parallel and ranks is not None else None
+        except BaseException:
+            if node is not None:
+                node.close()
+            raise
         owned = None if owners is None else {s.index for s in self.layout.shards if owners[s.unit.index] == ranks.rank}
         if owned is not None:
             # Each rank places the states it owns, in its share of the node's memory.
             self.layout = with_state_tiers(self.layout, config.states_request, config.host_memory_limit, owned,
-                                           ranks.local_world)
+                                           ranks.local_world, cache_shared=node is not None)
+        writes = None if node is None or owners is None else node.written_here(owners, list(self.layout.units))
         materializer = Materializer(module, found, self.layout, self.device.device, config.param_init_fn,
-                                    source, progress, owned)
+                                    source, progress, owned, writes)
         self.store: TieredStore | None = None
         self.adam: CpuAdam | DataParallelAdam | None = None
         self._switches = FitSwitches(module) if optimizer is not None else None
+        local_world = ranks.local_world if ranks is not None else 1
         try:
             if optimizer is not None:
-                self.store = _state_store(self.device, config, self.layout.shards)
+                self.store = _state_store(self.device, config, self.layout.shards, local_world)
             materializer.load(self.store)
             if self.store is not None:
                 largest = max((s.numel for s in self.layout.shards), default=0)
-                # On the CPU the compute's own thread team already fills every core; on a GPU the ranks of a node
-                # share its cores.
-                threads = None if not self.device.is_cuda or ranks is None else max(
-                    1, torch.get_num_threads() // ranks.local_world)
+                # One rank alone keeps torch's thread count on a GPU.
+                threads = None if self.device.is_cuda and ranks is None else rank_threads(
+                    self.device.is_cuda, local_world, _cores())[0]
 
                 def cpu_adam(shards: list[Shard]) -> CpuAdam:
                     assert self.store is not None
                     return CpuAdam(shards, self.store, timeline=self.timeline,
                                    compute_on_store=self.layout.param_cache == "ssd",
                                    grad_budget_bytes=GRAD_BUDGET_SHARDS * largest * 4,
-                                   threads=threads if self.device.is_cuda else 1, generic=self.layout.generic)
+                                   threads=threads, generic=self.layout.generic)
 
                 if owners is None:
                     self.adam = cpu_adam(self.layout.shards)
                 else:
                     assert ranks is not None
-                    self.adam = DataParallelAdam(cpu_adam, self.layout.shards, owners, ranks)
+                    self.adam = DataParallelAdam(cpu_adam, self.layout.shards, owners, ranks, node)
                     self.adam.sync_compute_copies()
                 # State the optimizer's constructor made (Adagrad's sums) is made again for each parameter at its
                 # first update; the run's state lives in the store.
                 optimizer.state.clear()
         except BaseException:
+            if node is not None and not isinstance(self.adam, DataParallelAdam):
+                node.close()
             materializer.undo()
             if self._switches is not None:
                 self._switches.restore()
@@ -262,7 +312,7 @@ class RatelEngine:
         self.gradients = (GradientOffload(self.device, self.adam, self.layout.shards, self.layout.frozen_shards)
                           if self.adam is not None else None)
         self.accounts = ByteAccount(self.device, self.layout, self.pager, self.cache, self.state, self.adam,
-                                    self.store)
+                                    self.store, writes)
         self.planner = Planner(config, self.device, self.blocks, self.layout, self.cache, self.scheduler,
                                self.accounts, StepBreakdown(self.device, self.timeline, self.pager, self.cache,
                                                             self.store), self.adam)

@@ -282,7 +282,8 @@ def build_layout(
 
 
 def with_state_tiers(layout: Layout, requested: OptimizerStates, host_memory_limit: int | None,
-                     owned: set[int] | None = None, ranks_on_node: int = 1, announce: bool = True) -> Layout:
+                     owned: set[int] | None = None, ranks_on_node: int = 1, announce: bool = True,
+                     cache_shared: bool = False) -> Layout:
     """``layout`` with the optimizer states of its shards placed (:func:`~lightning_ratel.plan.states.place_states`).
 
     Args:
@@ -293,6 +294,7 @@ def with_state_tiers(layout: Layout, requested: OptimizerStates, host_memory_lim
             The others' states are another rank's, and stay ``"ssd"`` here.
         ranks_on_node: processes sharing the node's memory (data parallel), each with its share of it.
         announce: say where they went.
+        cache_shared: the node's processes share one host cache of compute copies, each holding its share of it.
     """
     mine = [s for s in layout.shards if owned is None or s.index in owned]
     if not mine:
@@ -300,6 +302,8 @@ def with_state_tiers(layout: Layout, requested: OptimizerStates, host_memory_lim
     generic = layout.generic
     sizes = [state_bytes(s.numel, generic.nbytes(s) if generic is not None else None) for s in mine]
     compute = sum(u.nbytes for u in layout.units.values()) if layout.param_cache == "host" else 0
+    if cache_shared:
+        compute //= ranks_on_node
     held = compute + BUFFER_BYTES_PER_PARAM * max(s.numel for s in mine)
     tiers = dict(zip((s.index for s in mine), place_states(sizes, requested,
                                                            states_budget(host_memory_limit, held, ranks_on_node))))

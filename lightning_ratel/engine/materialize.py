@@ -135,6 +135,8 @@ class Materializer:
         progress: show a progress bar.
         owned: the trainable shards whose states this rank keeps, by index, when several ranks train (each unit's
             states are on one rank, which alone reads their values from ``source``); ``None``: all.
+        writes: the units whose host cache this rank fills, when the ranks of its node share one (each unit's is
+            written by one of them, and read by the others once it says so); ``None``: all.
 
     Raises:
         RatelConfigError: the source does not match the model, or a module on the meta device cannot be initialized
@@ -144,8 +146,9 @@ class Materializer:
 
     def __init__(self, module: nn.Module, blocks: Sequence[Block], layout: Layout, device: torch.device,
                  param_init_fn: ParamInitFn | None, source: ValueSource | None = None, progress: bool = False,
-                 owned: set[int] | None = None) -> None:
+                 owned: set[int] | None = None, writes: set[int] | None = None) -> None:
         self.module = module
+        self.writes = writes
         self.blocks = blocks
         self.layout = layout
         self.device = device
@@ -266,7 +269,7 @@ class Materializer:
                 if compute_on_store and (shard.dtype != torch.float32 or shard.group < 0):
                     store.reserve(shard.compute_key, shard.numel * shard.dtype.itemsize)
             store.preallocate()
-        writer = _ShardWriter(store, layout, compute_on_store, self.owned)
+        writer = _ShardWriter(store, layout, compute_on_store, self.owned, self.writes)
         unit_shards = layout.unit_shards()
         def nbytes(slots: Sequence[ParamSlot]) -> int:
             return sum(s.numel * layout.orig_dtype[id(s.param)].itemsize for s in slots)
@@ -286,11 +289,12 @@ class Materializer:
                 if self.source is not None and following < len(units):
                     self.source.prefetch([s for s in units[following].slots if id(s.param) not in self._elsewhere])
                 with self._values(unit.slots) as values:
+                    fills = self.writes is None or unit.index in self.writes
                     for slot in unit.slots:
                         value = values.get(id(slot.param))
                         if value is None:
                             continue  # another rank's to read
-                        if unit.host:
+                        if unit.host and fills:
                             slot.view(unit.host).copy_(value.tensor)
                         if store is None and value.tensor is not slot.param.data:
                             slot.param.data.copy_(value.tensor)
@@ -366,14 +370,16 @@ class _ShardWriter:
         layout: the model's layout (every shard sizes the staging buffers).
         compute_copies: also write compute copies (the pager reads them from the store).
         owned: the trainable shards this rank keeps states of, by index (``None``: all).
+        writes: the units whose host cache this rank fills (``None``: all); another rank may be filling the others.
     """
 
     def __init__(self, store: TensorStore | None, layout: Layout, compute_copies: bool,
-                 owned: set[int] | None = None) -> None:
+                 owned: set[int] | None = None, writes: set[int] | None = None) -> None:
         self.store = store
         self.layout = layout
         self.compute_copies = compute_copies
         self.owned = owned
+        self.writes = writes
         shards = layout.all_shards if store is not None else []
         largest = round_up(max((s.numel * 4 for s in shards), default=0), ALIGNMENT)
         # A compute copy of its own: 16-bit trainable shards and every frozen shard (an fp32 master is its own copy).
@@ -434,8 +440,13 @@ class _ShardWriter:
             for sp in shard.params:
                 sp.view(copy).copy_(values[id(sp.param)].tensor)
             futures.append(self.store.write(shard.compute_key, copy))
-        else:
+        elif self.writes is None or shard.unit.index in self.writes:
             copy = shard.compute_view(shard.unit.host[shard.dtype])
+        else:
+            # The cache is another rank's to fill: this rank rounds its own values.
+            copy = torch.empty(shard.numel, dtype=shard.dtype)
+            for sp in shard.params:
+                sp.view(copy).copy_(values[id(sp.param)].tensor)
         exact = all(self._exact(sp.view(copy), values[id(sp.param)].tensor, self.layout.orig_dtype[id(sp.param)])
                     for sp in shard.params)
         if not exact:

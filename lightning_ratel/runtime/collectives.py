@@ -1,6 +1,7 @@
 """Data-parallel training on torch.distributed: each unit's states and its update on one owner rank.
 
-Every rank runs forward and backward on its own micro-batch and holds every unit's compute copy (the pager needs it),
+Every rank runs forward and backward on its own micro-batch and reads every unit's compute copy (the pager needs it)
+from a host cache that the ranks of its node share (:class:`NodeCache`; each rank keeps its own where they cannot),
 but only the units it owns (:mod:`lightning_ratel.plan.owners`) have their fp32 master and optimizer states in its
 swap store and their update on its CPU optimizer. :class:`DataParallelAdam` stands where
 :class:`~lightning_ratel.runtime.optimizer.CpuAdam` stands on one rank and takes the same calls:
@@ -20,12 +21,16 @@ swap store and their update on its CPU optimizer. :class:`DataParallelAdam` stan
    of them got there (a rank that raised never does, and the others then fail in that collective instead of
    committing), then a publisher thread, ``ratel-publish``, broadcasts each updated shard's new compute copy from its
    owner into every rank's host cache, in the order the next forward needs them, and completes the unit's
-   :class:`~lightning_ratel.runtime.units.UnitReady` there: the pager waits for it as for an update on one rank.
+   :class:`~lightning_ratel.runtime.units.UnitReady` there: the pager waits for it as for an update on one rank. With a
+   shared cache the copy reaches each node once (the owner wrote it on its own node) and the node's writer of the unit
+   tells the node's other ranks when it is there. The owner's update may overwrite the shared bytes during backward:
+   it runs on the reduced gradient, so after every rank's backward has left the unit.
 
 Each thread issues its collectives on a process group of its own (gloo, on host memory, whatever the default backend),
 so collectives of different threads never interleave differently on two ranks. The training thread's own collectives
 (the agreement, the global norm and overflow, reading another rank's states for a checkpoint) use a third group; they
 happen only where every rank runs the same code at the same point (finishing a step, a checkpoint, the end of fit).
+With a shared cache both also have a group of the node's ranks and, with several nodes, one of a rank per node.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_ratel.runtime.device import DONE
+from lightning_ratel.runtime.hostmem import SharedHostMemory
 from lightning_ratel.runtime.optimizer import CpuAdam, Finished, StepPlan, finish_step
 from lightning_ratel.runtime.units import Shard, Unit
 
@@ -56,12 +62,135 @@ class Ranks:
         world: the number of ranks.
         local_world: the ranks on its node (they share its cores, drives and host memory).
         timeout: how long a collective of the engine's waits for the other ranks before it fails.
+        local_rank: its place on its node; a node's ranks are consecutive (``rank - local_rank`` is the first), as
+            Lightning and torchrun number them.
     """
 
     rank: int
     world: int
     local_world: int = 1
     timeout: timedelta | None = None
+    local_rank: int = 0
+
+    @property
+    def node_ranks(self) -> list[int]:
+        """The global ranks on this node."""
+        first = self.rank - self.local_rank
+        return list(range(first, first + self.local_world))
+
+    @property
+    def nodes(self) -> int:
+        """The number of nodes."""
+        return self.world // self.local_world
+
+
+class SharedCacheUnavailable(Exception):
+    """The ranks of a node cannot share one host cache (:meth:`NodeCache.open`); the message says why."""
+
+
+class NodeCache:
+    """The host cache that the ranks of one node share, and the process groups that order its writes and reads.
+
+    Every rank pages every unit's compute copy from its host cache. Here the caches of a node's ranks are one
+    :class:`~lightning_ratel.runtime.hostmem.SharedHostMemory`, so each compute copy is held once per node. Each unit's
+    copy is written on a node by one rank, its *writer*: the node's rank with the local index of the unit's owner (the
+    owner itself on its own node; on another node the rank that receives the owner's broadcast for that node, over a
+    *column* group of one rank per node). The node's other ranks read those bytes only after the writer said that they
+    are written, by a token it broadcasts on the node's group (1: written; 0: its update or broadcast failed); a rank
+    that dies breaks that collective instead of leaving the others waiting, or reading bytes half written.
+
+    Each thread that issues these collectives has groups of its own: the publisher thread (``publish``,
+    ``column_publish``) and the training thread (``control``, ``column_control``); the column groups exist only with
+    more than one node.
+
+    Args:
+        ranks: this rank's place.
+        memory: the node's shared memory, mapped by this rank.
+        groups: the node group and the column group of each thread, in the order above (column groups ``None`` on
+            one node).
+    """
+
+    def __init__(self, ranks: Ranks, memory: SharedHostMemory, groups: tuple[Any, Any, Any, Any]) -> None:
+        self.ranks = ranks
+        self.memory = memory
+        self.control, self.publish, self.column_control, self.column_publish = groups
+        self._groups = [g for g in groups if g is not None]
+
+    @classmethod
+    def open(cls, ranks: Ranks, nbytes: int) -> NodeCache:
+        """Collective over every rank: make the groups, and map one shared memory per node, which the node's first
+        rank creates where ``/dev/shm`` has room for ``nbytes`` and removes once every rank of its node opened it.
+
+        Raises:
+            SharedCacheUnavailable: on every rank alike, when any node cannot share (one rank per node, ranks not
+                numbered node by node, no room or no ``/dev/shm``); nothing is left behind.
+        """
+        lw = ranks.local_world
+        if lw < 2 or ranks.world % lw:
+            raise SharedCacheUnavailable("one rank per node" if lw < 2 else "the nodes hold different numbers of ranks")
+        node_lists = [list(range(n * lw, (n + 1) * lw)) for n in range(ranks.nodes)]
+        column_lists = [[n * lw + j for n in range(ranks.nodes)] for j in range(lw)]
+        world = dist.new_group(backend="gloo", timeout=ranks.timeout)
+        groups: list[Any] = []
+        memory: SharedHostMemory | None = None
+        try:
+            for _ in range(2):
+                groups.append(dist.new_subgroups_by_enumeration(node_lists, timeout=ranks.timeout, backend="gloo")[0])
+            for _ in range(2):
+                groups.append(dist.new_subgroups_by_enumeration(column_lists, timeout=ranks.timeout, backend="gloo")[0]
+                              if ranks.nodes > 1 else None)
+            reason = ""
+            if ranks.local_rank == 0:
+                try:
+                    memory = SharedHostMemory.create()
+                    if memory.free_bytes() < nbytes:
+                        reason = (f"{memory.path} has {memory.free_bytes()} bytes free and the host cache needs up to "
+                                  f"{nbytes}")
+                except OSError as err:
+                    reason = f"no shared memory file could be made ({err})"
+            box = [memory.path if memory is not None and not reason else "", reason]
+            dist.broadcast_object_list(box, src=ranks.node_ranks[0], group=groups[0])
+            reason = box[1]
+            if ranks.local_rank != 0 and not reason:
+                try:
+                    memory = SharedHostMemory.open(box[0])
+                except OSError as err:
+                    reason = f"rank {ranks.rank} could not open {box[0]} ({err})"
+            failed = torch.tensor([1 if reason else 0])
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=world)
+            # Every rank of the node has the file open (or gave up): its name is no longer needed.
+            if ranks.local_rank == 0 and memory is not None:
+                memory.unlink()
+            if failed.item():
+                raise SharedCacheUnavailable(reason or "another node could not share its host cache")
+        except BaseException:
+            if memory is not None:
+                memory.unlink()
+                memory.close()
+            for group in groups:
+                if group is not None:
+                    dist.destroy_process_group(group)
+            raise
+        finally:
+            dist.destroy_process_group(world)
+        assert memory is not None
+        return cls(ranks, memory, (groups[0], groups[1], groups[2], groups[3]))
+
+    def writer(self, owner: int) -> int:
+        """The rank of this node that writes the compute copies of the units ``owner`` owns."""
+        return self.ranks.node_ranks[owner % self.ranks.local_world]
+
+    def written_here(self, owners: dict[int, int], units: Sequence[int]) -> set[int]:
+        """The units among ``units`` whose host cache this rank writes on its node, given each unit's owner
+        (a unit without one, holding frozen parameters only, goes by its index)."""
+        return {u for u in units if self.writer(owners.get(u, u)) == self.ranks.rank}
+
+    def close(self) -> None:
+        """Release the groups and the file (the cache stays mapped as long as its tensors live)."""
+        self.memory.close()
+        groups, self._groups = self._groups, []
+        for group in groups:
+            dist.destroy_process_group(group)
 
 
 def _wire(tensor: torch.Tensor) -> torch.Tensor:
@@ -264,12 +393,15 @@ class _Publisher:
         owner: each trainable shard's owner rank, by shard index.
         rank: this rank.
         group: the process group of its broadcasts.
+        node: the host cache this rank shares with its node, if it does (each copy then reaches each node once, see
+            :class:`NodeCache`).
     """
 
-    def __init__(self, owner: dict[int, int], rank: int, group: Any) -> None:
+    def __init__(self, owner: dict[int, int], rank: int, group: Any, node: NodeCache | None = None) -> None:
         self._owner = owner
         self._rank = rank
         self._group = group
+        self._node = node
         self._jobs: queue.SimpleQueue[_Publish | _Stop] = queue.SimpleQueue()
         self._cond = threading.Condition()
         self._pending = 0
@@ -313,6 +445,10 @@ class _Publisher:
                     self._cond.notify_all()
 
     def _publish(self, job: _Publish) -> None:
+        if self._node is not None:
+            for unit, shards in job.items:
+                self._publish_shared(self._node, unit, shards)
+            return
         for unit, shards in job.items:
             mine = [s for s in shards if self._owner[s.index] == self._rank]
             if mine:
@@ -322,6 +458,34 @@ class _Publisher:
                 dist.broadcast(_wire(_compute_copy(shard)), src=self._owner[shard.index], group=self._group)
                 if self._owner[shard.index] != self._rank:
                     unit.ready.complete()
+
+
+    def _publish_shared(self, node: NodeCache, unit: Unit, shards: Sequence[Shard]) -> None:
+        """One unit's new compute copy into the node's shared cache: written there once, by its writer (a unit's
+        shards have one owner), then announced to the node's other ranks."""
+        owner = self._owner[shards[0].index]
+        writer = node.writer(owner)
+        failure: BaseException | None = None
+        if writer == self._rank:
+            try:
+                if owner == self._rank:
+                    # The owner's updates of this step wrote the copies into the shared cache.
+                    unit.ready.wait()
+                if node.column_publish is not None:
+                    for shard in shards:
+                        dist.broadcast(_wire(_compute_copy(shard)), src=owner, group=node.column_publish)
+            except BaseException as err:  # noqa: BLE001 - announced to the node, then raised
+                failure = err
+        token = torch.tensor([0 if failure is not None else 1])
+        dist.broadcast(token, src=writer, group=node.publish)
+        if failure is not None:
+            raise failure
+        if token.item() != 1:
+            raise RuntimeError(f"rank {writer} could not write unit {unit.index}'s new compute copy into this node's "
+                               "host cache")
+        if owner != self._rank:
+            for _ in shards:
+                unit.ready.complete()
 
 
 class DataParallelAdam:
@@ -336,10 +500,11 @@ class DataParallelAdam:
         shards: every trainable shard, in forward order.
         owners: each unit's owner rank (:func:`~lightning_ratel.plan.owners.assign_owners`).
         ranks: this rank's place.
+        node: the host cache this rank shares with the other ranks of its node, if it does; closed with this.
     """
 
     def __init__(self, make: Callable[[list[Shard]], CpuAdam], shards: Sequence[Shard], owners: dict[int, int],
-                 ranks: Ranks) -> None:
+                 ranks: Ranks, node: NodeCache | None = None) -> None:
         self.shards = list(shards)
         self.ranks = ranks
         self._owner = {s.index: owners[s.unit.index] for s in self.shards}
@@ -353,7 +518,8 @@ class DataParallelAdam:
         # thread takes after backward).
         self._window: set[int] = set()
         self._exchange = _GradientExchange(self.shards, self._owner, ranks, groups[0], self._deliver)
-        self._publisher = _Publisher(self._owner, ranks.rank, groups[1])
+        self._node = node
+        self._publisher = _Publisher(self._owner, ranks.rank, groups[1], node)
         # Parameters of every shard in the optimizer's order, for the global norm.
         self._param_count = sum(len(s.params) for s in self.shards)
 
@@ -513,14 +679,26 @@ class DataParallelAdam:
             for group in self._groups:
                 dist.destroy_process_group(group)
             self._groups = []
+            if self._node is not None:
+                self._node.close()
 
     # ------------------------------------------------------------------ state (whole-model passes)
 
     def sync_compute_copies(self) -> None:
         """Give every rank the owners' compute copies of all trainable shards (after the model is materialized: the
-        owners' masters are the values, as rank 0's are under ``DistributedDataParallel``)."""
-        for shard in self.shards:
-            dist.broadcast(_wire(_compute_copy(shard)), src=self.owner(shard), group=self._control)
+        owners' masters are the values, as rank 0's are under ``DistributedDataParallel``). With a shared cache the
+        owner wrote them on its node while materializing, and each other node's writer receives them; then the node's
+        other ranks may read (every unit's first copy was written by its writer)."""
+        node = self._node
+        if node is None:
+            for shard in self.shards:
+                dist.broadcast(_wire(_compute_copy(shard)), src=self.owner(shard), group=self._control)
+            return
+        if node.column_control is not None:
+            for shard in self.shards:
+                if node.writer(self.owner(shard)) == self.ranks.rank:
+                    dist.broadcast(_wire(_compute_copy(shard)), src=self.owner(shard), group=node.column_control)
+        dist.barrier(group=node.control)
 
     def fetch(self, shard: Shard, flat: torch.Tensor, read: Callable[[CpuAdam], tuple[Future | None, Any]]) -> Any:
         """Collective: the owner reads one of ``shard``'s committed states into ``flat`` with ``read`` (given its local
@@ -580,4 +758,6 @@ class DataParallelAdam:
             self.local.assign(shard, master)
         else:
             self.barrier()
+            # In a shared cache every rank of the node writes the same bytes here: a rank reads the new values once
+            # its own copy is made, whichever rank's copy lands last.
             _compute_copy(shard).copy_(master)

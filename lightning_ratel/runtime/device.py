@@ -23,7 +23,8 @@ The rules every caller follows (the simulation checks them):
    read it.
 3. Host memory that copies touch comes from :attr:`Device.pool` (:meth:`Device.host_empty`,
    :meth:`Device.host_buffer`, and :meth:`Device.to_host` without ``out``). Every copy is recorded against it, so it
-   is reused only once the copy has completed, without anyone blocking on it.
+   is reused only once the copy has completed, without anyone blocking on it. The one exception is memory that the
+   processes of a node share for the whole run (:meth:`Device.shared_host_empty`), never reused.
 
 Threads: CUDA work (copies, events, allocations) is issued from the training thread and autograd's thread, which never
 run a pass's work at the same time.
@@ -41,7 +42,7 @@ from typing import Any
 
 import torch
 
-from lightning_ratel.runtime.hostmem import aligned_empty
+from lightning_ratel.runtime.hostmem import SharedHostMemory, aligned_empty
 from lightning_ratel.runtime.pool import HostPool
 from lightning_ratel.runtime.simulation import (
     SimEvent,
@@ -152,6 +153,7 @@ class Device:
         self._copy_seconds = {"h2d": 0.0, "d2h": 0.0}
         self._copy_lock = threading.Lock()
         self._copy_events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self._shared_pinned = 0
 
     # ------------------------------------------------------------------ host memory
 
@@ -164,6 +166,17 @@ class Device:
             return aligned_empty(math.prod(size), dtype, huge=True).view(size)
         return self.pool.allocate(math.prod(size), dtype).view(size)
 
+    def shared_host_empty(self, memory: SharedHostMemory, shape: tuple[int, ...] | int,
+                          dtype: torch.dtype) -> torch.Tensor:
+        """Host memory held for the whole run in ``memory``, which the node's processes share (a host cache held once
+        per node): its next allocation, pinned on CUDA (each process page-locks its own mapping of it). Never
+        poisoned, even with simulated streams: another process may already have written it."""
+        size = (shape,) if isinstance(shape, int) else tuple(shape)
+        tensor = memory.empty(math.prod(size), dtype, pin=self.is_cuda)
+        if self.separate_memory:
+            self._shared_pinned += tensor.untyped_storage().nbytes()
+        return tensor.view(size)
+
     def host_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A transient, page-aligned 1-D host buffer from :attr:`pool` (pinned on CUDA); its memory goes back to the
         pool once the tensor (every view of it) is gone and the copies recorded against it have completed."""
@@ -171,10 +184,11 @@ class Device:
 
     @property
     def pinned_bytes(self) -> int:
-        """Bytes of host memory page-locked for copies (with simulated streams: the bytes that would be)."""
+        """Bytes of host memory page-locked for copies (with simulated streams: the bytes that would be); memory
+        shared with the node's other processes counts in each one's, as each page-locks its own mapping of it."""
         if not self.separate_memory:
             return 0
-        return self.pool.nbytes + self.pool.dedicated_nbytes
+        return self.pool.nbytes + self.pool.dedicated_nbytes + self._shared_pinned
 
     # ------------------------------------------------------------------ streams and events
 

@@ -132,8 +132,9 @@ class Unit:
         index: the owning block.
         slots: where each parameter lives in the flat tensors.
         numels: elements of the flat tensor of each compute dtype (slots plus alignment padding).
-        host: the host cache, one flat tensor per dtype (pinned on CUDA); empty when the compute copies are read from
-            the swap store on every page-in.
+        host: the host cache, one flat tensor per dtype (pinned on CUDA; shared by the ranks of a node when they
+            train data parallel, see :class:`~lightning_ratel.runtime.collectives.NodeCache`); empty when the compute
+            copies are read from the swap store on every page-in.
         ready: set while no optimizer update of the unit is pending.
     """
 
