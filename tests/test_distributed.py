@@ -92,6 +92,15 @@ def test_two_processes_equal_ddp_with_accumulation_and_clipping(tmp_path: Path, 
     assert all(c.get("redone", 0) > 0 and c.get("deferred", 0) > 0 for c in counts), counts
 
 
+def test_bf16_mixed_equals_ddp(tmp_path: Path) -> None:
+    """16-bit compute copies travel between ranks as bytes (gloo sends no bfloat16 and no int16)."""
+    args = ["--precision", "bf16-mixed", *ACCUMULATE_CLIP]
+    _ok(_run(tmp_path / "ddp", "--strategy", "ddp", *args))
+    _ok(_run(tmp_path / "ratel", *args))
+    for rank in (0, 1):
+        _assert_same(_load(tmp_path / "ddp"), _load(tmp_path / "ratel", rank))
+
+
 def test_speculation_that_stands_equals_ddp(tmp_path: Path) -> None:
     """A norm that never clips: every step's updates run during backward on their owners and stand."""
     args = ["--accumulate", "2", "--clip", "100"]
