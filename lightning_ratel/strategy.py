@@ -447,6 +447,12 @@ class RatelStrategy(ParallelStrategy):
         assert self.lightning_module is not None
         trainer = self.lightning_module.trainer
         super().setup_environment()
+        if self.is_distributed and self.config.keep_swap_files and trainer.state.fn == TrainerFn.FITTING:
+            raise RatelConfigError(
+                "RatelStrategy on several ranks cannot keep its swap files yet (each rank's hold only the states it "
+                "owns, and `ratel-convert` reads one run's files): pass keep_swap_files=False and save a checkpoint "
+                "at the end of fit (ModelCheckpoint(save_last=True)) or export with RatelHFExport, or train on one "
+                "rank.")
         if self.is_distributed:
             self._setup_distributed()
         paths = self.config.ssd_paths or [os.path.join(trainer.default_root_dir, "ratel_swap")]
@@ -871,6 +877,9 @@ class RatelStrategy(ParallelStrategy):
         trainer = getattr(self.lightning_module, "_trainer", None)
         saved = trainer is not None and self._saved_step == trainer.global_step
         keep = self.config.keep_swap_files or (bool(plan.lost) and not saved)
+        # Several ranks cannot keep their swap files for an export yet (each holds the states it owns): what is not
+        # copied back then exists only in the last checkpoint, if any (the warning below says so).
+        keep = keep and not self.is_distributed
         if keep:
             # Not a module-level import: `python -m lightning_ratel.io.convert` runs that module as __main__, and runpy
             # warns when importing the package has imported it already.
@@ -895,6 +904,10 @@ class RatelStrategy(ParallelStrategy):
                      f"{self._pretrained.path}.")
         elif saved and not self.config.keep_swap_files:
             where = " The checkpoint saved at the last step holds every value."
+        elif self.is_distributed:
+            where = (" With several ranks the swap files cannot be kept for an export yet, so those values are lost: "
+                     "save a checkpoint at the end of fit (ModelCheckpoint(save_last=True)) or export during fit "
+                     "(RatelHFExport), or raise the host memory available to the copy back.")
         else:
             dirs = " ".join(f"--swap {p}" for p in engine.store.paths)
             name = "" if self.config.name == "ratel" else f" --name {self.config.name}"

@@ -109,6 +109,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--resume", default=None, help="resume from this checkpoint")
     parser.add_argument("--states", default="auto", help="RatelStrategy's optimizer_states")
     parser.add_argument("--fail", default=None, help="RANK:STEP: raise on that rank at that step")
+    parser.add_argument("--keep-swap-files", action="store_true", help="RatelStrategy's keep_swap_files")
     parser.add_argument("--no-room", type=int, default=None,
                         help="this rank finds no free host memory for the copy back at the end of fit")
     parser.add_argument("--overflow", default=None,
@@ -125,6 +126,7 @@ def main(argv: list[str]) -> None:
     if args.strategy == "ratel":
         strategy = RatelStrategy(ssd_paths=[str(swap)], activation_policy="device", param_cache="host",
                                  optimizer_states=args.states, checkpoint_format=args.checkpoint_format,
+                                 keep_swap_files=args.keep_swap_files,
                                  timeout=timedelta(seconds=60))
     measure = _Measure(swap)
     callbacks: list[L.Callback] = [measure]

@@ -172,6 +172,22 @@ def test_ranks_agree_on_the_copy_back(tmp_path: Path) -> None:
     assert "not copied back" in result.stderr
 
 
+def test_without_room_or_checkpoint_the_ranks_warn_instead_of_keeping_swap_files(tmp_path: Path) -> None:
+    """No rank can keep its swap files for an export yet (each holds only the states it owns): where nothing is copied
+    back and no checkpoint holds the last step, fit ends on every rank with the warning, not in a hang."""
+    result = _run(tmp_path, "--no-room", "0", timeout=180)
+    _ok(result)
+    assert "values are lost" in result.stderr
+    assert not list(tmp_path.glob("swap/*"))
+
+
+def test_keeping_swap_files_on_several_ranks_is_refused_before_training(tmp_path: Path) -> None:
+    result = _run(tmp_path, "--keep-swap-files", timeout=180)
+    assert result.returncode != 0
+    assert "cannot keep its swap files" in result.stderr
+    assert not (tmp_path / "rank0.pt").exists()
+
+
 @pytest.mark.parametrize("states", ["ssd", "host"])
 def test_each_state_once_per_node(tmp_path: Path, states: str) -> None:
     """Two ranks on one node hold the optimizer states of one rank between them, in the swap files (whose bytes on
