@@ -60,6 +60,12 @@ Run from the repository root on the GPU machine::
     python -m benchmarks.gpu_throughput --ssd /mnt/nvme0/bench --out results/
     python -m benchmarks.gpu_throughput --ssd /mnt/nvme0/bench /mnt/nvme1/bench --out results/   # two drives
     python -m benchmarks.gpu_throughput --ssd /mnt/nvme0/bench --out results/ --quick   # a smoke run in ~10 min
+    python -m benchmarks.gpu_throughput --ssd /mnt/nvme0/bench --out results/ --devices 2   # 2 GPUs, data parallel
+
+With ``--devices N`` every training run (and every attempt of the search for the largest model) launches N ranks
+through Lightning, data parallel: the batch size is each rank's micro-batch, and the figures of a step are the totals
+of all ranks (N x batch sequences per step; the in-GPU block peak is one GPU's, times N). RatelStrategy then keeps the
+compute copies in host memory (``param_cache="host"``, each rank holds them all) and each state once per node.
 """
 
 from __future__ import annotations
@@ -317,9 +323,15 @@ def gpt2_initializer(model: torch.nn.Module) -> Callable[[torch.nn.Module], None
     return init
 
 
+def _local_device() -> int:
+    """This rank's GPU: Lightning's launcher sets ``LOCAL_RANK`` for the ranks it starts (0 in the first)."""
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
 def _cap_device_memory(cap: int) -> None:
-    total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total))
+    device = _local_device()
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
 
 
 def _bench_module(shape: ModelShape, batch: int, steps: int, deepspeed: bool, checkpointing: bool) -> Any:
@@ -364,11 +376,13 @@ def _bench_module(shape: ModelShape, batch: int, steps: int, deepspeed: bool, ch
     return Causal()
 
 
-def _step_timer(skip: int, last: int, drain: Callable[[Any], None]) -> Any:
+def _step_timer(skip: int, last: int, drain: Callable[[Any], None],
+                synchronize: Callable[[], None] = torch.cuda.synchronize) -> Any:
     import lightning as L
 
     class StepTimer(L.Callback):
-        """Wall time from the start of batch ``skip`` to the end of batch ``last``, pending updates included."""
+        """Wall time from the start of batch ``skip`` to the end of batch ``last``, pending updates included (with
+        several ranks each times its own steps, which every rank's collectives keep in step)."""
 
         def __init__(self) -> None:
             self.start: float | None = None
@@ -377,7 +391,7 @@ def _step_timer(skip: int, last: int, drain: Callable[[Any], None]) -> Any:
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             if batch_idx == skip:
-                torch.cuda.synchronize()
+                synchronize()
                 self.start = time.perf_counter()
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -386,7 +400,7 @@ def _step_timer(skip: int, last: int, drain: Callable[[Any], None]) -> Any:
             self.steps += 1
             if batch_idx == last:
                 drain(trainer)
-                torch.cuda.synchronize()
+                synchronize()
                 self.end = time.perf_counter()
 
         @property
@@ -451,12 +465,14 @@ def deepspeed_config(system: str, shape: ModelShape, swap_dirs: Sequence[str],
 
 
 def _strategy(system: str, module: Any, shape: ModelShape, swap_dirs: list[str], cap: int,
-              aio: dict[str, Any] | None = None, ratel_states: str = "auto") -> Any:
+              aio: dict[str, Any] | None = None, ratel_states: str = "auto", devices: int = 1) -> Any:
     if system == "ratel":
         from lightning_ratel import RatelStrategy
 
+        # Several ranks keep the compute copies in host memory (each rank holds them all; the states once per node).
+        cache = "host" if devices > 1 else "auto"
         return RatelStrategy(ssd_paths=swap_dirs, device_memory_limit=cap, optimizer_states=ratel_states,
-                             param_init_fn=gpt2_initializer(module.model))
+                             param_cache=cache, param_init_fn=gpt2_initializer(module.model))
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
     config = deepspeed_config(system, shape, swap_dirs, aio)
@@ -473,31 +489,43 @@ def _drain(trainer: Any) -> None:
 
 
 def train_worker(spec: dict[str, Any]) -> dict[str, Any]:
-    """Train ``spec["system"]`` on one model and batch size; seconds per step and what the FLOP counts need."""
+    """Train ``spec["system"]`` on one model and batch size; seconds per step and what the FLOP counts need.
+
+    With ``spec["devices"]`` above 1 Lightning's launcher starts the other ranks (this script again, with the same
+    spec); each rank returns its own result, ``"rank"`` saying whose. ``spec["accelerator"]`` (``"gpu"`` unless a test
+    runs it on the CPU) picks the device.
+    """
     import lightning as L
 
     shape = ModelShape(**spec["shape"])
     system = spec["system"]
     cap = spec["device_memory"]
-    _cap_device_memory(cap)
+    devices = spec.get("devices", 1)
+    gpu = spec.get("accelerator", "gpu") == "gpu"
+    if gpu:
+        _cap_device_memory(cap)
     deepspeed = system in DEEPSPEED_SYSTEMS
     steps = spec["warmup"] + spec["steps"]
-    module = _bench_module(shape, spec["batch"], steps, deepspeed, deepspeed and spec["ds_checkpointing"])
-    timer = _step_timer(spec["warmup"], steps - 1, _drain)
+    # Every rank reads its own part of the data (Lightning's distributed sampler): `steps` batches each.
+    module = _bench_module(shape, spec["batch"], steps * devices, deepspeed, deepspeed and spec["ds_checkpointing"])
+    timer = _step_timer(spec["warmup"], steps - 1, _drain, torch.cuda.synchronize if gpu else lambda: None)
     trainer = L.Trainer(
-        accelerator="gpu", devices=1,
+        accelerator="gpu" if gpu else "cpu", devices=devices,
         strategy=_strategy(system, module, shape, spec["swap_dirs"], cap, spec.get("ds_aio"),
-                           spec.get("ratel_states", "auto")),
+                           spec.get("ratel_states", "auto"), devices),
         precision="bf16-mixed", max_steps=steps, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, callbacks=[timer],
     )
-    torch.cuda.reset_peak_memory_stats()
+    if gpu:
+        torch.cuda.reset_peak_memory_stats(_local_device())
     trainer.fit(module)
     result: dict[str, Any] = {
         "ok": timer.seconds_per_step is not None,
         "seconds_per_step": timer.seconds_per_step,
         "timed_steps": timer.steps,
-        "peak_allocated": torch.cuda.max_memory_allocated(),
+        "devices": devices,
+        "rank": trainer.global_rank,
+        "peak_allocated": torch.cuda.max_memory_allocated(_local_device()) if gpu else None,
     }
     if not result["ok"]:
         result["error"] = f"no step was timed (ran {trainer.global_step} steps, warmup {spec['warmup']})"
@@ -584,17 +612,22 @@ def worker_main(spec: dict[str, Any]) -> None:
             "error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}",
             "traceback": traceback.format_exc(limit=8),
         }
-    print(RESULT_PREFIX + json.dumps(result), flush=True)
+    # One write of the whole line: the ranks of one run share the worker's stdout, and a pipe keeps a short write
+    # whole where print's separate writes of text and newline could interleave with another rank's.
+    sys.stdout.write(RESULT_PREFIX + json.dumps(result) + "\n")
+    sys.stdout.flush()
 
 
 # ---------------------------------------------------------------------------------------------------- parent side
 
 
 def parse_worker_output(returncode: int, output: str) -> dict[str, Any]:
-    """The result a worker printed, or a failure naming why it printed none (killed, crashed)."""
-    for line in reversed(output.splitlines()):
-        if line.startswith(RESULT_PREFIX):
-            return json.loads(line[len(RESULT_PREFIX):])
+    """The result a worker printed, or a failure naming why it printed none (killed, crashed). Ranks of one run each
+    print theirs: a failure of any rank is the run's, else rank 0's result is."""
+    results = [json.loads(line[len(RESULT_PREFIX):]) for line in output.splitlines() if line.startswith(RESULT_PREFIX)]
+    if results:
+        failed = [r for r in results if not r.get("ok")]
+        return (failed or [r for r in results if r.get("rank", 0) == 0] or results)[-1]
     tail = [line for line in output.strip().splitlines() if line.strip()][-3:]
     if returncode < 0:
         signal = -returncode
@@ -655,29 +688,35 @@ class Runner:
 
 def throughput_row(shape: ModelShape, batch: int, system: str, result: dict[str, Any], ds_checkpointing: bool,
                    block: dict[str, Any] | None) -> dict[str, Any]:
-    """The figures of one training run: tokens/s, model and hardware TFLOPS, share of the block peak."""
-    row: dict[str, Any] = {"model": shape.name, "params": shape.params(), "batch": batch, "system": system}
+    """The figures of one training run: tokens/s, model and hardware TFLOPS, share of the block peak. With several
+    ranks (``result["devices"]``) ``batch`` is each rank's micro-batch and the figures are the totals of all ranks
+    (a step trains ``batch x devices`` sequences); the block peak is one GPU's, multiplied by the ranks."""
+    devices = result.get("devices", 1)
+    row: dict[str, Any] = {"model": shape.name, "params": shape.params(), "batch": batch, "devices": devices,
+                           "system": system}
     if not result.get("ok"):
         row["error"] = "OOM" if result.get("oom") else result.get("error", "failed")
         return row
     seconds = result["seconds_per_step"]
-    flops = model_flops(shape, batch)
+    flops = model_flops(shape, batch) * devices
     if system == "ratel":
         recompute = result.get("recompute_flops")
+        # Each rank's plan re-executes its ops on its own micro-batch.
+        recompute = recompute * devices if recompute is not None else None
         row["recompute"] = "plan: profiled FLOPs of the ops it re-executes"
     elif ds_checkpointing:
-        recompute = checkpoint_recompute_flops(shape, batch)
+        recompute = checkpoint_recompute_flops(shape, batch) * devices
         row["recompute"] = "activation checkpointing: one more forward of every block"
     else:
         recompute = 0.0
         row["recompute"] = "none"
-    row.update(seconds_per_step=seconds, tokens_per_s=batch * shape.seq / seconds, model_tflops=flops / seconds / 1e12,
-               peak_allocated=result.get("peak_allocated"))
+    row.update(seconds_per_step=seconds, tokens_per_s=batch * devices * shape.seq / seconds,
+               model_tflops=flops / seconds / 1e12, peak_allocated=result.get("peak_allocated"))
     if recompute is not None:
         row["hardware_tflops"] = (flops + recompute) / seconds / 1e12
     if block and block.get("ok") and "hardware_tflops" in row:
-        row["block_peak_tflops"] = block["tflops"]
-        row["of_block_peak"] = row["hardware_tflops"] / block["tflops"]
+        row["block_peak_tflops"] = block["tflops"] * devices
+        row["of_block_peak"] = row["hardware_tflops"] / row["block_peak_tflops"]
     for key in ("predicted_seconds_per_step", "placement"):
         if key in result:
             row[key] = result[key]
@@ -730,6 +769,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3,
                         help="untimed steps first; RatelStrategy profiles 2 and plans before the 3rd (default 3)")
     parser.add_argument("--steps", type=int, default=4, help="timed steps per run (default 4)")
+    parser.add_argument("--devices", type=int, default=1,
+                        help="GPUs of each training run (default 1): Lightning launches one rank per GPU, data "
+                             "parallel; the batch size is each rank's, and s/step, tokens/s and TFLOPS are totals")
     parser.add_argument("--ratel-states", choices=["auto", "host", "ssd"], default="auto",
                         help="RatelStrategy's optimizer_states (default auto: host memory while it holds them)")
     parser.add_argument("--ds-aio", type=parse_ds_aio, default={},
@@ -749,6 +791,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.worker is None and (args.ssd is None or args.out is None):
         parser.error("--ssd and --out are required")
+    if args.devices < 1:
+        parser.error(f"--devices must be at least 1, got {args.devices}")
     if args.quick:
         args.models = ["8x8x1024"] if args.models == ["auto"] else args.models
         args.batch_sizes = args.batch_sizes or [8]
@@ -819,7 +863,7 @@ def _print_tables(report: dict[str, Any]) -> None:
     console = Console()
     table = Table(title=f"Throughput, seq {report['config']['seq']}, device capped to "
                         f"{report['machine']['device_memory_cap'] / GIB:.0f} GiB")
-    for column in ("model", "batch", "system", "s/step", "tokens/s", "model TFLOPS", "hw TFLOPS", "block peak",
+    for column in ("model", "batch", "GPUs", "system", "s/step", "tokens/s", "model TFLOPS", "hw TFLOPS", "block peak",
                    "hw/peak", "Ratel x", "note"):
         table.add_column(column)
 
@@ -828,7 +872,8 @@ def _print_tables(report: dict[str, Any]) -> None:
 
     for row in report["throughput"]:
         table.add_row(
-            row["model"], str(row["batch"]), row["system"], fmt(row.get("seconds_per_step"), "{:.2f}"),
+            row["model"], str(row["batch"]), str(row.get("devices", 1)), row["system"],
+            fmt(row.get("seconds_per_step"), "{:.2f}"),
             fmt(row.get("tokens_per_s"), "{:.0f}"), fmt(row.get("model_tflops"), "{:.1f}"),
             fmt(row.get("hardware_tflops"), "{:.1f}"), fmt(row.get("block_peak_tflops"), "{:.1f}"),
             fmt(row.get("of_block_peak"), "{:.0%}"), fmt(row.get("ratel_speedup"), "{:.2f}"),
@@ -866,6 +911,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"gpu_throughput measures training on a CUDA GPU, and torch {torch.__version__} sees none here "
             "(torch.cuda.is_available() is False). Nothing was measured."
         )
+    if args.devices > 1 and args.devices > torch.cuda.device_count():
+        raise SystemExit(f"gpu_throughput: --devices {args.devices}, and torch sees {torch.cuda.device_count()} GPUs "
+                         "here. Nothing was measured.")
     from lightning_ratel.sizes import parse_bytes
 
     for path in args.ssd:
@@ -903,7 +951,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     }
     run = Runner(args.ssd, Budget(args.max_seconds, args.run_timeout))
     base = {"device_memory": cap, "ds_checkpointing": args.ds_checkpointing, "ds_aio": args.ds_aio,
-            "ratel_states": args.ratel_states}
+            "ratel_states": args.ratel_states, "devices": args.devices}
     try:
         report["io"] = run({**base, "kind": "io"})
         _write(report, args.out)

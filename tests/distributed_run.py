@@ -22,8 +22,9 @@ from typing import Any
 import lightning as L
 import torch
 
-from lightning_ratel import RatelHFExport, RatelStrategy
-from lightning_ratel.io import sharded
+from lightning_ratel import RatelHFExport, RatelPrecision, RatelStrategy
+from lightning_ratel.engine.coordinator import RatelEngine
+from lightning_ratel.io import checkpoint, sharded
 from lightning_ratel.io.pretrained import PretrainedFolder
 from lightning_ratel.io.sharded import ShardedReader
 from lightning_ratel.sizes import path_bytes
@@ -76,6 +77,11 @@ class _Measure(L.Callback):
                         "swap_bytes": path_bytes(self.swap) if self.swap.exists() else 0,
                         "pss_growth": proportional_set_size() - self.baseline,
                         "shared_cache": shared_cache_memory()}
+        engine = getattr(trainer.strategy, "engine", None)
+        if engine is not None and engine.adam is not None:
+            # How this rank's own optimizer ran its updates (overlapped, deferred, redone, dropped).
+            engine.adam.barrier()
+            self.figures["counts"] = dict(getattr(engine.adam, "local", engine.adam).counts)
 
 
 class _Save(L.Callback):
@@ -143,6 +149,30 @@ class _Raise(L.Callback):
             raise RuntimeError(f"rank {self.rank} fails at step {self.step}")
 
 
+class _NoRoom(L.Callback):
+    """Make one rank find (almost) no free host memory when the run ends, so that it alone would decide to copy
+    nothing back."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        if trainer.global_rank == self.rank:
+            checkpoint.available_host_memory = lambda: 1
+
+
+def _overflow_on(module: LM, rank: int, step: int) -> None:
+    """Give the llama's embedding alone a non-finite gradient, on one rank at one step: its shard completes last in
+    backward, after the other shards' speculative updates ran, and only its owner sees the overflow."""
+
+    def hook(embedding: torch.nn.Module, args: Any, output: torch.Tensor) -> None:
+        t = module.trainer
+        if torch.is_grad_enabled() and t.global_rank == rank and t.global_step == step:
+            output.register_hook(lambda grad: grad * float("inf"))
+
+    module.model.model.embed_tokens.register_forward_hook(hook)
+
+
 def main(argv: list[str]) -> None:
     baseline = proportional_set_size()
     parser = argparse.ArgumentParser()
@@ -167,6 +197,14 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--export", default=None, help="RatelHFExport's dirpath (fp32, at the end of fit); "
                         "RatelStrategy.save_pretrained writes <dirpath>/after once fit is over")
     parser.add_argument("--lora", action="store_true", help="LoRA adapters on a model built on the meta device")
+    parser.add_argument("--no-room", type=int, default=None,
+                        help="this rank finds no free host memory for the copy back at the end of fit")
+    parser.add_argument("--overflow", default=None,
+                        help="RANK:STEP: the llama's embedding gets a non-finite gradient on that rank at that step")
+    parser.add_argument("--no-speculate", action="store_true",
+                        help="every step that clips by norm or scales the loss waits for the end of backward")
+    parser.add_argument("--validate", type=int, default=0,
+                        help="validate on 2 batches every that many training batches (and a sanity check first)")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -186,6 +224,8 @@ def main(argv: list[str]) -> None:
     if args.fail:
         rank, step = (int(x) for x in args.fail.split(":"))
         callbacks.append(_Raise(rank, step))
+    if args.no_room is not None:
+        callbacks.append(_NoRoom(args.no_room))
     reads = _count_reads(args.fail_save)
     with torch.device("meta") if args.lora else contextlib.nullcontext():
         module = LM(args.model, batch_size=2)
@@ -194,11 +234,23 @@ def main(argv: list[str]) -> None:
 
             config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
             module.model = peft.get_peft_model(module.model, config)
+    if args.overflow:
+        rank, step = (int(x) for x in args.overflow.split(":"))
+        _overflow_on(module, rank, step)
+    if args.no_speculate:
+        RatelEngine.speculate = False
     # As RatelStrategy does during fit: with the cache on, attention rounds differently (an encoder-decoder's decoder).
     cache_off(module)
+    precision: dict[str, Any] = {"precision": args.precision}
+    if args.strategy == "ratel" and args.precision == "16-mixed":
+        # Lightning refuses fp16 mixed precision on the CPU; the plugin runs it there.
+        precision = {"plugins": [RatelPrecision("16-mixed", device="cpu")]}
+    validation: dict[str, Any] = {}
+    if args.validate:
+        validation = dict(val_check_interval=args.validate, limit_val_batches=2, num_sanity_val_steps=1)
     t = trainer(strategy, devices=args.devices, num_nodes=args.num_nodes, max_steps=args.steps,
-                accumulate_grad_batches=args.accumulate, gradient_clip_val=args.clip, precision=args.precision,
-                callbacks=callbacks)
+                accumulate_grad_batches=args.accumulate, gradient_clip_val=args.clip, callbacks=callbacks,
+                **precision, **validation)
     t.fit(module, ckpt_path=args.resume)
     if args.export and args.strategy == "ratel":
         t.strategy.save_pretrained(Path(args.export) / "after", dtype="fp32")

@@ -63,8 +63,27 @@ class MLP(nn.Module):
         return type("Out", (), {"loss": loss})()
 
 
+class _NormedLayer(nn.Module):
+    """A residual MLP layer that normalizes with BatchNorm: running statistics, buffers each training forward updates
+    from its own micro-batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(32)
+        self.mlp = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.norm(h.transpose(1, 2)).transpose(1, 2))
+
+
+class BatchNormMLP(MLP):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_NormedLayer() for _ in range(3))
+
+
 MODELS = {"llama": tiny_llama, "llama8": lambda: tiny_llama(8), "llama16": lambda: tiny_llama(16), "gpt2": tiny_gpt2,
-          "t5": tiny_t5, "mlp": MLP}
+          "t5": tiny_t5, "mlp": MLP, "batchnorm": BatchNormMLP}
 
 # Every tier at once: a block's activations on disk, one recomputed, the rest in host memory.
 # The first layer of Llama (layers.0), GPT-2 (h.0) and the MLP on disk, the second recomputed (a pattern that places

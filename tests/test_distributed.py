@@ -125,6 +125,44 @@ def test_two_processes_equal_ddp_with_accumulation_and_clipping(tmp_path: Path, 
     _ok(_run(tmp_path, *ACCUMULATE_CLIP))
     for rank in (0, 1):
         _assert_same(ddp_reference, _load(tmp_path, rank))
+    # The first step speculated (each owner updated during backward as if nothing clipped), clipped, and was redone;
+    # the steps after it waited for the end of backward.
+    counts = [_load(tmp_path, rank)["counts"] for rank in (0, 1)]
+    assert all(c.get("redone", 0) > 0 and c.get("deferred", 0) > 0 for c in counts), counts
+
+
+def test_bf16_mixed_equals_ddp(tmp_path: Path) -> None:
+    """16-bit compute copies travel between ranks as bytes (gloo sends no bfloat16 and no int16)."""
+    args = ["--precision", "bf16-mixed", *ACCUMULATE_CLIP]
+    _ok(_run(tmp_path / "ddp", "--strategy", "ddp", *args))
+    _ok(_run(tmp_path / "ratel", *args))
+    for rank in (0, 1):
+        _assert_same(_load(tmp_path / "ddp"), _load(tmp_path / "ratel", rank))
+
+
+def test_speculation_that_stands_equals_ddp(tmp_path: Path) -> None:
+    """A norm that never clips: every step's updates run during backward on their owners and stand."""
+    args = ["--accumulate", "2", "--clip", "100"]
+    _ok(_run(tmp_path / "ddp", "--strategy", "ddp", *args))
+    _ok(_run(tmp_path / "ratel", *args))
+    for rank in (0, 1):
+        _assert_same(_load(tmp_path / "ddp"), _load(tmp_path / "ratel", rank))
+        counts = _load(tmp_path / "ratel", rank)["counts"]
+        assert counts.get("overlapped", 0) > 0 and not counts.get("redone") and not counts.get("deferred"), counts
+
+
+def test_fp16_overflow_on_one_rank_drops_the_speculative_updates_of_all(tmp_path: Path) -> None:
+    """fp16 loss scaling: at step 1 only rank 1's embedding gradient overflows, so only that shard's owner sees it;
+    every rank drops its speculative updates and skips the step, on the very bits of the deferred path (Lightning
+    runs no fp16 on the CPU under ``ddp``; the deferred path equals ``ddp`` in the tests above)."""
+    args = ["--precision", "16-mixed", "--overflow", "1:1"]
+    _ok(_run(tmp_path / "deferred", "--no-speculate", *args))
+    _ok(_run(tmp_path / "speculative", *args))
+    for rank in (0, 1):
+        _assert_same(_load(tmp_path / "deferred", rank), _load(tmp_path / "speculative", rank), tol=0.0)
+        got = _load(tmp_path / "speculative", rank)
+        assert got["counts"].get("dropped", 0) > 0, got["counts"]
+        assert all(entry["step"].item() == 2 for entry in got["optimizer"]["state"].values())
 
 
 def test_two_nodes_of_one_device_equal_ddp(tmp_path: Path, ddp_reference: dict) -> None:
@@ -166,6 +204,43 @@ def test_encoder_decoder_equals_ddp(tmp_path: Path) -> None:
     _ok(_run(tmp_path / "ddp", "--strategy", "ddp", "--model", "t5", "--clip", "0.3"))
     _ok(_run(tmp_path / "ratel", "--model", "t5", "--clip", "0.3"))
     _assert_same(_load(tmp_path / "ddp"), _load(tmp_path / "ratel", 1))
+
+
+def test_buffers_are_rank_zeros_as_under_ddp(tmp_path: Path) -> None:
+    """BatchNorm's running statistics, which each rank's forward updates from its own micro-batch, follow rank 0's as
+    ``ddp`` broadcasts them (at setup, and before a forward that follows one which reduced gradients), with
+    accumulation (micro-batches that do not reduce) and validation during fit (forwards without gradients)."""
+    args = ["--model", "batchnorm", *ACCUMULATE_CLIP, "--validate", "4"]
+    _ok(_run(tmp_path / "ddp", "--strategy", "ddp", *args))
+    _ok(_run(tmp_path / "ratel", *args))
+    for rank in (0, 1):
+        _assert_same(_load(tmp_path / "ddp", rank), _load(tmp_path / "ratel", rank))
+    # Each rank's last forward saw its own data: the ranks' statistics differ, so the comparison per rank tells.
+    key = "model.layers.0.norm.running_mean"
+    assert not torch.equal(_load(tmp_path / "ratel", 0)["params"][key], _load(tmp_path / "ratel", 1)["params"][key])
+
+
+def test_ranks_agree_on_the_copy_back(tmp_path: Path) -> None:
+    """Each rank measures its own free memory for the copy back at the end of fit, a collective: where one rank finds
+    no room, no rank copies the parameters back (each would otherwise wait for the other), and both say so."""
+    # A checkpoint of the last step holds the values not copied back: no swap files are kept.
+    result = _run(tmp_path, "--no-room", "1", "--save", str(tmp_path / "last.ckpt"), timeout=180)
+    _ok(result)
+    for rank in (0, 1):
+        params = _load(tmp_path, rank)["params"]
+        assert all(torch.isnan(v).all() for k, v in params.items() if k.endswith("weight")), rank
+    assert "not copied back" in result.stderr
+    assert not list((tmp_path / "swap").glob("*"))
+
+
+def test_without_room_or_checkpoint_every_rank_keeps_its_swap_files(tmp_path: Path) -> None:
+    """Where nothing is copied back and no checkpoint holds the last step, every rank keeps its swap files with their
+    index (each holds the states it owns), fit ends on every rank with the warning naming the export, not in a hang."""
+    result = _run(tmp_path, "--no-room", "0", timeout=180)
+    _ok(result)
+    assert "ratel-convert" in result.stderr
+    kept = sorted(p.name for p in (tmp_path / "swap").iterdir())
+    assert kept == ["ratel-rank0.index.json", "ratel-rank0.swap", "ratel-rank1.index.json", "ratel-rank1.swap"]
 
 
 @pytest.mark.parametrize("states", ["ssd", "host"])

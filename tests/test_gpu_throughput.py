@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import pytest
@@ -138,6 +139,12 @@ def test_throughput_rows_and_ratios():
     assert offload["error"] == "OOM" and "ratel_speedup" not in offload
     plain = bench.throughput_row(shape, 4, "zero-offload", {"ok": True, "seconds_per_step": 1.0}, False, None)
     assert plain["hardware_tflops"] == plain["model_tflops"] and "of_block_peak" not in plain
+    # Two ranks: a step trains twice the sequences; the figures are the totals, against two GPUs' block peak.
+    two = bench.throughput_row(shape, 4, "ratel", {"ok": True, "seconds_per_step": 0.5, "recompute_flops": 1e12,
+                                                   "devices": 2}, True, block)
+    assert two["devices"] == 2 and two["tokens_per_s"] == 2 * ratel["tokens_per_s"]
+    assert two["hardware_tflops"] == pytest.approx(2 * ratel["hardware_tflops"])
+    assert two["of_block_peak"] == pytest.approx(ratel["of_block_peak"])
 
 
 def test_worker_output_parsing():
@@ -147,6 +154,11 @@ def test_worker_output_parsing():
     assert not killed["ok"] and killed["oom"] and "SIGKILL" in killed["error"]
     crashed = bench.parse_worker_output(1, "Traceback\ntorch.OutOfMemoryError: CUDA out of memory.\n")
     assert not crashed["ok"] and crashed["oom"] and "status 1" in crashed["error"]
+    # Ranks of one run each print a result: rank 0's is the run's, unless one failed.
+    ranks = [bench.RESULT_PREFIX + json.dumps({"ok": True, "rank": r, "seconds_per_step": 1.0 + r}) for r in (1, 0)]
+    assert bench.parse_worker_output(0, "\n".join(ranks))["rank"] == 0
+    failed = bench.RESULT_PREFIX + json.dumps({"ok": False, "rank": 1, "error": "x"})
+    assert bench.parse_worker_output(1, "\n".join([ranks[1], failed]))["error"] == "x"
 
 
 def test_worker_reports_failures_as_a_result(monkeypatch, capsys):
@@ -274,6 +286,22 @@ def test_runner_starts_a_worker_and_cleans_its_swap_directories(tmp_path):
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(OutOfTime):
         bench.Runner([tmp_path], bench.Budget(0, 300))({"kind": "io"})
+
+
+def test_train_worker_launches_two_ranks_on_the_cpu(tmp_path):
+    """The real path of ``--devices 2``, on the CPU: the runner starts the worker, Lightning's launcher starts the
+    second rank, both train RatelStrategy data parallel, and rank 0's timing is the run's."""
+    shape = ModelShape(layers=2, heads=2, hidden=32, vocab=50, seq=16)
+    runner = bench.Runner([tmp_path], bench.Budget(600, 300))
+    result = runner({"kind": "train", "system": "ratel", "shape": dataclasses.asdict(shape), "batch": 2, "warmup": 1,
+                     "steps": 2, "device_memory": 1 << 30, "ds_checkpointing": False, "devices": 2,
+                     "accelerator": "cpu"})
+    assert result["ok"], result
+    assert result["devices"] == 2 and result["rank"] == 0 and result["timed_steps"] == 2
+    assert result["seconds_per_step"] > 0
+    row = bench.throughput_row(shape, 2, "ratel", result, False, None)
+    assert row["tokens_per_s"] == pytest.approx(2 * 2 * shape.seq / result["seconds_per_step"])
+    assert list(tmp_path.iterdir()) == []
 
 
 # ---------------------------------------------------------------------------------------------------- DeepSpeed config

@@ -49,6 +49,7 @@ from lightning_ratel.plan.owners import UnitCost, assign_owners
 from lightning_ratel.runtime import gds
 from lightning_ratel.runtime.activations import ActivationCache, PlaceholderRead
 from lightning_ratel.runtime.adamw import GroupHyper
+from lightning_ratel.runtime.buffers import BufferBroadcast
 from lightning_ratel.runtime.collectives import DataParallelAdam, NodeCache, Ranks, SharedCacheUnavailable
 from lightning_ratel.runtime.device import Device
 from lightning_ratel.runtime.escapes import Escape, EscapeDetector
@@ -260,6 +261,12 @@ class RatelEngine:
                                     source, progress, owned, writes)
         self.store: TieredStore | None = None
         self.adam: CpuAdam | DataParallelAdam | None = None
+        # Several ranks fitting: rank 0's buffers reach every rank, at setup and before the forwards
+        # DistributedDataParallel broadcasts them before (see watch_forward).
+        self._buffers: BufferBroadcast | None = None
+        self._buffers_due = True
+        # Whether this micro-batch's gradients are reduced over the ranks (DistributedDataParallel outside no_sync).
+        self._reduces = False
         self._switches = FitSwitches(module) if optimizer is not None else None
         local_world = ranks.local_world if ranks is not None else 1
         try:
@@ -285,6 +292,8 @@ class RatelEngine:
                     assert ranks is not None
                     self.adam = DataParallelAdam(cpu_adam, self.layout.shards, owners, ranks, node)
                     self.adam.sync_compute_copies()
+                    self._buffers = BufferBroadcast(module)
+                    self._buffers.broadcast()
                 # State the optimizer's constructor made (Adagrad's sums) is made again for each parameter at its
                 # first update; the run's state lives in the store.
                 optimizer.state.clear()
@@ -360,6 +369,8 @@ class RatelEngine:
         """
         if training:
             self._check_last_loss()
+        if self._buffers is not None and self._buffers_due:
+            self._buffers.broadcast()
         # A block's forward is watched until it has run once (see EscapeDetector); what runs between and around the
         # blocks always is.
         unwatched = [b.module for b in self.blocks if not b.direct_only and id(b.module) in self._ran_watched]
@@ -389,6 +400,10 @@ class RatelEngine:
             self.scheduler.prefetching = True
             self.cache.unwatched = set()
             self.reads.resume()
+        if self._buffers is not None:
+            # DistributedDataParallel's rule: the next forward broadcasts the buffers after one with gradients enabled
+            # that reduces them (not an accumulating micro-batch, not an evaluation pass).
+            self._buffers_due = training and torch.is_grad_enabled() and self._reduces
         self._unwatched_ran = any(id(m) in detector.ran for m in unwatched)
         self._ran_watched |= detector.ran
         if detector.escapes:
@@ -456,6 +471,9 @@ class RatelEngine:
         if self.adam is not None:
             plan, self._pending_plan = self._pending_plan, None
             self.adam.begin(plan)
+            # Lightning blocks DistributedDataParallel's gradient sync on the micro-batches that only accumulate
+            # (automatic optimization); under manual optimization every backward syncs.
+            self._reduces = plan is not None or not getattr(self.module, "automatic_optimization", True)
 
     def begin_step(self, optimizer: torch.optim.Optimizer, clip_val: float | None, clip_algorithm: str,
                    custom_clipping: bool, loss_scale: torch.Tensor | None) -> None:
@@ -476,9 +494,7 @@ class RatelEngine:
                 the step is finished.
         """
         self._check_optimizer_params(optimizer)
-        # Ranks would each have to redo their part of a missed guess together; they keep the deferred path.
-        speculate = (self.speculate and self.layout.generic is None and not self._missed
-                     and not isinstance(self.adam, DataParallelAdam))
+        speculate = self.speculate and self.layout.generic is None and not self._missed
         rule = StepRule.decide(clip_val, clip_algorithm, custom_clipping, loss_scale is not None, speculate)
         hyper = GroupHyper.of(optimizer) if self.layout.generic is None else group_settings(optimizer)
         # GradScaler's reciprocal, taken once for every shard's unscale during backward.

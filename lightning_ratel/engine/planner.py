@@ -127,8 +127,10 @@ class Planner:
         reusing the speeds measured on this machine recently unless ``fresh``."""
         threads = self.adam.threads if self.adam is not None else torch.get_num_threads()
         assert self.config.ssd_paths is not None
+        # Named after the run's store: the ranks of one node probe the same directories at once.
         return measure_hardware(self.device, self.config.ssd_paths,
-                                functools.partial(adamw_step(), num_threads=threads), threads=threads, fresh=fresh)
+                                functools.partial(adamw_step(), num_threads=threads), threads=threads, fresh=fresh,
+                                name=f"{self.config.name}-probe")
 
     def begin_profile(self) -> None:
         """Run the next passes under the safe default, timing every op and counting its FLOPs and saved bytes."""

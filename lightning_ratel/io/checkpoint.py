@@ -81,6 +81,8 @@ class ModelState:
         self.adam = adam
         self.optimizer = optimizer
         self._originals = originals or {}
+        # What the copy back at the end of the run does, once restore_plan decided it.
+        self._decided: Restored | None = None
 
     @property
     def originals_nbytes(self) -> int:
@@ -459,22 +461,36 @@ class ModelState:
     def restore_plan(self) -> Restored:
         """What :meth:`restore` will put back (nothing is done yet): the trainable parameters when they fit
         (:meth:`fits`), the frozen ones too when both fit, the optimizer state when it fits besides them within the
-        run's host memory budget as well (the parameters were the user's before the run; the moments are new bytes)."""
+        run's host memory budget as well (the parameters were the user's before the run; the moments are new bytes).
+
+        Decided once, by the first call: :meth:`restore` then does what it said. With several ranks it is a collective
+        (every rank calls it at the end of the run) and the decision is the same on every rank: what fits on each
+        of them.
+        """
+        if self._decided is not None:
+            return self._decided
         layout = self.layout
         if self.adam is None:
             return Restored(True, True, True)
         trainable = layout.nbytes_of(layout.shards)
         frozen = layout.nbytes_of(layout.frozen_shards)
-        result = Restored()
-        result.trainable = self.fits(trainable)
-        result.frozen = result.trainable and self.fits(trainable + frozen)
-        put_back = trainable + (frozen if result.frozen else 0)
         moments = sum(s.numel for s in layout.shards) * 8
-        result.optimizer = result.trainable and self.fits(put_back + moments) and self.fits(moments, budgeted=True)
+        verdicts = [self.fits(trainable), self.fits(trainable + frozen),
+                    self.fits(trainable + frozen + moments) and self.fits(moments, budgeted=True),
+                    self.fits(trainable + moments) and self.fits(moments, budgeted=True)]
+        if isinstance(self.adam, DataParallelAdam):
+            # Each rank measures its own free memory, yet the copy back is a collective (each state comes from its
+            # owner): ranks that decided differently would wait for each other forever.
+            verdicts = self.adam.all_agree(verdicts)
+        result = Restored()
+        result.trainable = verdicts[0]
+        result.frozen = result.trainable and verdicts[1]
+        result.optimizer = result.trainable and verdicts[2 if result.frozen else 3]
         restored = {id(sp.param) for s in self._restored_shards(result) for sp in s.params}
         pretrained = layout.frozen_values.pretrained
         result.lost = [slot.name for slot in layout.slots
                        if id(slot.param) not in restored and id(slot.param) not in pretrained]
+        self._decided = result
         return result
 
     def _restored_shards(self, plan: Restored) -> list[Shard]:

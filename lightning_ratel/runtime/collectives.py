@@ -15,8 +15,9 @@ swap store and their update on its CPU optimizer. :class:`DataParallelAdam` stan
    so the ranks always issue the same collectives in the same order. Each buffer carries, after the gradient, one flag
    per parameter (1: this rank has its gradient), so the owner knows which parameters got a gradient on any rank.
 2. The owner hands the reduced gradients to its ``CpuAdam``, which updates the shard as on one rank (overlapped with
-   backward where the step allows it; clipping by norm and fp16 overflow checks use the norm and the overflow of all
-   ranks, :meth:`DataParallelAdam.clip_` and :meth:`DataParallelAdam.unscale_`).
+   backward where the step allows it, speculatively under clipping by norm or fp16 loss scaling; clipping by norm and
+   fp16 overflow checks use the norm and the overflow of all ranks, :meth:`DataParallelAdam.clip_`,
+   :meth:`DataParallelAdam.unscale_` and, settling a speculative step, :meth:`DataParallelAdam.resolve`).
 3. When the training thread finishes the step (:meth:`DataParallelAdam.schedule`) the ranks first agree that every one
    of them got there (a rank that raised never does, and the others then fail in that collective instead of
    committing), then a publisher thread, ``ratel-publish``, broadcasts each updated shard's new compute copy from its
@@ -49,7 +50,7 @@ import torch.distributed as dist
 
 from lightning_ratel.runtime.device import DONE
 from lightning_ratel.runtime.hostmem import SharedHostMemory
-from lightning_ratel.runtime.optimizer import CpuAdam, Finished, StepPlan, finish_step
+from lightning_ratel.runtime.optimizer import CpuAdam, Finished, Outcome, StepPlan, finish_step
 from lightning_ratel.runtime.units import Shard, Unit
 
 
@@ -194,8 +195,9 @@ class NodeCache:
 
 
 def _wire(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``'s bytes as a dtype every backend sends (a 16-bit float goes as int16, bit for bit)."""
-    return tensor.view(torch.int16) if tensor.dtype in (torch.bfloat16, torch.float16) else tensor
+    """``tensor``'s bytes as a dtype every backend sends (a 16-bit float goes as bytes, bit for bit: gloo sends
+    neither bfloat16 nor int16)."""
+    return tensor.view(torch.uint8) if tensor.dtype in (torch.bfloat16, torch.float16) else tensor
 
 
 def _compute_copy(shard: Shard) -> torch.Tensor:
@@ -580,6 +582,12 @@ class DataParallelAdam:
         dist.all_reduce(value, op=op, group=self._control)
         return value
 
+    def all_agree(self, verdicts: Sequence[bool]) -> list[bool]:
+        """Collective: each of ``verdicts`` holds on every rank (a decision each rank takes from what it measures, made
+        one decision of all ranks)."""
+        agreed = self._agree(torch.tensor([int(v) for v in verdicts], dtype=torch.int64), dist.ReduceOp.MIN)
+        return [bool(v) for v in agreed.tolist()]
+
     def unscale_(self, shards: Sequence[Shard], loss_scale: torch.Tensor) -> bool:
         """Unscale the owned gradients; whether every rank's are finite (the step is skipped everywhere if not)."""
         self._flush()
@@ -601,16 +609,40 @@ class DataParallelAdam:
             self.local.clip_(mine, value, algorithm)
             return False
         grads, indices = self.local.gradients(mine) if mine else ([], [])
+        coef = self._clip_coefficient(grads, indices, value)
+        if grads:
+            torch._foreach_mul_(grads, coef)
+        return coef.item() != 1.0
+
+    def _clip_coefficient(self, grads: list[torch.Tensor], indices: list[int], max_norm: float) -> torch.Tensor:
+        """Collective: ``torch.nn.utils.clip_grad_norm_``'s clamped coefficient over the gradients of all ranks, from
+        each rank's norms of its owned ``grads`` (at ``indices`` in the optimizer's parameter order)."""
         table = torch.zeros(2, self._param_count)
         if grads:
             table[0, indices] = torch.stack(torch._foreach_norm(grads, 2.0))
             table[1, indices] = 1.0
         self._agree(table)
         total_norm = torch.linalg.vector_norm(table[0][table[1] > 0], 2.0)
-        coef = torch.clamp(value / (total_norm + 1e-6), max=1.0)
-        if grads:
-            torch._foreach_mul_(grads, coef)
-        return coef.item() != 1.0
+        return torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+
+    def resolve(self, shards: Sequence[Shard], max_norm: float | None) -> Outcome:
+        """Settle a speculative step over every rank, as :meth:`CpuAdam.resolve
+        <lightning_ratel.runtime.optimizer.CpuAdam.resolve>` does on one: each owner's updates ran during backward on
+        the reduced gradients as if nothing overflowed and the clip coefficient were 1; the ranks agree on the overflow
+        and compute the global norm as :meth:`unscale_` and :meth:`clip_` do (the same bits), so every rank reaches
+        the same outcome, and each undoes its owned updates where the guess missed."""
+        self._flush()
+        finite, grads, indices = self.local.kept_gradients(self._mine(shards))
+        if self._agree(torch.tensor([0 if finite else 1]), dist.ReduceOp.MAX).item() != 0:
+            self.local.undo_speculation(None)
+            return "skip"
+        if max_norm is None:
+            return "stand"
+        coef = self._clip_coefficient(grads, indices, max_norm)
+        if coef.item() == 1.0:
+            return "stand"
+        self.local.undo_speculation(coef)
+        return "redo"
 
     def finish(self, plan: StepPlan, unit_order: Sequence[int], loss_scale: torch.Tensor | None = None,
                clip: tuple[float, str] | None = None) -> Finished:

@@ -127,6 +127,8 @@ class StepOptimizer(Protocol):
 
     def schedule(self, plan: StepPlan, shards: Sequence[Shard]) -> None: ...
 
+    def resolve(self, shards: Sequence[Shard], max_norm: float | None) -> Outcome: ...
+
 
 @dataclass(frozen=True)
 class Finished:
@@ -149,8 +151,6 @@ def finish_step(optimizer: StepOptimizer, shards: list[Shard], plan: StepPlan, u
         return Finished(False)
     missed = False
     if plan.speculative:
-        # Only a single process's optimizer speculates (the engine plans it so).
-        assert isinstance(optimizer, CpuAdam)
         outcome = optimizer.resolve(shards, clip[0] if clip is not None and clip[1] == "norm" else None)
         if outcome == "skip":
             return Finished(False, missed=True)
@@ -418,23 +418,30 @@ class CpuAdam:
         Returns:
             ``"stand"`` or ``"redo"``: schedule the step; ``"skip"``: an overflow, the step is not taken.
         """
-        future: Future = Future()
-        self._jobs.put(_Gather(tuple(shards), future))
-        finite, grads = self._wait(future)
+        finite, grads, _ = self.kept_gradients(shards)
         if not finite:
-            self._undo(None)
+            self.undo_speculation(None)
             return "skip"
         if max_norm is None:
             return "stand"
         coef = clip_coefficient(grads, max_norm)
         if coef.item() == 1.0:
             return "stand"
-        self._undo(coef)
+        self.undo_speculation(coef)
         return "redo"
 
-    def _undo(self, coef: torch.Tensor | None) -> None:
-        """Undo the speculative updates of the open step, then clip its gradients by ``coef`` (or drop them, for
-        ``None``). Waits: until the undo is done the units those updates completed still look ready to the pager."""
+    def kept_gradients(self, shards: Sequence[Shard]) -> tuple[bool, list[torch.Tensor], list[int]]:
+        """The first half of :meth:`resolve`: once the worker has unscaled what no completed shard unscaled yet,
+        whether every gradient of the step is finite, and the gradients ``shards`` kept, in the optimizer's parameter
+        order, with their parameters' positions in that order (for a norm over several ranks' shards)."""
+        future: Future = Future()
+        self._jobs.put(_Gather(tuple(shards), future))
+        return self._wait(future)
+
+    def undo_speculation(self, coef: torch.Tensor | None) -> None:
+        """The second half of :meth:`resolve` where the guess missed: undo the speculative updates of the open step,
+        then clip its gradients by ``coef`` (or drop them, for ``None``). Waits: until the undo is done the units
+        those updates completed still look ready to the pager."""
         future: Future = Future()
         self._jobs.put(_Undo(coef, future))
         self._wait(future)
@@ -696,7 +703,8 @@ class CpuAdam:
         assert plan is not None and plan.speculative
         if plan.inv_scale is not None:
             self._unscale(shards, plan.inv_scale)
-        future.set_result((self._found_inf.item() == 0, self.accumulator.views(shards)))
+        indexed = self.accumulator.indexed_views(shards)
+        future.set_result((self._found_inf.item() == 0, [v for _, v in indexed], [i for i, _ in indexed]))
 
     def _redo(self, coef: torch.Tensor | None) -> None:
         """See :meth:`resolve` (worker thread): undo the open step's updates; clip its gradients by ``coef`` for the

@@ -127,6 +127,7 @@ def measure_hardware(
     per_path: bool = True,
     threads: int | None = None,
     fresh: bool = False,
+    name: str = "ratel-probe",
 ) -> HardwareProfile:
     """Profile the device link, the swap directories (together and, if several, each), the CPU AdamW and memory.
 
@@ -141,11 +142,12 @@ def measure_hardware(
         per_path: also measure each directory alone when there are several.
         threads: the threads ``adam_step`` runs with (part of what the speeds are kept under).
         fresh: measure again even where speeds are kept.
+        name: the probe's swap files' name (processes probing the same directories at once each need their own).
     """
     key = _cache_key(device, ssd_paths, probe_bytes, per_path, threads)
     speeds = None if fresh else _cached(key)
     if speeds is None:
-        speeds = _measure_speeds(device, ssd_paths, adam_step, probe_bytes, per_path)
+        speeds = _measure_speeds(device, ssd_paths, adam_step, probe_bytes, per_path, name)
         _remember(key, speeds)
     speeds = dict(speeds)
     # Kept by position: the same filesystems under other directory names.
@@ -214,15 +216,15 @@ def _remember(key: str, speeds: dict[str, Any]) -> None:
 
 
 def _measure_speeds(device: Device, ssd_paths: Sequence[str], adam_step: Callable[..., None], probe_bytes: int,
-                    per_path: bool) -> dict[str, Any]:
+                    per_path: bool, name: str = "ratel-probe") -> dict[str, Any]:
     """The fields of a :class:`HardwareProfile` that describe the machine's speeds (``per_path`` as a list in the
     order of ``ssd_paths``)."""
     h2d, d2h = link_bandwidth(device, probe_bytes)
-    read, write = disk_bandwidth(ssd_paths, probe_bytes)
+    read, write = disk_bandwidth(ssd_paths, probe_bytes, name)
     paths = []
     if per_path and len(ssd_paths) > 1:
         for path in ssd_paths:
-            r, w = disk_bandwidth([path], probe_bytes)
+            r, w = disk_bandwidth([path], probe_bytes, name)
             paths.append({"read": r, "write": w})
     return {
         # Where the CPU is the device its compute already stands for DRAM traffic; on a GPU machine the optimizer and
