@@ -99,3 +99,31 @@ def test_benchmark_prints_every_row(table, monkeypatch, capsys):
     for case in ("13B, batch 64, 1 SSD", "175B, batch 16, 12 SSDs", "175B: largest batch the GPU holds"):
         assert case in out
     assert "predicted / published" in out
+
+
+@pytest.fixture(scope="module")
+def multi_gpu() -> dict[str, paper.Row]:
+    """Every published multi-GPU figure against the prediction, by case."""
+    return {row.case: row for row in paper.multi_gpu_rows()}
+
+
+@pytest.mark.parametrize(("gpus", "global_batch"), [(2, 128), (4, 256)])
+def test_13b_on_several_gpus_within_15_percent_at_the_quoted_batch(multi_gpu, gpus, global_batch):
+    row = multi_gpu[f"13B, {gpus} GPUs, global batch {global_batch}"]
+    assert row.published == paper.PUBLISHED_MULTI_GPU[(gpus, "13B")][global_batch]
+    assert row.ratio == pytest.approx(1.0, abs=0.15)
+
+
+def test_every_published_multi_gpu_figure_has_a_row(multi_gpu):
+    assert len(multi_gpu) == sum(len(figures) for figures in paper.PUBLISHED_MULTI_GPU.values())
+    assert all(row.ratio is not None for row in multi_gpu.values())
+
+
+def test_gpus_sharing_a_node_scale_less_than_linearly():
+    model = paper.MODELS["13B"]
+    # The same 64 samples per GPU: more GPUs give more throughput, each less than one GPU alone, because the SSDs,
+    # host memory and its bandwidth are the node's.
+    per_gpu = [paper.multi_gpu_tflops(model, 64 * gpus, gpus)[0] / gpus for gpus in (1, 2, 4)]
+    assert per_gpu[0] >= per_gpu[1] >= per_gpu[2]
+    assert per_gpu[2] < 0.99 * per_gpu[0]
+    assert 4 * per_gpu[2] > 2 * per_gpu[1]

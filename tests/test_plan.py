@@ -74,9 +74,10 @@ HAND_PLACEMENT = {
 }
 
 
-def _hand_predict(device_type: str, *, host_io: float = 0.0, dram: float = 0.0, **options):
+def _hand_predict(device_type: str, *, host_io: float = 0.0, dram: float = 0.0, adam_rate: float = 1000, **options):
     hw = HardwareProfile(device_type=device_type, h2d_bandwidth=1000, d2h_bandwidth=500, ssd_read_bandwidth=100,
-                         ssd_write_bandwidth=50, adam_params_per_s=1000, host_memory_free=BIG, device_memory_free=BIG,
+                         ssd_write_bandwidth=50, adam_params_per_s=adam_rate, host_memory_free=BIG,
+                         device_memory_free=BIG,
                          host_io_bandwidth=host_io, host_memory_bandwidth=dram)
     layers = [_hand_layer("b.0", 0), _hand_layer("b.1", 1)]
     settings = CostSettings(prefetch_depth=1, state_read_bytes_per_param=4, state_write_bytes_per_param=2,
@@ -143,10 +144,15 @@ def test_predict_by_hand_cuda():
 
 def test_predict_by_hand_unified_memory():
     p = _hand_predict("cpu")
-    # Copies and the optimizer share the cores with compute; only the SSD runs beside them.
-    assert p.forward_time == pytest.approx(max(0.08 + 2.0 + 1.0, 2.0))
-    assert p.backward_time == pytest.approx(max(0.192 + 2.5 + 2.0 + 0.02, 2.6))
-    assert p.iteration_time == pytest.approx(3.08 + 4.712)
+    # Nothing is copied between "device" and host: compute copies, gradients and host-tier activations are used where
+    # they are, the SSD tier writes and reads the tensors' own memory.
+    for phase in (p.forward, p.backward):
+        assert phase["h2d"] == 0 and phase["d2h"] == 0
+    assert p.forward["ssd"] == pytest.approx(100 / 50)
+    # The optimizer shares the cores with compute; the SSDs run beside them.
+    slow_adam = _hand_predict("cpu", adam_rate=5)
+    assert slow_adam.backward_time == pytest.approx(0.192 + 20 / 5)
+    assert p.forward_time == pytest.approx(max(0.08, 2.0))
     assert p.memory == {"device": 4950, "host": 4950, "ssd": 100}
 
 
@@ -262,10 +268,12 @@ def test_fixed():
 
 def test_plan_json_round_trip_and_placement_default(tmp_path):
     layers = [_hand_layer("b.0", 0), _hand_layer("b.1", 1), _container(2, 50)]
-    plan = search(_hw(), layers, device_budget=BIG, host_budget=BIG, store_budget=BIG,
-                  settings=CostSettings(prefetch_depth=2))
+    settings = CostSettings(prefetch_depth=2, device_overhead=DeviceOverhead.margin(logits_bytes=7), ranks_on_node=2)
+    plan = search(_hw(), layers, device_budget=BIG, host_budget=BIG, store_budget=BIG, settings=settings)
     again = Plan.from_json(plan.to_json())
     assert again == plan
+    # The settings come back whole, so another placement can be predicted as the plan's was.
+    assert again.settings == settings
     assert isinstance(again.hardware, HardwareProfile) and again.layers[0].ops[1].inputs == ["input"]
     plan.save(tmp_path / "plan.json")
     assert Plan.load(tmp_path / "plan.json") == plan
@@ -347,10 +355,43 @@ def test_host_dram_is_shared_by_the_optimizer_and_every_transfer():
     assert p.backward_time == pytest.approx(4.28)
     lean = _hand_predict("cuda", dram=1000, optimizer_memory_bytes_per_param=0)
     assert lean.backward["dram"] == pytest.approx(3.72)
-    # On unified memory DRAM runs beside the cores' work, like the SSDs.
-    cpu = _hand_predict("cpu", dram=500)
-    assert cpu.forward_time == pytest.approx(5.2)
+    # On unified memory DRAM runs beside the cores' work, like the SSDs; only the SSDs' traffic crosses it there.
+    cpu = _hand_predict("cpu", dram=40)
+    assert cpu.forward["dram"] == pytest.approx(100 / 40)
+    assert cpu.forward_time == pytest.approx(2.5)
     assert bottleneck(cpu.forward, unified=True) == "dram"
+
+
+def test_ranks_on_a_node_share_its_ssds_host_side_dram_and_cores():
+    one = _hand_predict("cuda", host_io=1000, dram=1000)
+    two = _hand_predict("cuda", host_io=1000, dram=1000, ranks_on_node=2)
+    # Each rank has a device and a link of its own.
+    for phase in ("forward", "backward"):
+        for lane in ("compute", "h2d", "d2h"):
+            assert getattr(two, phase)[lane] == getattr(one, phase)[lane]
+    # Its 100 B of activations go to SSDs the other rank writes to at the same time: half of 50 B/s.
+    assert two.forward["ssd"] == pytest.approx(4.0) and one.forward["ssd"] == pytest.approx(2.0)
+    # It owns 10 of the 20 parameters and updates them on half the cores: as long as one rank updating all of them.
+    assert two.backward["cpu_optimizer"] == pytest.approx(one.backward["cpu_optimizer"])
+    # Its 100 B of activations read back at 50 B/s, its 10 parameters' states (4 B read, 2 B written each).
+    assert two.backward["ssd"] == pytest.approx(100 / 50 + 10 * 4 / 50 + 10 * 2 / 25)
+    # Host side at half of 1000 B/s: in, 1000 B of gradients, 100 B of activations, 40 B of states; out, 2000 B of
+    # compute copies, 500 B swapped, 20 B of states.
+    assert two.backward["host_in"] == pytest.approx(1140 / 500)
+    assert two.backward["host_out"] == pytest.approx(2520 / 500)
+    # DRAM: that traffic, 10 updates of 28 B and the peer's copy of the owned half of the gradients (500 B).
+    assert two.backward["dram"] == pytest.approx((1140 + 2520 + 10 * 28 + 500) / 500)
+    assert two.iteration_time > one.iteration_time
+    with pytest.raises(RatelConfigError, match="ranks_on_node"):
+        _hand_predict("cuda", ranks_on_node=0)
+
+
+def test_ranks_read_their_share_of_the_compute_copies_from_the_ssds():
+    one = _hand_predict("cuda", param_cache="ssd")
+    two = _hand_predict("cuda", param_cache="ssd", ranks_on_node=2)
+    # 2000 B of compute copies at 100 B/s alone, or 1000 B each at half of it: 20 s either way, in each pass.
+    assert one.forward["ssd"] == pytest.approx(100 / 50 + 20.0)
+    assert two.forward["ssd"] == pytest.approx(100 / 25 + 20.0)
 
 
 def _spill_case(read: int, write: int) -> CostModel:

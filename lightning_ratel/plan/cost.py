@@ -2,8 +2,10 @@
 
 Each phase takes as long as its busiest resource: GPU compute, host->device and device->host PCIe (duplex, so two
 resources) and the SSDs (simplex, so reads and writes add up). The CPU AdamW and the optimizer states' SSD traffic
-overlap backward. Where the "device" is the CPU itself (unified memory) the copies and the optimizer run on the
-compute cores, so they add to compute instead of overlapping it.
+overlap backward. Where the "device" is the CPU itself (unified memory) nothing is copied between "device" and host:
+compute copies, gradients and host-tier activations are used where they are, SSD-tier activations are written from
+and read into their own memory; the optimizer runs on the compute cores, so it adds to compute instead of overlapping
+it.
 
 Optional inputs refine this where a machine needs it, each leaving the model as above when not given: compute copies
 read from the SSDs on every use (``param_cache="ssd"``), a host side whose PCIe (``host_io_bandwidth``) or DRAM
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from lightning_ratel.errors import RatelConfigError
 from lightning_ratel.hardware import HardwareProfile
@@ -279,6 +281,13 @@ class CostSettings:
             the next forward uses its parameters.
         device_overhead: device memory beyond paging buffers and one block's working set (workspaces, logits,
             autocast cache, gradient temporaries, fragmentation); ``None``: nothing more.
+        ranks_on_node: data-parallel ranks training on this node at once, each with its own device and the same
+            work. They share the node's SSDs, host-side PCIe, DRAM and CPU cores, so each rank sees ``1 /
+            ranks_on_node`` of those rates; each owns ``1 / ranks_on_node`` of the optimizer states and updates
+            (``state_*_bytes_per_param`` count per owned parameter) and reads its share of the compute copies from the
+            SSDs where ``param_cache="ssd"``. Every rank still pages every compute copy in and sends its whole
+            gradient to the host, where the owners add the ranks' copies of their share (one more DRAM read of each
+            peer's copy): the gradient's reduction passes through host memory, as on GPUs without peer-to-peer links.
     """
 
     prefetch_depth: int = 1
@@ -289,20 +298,48 @@ class CostSettings:
     optimizer_memory_bytes_per_param: int = OPTIMIZER_MEMORY_BYTES_PER_PARAM
     state_spill: bool = False
     device_overhead: DeviceOverhead | None = None
+    ranks_on_node: int = 1
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, object]) -> CostSettings:
+        """The settings ``dataclasses.asdict`` made of them (as in a plan file)."""
+        values = dict(data)
+        overhead = values.get("device_overhead")
+        if isinstance(overhead, Mapping):
+            values["device_overhead"] = DeviceOverhead(**overhead)
+        return cls(**values)  # type: ignore[arg-type]
+
+
+def rank_share(hw: HardwareProfile, ranks: int) -> HardwareProfile:
+    """What one of ``ranks`` ranks training side by side on a node sees of its shared resources: ``1 / ranks`` of the
+    SSDs', host-side PCIe's and DRAM's bandwidths and of the CPU AdamW rate (the cores); its own device link whole.
+
+    Raises:
+        RatelConfigError: ``ranks`` is below 1.
+    """
+    if ranks < 1:
+        raise RatelConfigError(f"ranks_on_node must be at least 1, got {ranks}")
+    if ranks == 1:
+        return hw
+    return replace(hw, ssd_read_bandwidth=hw.ssd_read_bandwidth / ranks,
+                   ssd_write_bandwidth=hw.ssd_write_bandwidth / ranks,
+                   adam_params_per_s=hw.adam_params_per_s / ranks,
+                   host_io_bandwidth=hw.host_io_bandwidth / ranks,
+                   host_memory_bandwidth=hw.host_memory_bandwidth / ranks)
 
 
 class CostModel:
     """The placement-independent part of the model, computed once so a search can evaluate many placements cheaply.
 
     Args:
-        hw: the machine.
+        hw: the machine (the whole node; with ``settings.ranks_on_node`` above 1, :attr:`hw` is one rank's share).
         layers: the blocks.
         settings: the run's settings (``None``: the defaults of :class:`CostSettings`).
 
     Raises:
         RatelConfigError: the profiles are inconsistent (see :func:`~lightning_ratel.plan.profile.validate_layers`),
-            ``prefetch_depth`` or a host bandwidth is negative, or ``param_cache`` is not one of
-            :data:`~lightning_ratel.tiers.PARAM_CACHE_TIERS`.
+            ``prefetch_depth`` or a host bandwidth is negative, ``ranks_on_node`` is below 1, or ``param_cache`` is
+            not one of :data:`~lightning_ratel.tiers.PARAM_CACHE_TIERS`.
     """
 
     def __init__(self, hw: HardwareProfile, layers: Sequence[LayerProfile], settings: CostSettings | None = None) -> None:
@@ -315,6 +352,8 @@ class CostModel:
             raise RatelConfigError(f"param_cache must be one of {PARAM_CACHE_TIERS}, got {param_cache!r}")
         if min(hw.host_io_bandwidth, hw.host_memory_bandwidth) < 0:
             raise RatelConfigError("host_io_bandwidth and host_memory_bandwidth cannot be negative (0: no limit)")
+        ranks = settings.ranks_on_node
+        hw = rank_share(hw, ranks)
         self.hw = hw
         self.layers = list(layers)
         self.settings = settings
@@ -325,22 +364,28 @@ class CostModel:
         self.overhead = settings.device_overhead or DeviceOverhead()
         self.buffers = prefetch_depth + 1
         param_bytes = sum(layer.param_bytes for layer in self.layers)
-        numel = sum(layer.trainable_numel for layer in self.layers)
+        # The states, their updates and the compute copies' SSD reads of the units this rank owns.
+        numel = sum(layer.trainable_numel for layer in self.layers) / ranks
         self._forward_compute = sum(layer.forward_time for layer in self.layers)
         self._backward_compute = sum(layer.backward_time for layer in self.layers)
-        self._forward_h2d = _seconds(param_bytes, hw.h2d_bandwidth)
         self._param_bytes = param_bytes
         self._grad_bytes = sum(layer.grad_bytes for layer in self.layers)
-        self._backward_d2h = _seconds(self._grad_bytes, hw.d2h_bandwidth)
-        self._state_read = numel * settings.state_read_bytes_per_param
-        self._state_write = numel * settings.state_write_bytes_per_param
+        # What crosses the device's link: nothing on unified memory (see the module docstring).
+        self._linked_params = 0 if hw.unified_memory else param_bytes
+        self._linked_grads = 0 if hw.unified_memory else self._grad_bytes
+        self._forward_h2d = _seconds(self._linked_params, hw.h2d_bandwidth)
+        self._backward_d2h = _seconds(self._linked_grads, hw.d2h_bandwidth)
+        self._state_read = math.ceil(numel * settings.state_read_bytes_per_param)
+        self._state_write = math.ceil(numel * settings.state_write_bytes_per_param)
         self._state_ssd = (_seconds(self._state_read, hw.ssd_read_bandwidth)
                            + _seconds(self._state_write, hw.ssd_write_bandwidth))
         self._cpu_optimizer = _seconds(numel, hw.adam_params_per_s)
-        self._optimizer_memory = numel * settings.optimizer_memory_bytes_per_param
+        # The owners read each peer's copy of their share of the gradients once more to add them up.
+        self._optimizer_memory = math.ceil(numel * settings.optimizer_memory_bytes_per_param
+                                           + self._grad_bytes * (ranks - 1) / ranks)
         # Compute copies read from the SSDs for each pass.
-        self._param_ssd = _seconds(param_bytes, hw.ssd_read_bandwidth) if param_cache == "ssd" else 0.0
-        self._param_ssd_bytes = param_bytes if param_cache == "ssd" else 0
+        self._param_ssd_bytes = math.ceil(param_bytes / ranks) if param_cache == "ssd" else 0
+        self._param_ssd = _seconds(self._param_ssd_bytes, hw.ssd_read_bandwidth)
         self.largest_block = max(self.layers, key=lambda layer: layer.param_bytes, default=None)
         # A block's backward materialises all it saved (recomputed outputs included) next to its params and grads.
         self.working_block = max(self.layers, key=self.working_bytes, default=None)
@@ -427,7 +472,8 @@ class CostModel:
         """The prediction for the blocks' costs (one per layer, in the order of ``layers``)."""
         hw = self.hw
         per_tier = {tier: sum(c.bytes[tier] for c in costs) for tier in TIERS}
-        swapped = per_tier["host"] + per_tier["ssd"]
+        # Activations swapped to host memory or the SSDs cross the device's link, except on unified memory.
+        swapped = 0 if hw.unified_memory else per_tier["host"] + per_tier["ssd"]
         recompute = sum(c.recompute_time for c in costs)
         forward = {
             "compute": self._forward_compute,
@@ -438,15 +484,15 @@ class CostModel:
         backward = {
             "compute": self._backward_compute + recompute,
             "recompute": recompute,
-            "h2d": _seconds(self._param_bytes + swapped, hw.h2d_bandwidth),
+            "h2d": _seconds(self._linked_params + swapped, hw.h2d_bandwidth),
             "d2h": self._backward_d2h,
             "ssd": _seconds(per_tier["ssd"], hw.ssd_read_bandwidth) + self._state_ssd + self._param_ssd,
             "cpu_optimizer": self._cpu_optimizer,
         }
         # Host-side traffic: what reaches host memory (from the device or the SSDs) and what leaves it.
-        self._host_resources(forward, swapped + self._param_ssd_bytes, self._param_bytes + per_tier["ssd"])
-        self._host_resources(backward, self._grad_bytes + per_tier["ssd"] + self._state_read + self._param_ssd_bytes,
-                             self._param_bytes + swapped + self._state_write, self._optimizer_memory)
+        self._host_resources(forward, swapped + self._param_ssd_bytes, self._linked_params + per_tier["ssd"])
+        self._host_resources(backward, self._linked_grads + per_tier["ssd"] + self._state_read + self._param_ssd_bytes,
+                             self._linked_params + swapped + self._state_write, self._optimizer_memory)
         spilled = self._best_spill(forward, backward) if self.state_spill and self._state_write else 0
         for name, rate in self._spill_rates().items() if spilled else ():
             forward[name] += spilled * rate

@@ -53,6 +53,8 @@ class Plan:
         layers: the block profiles searched with.
         blocks: names of every block of the model the plan was made for, so a plan is never applied to another one.
         format_version: :data:`PLAN_FORMAT` of the code that wrote it.
+        settings: the cost model's settings searched with, so another placement can be predicted as this one was
+            (``None`` in plans written before they were kept).
     """
 
     activation_placement: dict[str, str]
@@ -69,6 +71,7 @@ class Plan:
     layers: list[LayerProfile] = field(default_factory=list)
     blocks: list[str] = field(default_factory=list)
     format_version: int = PLAN_FORMAT
+    settings: CostSettings | None = None
 
     def placement(self, block: str, op: str, default: str = "device") -> str:
         """The tier of ``op`` of ``block``, or ``default`` where the plan does not mention it."""
@@ -98,6 +101,7 @@ class Plan:
         data["hardware"] = HardwareProfile.from_dict(data["hardware"]) if data.get("hardware") else None
         data["layers"] = [LayerProfile.from_dict(layer) for layer in data.get("layers", [])]
         data["curve"] = [(int(offloaded), float(seconds)) for offloaded, seconds in data["curve"]]
+        data["settings"] = CostSettings.from_dict(data["settings"]) if data.get("settings") else None
         return cls(**data)
 
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -438,6 +442,7 @@ def search(hw: HardwareProfile, layers: Sequence[LayerProfile], *, device_budget
         hardware=hw,
         layers=list(layers),
         blocks=[layer.name for layer in layers],
+        settings=model.settings,
     )
 
 
