@@ -4,7 +4,8 @@ Lightning's own launcher starts the other ranks (``devices=N``), or the test sta
 (``--num-nodes``, with ``NODE_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` set). Every rank writes ``OUT/rank<r>.pt``:
 its parameters and optimizer state after fit (as a user reads them), the bytes the strategy held at the end of training,
 the bytes it read from a pretrained folder and from a sharded checkpoint, the growth of the process's proportional set
-size from the start of ``main`` to then, and its peak RSS.
+size from the start of ``main`` to then, its peak RSS, its state traffic per step and, with ``--plan-auto``, the plan
+it applied.
 """
 
 from __future__ import annotations
@@ -82,6 +83,10 @@ class _Measure(L.Callback):
             # How this rank's own optimizer ran its updates (overlapped, deferred, redone, dropped).
             engine.adam.barrier()
             self.figures["counts"] = dict(getattr(engine.adam, "local", engine.adam).counts)
+            self.figures["state_traffic"] = trainer.strategy.state_traffic()
+        profiler = getattr(trainer.strategy, "profiler", None)
+        if profiler is not None and profiler.plan is not None:
+            self.figures["plan"] = profiler.plan.to_json()
 
 
 class _Save(L.Callback):
@@ -203,6 +208,8 @@ def main(argv: list[str]) -> None:
                         help="RANK:STEP: the llama's embedding gets a non-finite gradient on that rank at that step")
     parser.add_argument("--no-speculate", action="store_true",
                         help="every step that clips by norm or scales the loss waits for the end of backward")
+    parser.add_argument("--plan-auto", action="store_true",
+                        help="RatelStrategy profiles the first step and plans activation placement (plan='auto')")
     parser.add_argument("--validate", type=int, default=0,
                         help="validate on 2 batches every that many training batches (and a sanity check first)")
     args = parser.parse_args(argv)
@@ -211,7 +218,8 @@ def main(argv: list[str]) -> None:
     swap = out / "swap"
     strategy: Any = args.strategy
     if args.strategy == "ratel":
-        strategy = RatelStrategy(ssd_paths=[str(swap)], activation_policy="device", param_cache="host",
+        strategy = RatelStrategy(ssd_paths=[str(swap)], activation_policy=None if args.plan_auto else "device",
+                                 param_cache="host",
                                  optimizer_states=args.states, checkpoint_format=args.checkpoint_format,
                                  pretrained=args.pretrained, keep_swap_files=args.keep_swap,
                                  timeout=timedelta(seconds=60))

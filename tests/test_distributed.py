@@ -23,6 +23,7 @@ from lightning_ratel.engine.coordinator import rank_threads
 from lightning_ratel.io.convert import main as convert_main
 from lightning_ratel.io.convert import sharded_to_lightning
 from lightning_ratel.io.sharded import ShardedReader, unit_writers
+from lightning_ratel.plan import Plan
 from lightning_ratel.plan.owners import UnitCost, assign_owners, imbalance
 from tests.models import LM, max_rel_err
 
@@ -129,6 +130,23 @@ def test_two_processes_equal_ddp_with_accumulation_and_clipping(tmp_path: Path, 
     # the steps after it waited for the end of backward.
     counts = [_load(tmp_path, rank)["counts"] for rank in (0, 1)]
     assert all(c.get("redone", 0) > 0 and c.get("deferred", 0) > 0 for c in counts), counts
+
+
+def test_plan_auto_on_two_ranks_applies_rank_zeros_plan_and_equals_ddp(tmp_path: Path, ddp_reference: dict) -> None:
+    """plan="auto": every rank profiles its first step, rank 0 plans for a rank of two on the node, and both ranks apply
+    that plan (measured times differ between ranks, so plans made on each would too); the numbers stay ddp's. Each
+    rank's state traffic is that of the states it owns, together the model's once."""
+    _ok(_run(tmp_path, "--plan-auto", "--states", "ssd", *ACCUMULATE_CLIP))
+    got = [_load(tmp_path, rank) for rank in (0, 1)]
+    for rank in (0, 1):
+        _assert_same(ddp_reference, got[rank])
+    assert got[0]["plan"] == got[1]["plan"]
+    plan = Plan.from_json(got[0]["plan"])
+    assert plan.settings is not None and plan.settings.ranks_on_node == 2 and plan.layers
+    # Masters and both moments written once per step (12 bytes per parameter), each by its owner.
+    numel = sum(entry["exp_avg"].numel() for entry in ddp_reference["optimizer"]["state"].values())
+    written = [g["state_traffic"]["written"] for g in got]
+    assert all(0 < w < 12 * numel for w in written) and sum(written) == 12 * numel
 
 
 def test_bf16_mixed_equals_ddp(tmp_path: Path) -> None:

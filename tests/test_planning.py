@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import json
 import os
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -16,7 +17,12 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning_ratel import Plan, RatelConfigError, RatelPlanError, RatelProfiler, RatelStrategy
 from lightning_ratel.engine.blocks import discover_blocks
 from lightning_ratel.engine.placement import plan_placements
+from lightning_ratel.engine.planner import node_profile, plan_budgets, plan_settings, state_traffic
+from lightning_ratel.hardware import HardwareProfile
+from lightning_ratel.plan import LayerProfile, OpProfile
+from lightning_ratel.plan.cost import OPTIMIZER_MEMORY_BYTES_PER_PARAM, CostModel
 from lightning_ratel.runtime import recompute
+from lightning_ratel.runtime.collectives import Ranks
 from lightning_ratel.sizes import parse_bytes
 from tests.models import LM, final_state, max_rel_err, trainer
 
@@ -325,3 +331,70 @@ def test_hardware_speeds_are_kept_per_machine_and_filesystem(tmp_path, monkeypat
     assert probes == [1]
     measure(second, fresh=True)
     assert probes == [1, 1]
+
+
+def _shard(numel: int, state_tier: str = "ssd", master_in_host: bool = False,
+           dtype: torch.dtype = torch.float32) -> SimpleNamespace:
+    return SimpleNamespace(numel=numel, dtype=dtype, state_tier=state_tier, master_in_host=master_in_host)
+
+
+def _node(host_free: int = 10 << 30, device_free: int = 8 << 30, ssd_free: int = 100 << 30,
+          ssd: float = 1e9) -> HardwareProfile:
+    return HardwareProfile(device_type="cuda", h2d_bandwidth=2e10, d2h_bandwidth=2e10, ssd_read_bandwidth=ssd,
+                           ssd_write_bandwidth=ssd, adam_params_per_s=1e9, host_memory_free=host_free,
+                           device_memory_free=device_free, ssd_free=ssd_free)
+
+
+def test_state_traffic_counts_the_shards_given():
+    shards = [_shard(100), _shard(50, "host"), _shard(30, master_in_host=True), _shard(20, dtype=torch.bfloat16)]
+    # On disk: 150 elements; their moments (8 B) both ways, masters written (4 B) and read where not in the host cache.
+    assert state_traffic(shards, "host") == {"read": 150 * 8 + 120 * 4, "written": 150 * 12}  # type: ignore[arg-type]
+    # Compute copies read from the swap files are written there anew: the 16-bit shard's 2 B per element.
+    assert state_traffic(shards, "ssd")["written"] == 150 * 12 + 20 * 2  # type: ignore[arg-type]
+
+
+def test_settings_count_this_ranks_states_per_parameter_it_owns():
+    """Of 1000 trainable parameters, rank 0 of 2 owns 500 (300 on disk, 200 in host memory); rank 1's are left marked
+    as on disk in rank 0's layout and are none of its traffic. The cost model, counting per owned parameter (half the
+    model's), moves exactly rank 0's bytes at half the node's SSD rate."""
+    owned = [_shard(300), _shard(200, "host")]
+    shards = owned + [_shard(500)]
+    settings = plan_settings(shards, owned, "host", 2, prefetch_depth=1, host_static_bytes=0,  # type: ignore[arg-type]
+                             device_overhead=None)
+    assert settings.ranks_on_node == 2
+    assert (settings.state_read_bytes_per_param, settings.state_write_bytes_per_param) == (7, 7)  # 3600 B / 500
+    # The host-tier states' slot copy: 24 B for 200 of 500 owned parameters.
+    assert settings.optimizer_memory_bytes_per_param == OPTIMIZER_MEMORY_BYTES_PER_PARAM + 10
+    layer = LayerProfile("blk", 0, 1.0, 2.0, 4000, 2000, 1000, [OpProfile("input", 0.0, 0.0, 0)])
+    model = CostModel(_node(ssd=100.0), [layer], settings)
+    assert model._state_read == model._state_write == 3500  # 3600 B, rounded to whole bytes per parameter
+    assert model._state_ssd == pytest.approx(2 * 3500 / 50)
+    # One rank owns everything: the settings of before.
+    alone = plan_settings(shards, shards, "host", 1, prefetch_depth=1, host_static_bytes=0,  # type: ignore[arg-type]
+                          device_overhead=None)
+    assert (alone.ranks_on_node, alone.state_read_bytes_per_param) == (1, 10)  # 800 on disk x 12 B / 1000
+
+
+def test_budgets_share_the_nodes_free_memory_and_disk():
+    node = _node(host_free=10_000, device_free=8_000, ssd_free=100_000)
+    assert plan_budgets(node, 500, 1, None, None) == (8_000, 500 + 9_000, 95_000)
+    assert plan_budgets(node, 500, 2, None, None) == (8_000, 500 + 4_500, 47_500)
+    # A limit the user gave is this rank's already; a device is each rank's own.
+    assert plan_budgets(node, 500, 2, 3_000, 6_000) == (6_000, 3_000, 47_500)
+    # On the CPU the device is the host.
+    cpu = dataclasses.replace(node, device_type="cpu")
+    assert plan_budgets(cpu, 500, 4, None, None) == (500 + 2_250, 500 + 2_250, 23_750)
+
+
+def test_node_profile_is_the_nodes_speeds_with_the_least_free_capacities():
+    node0 = _node(host_free=10 << 30, device_free=8 << 30, ssd_free=50 << 30, ssd=1e9)
+    node1 = _node(host_free=6 << 30, device_free=9 << 30, ssd_free=80 << 30, ssd=3e9)
+    entries = [node0, 7 << 30, node1, 9 << 30]
+    got = node_profile(entries, Ranks(rank=3, world=4, local_world=2, local_rank=1))
+    assert got.ssd_read_bandwidth == 3e9 and got.adam_params_per_s == node1.adam_params_per_s
+    assert (got.host_memory_free, got.device_memory_free, got.ssd_free) == (6 << 30, 7 << 30, 50 << 30)
+    assert node_profile(entries, Ranks(rank=0, world=4, local_world=2)).ssd_read_bandwidth == 1e9
+    with pytest.raises(RuntimeError, match="rank 2 could not measure"):
+        node_profile([node0, 1, OSError("disk gone"), 1], Ranks(rank=1, world=4, local_world=2, local_rank=1))
+    with pytest.raises(RuntimeError, match="rank 0 sent no hardware profile"):
+        node_profile([1, 1], Ranks(rank=1, world=2, local_world=2, local_rank=1))

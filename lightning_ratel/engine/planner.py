@@ -6,6 +6,12 @@ saved bytes can be measured), turns what the scheduler timed and the activation 
 :class:`~lightning_ratel.plan.LayerProfile` objects, searches the placement with the least predicted iteration time
 under this run's memory budgets (:func:`~lightning_ratel.plan.search`), and hands the chosen placement to the
 activation cache. A fixed ``activation_policy`` bypasses all of it.
+
+With several data-parallel ranks the node's local rank 0 measures the machine alone while its other ranks wait, and
+they receive its profile: all ranks probing at once would each see a shared drive, and the cost model then divides
+the node's rates among its ranks (:attr:`~lightning_ratel.plan.cost.CostSettings.ranks_on_node`) a second time.
+Each rank plans for the states it owns and its share of the node's free memory and disk. Global rank 0 makes the
+plan and every rank applies it, so all ranks place their activations alike (placements change speed, never values).
 """
 
 from __future__ import annotations
@@ -31,10 +37,11 @@ from lightning_ratel.plan.search import Plan, search
 from lightning_ratel.report import show_plan
 from lightning_ratel.runtime.activations import ActivationCache
 from lightning_ratel.runtime.adamw import adamw_step
+from lightning_ratel.runtime.collectives import DataParallelAdam, Ranks
 from lightning_ratel.runtime.device import Device
 from lightning_ratel.runtime.optimizer import CpuAdam
-from lightning_ratel.runtime.probe import measure_hardware
-from lightning_ratel.runtime.units import Layout
+from lightning_ratel.runtime.probe import free_device_memory, measure_hardware
+from lightning_ratel.runtime.units import Layout, Shard
 from lightning_ratel.tiers import CONTAINER_OP, INPUT_OP
 
 
@@ -50,12 +57,14 @@ class Planner:
         scheduler: times blocks while profiling and knows the execution order.
         accounts: bytes the run holds (the plan's host budget starts from them).
         breakdown: measures where each step's time went (for the report).
-        adam: the CPU optimizer (its thread count is what the AdamW probe measures with); ``None`` for evaluation.
+        adam: the CPU optimizer (its thread count is what the AdamW probe measures with); with several ranks the
+            :class:`~lightning_ratel.runtime.collectives.DataParallelAdam` whose ranks share the profile and the plan;
+            ``None`` for evaluation.
     """
 
     def __init__(self, config: RatelConfig, device: Device, blocks: BlockMembership, layout: Layout,
                  cache: ActivationCache, scheduler: BlockScheduler, accounts: ByteAccount, breakdown: StepBreakdown,
-                 adam: CpuAdam | None) -> None:
+                 adam: CpuAdam | DataParallelAdam | None) -> None:
         self.config = config
         self.device = device
         self.blocks = blocks
@@ -65,6 +74,8 @@ class Planner:
         self.accounts = accounts
         self.breakdown = breakdown
         self.adam = adam
+        # The ranks planning together, and their control collectives; None on one rank.
+        self._parallel = adam if isinstance(adam, DataParallelAdam) else None
         self.plan: Plan | None = None
         self._hardware: HardwareProfile | None = None
         self._profile_steps = 0
@@ -117,20 +128,74 @@ class Planner:
         layers = self.end_profile()
         start = time.perf_counter()
         assert self._hardware is not None
-        plan = self.make_plan(self._hardware, layers)
+        plan = self._agreed_plan(self._hardware, layers)
         self.apply_plan(plan)
         show_plan(plan, planning_seconds=time.perf_counter() - start)
         return plan
 
+    @property
+    def ranks_on_node(self) -> int:
+        """Data-parallel ranks sharing this node's drives, host memory and cores (1 on one rank)."""
+        return self._parallel.ranks.local_world if self._parallel is not None else 1
+
     def measure_hardware(self, fresh: bool = False) -> HardwareProfile:
         """Measure links, swap directories, CPU AdamW and free memory (see :mod:`lightning_ratel.runtime.probe`),
-        reusing the speeds measured on this machine recently unless ``fresh``."""
+        reusing the speeds measured on this machine recently unless ``fresh``.
+
+        With several ranks this is a collective: the node's local rank 0 measures the whole node (the AdamW probe with
+        the threads of all its ranks' optimizers) while the others wait, and every rank receives its node's profile
+        with the least free memory and disk of all ranks (see :func:`node_profile`).
+
+        Raises:
+            RuntimeError: another rank could not measure its node (that rank raises its own error).
+        """
         threads = self.adam.threads if self.adam is not None else torch.get_num_threads()
+        parallel = self._parallel
+        if parallel is None:
+            return self._probe(threads, fresh)
+        ranks = parallel.ranks
+        entry: HardwareProfile | int | Exception
+        if ranks.local_rank == 0:
+            try:
+                entry = self._probe(threads * ranks.local_world, fresh)
+            except Exception as err:  # noqa: BLE001 - the other ranks must hear of it, then it is raised
+                entry = err
+        else:
+            entry = free_device_memory(self.device)
+        entries = parallel.gather_objects(entry)
+        if isinstance(entry, Exception):
+            raise entry
+        return node_profile(entries, ranks)
+
+    def _probe(self, threads: int, fresh: bool) -> HardwareProfile:
         assert self.config.ssd_paths is not None
-        # Named after the run's store: the ranks of one node probe the same directories at once.
+        # Named after the run's store: the nodes of a cluster may probe directories of one shared file system at once.
         return measure_hardware(self.device, self.config.ssd_paths,
                                 functools.partial(adamw_step(), num_threads=threads), threads=threads, fresh=fresh,
                                 name=f"{self.config.name}-probe")
+
+    def _agreed_plan(self, hardware: HardwareProfile, layers: list[LayerProfile]) -> Plan:
+        """The plan of this run: this rank's own on one rank; with several, rank 0's, received by every rank.
+
+        Raises:
+            RatelPlanError: no placement fits the budgets (on every rank where rank 0's search found none).
+        """
+        parallel = self._parallel
+        if parallel is None:
+            return self.make_plan(hardware, layers)
+        plan: Plan | None = None
+        failure: Exception | None = None
+        if parallel.ranks.rank == 0:
+            try:
+                plan = self.make_plan(hardware, layers)
+            except Exception as err:  # noqa: BLE001 - the other ranks must hear of it, then it is raised
+                failure = err
+        made = parallel.broadcast_object(failure if plan is None else plan.to_json(), src=0)
+        if failure is not None:
+            raise failure
+        if isinstance(made, Exception):
+            raise made
+        return plan if plan is not None else Plan.from_json(made)
 
     def begin_profile(self) -> None:
         """Run the next passes under the safe default, timing every op and counting its FLOPs and saved bytes."""
@@ -203,44 +268,31 @@ class Planner:
         self._profiled_times.clear()
         return layers
 
+    def owned_shards(self) -> list[Shard]:
+        """The trainable shards whose states and updates are this rank's (all of them on one rank)."""
+        parallel = self._parallel
+        return [s for s in self.layout.shards if parallel is None or parallel.owns(s)]
+
     def state_traffic(self) -> dict[str, int]:
-        """Bytes each optimizer step must move between the swap files and the CPU optimizer: the moments and masters
-        of the shards whose states are in the swap files (masters are not read where the host cache holds them), and
-        the new 16-bit compute copies where the pager reads them from the swap files. The least a step can move for
-        its model states; the pager's reads of compute copies and activations sent to the SSD come on top."""
-        on_disk = [s for s in self.layout.shards if s.state_tier == "ssd"]
-        moments = sum(s.numel * 8 for s in on_disk)
-        copies = sum(s.numel * s.dtype.itemsize for s in self.layout.shards
-                     if self.layout.param_cache == "ssd" and s.dtype != torch.float32)
-        return {"read": moments + sum(s.numel * 4 for s in on_disk if not s.master_in_host),
-                "written": moments + sum(s.numel * 4 for s in on_disk) + copies}
+        """Bytes each optimizer step of this rank must move between its swap files and its CPU optimizer (see
+        :func:`state_traffic`): over the shards it owns; the other ranks' states are in theirs."""
+        return state_traffic(self.owned_shards(), self.layout.param_cache)
 
     def make_plan(self, hardware: HardwareProfile, layers: list[LayerProfile]) -> Plan:
-        """Search the placement with the least predicted iteration time under this run's memory budgets."""
+        """Search the placement with the least predicted iteration time under this run's memory budgets.
+
+        Args:
+            hardware: the node's profile (with several ranks, :meth:`measure_hardware`'s: the cost model gives each
+                rank its share of the node's rates).
+            layers: the blocks' profiles.
+        """
         static = self.accounts.held()["host"]
-        if self.config.host_memory_limit is not None:
-            host_budget = self.config.host_memory_limit
-        else:
-            # What the kernel can still hand out, less a tenth for the page cache, the dataloader and the like.
-            host_budget = static + int(hardware.host_memory_free * 0.9)
-        device_budget = self.config.device_memory_limit or hardware.device_memory_free
-        if hardware.unified_memory:
-            device_budget = host_budget
-        store_budget = int(hardware.ssd_free * 0.95)
-        shards = self.layout.shards
-        trainable = sum(s.numel for s in shards) or 1
-        traffic = self.state_traffic()
-        # States in host memory cost a copy of the committed slot into the other (12 bytes read, 12 written) besides
-        # the update's own traffic.
-        in_host = sum(s.numel for s in shards if s.state_tier == "host")
-        settings = CostSettings(
+        ranks = self.ranks_on_node
+        device_budget, host_budget, store_budget = plan_budgets(
+            hardware, static, ranks, self.config.host_memory_limit, self.config.device_memory_limit)
+        settings = plan_settings(
+            self.layout.shards, self.owned_shards(), self.layout.param_cache, ranks,
             prefetch_depth=self.config.prefetch_depth, host_static_bytes=static,
-            optimizer_memory_bytes_per_param=OPTIMIZER_MEMORY_BYTES_PER_PARAM + round(24 * in_host / trainable),
-            state_read_bytes_per_param=round(traffic["read"] / trainable),
-            state_write_bytes_per_param=round(traffic["written"] / trainable),
-            param_cache=self.layout.param_cache,
-            # Write-backs are waited for only by the next update of the same shard.
-            state_spill=True,
             device_overhead=self._device_overhead(layers) if self.device.is_cuda else None)
         plan = search(hardware, layers, device_budget=device_budget, host_budget=host_budget,
                       store_budget=store_budget, settings=settings)
@@ -288,3 +340,110 @@ def device_overhead(logits_bytes: int, logits_elements: int, peaks_measured: boo
     """
     overhead = DeviceOverhead.margin(logits_bytes=logits_bytes + 8 * logits_elements)
     return dataclasses.replace(overhead, grad_temp_ratio=0.0) if peaks_measured else overhead
+
+
+def state_traffic(shards: Sequence[Shard], param_cache: str) -> dict[str, int]:
+    """Bytes each optimizer step must move between the swap files and the CPU optimizer for ``shards``: the moments
+    and masters of those whose states are in the swap files (masters are not read where the host cache holds them),
+    and the new 16-bit compute copies where the pager reads them from the swap files (``param_cache="ssd"``). The
+    least a step can move for those model states; the pager's reads of compute copies and activations sent to the SSD
+    come on top.
+
+    Returns:
+        ``{"read": bytes, "written": bytes}``.
+    """
+    on_disk = [s for s in shards if s.state_tier == "ssd"]
+    moments = sum(s.numel * 8 for s in on_disk)
+    copies = sum(s.numel * s.dtype.itemsize for s in shards if param_cache == "ssd" and s.dtype != torch.float32)
+    return {"read": moments + sum(s.numel * 4 for s in on_disk if not s.master_in_host),
+            "written": moments + sum(s.numel * 4 for s in on_disk) + copies}
+
+
+def plan_settings(shards: Sequence[Shard], owned: Sequence[Shard], param_cache: str, ranks_on_node: int,
+                  *, prefetch_depth: int, host_static_bytes: int,
+                  device_overhead: DeviceOverhead | None) -> CostSettings:
+    """The cost model's settings for one rank of ``ranks_on_node`` on its node.
+
+    The cost model counts the optimizer's state bytes per parameter a rank owns, ``1 / ranks_on_node`` of the
+    trainable ones: this rank's traffic (:func:`state_traffic` of ``owned``) per that many parameters, so that its
+    prediction moves exactly this rank's bytes.
+
+    Args:
+        shards: every trainable shard of the model.
+        owned: those whose states this rank holds (``shards`` on one rank).
+        param_cache: where compute copies live between uses (``"host"`` or ``"ssd"``).
+        ranks_on_node: data-parallel ranks on this node.
+        prefetch_depth: blocks paged in ahead of the one computing.
+        host_static_bytes: host bytes the run holds apart from activations.
+        device_overhead: device memory a step needs beyond its working set (``None``: none counted).
+    """
+    share = (sum(s.numel for s in shards) or 1) / ranks_on_node
+    traffic = state_traffic(owned, param_cache)
+    # States in host memory cost a copy of the committed slot into the other (12 bytes read, 12 written) besides the
+    # update's own traffic.
+    in_host = sum(s.numel for s in owned if s.state_tier == "host")
+    return CostSettings(
+        prefetch_depth=prefetch_depth, host_static_bytes=host_static_bytes,
+        optimizer_memory_bytes_per_param=OPTIMIZER_MEMORY_BYTES_PER_PARAM + round(24 * in_host / share),
+        state_read_bytes_per_param=round(traffic["read"] / share),
+        state_write_bytes_per_param=round(traffic["written"] / share),
+        param_cache=param_cache,
+        # Write-backs are waited for only by the next update of the same shard.
+        state_spill=True,
+        device_overhead=device_overhead,
+        ranks_on_node=ranks_on_node)
+
+
+def plan_budgets(hardware: HardwareProfile, host_static_bytes: int, ranks_on_node: int,
+                 host_memory_limit: int | None, device_memory_limit: int | None) -> tuple[int, int, int]:
+    """Device, host and swap-file bytes one rank's placement may use.
+
+    Without ``host_memory_limit`` a rank may use its share of what the kernel can still hand out (less a tenth for
+    the page cache, the dataloader and the like) on top of what it holds (``host_static_bytes``); each rank of the
+    node gets its share of the swap directories' free space too. On unified memory the device is the host.
+
+    Args:
+        hardware: the node's profile (free capacities read when it was measured, after every rank set up).
+        host_static_bytes: host bytes this rank holds apart from activations.
+        ranks_on_node: data-parallel ranks sharing the node's memory and drives.
+        host_memory_limit: this rank's host budget, if the user gave one.
+        device_memory_limit: this rank's device budget, if the user gave one.
+
+    Returns:
+        ``(device_budget, host_budget, store_budget)``.
+    """
+    if host_memory_limit is not None:
+        host_budget = host_memory_limit
+    else:
+        host_budget = host_static_bytes + int(hardware.host_memory_free * 0.9) // ranks_on_node
+    device_budget = device_memory_limit or hardware.device_memory_free
+    if hardware.unified_memory:
+        device_budget = host_budget
+    return device_budget, host_budget, int(hardware.ssd_free * 0.95) // ranks_on_node
+
+
+def node_profile(entries: Sequence[HardwareProfile | int | BaseException], ranks: Ranks) -> HardwareProfile:
+    """The profile a rank plans with, from what every rank contributed (:meth:`Planner.measure_hardware`).
+
+    Each node's local rank 0 contributes its node's profile, the others their device's free bytes. The speeds are
+    this rank's node's; the free capacities the least of all ranks and nodes, because the plan rank 0 makes is every
+    rank's and must fit the fullest device, host and drive.
+
+    Args:
+        entries: by global rank, a node's profile, a device's free bytes, or the error a rank's probe raised.
+        ranks: this rank's place.
+
+    Raises:
+        RuntimeError: a rank's probe failed, or the first rank of this node contributed no profile.
+    """
+    for rank, entry in enumerate(entries):
+        if isinstance(entry, BaseException):
+            raise RuntimeError(f"rank {rank} could not measure its node's hardware: {entry}") from entry
+    first = ranks.rank - ranks.local_rank
+    own = entries[first]
+    if not isinstance(own, HardwareProfile):
+        raise RuntimeError(f"rank {first} sent no hardware profile of its node (got {own!r})")
+    profiles = [e for e in entries if isinstance(e, HardwareProfile)]
+    devices = [e.device_memory_free if isinstance(e, HardwareProfile) else int(e) for e in entries]
+    return dataclasses.replace(own, host_memory_free=min(p.host_memory_free for p in profiles),
+                               device_memory_free=min(devices), ssd_free=min(p.ssd_free for p in profiles))

@@ -748,6 +748,12 @@ class DataParallelAdam:
         dist.all_gather_object(out, obj, group=self._control)
         return out
 
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Collective: rank ``src``'s ``obj`` (picklable) on every rank (a decision one rank takes for all)."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=self._control)
+        return box[0]
+
     def _ledger(self, shard: Shard) -> tuple[list[int], bool]:
         """Collective: ``shard``'s committed step counts and whether its moments were ever written."""
         entry = torch.zeros(len(shard.params) + 1, dtype=torch.int64)

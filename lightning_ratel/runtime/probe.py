@@ -49,6 +49,13 @@ def available_host_memory() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def free_device_memory(device: Device, host_free: int | None = None) -> int:
+    """Bytes of ``device`` memory free now (on the CPU: the host's, ``host_free`` where already read)."""
+    if device.is_cuda:
+        return torch.cuda.mem_get_info(device.device)[0]
+    return available_host_memory() if host_free is None else host_free
+
+
 def best_time(run: Callable[[], object], repeats: int) -> float:
     """The least wall time of ``repeats`` calls of ``run``."""
     best = float("inf")
@@ -153,7 +160,7 @@ def measure_hardware(
     # Kept by position: the same filesystems under other directory names.
     speeds["per_path"] = dict(zip(map(str, ssd_paths), speeds["per_path"]))
     host_free = available_host_memory()
-    device_free = torch.cuda.mem_get_info(device.device)[0] if device.is_cuda else host_free
+    device_free = free_device_memory(device, host_free)
     ssd_free = sum(shutil.disk_usage(p).free for p in {os.stat(p).st_dev: p for p in ssd_paths}.values())
     return HardwareProfile(**speeds, host_memory_free=host_free, device_memory_free=device_free, ssd_free=ssd_free)
 
