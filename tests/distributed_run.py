@@ -166,6 +166,19 @@ class _NoRoom(L.Callback):
             checkpoint.available_host_memory = lambda: 1
 
 
+class _TightHost(L.Callback):
+    """Leave one rank no host room for activations (a ``host_memory_limit`` 1 MiB below what its engine holds), set
+    before the strategy's profiler plans at the end of the profiled batches."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
+        engine = trainer.strategy.engine
+        if trainer.global_rank == self.rank:
+            engine.config.host_memory_limit = engine.byte_placement()["host"] - (1 << 20)
+
+
 def _overflow_on(module: LM, rank: int, step: int) -> None:
     """Give the llama's embedding alone a non-finite gradient, on one rank at one step: its shard completes last in
     backward, after the other shards' speculative updates ran, and only its owner sees the overflow."""
@@ -210,6 +223,8 @@ def main(argv: list[str]) -> None:
                         help="every step that clips by norm or scales the loss waits for the end of backward")
     parser.add_argument("--plan-auto", action="store_true",
                         help="RatelStrategy profiles the first step and plans activation placement (plan='auto')")
+    parser.add_argument("--tight-host", type=int, default=None,
+                        help="this rank has no host room for activations when the plan is made (--plan-auto)")
     parser.add_argument("--validate", type=int, default=0,
                         help="validate on 2 batches every that many training batches (and a sanity check first)")
     args = parser.parse_args(argv)
@@ -234,6 +249,8 @@ def main(argv: list[str]) -> None:
         callbacks.append(_Raise(rank, step))
     if args.no_room is not None:
         callbacks.append(_NoRoom(args.no_room))
+    if args.tight_host is not None:
+        callbacks.append(_TightHost(args.tight_host))
     reads = _count_reads(args.fail_save)
     with torch.device("meta") if args.lora else contextlib.nullcontext():
         module = LM(args.model, batch_size=2)

@@ -149,6 +149,15 @@ def test_plan_auto_on_two_ranks_applies_rank_zeros_plan_and_equals_ddp(tmp_path:
     assert all(0 < w < 12 * numel for w in written) and sum(written) == 12 * numel
 
 
+def test_a_plan_that_does_not_fit_one_rank_stops_every_rank(tmp_path: Path) -> None:
+    """Rank 1 has no host room for activations: rank 0 plans within the least room of any rank, finds no placement,
+    and every rank raises its RatelPlanError (none waits for a plan that will not come)."""
+    result = _run(tmp_path, "--plan-auto", "--tight-host", "1", timeout=180)
+    assert result.returncode != 0
+    assert result.stderr.count("RatelPlanError: ") >= 2, result.stderr[-4000:]
+    assert not (tmp_path / "rank0.pt").exists()
+
+
 def test_bf16_mixed_equals_ddp(tmp_path: Path) -> None:
     """16-bit compute copies travel between ranks as bytes (gloo sends no bfloat16 and no int16)."""
     args = ["--precision", "bf16-mixed", *ACCUMULATE_CLIP]

@@ -381,6 +381,9 @@ def test_budgets_share_the_nodes_free_memory_and_disk():
     assert plan_budgets(node, 500, 2, None, None) == (8_000, 500 + 4_500, 47_500)
     # A limit the user gave is this rank's already; a device is each rank's own.
     assert plan_budgets(node, 500, 2, 3_000, 6_000) == (6_000, 3_000, 47_500)
+    # Another rank has less room beyond what it holds: the plan every rank applies keeps within that.
+    assert plan_budgets(node, 500, 2, 3_000, 6_000, host_room=1_000) == (6_000, 1_500, 47_500)
+    assert plan_budgets(node, 500, 2, 3_000, 6_000, host_room=9_000) == (6_000, 3_000, 47_500)
     # On the CPU the device is the host.
     cpu = dataclasses.replace(node, device_type="cpu")
     assert plan_budgets(cpu, 500, 4, None, None) == (500 + 2_250, 500 + 2_250, 23_750)

@@ -175,7 +175,8 @@ class Planner:
                                 name=f"{self.config.name}-probe")
 
     def _agreed_plan(self, hardware: HardwareProfile, layers: list[LayerProfile]) -> Plan:
-        """The plan of this run: this rank's own on one rank; with several, rank 0's, received by every rank.
+        """The plan of this run: this rank's own on one rank; with several, rank 0's, received by every rank. Rank 0
+        plans with the least host room of any rank, so that the plan fits each.
 
         Raises:
             RatelPlanError: no placement fits the budgets (on every rank where rank 0's search found none).
@@ -183,11 +184,12 @@ class Planner:
         parallel = self._parallel
         if parallel is None:
             return self.make_plan(hardware, layers)
+        rooms = parallel.gather_objects(self.host_room(hardware))
         plan: Plan | None = None
         failure: Exception | None = None
         if parallel.ranks.rank == 0:
             try:
-                plan = self.make_plan(hardware, layers)
+                plan = self.make_plan(hardware, layers, host_room=min(rooms))
             except Exception as err:  # noqa: BLE001 - the other ranks must hear of it, then it is raised
                 failure = err
         made = parallel.broadcast_object(failure if plan is None else plan.to_json(), src=0)
@@ -278,18 +280,26 @@ class Planner:
         :func:`state_traffic`): over the shards it owns; the other ranks' states are in theirs."""
         return state_traffic(self.owned_shards(), self.layout.param_cache)
 
-    def make_plan(self, hardware: HardwareProfile, layers: list[LayerProfile]) -> Plan:
+    def host_room(self, hardware: HardwareProfile) -> int:
+        """Host bytes this rank's budget leaves beyond what it holds now (see :func:`plan_budgets`)."""
+        static = self.accounts.held()["host"]
+        return plan_budgets(hardware, static, self.ranks_on_node, self.config.host_memory_limit,
+                            self.config.device_memory_limit)[1] - static
+
+    def make_plan(self, hardware: HardwareProfile, layers: list[LayerProfile], host_room: int | None = None) -> Plan:
         """Search the placement with the least predicted iteration time under this run's memory budgets.
 
         Args:
             hardware: the node's profile (with several ranks, :meth:`measure_hardware`'s: the cost model gives each
                 rank its share of the node's rates).
             layers: the blocks' profiles.
+            host_room: host bytes the plan may use beyond what this rank holds, where less than its own budget
+                leaves (another rank's, for a plan every rank applies).
         """
         static = self.accounts.held()["host"]
         ranks = self.ranks_on_node
         device_budget, host_budget, store_budget = plan_budgets(
-            hardware, static, ranks, self.config.host_memory_limit, self.config.device_memory_limit)
+            hardware, static, ranks, self.config.host_memory_limit, self.config.device_memory_limit, host_room)
         settings = plan_settings(
             self.layout.shards, self.owned_shards(), self.layout.param_cache, ranks,
             prefetch_depth=self.config.prefetch_depth, host_static_bytes=static,
@@ -395,7 +405,8 @@ def plan_settings(shards: Sequence[Shard], owned: Sequence[Shard], param_cache: 
 
 
 def plan_budgets(hardware: HardwareProfile, host_static_bytes: int, ranks_on_node: int,
-                 host_memory_limit: int | None, device_memory_limit: int | None) -> tuple[int, int, int]:
+                 host_memory_limit: int | None, device_memory_limit: int | None,
+                 host_room: int | None = None) -> tuple[int, int, int]:
     """Device, host and swap-file bytes one rank's placement may use.
 
     Without ``host_memory_limit`` a rank may use its share of what the kernel can still hand out (less a tenth for
@@ -408,6 +419,7 @@ def plan_budgets(hardware: HardwareProfile, host_static_bytes: int, ranks_on_nod
         ranks_on_node: data-parallel ranks sharing the node's memory and drives.
         host_memory_limit: this rank's host budget, if the user gave one.
         device_memory_limit: this rank's device budget, if the user gave one.
+        host_room: at most this many host bytes beyond ``host_static_bytes`` (``None``: no further bound).
 
     Returns:
         ``(device_budget, host_budget, store_budget)``.
@@ -416,6 +428,8 @@ def plan_budgets(hardware: HardwareProfile, host_static_bytes: int, ranks_on_nod
         host_budget = host_memory_limit
     else:
         host_budget = host_static_bytes + int(hardware.host_memory_free * 0.9) // ranks_on_node
+    if host_room is not None:
+        host_budget = min(host_budget, host_static_bytes + host_room)
     device_budget = device_memory_limit or hardware.device_memory_free
     if hardware.unified_memory:
         device_budget = host_budget
