@@ -452,16 +452,23 @@ def deepspeed_config(system: str, shape: ModelShape, swap_dirs: Sequence[str],
     if system != "zero-infinity":
         raise ValueError(f"unknown DeepSpeed system {system!r}")
     optimizer_dir, param_dir = deepspeed_nvme_dirs(swap_dirs)
-    # Each NVMe parameter buffer must hold the largest parameter (the embedding or the MLP's up matrix).
-    largest = max(shape.vocab * shape.hidden, 4 * shape.hidden**2)
-    zero.update(
-        stage=3,
-        sub_group_size=DS_SUB_GROUP_SIZE,
-        offload_param={"device": "nvme", "nvme_path": param_dir, "pin_memory": True, "buffer_count": 5,
-                       "buffer_size": max(100_000_000, largest), "max_in_cpu": 1_000_000_000},
-        offload_optimizer={"device": "nvme", "nvme_path": optimizer_dir, "pin_memory": True, "buffer_count": 4},
-    )
+    # The largest parameter: the embedding or the MLP's up matrix.
+    zero.update(zero_infinity_offload(optimizer_dir, param_dir, max(shape.vocab * shape.hidden, 4 * shape.hidden**2)))
     return {"zero_allow_untested_optimizer": True, "zero_optimization": zero, "aio": {**DS_AIO, **(aio or {})}}
+
+
+def zero_infinity_offload(optimizer_dir: str, param_dir: str, largest_param: int,
+                          pin_memory: bool = True) -> dict[str, Any]:
+    """ZeRO-Infinity's part of a ``zero_optimization`` config: stage 3 with parameters and optimizer states on NVMe,
+    each parameter buffer large enough for the model's largest parameter (``largest_param`` elements)."""
+    return {
+        "stage": 3,
+        "sub_group_size": DS_SUB_GROUP_SIZE,
+        "offload_param": {"device": "nvme", "nvme_path": param_dir, "pin_memory": pin_memory, "buffer_count": 5,
+                          "buffer_size": max(100_000_000, largest_param), "max_in_cpu": 1_000_000_000},
+        "offload_optimizer": {"device": "nvme", "nvme_path": optimizer_dir, "pin_memory": pin_memory,
+                              "buffer_count": 4},
+    }
 
 
 def _strategy(system: str, module: Any, shape: ModelShape, swap_dirs: list[str], cap: int,

@@ -221,19 +221,13 @@ def deepspeed_config(system: str, largest_param: int, swap_dir: str, pin_memory:
     ZeRO-Infinity's settings are those of ``benchmarks/gpu_throughput.py`` (sub-group size, aio), with its parameter
     buffers sized to hold the model's largest parameter.
     """
-    from benchmarks.gpu_throughput import DS_AIO, DS_SUB_GROUP_SIZE
+    from benchmarks.gpu_throughput import DS_AIO, zero_infinity_offload
 
     zero: dict[str, Any] = {"contiguous_gradients": True, "overlap_comm": True}
     if system == "zero-offload":
         zero.update(stage=2, offload_optimizer={"device": "cpu", "pin_memory": pin_memory})
         return {"zero_allow_untested_optimizer": True, "zero_optimization": zero}
-    zero.update(
-        stage=3,
-        sub_group_size=DS_SUB_GROUP_SIZE,
-        offload_param={"device": "nvme", "nvme_path": swap_dir, "pin_memory": pin_memory, "buffer_count": 5,
-                       "buffer_size": max(100_000_000, largest_param), "max_in_cpu": 1_000_000_000},
-        offload_optimizer={"device": "nvme", "nvme_path": swap_dir, "pin_memory": pin_memory, "buffer_count": 4},
-    )
+    zero.update(zero_infinity_offload(swap_dir, swap_dir, largest_param, pin_memory))
     return {"zero_allow_untested_optimizer": True, "zero_optimization": zero, "aio": dict(DS_AIO)}
 
 

@@ -192,16 +192,22 @@ def test_fp16_overflow_on_one_rank_drops_the_speculative_updates_of_all(tmp_path
         assert all(entry["step"].item() == 2 for entry in got["optimizer"]["state"].values())
 
 
-def test_two_nodes_of_one_device_equal_ddp(tmp_path: Path, ddp_reference: dict) -> None:
+def _run_two_nodes(out: Path, devices: int, *args: str, timeout: float) -> None:
+    """Runs ``tests.distributed_run`` as two nodes of ``devices`` ranks each on localhost, one process per node (as a
+    cluster's launcher starts them), and checks both succeeded."""
     port = str(_free_port())
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.distributed_run", str(tmp_path), "--devices", "1",
-                               "--num-nodes", "2", *ACCUMULATE_CLIP], cwd=ROOT,
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.distributed_run", str(out), "--devices", str(devices),
+                               "--num-nodes", "2", *args], cwd=ROOT,
                               env=_env(NODE_RANK=str(node), MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
              for node in (0, 1)]
     for proc in procs:
-        _, err = proc.communicate(timeout=240)
+        _, err = proc.communicate(timeout=timeout)
         assert proc.returncode == 0, err[-4000:]
+
+
+def test_two_nodes_of_one_device_equal_ddp(tmp_path: Path, ddp_reference: dict) -> None:
+    _run_two_nodes(tmp_path, 1, *ACCUMULATE_CLIP, timeout=240)
     for rank in (0, 1):
         _assert_same(ddp_reference, _load(tmp_path, rank))
 
@@ -211,15 +217,7 @@ def test_two_nodes_of_two_ranks_each_share_a_host_cache(tmp_path: Path) -> None:
     on four processes (four ranks' gradients are summed in another order than ``ddp``'s: rounding apart), and each
     cache's pages shared by exactly two processes."""
     _ok(_run(tmp_path / "ddp", "--strategy", "ddp", "--devices", "4", *ACCUMULATE_CLIP))
-    port = str(_free_port())
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.distributed_run", str(tmp_path / "ratel"), "--devices", "2",
-                               "--num-nodes", "2", *ACCUMULATE_CLIP], cwd=ROOT,
-                              env=_env(NODE_RANK=str(node), MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-             for node in (0, 1)]
-    for proc in procs:
-        _, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0, err[-4000:]
+    _run_two_nodes(tmp_path / "ratel", 2, *ACCUMULATE_CLIP, timeout=300)
     for rank in range(4):
         got = _load(tmp_path / "ratel", rank)
         _assert_same(_load(tmp_path / "ddp"), got, tol=1e-5)
