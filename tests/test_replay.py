@@ -348,9 +348,9 @@ def _fit(tmp_path, model: str, **strategy: Any) -> tuple[dict, dict]:
     return final_state(module, t)
 
 
-def _op_plan(placement: dict[str, str]) -> Plan:
-    """A plan that places the ops named ``"*layers.<i>/<op>"`` in both layers as given."""
-    full = {f"model.layers.{i}/{op}": tier for i in range(2) for op, tier in placement.items()}
+def _op_plan(placement: dict[str, str], prefix: str = "model.layers") -> Plan:
+    """A plan that places the ops named ``"<prefix>.<i>/<op>"`` in both layers as given."""
+    full = {f"{prefix}.{i}/{op}": tier for i in range(2) for op, tier in placement.items()}
     return Plan(full, predicted_iteration_time=0.0, predicted_forward_time=0.0, predicted_backward_time=0.0,
                 resource_times={}, memory={}, budgets={}, curve=[], chosen=0)
 
@@ -413,11 +413,37 @@ def test_tensor_written_through_a_view_after_its_op_is_not_handed_back_at_that_o
     compare_states(_plain("scale_half"), got, 1e-5)
 
 
-def test_stored_result_of_an_inplace_op_is_handed_back(tmp_path, replays):
-    """The stored result of ``relu_`` reaches the recomputed ops that read it."""
-    got = _fit(tmp_path, "inplace_relu", plan=_op_plan({"input": "host", "*": "host", "mul": "recompute"}))
+@pytest.mark.parametrize("tier", ["host", "device"])
+def test_stored_result_of_an_inplace_op_is_handed_back(tmp_path, replays, tier):
+    """The stored result of ``relu_`` reaches the recomputed ops that read it, kept on the device as much as copied
+    to host memory."""
+    got = _fit(tmp_path, "inplace_relu", plan=_op_plan({"input": tier, "*": tier, "mul": "recompute"}))
     assert replays and all(r.executed == {"mul"} for r in replays)
     compare_states(_plain("inplace_relu"), got, 1e-5)
+
+
+def test_outputs_kept_on_the_device_are_not_recomputed(tmp_path, replays):
+    """A Llama whose ops keep their outputs on the device but for the norms' last multiplications: the replay runs
+    those and the ops between them and the nearest kept outputs, never a projection's matrix product."""
+    placement = {"input": "device", "*": "device", "input_layernorm:mul#1": "recompute",
+                 "post_attention_layernorm:mul#1": "recompute"}
+    got = _fit(tmp_path, "llama", plan=_op_plan(placement, prefix="model.model.layers"))
+    layers = [r for r in replays if "layers" in r.name]
+    assert layers and all({"input_layernorm:mul#1", "post_attention_layernorm:mul#1"} <= r.executed for r in layers)
+    assert all(not any(name.endswith(":mm") for name in r.executed) for r in layers)
+    compare_states(_plain("llama"), got, 1e-5)
+
+
+def test_a_kept_output_is_handed_back_only_while_alive_and_unwritten():
+    t = torch.ones(4)
+    kept = recompute.KeptOutput(t)
+    assert kept.get() is t
+    t.mul_(2.0)
+    assert kept.get() is None
+    u = torch.ones(4)
+    kept = recompute.KeptOutput(u)
+    del u
+    assert kept.get() is None
 
 
 @pytest.mark.parametrize("policy", ["auto", "recompute"])

@@ -41,7 +41,7 @@ from torch.utils._pytree import tree_map
 from lightning_ratel.runtime.device import Device
 from lightning_ratel.runtime.hostmem import aligned_empty
 from lightning_ratel.runtime.pager import ParameterPager
-from lightning_ratel.runtime.recompute import ForwardRecord
+from lightning_ratel.runtime.recompute import ForwardRecord, KeptOutput
 from lightning_ratel.runtime.storage import TensorStore
 from lightning_ratel.tiers import Placement, tier_of
 
@@ -253,11 +253,12 @@ class ActivationCache:
         if tier == "recompute":
             tier = "host"
         ref = self._pack_as(block, t, tier)
-        if record is not None and ref is not t and produced is not None:
+        if record is not None and produced is not None:
             op = record.direct_op(t)
-            # Handed back in a replay as the output of the op that returned it, unless written in place since.
+            # Handed back in a replay as the output of the op that returned it, unless written in place since; a
+            # tensor kept as it is, too (else a replay would run every op that led to it again).
             if op is not None and op >= produced[0] and len(record.ops[op].out_meta) == 1:
-                record.stored[op] = ref
+                record.stored[op] = KeptOutput(t) if ref is t else ref
         return ref
 
     def _pack_as(self, block: int, t: torch.Tensor, tier: str) -> Any:

@@ -99,6 +99,19 @@ class ModuleState:
             module._buffers.update(buffers)
 
 
+class KeptOutput:
+    """An op's output the block keeps as it is (on the device, or too small to move): a weak reference and the
+    tensor's version when it was saved. A replay hands it back only while it is alive and unwritten since."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.ref = weakref.ref(t)
+        self.version = t._version
+
+    def get(self) -> torch.Tensor | None:
+        t = self.ref()
+        return t if t is not None and t._version == self.version else None
+
+
 class _StopReplay(Exception):
     """Raised inside the replayed forward once every needed op has run."""
 
@@ -185,7 +198,8 @@ class ForwardRecord:
     owner: dict[int, tuple[int, int, StorageWeakRef]] = field(default_factory=dict)
     # id(tensor) -> (weak reference, op index): the op whose output is this very tensor object
     direct: dict[int, tuple[Any, int]] = field(default_factory=dict)
-    # ops whose single tensor output was stored whole: the replay hands these back instead of running the op
+    # ops whose single tensor output was stored whole (a packed reference, or a :class:`KeptOutput` where the block
+    # keeps the tensor itself): the replay hands these back instead of running the op
     stored: dict[int, Any] = field(default_factory=dict)
     # ops whose (recomputed) outputs packed references point into
     targets: set[int] = field(default_factory=set)
@@ -285,6 +299,11 @@ class ForwardRecord:
             return entry[1]
         return None
 
+    def holds(self, op: int) -> bool:
+        """Whether a replay can hand back ``op``'s stored output (a kept tensor must still be alive and unwritten)."""
+        ref = self.stored.get(op)
+        return ref is not None and (not isinstance(ref, KeptOutput) or ref.get() is not None)
+
     def needed(self) -> tuple[set[int], int]:
         """The ops the replay executes, and the index after which it may stop."""
         execute: set[int] = set()
@@ -294,7 +313,7 @@ class ForwardRecord:
             if k in execute:
                 continue
             execute.add(k)
-            todo.extend(i for i in self.ops[k].inputs if i >= 0 and i not in self.stored and i not in execute)
+            todo.extend(i for i in self.ops[k].inputs if i >= 0 and i not in execute and not self.holds(i))
         return execute, max(execute, default=-1)
 
     def replay(self, unpack: Callable[[Any], torch.Tensor], restore_inputs: Callable[[Any], Any]) -> None:
@@ -437,7 +456,7 @@ class _Replayer(TorchDispatchMode):
         if k in self.execute:
             out = func(*args, **kwargs)
             self._check_shapes(k, func, out)
-        elif k in record.stored:
+        elif record.holds(k):
             out = self._stored(k, func, args, kwargs)
         else:
             out = ops[k].dummy()
@@ -463,7 +482,8 @@ class _Replayer(TorchDispatchMode):
     def _stored(self, k: int, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         """The stored output of op ``k``, in the place and layout the forward had it."""
         # An alias, so autograd attaches the replay's graph to it and not to the stored tensor.
-        value = self.unpack(self.record.stored[k]).detach()
+        ref = self.record.stored[k]
+        value = (ref.get() if isinstance(ref, KeptOutput) else self.unpack(ref)).detach()
         written = _written_argument(func, args, kwargs)
         if written is not None:
             # An in-place op returns the tensor it writes whatever this returns: put the stored result there.
