@@ -58,19 +58,67 @@ keep, swap or recompute. Per op, FLOPs and saved bytes follow from the shapes (:
 its FLOPs at the GEMM or attention rate, or its memory traffic at the GDDR6X rate for element-wise ops; backward is
 twice forward (2.5 times for attention, whose backward recomputes the scores).
 
-Several GPUs in one server (the artifact's Figure 11(a)-(d): 13B and 70B on 2 and 4 RTX 4090s, by global batch): the
-same testbed with 2 or 4 cards, each on a PCIe 4.0 x16 link of its own, one rank per card, the global batch split
-evenly. The ranks share what the node has once: the 12 SSDs, the host side of PCIe, DRAM's bandwidth and the cores
-that run the CPU AdamW (``CostSettings.ranks_on_node``: each rank sees ``1 / N`` of those rates), host memory and SSD
-space (each rank plans with ``1 / N`` of them); each rank owns ``1 / N`` of the states (as
-``lightning_ratel.plan.owners`` partitions them) and reads its share of the compute copies from the SSDs, while
-every rank pages in every compute copy and sends its whole gradient to host memory, where the owners add them up.
-Nothing is fitted to these figures. Where the predictions miss: at the largest batches of 13B
-(278.2 and 514.4 TFLOPS, the figures the artifact's README quotes) they are within 15%; everywhere the step is bound
-by the CPU optimizer (70B, and 13B at small batches) they are 1.4-2x too high. The published steps there take about
-23-25 s for 13B and 100-111 s for 70B at every batch, a node-wide update rate of 0.5-0.75 G parameters/s, half the
-1.2 G/s the single-GPU 175B figures imply; nothing in the hardware description accounts for that (the artifact holds
-no multi-GPU code to read it from), so the model is left without a factor for it.
+Several GPUs in one server (the artifact's Figure 11(a)-(d): 13B and 70B on 2 and 4 RTX 4090s, by global batch).
+What is published of that server, and what is assumed:
+
+- The machine: ``evaluation_data.md`` lists Figure 11 under the same testbed table as every other figure (dual Xeon
+  Gold 5320, 768 GB, 12 D7-P5510), so the CPUs, DRAM and SSD array are those above, shared by the GPUs.
+- The run: the artifact's ``run.sh`` shows the multi-GPU launch as ``torchrun main.py`` with the single-GPU flags
+  (``--batch_size 64`` per process, the same model flags) except ``--swap_ratio 0.8`` instead of 0.3, and a
+  ``config.json`` from a private repository; the public ``main.py`` has no data-parallel code (no process group, no
+  gradient reduction), so how the ranks split the optimizer is not published. 64 per process on 2 and 4 GPUs is the
+  largest global batch of Figure 11(a)/(c) (128, 256), so the global batch is split evenly; 70B's largest (48, 96)
+  is 24 per GPU.
+- The PCIe topology is not published. 2 sockets x 64 lanes = 128 lanes hold 4 GPUs at x16 and 12 SSDs at x4 (112
+  lanes) without a switch, so the model gives each GPU a PCIe 4.0 x16 link of its own (an assumption).
+- GeForce RTX 4090s have no peer-to-peer path (NVIDIA/nccl issue 1127 and NVIDIA/nccl-tests issue 117, maintainers'
+  and users' reports): collectives between them pass through host memory, over each GPU's own link.
+- The paper's own section on the multi-GPU server could not be read here (the stored copies of arXiv 2403.06504
+  hold its abstract only); its ZeRO-Infinity comparison is known as the ratios issue 23 quotes: Ratel 2.21x (13B)
+  and 1.69x (70B) ZeRO-Infinity's throughput on 4 GPUs, batch not stated; they are compared at the largest batch.
+
+Ratel on N GPUs: one rank per card, the global batch split evenly. The ranks share what the node has once: the 12
+SSDs, the host side of PCIe, DRAM's bandwidth and the cores that run the CPU AdamW (``CostSettings.ranks_on_node``:
+each rank sees ``1 / N`` of those rates), host memory and SSD space (each rank plans with ``1 / N`` of them); each
+rank owns ``1 / N`` of the states (as ``lightning_ratel.plan.owners`` partitions them) and reads its share of the
+compute copies from the SSDs, while every rank pages in every compute copy and sends its whole gradient to host
+memory, where the owners add them up. Nothing is fitted to these figures.
+
+ZeRO-Infinity on N GPUs (:func:`zero_infinity_step`): DeepSpeed ZeRO-3 with parameters and optimizer states on NVMe,
+as its source has it (``deepspeed/runtime/zero/stage3.py``, ``offload_config.py``), on the same node, blocks and
+rates: each rank owns ``1 / N`` of every parameter; for each pass it reads its part of the fp16 compute copies from
+the SSDs and the ranks all-gather the rest through host memory (every GPU receives the whole model, 2 bytes a
+parameter, over its link, and sends its part); activation checkpoints (each block's input) go to host memory in
+forward and come back in backward (the paper's first version, arXiv 2403.06504v1, as emergentmind.com summarises
+it: ZeRO-Infinity keeps activations in DRAM), and
+backward recomputes each block's forward; gradients are reduce-scattered through host memory and each rank's fp32
+gradient partition is written to the SSDs (``swap_out_gradients``, 4 bytes a parameter). Only after backward does
+the optimizer step run, sub-group by sub-group: read master, moments and gradient (16 bytes), AdamW, write master
+and moments and the fp16 copy (14 bytes), one after the other, since ``pipeline_read`` and ``pipeline_write``
+default to off. The CPU AdamW rate is the same 1.2 G parameters/s (the same DeepSpeedCPUAdam kernel), shared by the
+ranks. Host-side PCIe and DRAM are left out: four x16 links carry at most 100 GB/s each way and the array 78 GB/s
+in and 41 GB/s out, under the 252 GB/s a direction and 409.6 GB/s the node has. With the activation checkpoints on
+the host, what must fit the card is one block's backward (:func:`zero_infinity_step` raises where it does not).
+
+Where the predictions miss (see :func:`multi_gpu_rows` and :func:`zero_infinity_rows`): at the largest batches of
+13B (278.2 and 514.4 TFLOPS, the figures the artifact's README quotes) Ratel is within 15%; everywhere the step is
+bound by the CPU optimizer (70B, and 13B at small batches) it is 1.4-2x too high. The published steps there take
+about 23-25 s for 13B and 100-111 s for 70B at every batch and on 2 as on 4 GPUs, so the bound is node-wide and does
+not grow with the GPUs; read as the CPU AdamW's rate, it is 0.57-0.76 G parameters/s for the whole node (the
+"published implies" column), where the single-GPU figures imply 1.07-1.19 G/s (175B) and 0.95-1.04 G/s (13B at batch
+8 and 16). Nothing in the hardware description accounts for that (the artifact holds no multi-GPU code to read it
+from), so the model is left without a factor for it. The rate is not a hardware figure in any case: 52 cores at the
+0.37 G/s per core DeepSpeedCPUAdam ran at here would update about 19 G/s, and DRAM (409.6 GB/s, 28 bytes an update)
+allows 14.6 G/s, so the artifact's optimizer is bound by its own design (one process, fed one tensor at a time
+through queues), which the published steps alone cannot size.
+
+ZeRO-Infinity: at 70B its predicted throughput is within 15% of what the published 1.69x implies; at 13B it is 1.39x
+too high (the implied figure would need a 0.37 G/s AdamW with the rest as predicted), so neither predicted ratio is
+within 15% (1.74x against 2.21x, and 2.31x against 1.69x, where Ratel's own 70B prediction is 1.49x too high).
+With the node rate Ratel's own optimizer-bound steps imply (0.59 G/s at 13B, 0.72 G/s at 70B: not a model input,
+it is read from the figures being checked), ZeRO-Infinity would come out at 274.6 and 185.5 TFLOPS, 1.18 and 0.90 of
+what the ratios imply: nearer, one still outside 15%, so a slower optimizer on the multi-GPU runs is consistent with
+both systems' figures but does not account for all of ZeRO-Infinity's at 13B.
 
 Throughput is model FLOPs (forward and backward of every matmul and of attention, recompute not counted) over the
 predicted iteration time; the in-GPU block peak is the same FLOPs over the time of a layer's forward and backward with
@@ -170,6 +218,21 @@ PUBLISHED_MULTI_GPU = {
 }
 """(GPUs, model) -> global batch -> global TFLOPS, RTX 4090s in one server (artifact's evaluation_data.md, Figure
 11(a)-(d)); the largest batch of each is the figure the artifact's README and issue 23 quote."""
+PUBLISHED_13B_BY_BATCH = {8: 42.8, 16: 84.3, 32: 143.1, 64: 155.8}
+"""GPT 13B, one GPU, 12 SSDs: TFLOPS by batch (artifact's evaluation_data.md, Figure 5(a)/7(a)); batch 128 (153.8)
+is left out: the search finds 13B's backward working set at batch 128 larger than the card (25.3 GiB of fixed
+device bytes), although :func:`batch_limit`'s straight line through batches 1 and 2 says 138 fit."""
+RATEL_OVER_ZERO_INFINITY_4_GPUS = {"13B": 2.21, "70B": 1.69}
+"""Ratel's throughput over ZeRO-Infinity's on 4 RTX 4090s (the paper's multi-GPU section as issue 23 quotes it; no
+batch stated: compared at the largest published batch). ZeRO-Infinity trains nothing larger than 70B there."""
+ZI_GRAD_BYTES = 4
+"""fp32 gradient partition ZeRO-Infinity writes to the SSDs in backward (``swap_out_gradients``) and reads back."""
+ZI_STEP_READ_BYTES = 12 + ZI_GRAD_BYTES
+"""Read per parameter by ZeRO-Infinity's step: fp32 master, two moments, fp32 gradient."""
+ZI_STEP_WRITE_BYTES = 12 + PARAM_BYTES
+"""Written per parameter by ZeRO-Infinity's step: master and moments, and the fp16 copy to its parameter swap."""
+WITHIN = 0.15
+"""The check every published figure is held to: predicted within 15% of published."""
 PAPER_BATCH = 64
 """The batch the paper's 13B sweep runs at; below-70B models are compared there."""
 BELOW_70B = ("6.7B", "13B")
@@ -324,11 +387,17 @@ class Row:
     published: float | None = None
     published_text: str = ""
     bound: str = ""
+    implied: str = ""
 
     @property
     def ratio(self) -> float | None:
         """Predicted over published, where a figure was published."""
         return self.predicted / self.published if self.published else None
+
+    @property
+    def within(self) -> bool | None:
+        """Whether the prediction is within :data:`WITHIN` of the published figure, where one was published."""
+        return None if self.ratio is None else abs(self.ratio - 1.0) <= WITHIN
 
 
 def _bound(result: Plan) -> str:
@@ -339,10 +408,12 @@ def _bound(result: Plan) -> str:
 
 
 def _tflops_row(case: str, model: GPT, batch: int, ssds: int, published: float) -> Row:
-    """Predicted model TFLOPS of ``model`` at ``batch`` with ``ssds`` SSDs against a published figure."""
+    """Predicted model TFLOPS of ``model`` at ``batch`` with ``ssds`` SSDs against a published figure (and, where the
+    CPU AdamW bounds backward, the rate the published figure implies; see :func:`multi_gpu_rows`)."""
     result = plan(model, batch, ssds)
     tflops = model_flops(model, batch) / result.predicted_iteration_time / 1e12
-    return Row(case, tflops, "TFLOPS", published, f"{published:.1f}", _bound(result))
+    return Row(case, tflops, "TFLOPS", published, f"{published:.1f}", _bound(result),
+               _optimizer_implied(model, batch, published, result))
 
 
 def multi_gpu_tflops(model: GPT, global_batch: int, gpus: int) -> tuple[float, Plan]:
@@ -351,14 +422,146 @@ def multi_gpu_tflops(model: GPT, global_batch: int, gpus: int) -> tuple[float, P
     return gpus * model_flops(model, global_batch // gpus) / result.predicted_iteration_time / 1e12, result
 
 
+def implied_adam_rate(model: GPT, step_seconds: float, other_seconds: float) -> float:
+    """The node's CPU AdamW rate (parameters/s) that makes a step bound by it last ``step_seconds``, where
+    ``other_seconds`` of the step are not the optimizer's (``inf`` where those alone take as long)."""
+    left = step_seconds - other_seconds
+    return model.params() / left if left > 0 else float("inf")
+
+
+def published_step_seconds(model: GPT, global_batch: int, tflops: float) -> float:
+    """Seconds of one step of ``global_batch`` samples at ``tflops`` (the model FLOPs this benchmark counts)."""
+    return model_flops(model, global_batch) / (tflops * 1e12)
+
+
+def _implied_text(rate: float) -> str:
+    """A node-wide AdamW rate for the table."""
+    return f"AdamW {rate / 1e9:.2f} G/s" if rate != float("inf") else "AdamW: faster than the rest allows"
+
+
+def _optimizer_implied(model: GPT, global_batch: int, published: float, result: Plan) -> str:
+    """Where the CPU AdamW bounds ``result``'s backward, the rate the published TFLOPS imply with forward as predicted
+    and backward all optimizer; empty otherwise."""
+    if bottleneck(result.resource_times["backward"], unified=False) != "cpu_optimizer":
+        return ""
+    step = published_step_seconds(model, global_batch, published)
+    return _implied_text(implied_adam_rate(model, step, result.predicted_forward_time))
+
+
 def multi_gpu_rows() -> list[Row]:
-    """Every published multi-GPU figure against the prediction."""
+    """Every published multi-GPU figure against the prediction.
+
+    Where the CPU AdamW bounds the predicted backward, the row also says what node-wide AdamW rate the published
+    figure implies, with forward as predicted and backward all optimizer.
+    """
     out = []
     for (gpus, name), figures in PUBLISHED_MULTI_GPU.items():
+        model = MODELS[name]
         for global_batch, published in figures.items():
-            tflops, result = multi_gpu_tflops(MODELS[name], global_batch, gpus)
+            tflops, result = multi_gpu_tflops(model, global_batch, gpus)
+            implied = _optimizer_implied(model, global_batch, published, result)
             out.append(Row(f"{name}, {gpus} GPUs, global batch {global_batch}", tflops, "TFLOPS", published,
-                           f"{published:.1f}", _bound(result)))
+                           f"{published:.1f}", _bound(result), implied))
+    return out
+
+
+@dataclass
+class ZeroInfinityStep:
+    """ZeRO-Infinity's predicted step on one rank of a node: busy seconds per resource of each phase.
+
+    Attributes:
+        forward: ``"compute"``, ``"h2d"``, ``"d2h"`` (this GPU's link) and ``"ssd"`` (this rank's share of the node's
+            array, reads and writes added: the SSDs are simplex).
+        backward: the same, recompute in ``"compute"``.
+        optimizer: ``"ssd_read"``, ``"cpu_optimizer"``, ``"ssd_write"``: run one after the other, after backward.
+        device_bytes: predicted peak device memory.
+    """
+
+    forward: dict[str, float]
+    backward: dict[str, float]
+    optimizer: dict[str, float]
+    device_bytes: int
+
+    @property
+    def seconds(self) -> float:
+        """Forward and backward each as long as their busiest resource, then the whole optimizer step."""
+        return max(self.forward.values()) + max(self.backward.values()) + sum(self.optimizer.values())
+
+    @property
+    def bound(self) -> str:
+        """The resources that set forward's and backward's time, and the optimizer step's share of the step."""
+        forward = max(self.forward, key=self.forward.__getitem__)
+        backward = max(self.backward, key=self.backward.__getitem__)
+        return f"fwd {forward}, bwd {backward}, step {sum(self.optimizer.values()) / self.seconds:.0%}"
+
+
+def zero_infinity_step(model: GPT, batch: int, gpus: int,
+                       adam_params_per_s: float = CPU_ADAM_PARAMS_PER_S) -> ZeroInfinityStep:
+    """ZeRO-Infinity (ZeRO-3, parameters and optimizer states on NVMe) on one of ``gpus`` ranks of the testbed, each
+    with ``batch`` samples (see the module docstring for the mechanism and its sources).
+
+    Raises:
+        RuntimeError: one block's backward does not fit the RTX 4090 at ``batch``.
+    """
+    hw = paper_hardware()
+    layers = gpt_layers(model, batch)
+    params = model.params()
+    settings = CostSettings(prefetch_depth=1, device_overhead=device_overhead(model, batch))
+    cost = CostModel(hw, layers, settings)
+    # Every activation but the working block's is on the host: what stays is paging, one block's backward, overheads.
+    device_bytes = cost.overhead.fragmented(cost.fixed_device_bytes)
+    if device_bytes > DEVICE_MEMORY:
+        raise RuntimeError(f"ZeRO-Infinity at batch {batch} per GPU needs {device_bytes / 2**30:.1f} GiB of the "
+                           f"RTX 4090's {DEVICE_MEMORY / 2**30:.1f} GiB")
+    checkpoints = sum(op.saved_bytes for layer in layers[1:] for op in layer.ops if op.name == "input")
+    forward_compute = sum(layer.forward_time for layer in layers)
+    backward_compute = sum(layer.backward_time for layer in layers)
+    weights = params * PARAM_BYTES
+    own = weights / gpus
+    read, write = hw.ssd_read_bandwidth / gpus, hw.ssd_write_bandwidth / gpus
+    forward = {"compute": forward_compute, "h2d": weights / PCIE_BANDWIDTH,
+               "d2h": (own + checkpoints) / PCIE_BANDWIDTH, "ssd": own / read}
+    # Backward pages every weight in again, receives its peers' share of the reduce-scatter, sends its gradient.
+    backward = {"compute": forward_compute + backward_compute,
+                "h2d": (weights + weights * (gpus - 1) / gpus + checkpoints) / PCIE_BANDWIDTH,
+                "d2h": weights / PCIE_BANDWIDTH,
+                "ssd": own / read + params / gpus * ZI_GRAD_BYTES / write}
+    # Each rank updates its share at its share of the node's AdamW rate: the node's time for every parameter.
+    optimizer = {"ssd_read": params / gpus * ZI_STEP_READ_BYTES / read,
+                 "cpu_optimizer": params / adam_params_per_s,
+                 "ssd_write": params / gpus * ZI_STEP_WRITE_BYTES / write}
+    return ZeroInfinityStep(forward, backward, optimizer, device_bytes)
+
+
+def zero_infinity_tflops(model: GPT, global_batch: int, gpus: int,
+                         adam_params_per_s: float = CPU_ADAM_PARAMS_PER_S) -> tuple[float, ZeroInfinityStep]:
+    """Predicted global TFLOPS of ZeRO-Infinity on ``gpus`` ranks at ``global_batch`` (split evenly), and one
+    rank's step."""
+    step = zero_infinity_step(model, global_batch // gpus, gpus, adam_params_per_s)
+    return model_flops(model, global_batch) / step.seconds / 1e12, step
+
+
+def zero_infinity_rows() -> list[Row]:
+    """ZeRO-Infinity on 4 GPUs at each model's largest published batch: its predicted throughput against the one the
+    published ratio implies (Ratel's published figure over the ratio), and the predicted ratio against the published.
+
+    The throughput row also says what node-wide AdamW rate the implied figure would need, the rest of the step as
+    predicted.
+    """
+    out = []
+    gpus = 4
+    for name, ratio in RATEL_OVER_ZERO_INFINITY_4_GPUS.items():
+        model = MODELS[name]
+        global_batch, ratel_published = max(PUBLISHED_MULTI_GPU[(gpus, name)].items())
+        tflops, step = zero_infinity_tflops(model, global_batch, gpus)
+        implied = ratel_published / ratio
+        rest = step.seconds - step.optimizer["cpu_optimizer"]
+        rate = implied_adam_rate(model, published_step_seconds(model, global_batch, implied), rest)
+        out.append(Row(f"ZeRO-Infinity, {name}, {gpus} GPUs, global batch {global_batch}", tflops, "TFLOPS", implied,
+                       f"{implied:.1f} ({ratel_published:.1f} / {ratio})", step.bound, _implied_text(rate)))
+        ratel, _ = multi_gpu_tflops(model, global_batch, gpus)
+        out.append(Row(f"Ratel / ZeRO-Infinity, {name}, {gpus} GPUs, global batch {global_batch}", ratel / tflops,
+                       "x", ratio, f"{ratio:.2f}"))
     return out
 
 
@@ -372,6 +575,8 @@ def rows() -> list[Row]:
     """Every comparison the benchmark prints."""
     out = [_tflops_row(f"13B, batch {PAPER_BATCH}, {ssds} SSD{'s' if ssds > 1 else ''}", MODELS["13B"], PAPER_BATCH,
                        ssds, published) for ssds, published in PUBLISHED_13B_BY_SSDS.items()]
+    out += [_tflops_row(f"13B, batch {batch}, 12 SSDs (Figure 7(a))", MODELS["13B"], batch, 12, published)
+            for batch, published in PUBLISHED_13B_BY_BATCH.items()]
     out += [_tflops_row(f"175B, batch {batch}, 12 SSDs", MODELS["175B"], batch, 12, published)
             for batch, published in PUBLISHED_175B.items()]
     low, high = SHARE_OF_PEAK_BELOW_70B
@@ -393,23 +598,41 @@ def rows() -> list[Row]:
     return out
 
 
-def main() -> None:
-    """Print predicted against published figures."""
-    table = Table(title="Ratel's published figures against the planner's cost model (RTX 4090, D7-P5510 SSDs)")
+def _table(title: str, rows: list[Row]) -> Table:
+    """Rows as a table: predicted, published, their ratio, the 15% check, what binds and what the figure implies."""
+    table = Table(title=title)
     table.add_column("case")
     table.add_column("predicted", justify="right")
     table.add_column("published", justify="right")
     table.add_column("predicted / published", justify="right")
-    table.add_column("bound by (fwd, bwd)")
-    for row in rows():
-        number = f"{row.predicted:.0f} {row.unit}" if row.unit == "samples" else (
-            f"{row.predicted:.1f} {row.unit}" if row.unit else f"{row.predicted:.3f}")
-        table.add_row(row.case, number, row.published_text or "-",
-                      "-" if row.ratio is None else f"{row.ratio:.2f}", row.bound)
-    console = Console(width=160)
-    console.print(table)
+    table.add_column(f"within {WITHIN:.0%}")
+    table.add_column("bound by")
+    table.add_column("published implies")
+    for row in rows:
+        if row.unit == "samples":
+            number = f"{row.predicted:.0f} {row.unit}"
+        elif row.unit == "x":
+            number = f"{row.predicted:.2f}x"
+        else:
+            number = f"{row.predicted:.1f} {row.unit}" if row.unit else f"{row.predicted:.3f}"
+        check = "-" if row.within is None else ("yes" if row.within else "NO")
+        table.add_row(row.case, number, row.published_text or "-", "-" if row.ratio is None else f"{row.ratio:.2f}",
+                      check, row.bound, row.implied)
+    return table
+
+
+def main() -> None:
+    """Print predicted against published figures: one GPU, then several in one server."""
+    console = Console(width=200)
+    console.print(_table("Ratel's published figures against the planner's cost model (one RTX 4090, D7-P5510 SSDs)",
+                         rows()))
     console.print("Shares are predicted model TFLOPS over the in-GPU block peak of the same model and batch; a share "
                   "row's ratio is against the middle of the published range.")
+    console.print(_table("2 and 4 RTX 4090s in one server: Ratel, and ZeRO-Infinity against the ratios published",
+                         multi_gpu_rows() + zero_infinity_rows()))
+    console.print(f"'published implies': the node-wide CPU AdamW rate that makes the published step as long as "
+                  f"published, the rest of the step as predicted (the model's rate: {CPU_ADAM_PARAMS_PER_S / 1e9:.1f} "
+                  f"G/s). ZeRO-Infinity's published throughput is Ratel's published figure over the published ratio.")
 
 
 if __name__ == "__main__":
