@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import errno
 import os
 import resource
@@ -24,6 +25,7 @@ import lightning as L
 import torch
 
 from lightning_ratel import RatelHFExport, RatelPrecision, RatelStrategy
+from lightning_ratel.engine import planner
 from lightning_ratel.engine.coordinator import RatelEngine
 from lightning_ratel.io import checkpoint, sharded
 from lightning_ratel.io.pretrained import PretrainedFolder
@@ -179,6 +181,26 @@ class _TightHost(L.Callback):
             engine.config.host_memory_limit = engine.byte_placement()["host"] - (1 << 20)
 
 
+def node_speeds(node: int, slow_node: int) -> dict[str, float]:
+    """The speeds node ``node`` reports with ``--slow-node`` (:func:`_fixed_speeds`): the slow node a quarter of the
+    others'."""
+    share = 0.25 if node == slow_node else 1.0
+    return {"h2d_bandwidth": 8e9 * share, "d2h_bandwidth": 8e9 * share, "ssd_read_bandwidth": 2e9 * share,
+            "ssd_write_bandwidth": 1e9 * share, "adam_params_per_s": 2e8 * share}
+
+
+def _fixed_speeds(slow_node: int) -> None:
+    """Make this node's hardware probe report :func:`node_speeds` instead of what it measured (the nodes of the tests
+    are one machine), keeping the free capacities it read."""
+    measure = planner.measure_hardware
+
+    def fixed(*args: Any, **kwargs: Any) -> Any:
+        node = int(os.environ.get("NODE_RANK", "0"))
+        return dataclasses.replace(measure(*args, **kwargs), **node_speeds(node, slow_node))
+
+    planner.measure_hardware = fixed  # type: ignore[assignment]
+
+
 def _overflow_on(module: LM, rank: int, step: int) -> None:
     """Give the llama's embedding alone a non-finite gradient, on one rank at one step: its shard completes last in
     backward, after the other shards' speculative updates ran, and only its owner sees the overflow."""
@@ -223,6 +245,8 @@ def main(argv: list[str]) -> None:
                         help="every step that clips by norm or scales the loss waits for the end of backward")
     parser.add_argument("--plan-auto", action="store_true",
                         help="RatelStrategy profiles the first step and plans activation placement (plan='auto')")
+    parser.add_argument("--slow-node", type=int, default=None,
+                        help="every node's probe reports fixed speeds, this node's a quarter of the others' (--plan-auto)")
     parser.add_argument("--tight-host", type=int, default=None,
                         help="this rank has no host room for activations when the plan is made (--plan-auto)")
     parser.add_argument("--validate", type=int, default=0,
@@ -251,6 +275,8 @@ def main(argv: list[str]) -> None:
         callbacks.append(_NoRoom(args.no_room))
     if args.tight_host is not None:
         callbacks.append(_TightHost(args.tight_host))
+    if args.slow_node is not None:
+        _fixed_speeds(args.slow_node)
     reads = _count_reads(args.fail_save)
     with torch.device("meta") if args.lora else contextlib.nullcontext():
         module = LM(args.model, batch_size=2)

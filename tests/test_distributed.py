@@ -6,6 +6,7 @@ rank, or the test starts one process per node. The runs are small (a 3-layer tra
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -23,8 +24,10 @@ from lightning_ratel.engine.coordinator import rank_threads
 from lightning_ratel.io.convert import main as convert_main
 from lightning_ratel.io.convert import sharded_to_lightning
 from lightning_ratel.io.sharded import ShardedReader, unit_writers
-from lightning_ratel.plan import Plan
+from lightning_ratel.plan import Plan, predict
 from lightning_ratel.plan.owners import UnitCost, assign_owners, imbalance
+from lightning_ratel.runtime.collectives import gather_outcomes
+from tests.distributed_run import node_speeds
 from tests.models import LM, max_rel_err
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -105,6 +108,28 @@ def test_unit_files_of_a_sharded_checkpoint_go_to_owners_and_frozen_units_are_sp
     # Rank 0 writes unit 2 (1320 bytes) and rank 1 unit 1 (1320); then 0 (2000 bytes) goes to rank 0, 4 (800) and
     # 3 (200) to rank 1.
     assert unit_writers(layout, adam) == {0: 0, 1: 1, 2: 0, 3: 1, 4: 1}  # type: ignore[arg-type]
+
+
+def test_gathered_outcomes_raise_mine_or_name_the_failed_rank() -> None:
+    """This rank is rank 1 of 3; ``gather`` stands in for the collective, with the other ranks' outcomes given."""
+
+    def gather(*others: tuple[bool, object]):
+        return lambda mine: [others[0], mine, *others[1:]]
+
+    assert gather_outcomes(gather((True, "a"), (True, "c")), lambda: "b", "unused") == ["a", "b", "c"]
+    # Another rank failed: this one stops too, naming the first rank that failed and its error.
+    with pytest.raises(RuntimeError, match=r"the export failed: rank 0 failed \(OSError: disk gone\)"):
+        gather_outcomes(gather((False, "OSError: disk gone"), (False, "ValueError: x")), lambda: "b",
+                        "the export failed")
+    # This rank failed: the others hear of it first, then it raises its own error.
+    sent = []
+
+    def fail() -> None:
+        raise OSError("disk gone")
+
+    with pytest.raises(OSError, match="disk gone"):
+        gather_outcomes(lambda mine: sent.append(mine) or [(True, "a"), mine, (True, "c")], fail, "unused")
+    assert sent == [(False, "OSError: disk gone")]
 
 
 @pytest.mark.parametrize("cores", [1, 2, 16, 64, 96])
@@ -210,6 +235,21 @@ def test_two_nodes_of_one_device_equal_ddp(tmp_path: Path, ddp_reference: dict) 
     _run_two_nodes(tmp_path, 1, *ACCUMULATE_CLIP, timeout=240)
     for rank in (0, 1):
         _assert_same(ddp_reference, _load(tmp_path, rank))
+
+
+def test_plan_auto_on_two_nodes_holds_on_the_slower_node(tmp_path: Path) -> None:
+    """Two nodes of one rank, the second reporting a quarter of the first's speeds: rank 0 plans with both nodes'
+    profiles, so the plan both ranks apply predicts the step time of the slower node, not of rank 0's own."""
+    _run_two_nodes(tmp_path, 1, "--plan-auto", "--states", "ssd", "--slow-node", "1", timeout=240)
+    got = [_load(tmp_path, rank)["plan"] for rank in (0, 1)]
+    assert got[0] == got[1]
+    plan = Plan.from_json(got[0])
+    assert plan.hardware is not None and plan.settings is not None
+    for name, speed in node_speeds(1, slow_node=1).items():
+        assert getattr(plan.hardware, name) == speed, name
+    on = [predict(dataclasses.replace(plan.hardware, **node_speeds(node, slow_node=1)), plan.layers,
+                  plan.activation_placement, plan.settings).iteration_time for node in (0, 1)]
+    assert on[0] < on[1] == pytest.approx(plan.predicted_iteration_time)
 
 
 def test_two_nodes_of_two_ranks_each_share_a_host_cache(tmp_path: Path) -> None:

@@ -500,3 +500,36 @@ def test_device_overhead_from_what_profiling_measured():
     assert estimated.grad_temp_ratio == 0.5 and estimated.workspace_bytes == 64 << 20
     # Measured backward peaks already hold the activation gradients.
     assert device_overhead(2000, 1000, peaks_measured=True).grad_temp_ratio == 0.0
+
+
+# ---------------------------------------------------------------- several nodes applying one plan
+
+
+def test_a_plan_for_several_nodes_holds_on_the_slowest():
+    """Two nodes, one with a 30 MB/s device link: the placement that is best on the fast node alone (swap the most
+    valuable ops to host memory) takes 0.4 s on the slow one, twice what recomputing them does there. Planned for both,
+    the search picks what is best on the slow node, whichever comes first, and predicts its time."""
+    layers = [_chain(i, [10e-3, 6e-3, 3e-3, 1.5e-3, 0.5e-3], 1_000_000, 1_000_000, 1_000_000) for i in range(2)]
+    fast, slow = _hw(link=1e9, ssd=1e8), _hw(link=3e7, ssd=1e8)
+    budgets = dict(device_budget=_fixed_device(layers), host_budget=5_000_000, store_budget=BIG)
+    alone = search(fast, layers, **budgets)
+    assert predict(slow, layers, alone.activation_placement).iteration_time == pytest.approx(0.4)
+    for nodes in ([fast, slow], [slow, fast]):
+        plan = search(nodes, layers, **budgets)
+        assert plan.activation_placement == search(slow, layers, **budgets).activation_placement
+        assert plan.activation_placement != alone.activation_placement
+        assert plan.hardware is slow
+        # Hand numbers on the slow node: forward and backward bound by the link, 2 MB of inputs swapped each way and
+        # 2 MB of parameters paged in each pass: (2 + 4) MB / 30 MB/s.
+        assert plan.predicted_iteration_time == pytest.approx(0.2)
+        assert plan.predicted_iteration_time == predict(slow, layers, plan.activation_placement).iteration_time
+        assert predict(fast, layers, plan.activation_placement).iteration_time < plan.predicted_iteration_time
+        assert plan.curve[plan.chosen][1] == plan.predicted_iteration_time
+
+
+def test_nodes_of_one_plan_share_a_device_type():
+    layers = [_chain(0, [1e-3], 1000, 1000)]
+    with pytest.raises(RatelConfigError, match="device types"):
+        search([_hw(), _hw("cpu")], layers, device_budget=BIG, host_budget=BIG, store_budget=BIG)
+    with pytest.raises(RatelConfigError, match="at least one node"):
+        search([], layers, device_budget=BIG, host_budget=BIG, store_budget=BIG)

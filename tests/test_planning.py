@@ -17,12 +17,11 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning_ratel import Plan, RatelConfigError, RatelPlanError, RatelProfiler, RatelStrategy
 from lightning_ratel.engine.blocks import discover_blocks
 from lightning_ratel.engine.placement import plan_placements
-from lightning_ratel.engine.planner import node_profile, plan_budgets, plan_settings, state_traffic
+from lightning_ratel.engine.planner import node_profiles, plan_budgets, plan_settings, state_traffic
 from lightning_ratel.hardware import HardwareProfile
 from lightning_ratel.plan import LayerProfile, OpProfile
 from lightning_ratel.plan.cost import OPTIMIZER_MEMORY_BYTES_PER_PARAM, CostModel
 from lightning_ratel.runtime import recompute
-from lightning_ratel.runtime.collectives import Ranks
 from lightning_ratel.sizes import parse_bytes
 from tests.models import LM, final_state, max_rel_err, trainer
 
@@ -389,15 +388,14 @@ def test_budgets_share_the_nodes_free_memory_and_disk():
     assert plan_budgets(cpu, 500, 4, None, None) == (500 + 2_250, 500 + 2_250, 23_750)
 
 
-def test_node_profile_is_the_nodes_speeds_with_the_least_free_capacities():
+def test_node_profiles_keep_each_nodes_speeds_with_the_least_free_capacities():
     node0 = _node(host_free=10 << 30, device_free=8 << 30, ssd_free=50 << 30, ssd=1e9)
     node1 = _node(host_free=6 << 30, device_free=9 << 30, ssd_free=80 << 30, ssd=3e9)
-    entries = [node0, 7 << 30, node1, 9 << 30]
-    got = node_profile(entries, Ranks(rank=3, world=4, local_world=2, local_rank=1))
-    assert got.ssd_read_bandwidth == 3e9 and got.adam_params_per_s == node1.adam_params_per_s
-    assert (got.host_memory_free, got.device_memory_free, got.ssd_free) == (6 << 30, 7 << 30, 50 << 30)
-    assert node_profile(entries, Ranks(rank=0, world=4, local_world=2)).ssd_read_bandwidth == 1e9
-    with pytest.raises(RuntimeError, match="rank 2 could not measure"):
-        node_profile([node0, 1, OSError("disk gone"), 1], Ranks(rank=1, world=4, local_world=2, local_rank=1))
-    with pytest.raises(RuntimeError, match="rank 0 sent no hardware profile"):
-        node_profile([1, 1], Ranks(rank=1, world=2, local_world=2, local_rank=1))
+    got = node_profiles([node0, 7 << 30, node1, 9 << 30], local_world=2)
+    assert [node.ssd_read_bandwidth for node in got] == [1e9, 3e9]
+    for node in got:
+        assert (node.host_memory_free, node.device_memory_free, node.ssd_free) == (6 << 30, 7 << 30, 50 << 30)
+    # One rank per node: every entry is a node's profile.
+    assert [node.ssd_read_bandwidth for node in node_profiles([node1, node0], local_world=1)] == [3e9, 1e9]
+    with pytest.raises(RuntimeError, match="rank 2 sent no hardware profile"):
+        node_profiles([node0, 1, 1, 1], local_world=2)

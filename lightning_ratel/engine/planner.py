@@ -12,6 +12,8 @@ they receive its profile: all ranks probing at once would each see a shared driv
 the node's rates among its ranks (:attr:`~lightning_ratel.plan.cost.CostSettings.ranks_on_node`) a second time.
 Each rank plans for the states it owns and its share of the node's free memory and disk. Global rank 0 makes the
 plan and every rank applies it, so all ranks place their activations alike (placements change speed, never values).
+Every node's profile reaches rank 0: it plans for the least free memory and disk of any rank, and predicts each
+placement on every node's speeds, the slowest node's time being the step's.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from lightning_ratel.plan.search import Plan, search
 from lightning_ratel.report import show_plan
 from lightning_ratel.runtime.activations import ActivationCache
 from lightning_ratel.runtime.adamw import adamw_step
-from lightning_ratel.runtime.collectives import DataParallelAdam, Ranks
+from lightning_ratel.runtime.collectives import DataParallelAdam, gather_outcomes
 from lightning_ratel.runtime.device import Device
 from lightning_ratel.runtime.optimizer import CpuAdam
 from lightning_ratel.runtime.probe import free_device_memory, measure_hardware
@@ -77,7 +79,8 @@ class Planner:
         # The ranks planning together, and their control collectives; None on one rank.
         self._parallel = adam if isinstance(adam, DataParallelAdam) else None
         self.plan: Plan | None = None
-        self._hardware: HardwareProfile | None = None
+        # Every node's profile, in node order (one on one rank), once measured.
+        self._nodes: list[HardwareProfile] | None = None
         self._profile_steps = 0
         self._profiled_steps = 0
         # Times the blocks while profiling (the scheduler's observer then), else None.
@@ -110,7 +113,7 @@ class Planner:
             rank_zero_info("RatelProfiler: using the plan from the checkpoint (reprofile=True to measure again)")
             return
         start = time.perf_counter()
-        self._hardware = self.measure_hardware(fresh=reprofile)
+        self._nodes = self.measure_hardware(fresh=reprofile)
         self.begin_profile()
         self._profile_steps = profile_steps
         self._profiled_steps = 0
@@ -127,8 +130,8 @@ class Planner:
             return None
         layers = self.end_profile()
         start = time.perf_counter()
-        assert self._hardware is not None
-        plan = self._agreed_plan(self._hardware, layers)
+        assert self._nodes is not None
+        plan = self._agreed_plan(self._nodes, layers)
         self.apply_plan(plan)
         show_plan(plan, planning_seconds=time.perf_counter() - start)
         return plan
@@ -138,34 +141,33 @@ class Planner:
         """Data-parallel ranks sharing this node's drives, host memory and cores (1 on one rank)."""
         return self._parallel.ranks.local_world if self._parallel is not None else 1
 
-    def measure_hardware(self, fresh: bool = False) -> HardwareProfile:
+    def measure_hardware(self, fresh: bool = False) -> list[HardwareProfile]:
         """Measure links, swap directories, CPU AdamW and free memory (see :mod:`lightning_ratel.runtime.probe`),
         reusing the speeds measured on this machine recently unless ``fresh``.
 
-        With several ranks this is a collective: the node's local rank 0 measures the whole node (the AdamW probe with
-        the threads of all its ranks' optimizers) while the others wait, and every rank receives its node's profile
-        with the least free memory and disk of all ranks (see :func:`node_profile`).
+        With several ranks this is a collective: each node's local rank 0 measures the whole node (the AdamW probe
+        with the threads of all its ranks' optimizers) while the others wait, and every rank receives every node's
+        profile with the least free memory and disk of all ranks (see :func:`node_profiles`).
+
+        Returns:
+            Every node's profile, in node order (this machine's alone on one rank).
 
         Raises:
-            RuntimeError: another rank could not measure its node (that rank raises its own error).
+            RuntimeError: another rank could not measure its node or device (that rank raises its own error).
         """
         threads = self.adam.threads if self.adam is not None else torch.get_num_threads()
         parallel = self._parallel
         if parallel is None:
-            return self._probe(threads, fresh)
+            return [self._probe(threads, fresh)]
         ranks = parallel.ranks
-        entry: HardwareProfile | int | Exception
-        if ranks.local_rank == 0:
-            try:
-                entry = self._probe(threads * ranks.local_world, fresh)
-            except Exception as err:  # noqa: BLE001 - the other ranks must hear of it, then it is raised
-                entry = err
-        else:
-            entry = free_device_memory(self.device)
-        entries = parallel.gather_objects(entry)
-        if isinstance(entry, Exception):
-            raise entry
-        return node_profile(entries, ranks)
+
+        def measure() -> HardwareProfile | int:
+            if ranks.local_rank == 0:
+                return self._probe(threads * ranks.local_world, fresh)
+            return free_device_memory(self.device)
+
+        entries = gather_outcomes(parallel.gather_objects, measure, "the nodes' hardware could not be measured")
+        return node_profiles(entries, ranks.local_world)
 
     def _probe(self, threads: int, fresh: bool) -> HardwareProfile:
         assert self.config.ssd_paths is not None
@@ -174,22 +176,23 @@ class Planner:
                                 functools.partial(adamw_step(), num_threads=threads), threads=threads, fresh=fresh,
                                 name=f"{self.config.name}-probe")
 
-    def _agreed_plan(self, hardware: HardwareProfile, layers: list[LayerProfile]) -> Plan:
+    def _agreed_plan(self, nodes: list[HardwareProfile], layers: list[LayerProfile]) -> Plan:
         """The plan of this run: this rank's own on one rank; with several, rank 0's, received by every rank. Rank 0
-        plans with the least host room of any rank, so that the plan fits each.
+        plans with the least host room of any rank and every node's speeds, so that the plan fits each rank and its
+        predicted time holds on the slowest node.
 
         Raises:
             RatelPlanError: no placement fits the budgets (on every rank where rank 0's search found none).
         """
         parallel = self._parallel
         if parallel is None:
-            return self.make_plan(hardware, layers)
-        rooms = parallel.gather_objects(self.host_room(hardware))
+            return self.make_plan(nodes, layers)
+        rooms = parallel.gather_objects(self.host_room(nodes))
         plan: Plan | None = None
         failure: Exception | None = None
         if parallel.ranks.rank == 0:
             try:
-                plan = self.make_plan(hardware, layers, host_room=min(rooms))
+                plan = self.make_plan(nodes, layers, host_room=min(rooms))
             except Exception as err:  # noqa: BLE001 - the other ranks must hear of it, then it is raised
                 failure = err
         made = parallel.broadcast_object(failure if plan is None else plan.to_json(), src=0)
@@ -280,18 +283,21 @@ class Planner:
         :func:`state_traffic`): over the shards it owns; the other ranks' states are in theirs."""
         return state_traffic(self.owned_shards(), self.layout.param_cache)
 
-    def host_room(self, hardware: HardwareProfile) -> int:
-        """Host bytes this rank's budget leaves beyond what it holds now (see :func:`plan_budgets`)."""
+    def host_room(self, nodes: Sequence[HardwareProfile]) -> int:
+        """Host bytes this rank's budget leaves beyond what it holds now (see :func:`plan_budgets`), given every node's
+        profile (:meth:`measure_hardware`)."""
         static = self.accounts.held()["host"]
-        return plan_budgets(hardware, static, self.ranks_on_node, self.config.host_memory_limit,
+        return plan_budgets(nodes[0], static, self.ranks_on_node, self.config.host_memory_limit,
                             self.config.device_memory_limit)[1] - static
 
-    def make_plan(self, hardware: HardwareProfile, layers: list[LayerProfile], host_room: int | None = None) -> Plan:
-        """Search the placement with the least predicted iteration time under this run's memory budgets.
+    def make_plan(self, nodes: Sequence[HardwareProfile], layers: list[LayerProfile],
+                  host_room: int | None = None) -> Plan:
+        """Search the placement with the least predicted iteration time, on the slowest node, under this run's memory
+        budgets.
 
         Args:
-            hardware: the node's profile (with several ranks, :meth:`measure_hardware`'s: the cost model gives each
-                rank its share of the node's rates).
+            nodes: every node's profile (:meth:`measure_hardware`'s: the cost model gives each rank its share of its
+                node's rates; each profile holds the least free capacities of all ranks, so any one sets the budgets).
             layers: the blocks' profiles.
             host_room: host bytes the plan may use beyond what this rank holds, where less than its own budget
                 leaves (another rank's, for a plan every rank applies).
@@ -299,14 +305,17 @@ class Planner:
         static = self.accounts.held()["host"]
         ranks = self.ranks_on_node
         device_budget, host_budget, store_budget = plan_budgets(
-            hardware, static, ranks, self.config.host_memory_limit, self.config.device_memory_limit, host_room)
+            nodes[0], static, ranks, self.config.host_memory_limit, self.config.device_memory_limit, host_room)
         settings = plan_settings(
             self.layout.shards, self.owned_shards(), self.layout.param_cache, ranks,
             prefetch_depth=self.config.prefetch_depth, host_static_bytes=static,
             device_overhead=self._device_overhead(layers) if self.device.is_cuda else None)
-        plan = search(hardware, layers, device_budget=device_budget, host_budget=host_budget,
+        plan = search(nodes, layers, device_budget=device_budget, host_budget=host_budget,
                       store_budget=store_budget, settings=settings)
         plan.budgets["host_static"] = static
+        if len(nodes) > 1:
+            rank_zero_info(f"RatelProfiler: planned for {len(nodes)} nodes; node {list(nodes).index(plan.hardware)} "
+                           f"is the slowest under this plan and sets its predicted step time")
         return plan
 
     def _device_overhead(self, layers: Sequence[LayerProfile]) -> DeviceOverhead:
@@ -436,28 +445,30 @@ def plan_budgets(hardware: HardwareProfile, host_static_bytes: int, ranks_on_nod
     return device_budget, host_budget, int(hardware.ssd_free * 0.95) // ranks_on_node
 
 
-def node_profile(entries: Sequence[HardwareProfile | int | BaseException], ranks: Ranks) -> HardwareProfile:
-    """The profile a rank plans with, from what every rank contributed (:meth:`Planner.measure_hardware`).
+def node_profiles(entries: Sequence[HardwareProfile | int], local_world: int) -> list[HardwareProfile]:
+    """Every node's profile, from what every rank contributed (:meth:`Planner.measure_hardware`).
 
-    Each node's local rank 0 contributes its node's profile, the others their device's free bytes. The speeds are
-    this rank's node's; the free capacities the least of all ranks and nodes, because the plan rank 0 makes is every
+    Each node's local rank 0 contributes its node's profile, the others their device's free bytes. Each profile keeps
+    its node's speeds; its free capacities are the least of all ranks and nodes, because the plan rank 0 makes is every
     rank's and must fit the fullest device, host and drive.
 
     Args:
-        entries: by global rank, a node's profile, a device's free bytes, or the error a rank's probe raised.
-        ranks: this rank's place.
+        entries: by global rank, a node's profile or a device's free bytes.
+        local_world: the ranks of each node (a node's ranks are consecutive).
+
+    Returns:
+        The profiles in node order.
 
     Raises:
-        RuntimeError: a rank's probe failed, or the first rank of this node contributed no profile.
+        RuntimeError: the first rank of a node contributed no profile.
     """
-    for rank, entry in enumerate(entries):
-        if isinstance(entry, BaseException):
-            raise RuntimeError(f"rank {rank} could not measure its node's hardware: {entry}") from entry
-    first = ranks.rank - ranks.local_rank
-    own = entries[first]
-    if not isinstance(own, HardwareProfile):
-        raise RuntimeError(f"rank {first} sent no hardware profile of its node (got {own!r})")
-    profiles = [e for e in entries if isinstance(e, HardwareProfile)]
-    devices = [e.device_memory_free if isinstance(e, HardwareProfile) else int(e) for e in entries]
-    return dataclasses.replace(own, host_memory_free=min(p.host_memory_free for p in profiles),
-                               device_memory_free=min(devices), ssd_free=min(p.ssd_free for p in profiles))
+    nodes: list[HardwareProfile] = []
+    for first in range(0, len(entries), local_world):
+        entry = entries[first]
+        if not isinstance(entry, HardwareProfile):
+            raise RuntimeError(f"rank {first} sent no hardware profile of its node (got {entry!r})")
+        nodes.append(entry)
+    host = min(node.host_memory_free for node in nodes)
+    device = min(e.device_memory_free if isinstance(e, HardwareProfile) else int(e) for e in entries)
+    ssd = min(node.ssd_free for node in nodes)
+    return [dataclasses.replace(node, host_memory_free=host, device_memory_free=device, ssd_free=ssd) for node in nodes]

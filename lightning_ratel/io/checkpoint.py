@@ -22,7 +22,7 @@ from torch import nn
 
 from lightning_ratel.config import CheckpointFormat
 from lightning_ratel.errors import RatelConfigError, RatelPlanError
-from lightning_ratel.runtime.collectives import DataParallelAdam
+from lightning_ratel.runtime.collectives import DataParallelAdam, gather_outcomes
 from lightning_ratel.runtime.generic import OptimizerStateError
 from lightning_ratel.runtime.hostmem import ALIGNMENT, aligned_empty
 from lightning_ratel.runtime.optimizer import CpuAdam
@@ -182,19 +182,7 @@ class ModelState:
         """
         if not isinstance(self.adam, DataParallelAdam):
             return [step()]
-        error: BaseException | None = None
-        try:
-            outcome: tuple[bool, Any] = (True, step())
-        except BaseException as err:
-            error = err
-            outcome = (False, f"{type(err).__name__}: {err}")
-        outcomes = self.adam.gather_objects(outcome)
-        if error is not None:
-            raise error
-        for rank, (ok, what) in enumerate(outcomes):
-            if not ok:
-                raise RuntimeError(f"{failed}: rank {rank} failed ({what})")
-        return [what for _, what in outcomes]
+        return gather_outcomes(self.adam.gather_objects, step, failed)
 
     def quiesce(self) -> None:
         """Wait until every update handed over has run and every write has landed."""

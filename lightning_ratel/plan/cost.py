@@ -512,6 +512,42 @@ class CostModel:
         )
 
 
+def node_models(nodes: Sequence[HardwareProfile], layers: Sequence[LayerProfile],
+                settings: CostSettings | None = None) -> list[CostModel]:
+    """One cost model per node, for a plan that every node of a data-parallel run applies.
+
+    Args:
+        nodes: each node's profile.
+        layers: the blocks.
+        settings: the run's settings, alike on every node.
+
+    Raises:
+        RatelConfigError: no node, nodes of different device types (a plan's memory differs where the device is the
+            host), or what :class:`CostModel` raises.
+    """
+    if not nodes:
+        raise RatelConfigError("a plan needs the profile of at least one node")
+    types = sorted({hw.device_type for hw in nodes})
+    if len(types) > 1:
+        raise RatelConfigError(f"the nodes have different device types ({', '.join(types)}); one plan cannot fit all")
+    return [CostModel(hw, layers, settings) for hw in nodes]
+
+
+def slowest_node(models: Sequence[CostModel], costs: Sequence[LayerCost]) -> tuple[int, Prediction]:
+    """The node whose predicted iteration time for the blocks' costs is the longest, and its prediction.
+
+    Data-parallel ranks wait for one another every step (gradients reach their owners, new compute copies every rank),
+    so the slowest node sets every node's time; of equally slow nodes, the first.
+
+    Args:
+        models: each node's cost model (:func:`node_models`).
+        costs: the blocks' costs, one per layer in the order of ``layers``.
+    """
+    predictions = [model.evaluate(costs) for model in models]
+    node = max(range(len(predictions)), key=lambda n: predictions[n].iteration_time)
+    return node, predictions[node]
+
+
 def predict(hw: HardwareProfile, layers: Sequence[LayerProfile], placement: Mapping[str, str],
             settings: CostSettings | None = None) -> Prediction:
     """Predict one micro-batch's times and memory under an activation placement.

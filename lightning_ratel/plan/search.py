@@ -20,10 +20,13 @@ from lightning_ratel.plan.cost import (
     CostModel,
     CostSettings,
     DeviceOverhead,
+    LayerCost,
     Prediction,
     largest_batch,
     layer_cost,
+    node_models,
     recompute_ops,
+    slowest_node,
 )
 from lightning_ratel.plan.profile import LayerProfile, OpProfile
 from lightning_ratel.sizes import format_bytes, round_up
@@ -49,7 +52,7 @@ class Plan:
         curve: ``(offloaded bytes (host + ssd), predicted iteration time)`` at each search point.
         chosen: index of this plan's point in ``curve``.
         prefetch_depth: blocks paged in ahead of the one computing.
-        hardware: the hardware profile searched with.
+        hardware: the hardware profile searched with; of several nodes', the one whose predicted time is the plan's.
         layers: the block profiles searched with.
         blocks: names of every block of the model the plan was made for, so a plan is never applied to another one.
         format_version: :data:`PLAN_FORMAT` of the code that wrote it.
@@ -241,13 +244,18 @@ class _Descent:
         return placement
 
 
-def _descend(walk: _Walk, candidates: list[tuple[int, OpProfile]]) -> _Descent:
-    """Store the candidates in order, each on the best tier with room, predicting after every step."""
+def _descend(walk: _Walk, candidates: list[tuple[int, OpProfile]], models: Sequence[CostModel]) -> _Descent:
+    """Store the candidates in order, each on the best tier with room, predicting after every step (on the slowest of
+    the nodes ``models`` describe)."""
     model = walk.model
     start = dict(walk.placement)
     costs = [layer_cost(layer, walk.placement) for layer in model.layers]
     descent = _Descent(start, [], [], [])
-    descent.record(model.evaluate(costs))
+
+    def evaluate(costs: list[LayerCost]) -> Prediction:
+        return slowest_node(models, costs)[1]
+
+    descent.record(evaluate(costs))
     for i, op in candidates:
         # An op that fits nowhere stays recomputed; a smaller one later in the order may still fit.
         tier = walk.move(i, op, "recompute", STORED_TIERS)
@@ -255,7 +263,7 @@ def _descend(walk: _Walk, candidates: list[tuple[int, OpProfile]]) -> _Descent:
             continue
         descent.moves.append((placement_key(model.layers[i].name, op.name), tier))
         costs[i] = layer_cost(model.layers[i], walk.placement)
-        descent.record(model.evaluate(costs))
+        descent.record(evaluate(costs))
     return descent
 
 
@@ -393,12 +401,16 @@ def _staging_reserve(model: CostModel) -> int:
     return model.buffers * max((layer.saved_bytes for layer in model.layers), default=0)
 
 
-def search(hw: HardwareProfile, layers: Sequence[LayerProfile], *, device_budget: int, host_budget: int,
-           store_budget: int, settings: CostSettings | None = None) -> Plan:
+def search(hw: HardwareProfile | Sequence[HardwareProfile], layers: Sequence[LayerProfile], *, device_budget: int,
+           host_budget: int, store_budget: int, settings: CostSettings | None = None) -> Plan:
     """Find the activation placement with the least predicted iteration time within the budgets.
 
+    For several nodes that all apply the plan, a placement's time is that of the node slowest under it (each node is
+    predicted with its own speeds, and the slowest may differ from one placement to the next): the plan is the
+    placement whose slowest node is fastest.
+
     Args:
-        hw: the machine.
+        hw: the machine, or each node's profile.
         layers: the profiled blocks.
         device_budget: bytes of device memory the run may use (ignored on unified memory, where device and host
             share ``host_budget``).
@@ -413,21 +425,24 @@ def search(hw: HardwareProfile, layers: Sequence[LayerProfile], *, device_budget
     Raises:
         RatelPlanError: even the minimum placement does not fit; the message names the budget, the shortfall and
             what to change.
-        RatelConfigError: the profiles are inconsistent.
+        RatelConfigError: the profiles are inconsistent, or the nodes have different device types.
     """
-    model = CostModel(hw, layers, settings)
+    nodes = [hw] if isinstance(hw, HardwareProfile) else list(hw)
+    models = node_models(nodes, layers, settings)
+    # Memory does not depend on the speeds: any node's model counts it.
+    model = models[0]
     walk, candidates = _start(model, device_budget, host_budget, store_budget)
     order = [candidates[key] for key in candidate_order(model.layers) if key in candidates]
 
     # Filling host memory first can leave no room for the staging buffers SSD traffic needs, and then nothing
     # spills; a second walk keeps staging for a whole block free from the start. The faster one wins.
-    descents = [_descend(walk.copy(0), order)]
+    descents = [_descend(walk.copy(0), order, models)]
     reserve = _staging_reserve(model)
     reserved = walk.copy(reserve)
     if reserve and reserved.fits():
-        descents.append(_descend(reserved, order))
+        descents.append(_descend(reserved, order, models))
     best = min(descents, key=lambda descent: descent.rank(descent.chosen))
-    prediction = model.evaluate([layer_cost(layer, best.placement()) for layer in model.layers])
+    slowest, prediction = slowest_node(models, [layer_cost(layer, best.placement()) for layer in model.layers])
     return Plan(
         activation_placement=best.placement(),
         predicted_iteration_time=prediction.iteration_time,
@@ -439,7 +454,7 @@ def search(hw: HardwareProfile, layers: Sequence[LayerProfile], *, device_budget
         curve=best.curve,
         chosen=best.chosen,
         prefetch_depth=model.prefetch_depth,
-        hardware=hw,
+        hardware=nodes[slowest],
         layers=list(layers),
         blocks=[layer.name for layer in layers],
         settings=model.settings,

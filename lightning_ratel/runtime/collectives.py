@@ -85,6 +85,38 @@ class Ranks:
         return self.world // self.local_world
 
 
+def gather_outcomes(gather: Callable[[Any], list[Any]], step: Callable[[], Any], failed: str) -> list[Any]:
+    """Run ``step`` here and learn every rank's outcome, so that where one rank fails every rank stops at the same
+    point (none waits in a later collective for a rank that raised).
+
+    Args:
+        gather: the collective that hands every rank's picklable object to every rank, in rank order
+            (:meth:`DataParallelAdam.gather_objects`).
+        step: this rank's part; its result must pickle.
+        failed: what a failure elsewhere means, for the error the other ranks raise.
+
+    Returns:
+        Every rank's result, in rank order.
+
+    Raises:
+        BaseException: the error of ``step`` on the rank where it failed; elsewhere a ``RuntimeError`` saying which
+            rank failed and how.
+    """
+    error: BaseException | None = None
+    try:
+        outcome: tuple[bool, Any] = (True, step())
+    except BaseException as err:  # noqa: BLE001 - the other ranks must hear of it, then it is raised
+        error = err
+        outcome = (False, f"{type(err).__name__}: {err}")
+    outcomes = gather(outcome)
+    if error is not None:
+        raise error
+    for rank, (ok, what) in enumerate(outcomes):
+        if not ok:
+            raise RuntimeError(f"{failed}: rank {rank} failed ({what})")
+    return [what for _, what in outcomes]
+
+
 class SharedCacheUnavailable(Exception):
     """The ranks of a node cannot share one host cache (:meth:`NodeCache.open`); the message says why."""
 
