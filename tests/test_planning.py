@@ -20,7 +20,7 @@ from lightning_ratel.engine.placement import plan_placements
 from lightning_ratel.engine.planner import node_profiles, plan_budgets, plan_settings, state_traffic
 from lightning_ratel.hardware import HardwareProfile
 from lightning_ratel.plan import LayerProfile, OpProfile
-from lightning_ratel.plan.cost import OPTIMIZER_MEMORY_BYTES_PER_PARAM, CostModel
+from lightning_ratel.plan.cost import OPTIMIZER_MEMORY_BYTES_PER_PARAM, CostModel, recompute_ops
 from lightning_ratel.runtime import recompute
 from lightning_ratel.sizes import parse_bytes
 from tests.models import LM, final_state, max_rel_err, trainer
@@ -165,6 +165,39 @@ def test_partial_recompute_runs_only_what_was_discarded(tmp_path, auto_run, monk
     # One replay per layer per step, each running only the SiLU (its input, the gate projection, was stored).
     assert len(runs) == 3 * 4
     assert all(executed == 1 and total > 40 for executed, total in runs)
+
+
+_VIEWS = {"view", "_unsafe_view", "t", "transpose", "unsqueeze", "expand", "slice", "reshape", "permute", "select"}
+
+
+@pytest.mark.parametrize("kept, recomputed", [("device", ("input_layernorm:mul#1", "self_attn:add")),
+                                               ("host", ("self_attn.o_proj", "mlp:mul"))])
+def test_a_replay_runs_the_ops_the_cost_model_charges(tmp_path, auto_run, monkeypatch, kept, recomputed):
+    """The ops a replay executes are those :func:`recompute_ops` charges for the placement: what the plan keeps, on
+    the device as much as in host memory, is handed back, never recomputed. The model may charge a view more (the
+    profile counts saved bytes at the op that made the memory, the replay hands back the view it saved)."""
+    plan = _profiler(auto_run[0]).plan
+    placement = {key: "recompute" if key.rsplit("/", 1)[1].startswith(recomputed) else kept
+                 for key in plan.activation_placement}
+    executed: dict[str, set[str]] = {}
+    original = recompute.ForwardRecord.replay
+
+    def replay(self, unpack, restore):
+        if self.outputs is None:
+            executed[self.name] = {self.ops[k].name for k in self.needed()[0]}
+        original(self, unpack, restore)
+
+    monkeypatch.setattr(recompute.ForwardRecord, "replay", replay)
+    module = LM("llama")
+    t = trainer(RatelStrategy(ssd_paths=[str(tmp_path)], plan=dataclasses.replace(plan, activation_placement=placement)))
+    t.fit(module)
+    _close(_plain(), final_state(module, t))
+    charged = {layer.name: recompute_ops(layer, placement) for layer in plan.layers}
+    assert sum(len(ops) for ops in charged.values()) > 0
+    assert executed.keys() == {name for name, ops in charged.items() if ops}
+    for name, ops in executed.items():
+        assert ops <= charged[name]
+        assert all(op.rsplit(":", 1)[1].split("#")[0] in _VIEWS for op in charged[name] - ops)
 
 
 def test_replay_keeps_the_strides_of_stored_outputs(tmp_path, auto_run):
