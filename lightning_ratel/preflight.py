@@ -25,10 +25,9 @@ from lightning_ratel.errors import RatelConfigError, RatelPlanError
 from lightning_ratel.io.checkpoint import choose_checkpoint_format, gathered_checkpoint_bytes
 from lightning_ratel.plan.states import state_bytes
 from lightning_ratel.precision import RatelPrecision
-from lightning_ratel.runtime.state_buffers import BUFFER_SETS, in_place
-from lightning_ratel.runtime.storage import ALIGNMENT
+from lightning_ratel.runtime.state_buffers import BUFFER_SETS, in_place, set_bytes, set_capacities, shard_need
 from lightning_ratel.runtime.units import Layout
-from lightning_ratel.sizes import format_bytes, round_up
+from lightning_ratel.sizes import format_bytes
 
 
 @dataclass(frozen=True)
@@ -153,21 +152,19 @@ def _estimate(module: nn.Module, optimizer: torch.optim.Optimizer, config: Ratel
         disk=disk,
         host_cache=sum(u.host_nbytes for u in layout.units.values()),
         host_states=sum(state_bytes(s.numel) for s in layout.shards if s.state_tier == "host"),
-        optimizer_buffers=BUFFER_SETS * _buffer_set_bytes(layout, on_store),
+        optimizer_buffers=_buffer_sets_bytes(layout, on_store),
         gradient_buffers=GRAD_BUDGET_SHARDS * max((s.numel for s in layout.shards), default=0) * 4,
         device=(config.prefetch_depth + 1) * largest_unit,
         checkpoint=checkpoint,
     )
 
 
-def _buffer_set_bytes(layout: Layout, compute_on_store: bool) -> int:
-    """One of the CPU AdamW's buffer sets (as :class:`~lightning_ratel.runtime.optimizer.CpuAdam` allocates it)."""
-    shards = [s for s in layout.shards if not in_place(s, compute_on_store)]
-    largest = max((s.numel for s in shards), default=0)
-    largest_master = max((s.numel for s in shards if not s.master_in_host), default=0)
-    compute = max((s.numel * s.dtype.itemsize for s in shards
-                   if compute_on_store and s.dtype != torch.float32), default=0)
-    return 4 * (largest_master + 2 * largest) + round_up(compute, ALIGNMENT)
+def _buffer_sets_bytes(layout: Layout, compute_on_store: bool) -> int:
+    """The CPU AdamW's buffer sets of one process (as :class:`~lightning_ratel.runtime.optimizer.CpuAdam` allocates
+    them)."""
+    pooled = [s for s in layout.shards if not in_place(s, compute_on_store)]
+    needs = [shard_need(s, compute_on_store, layout.generic) for s in pooled]
+    return sum(map(set_bytes, set_capacities(needs, BUFFER_SETS))) if needs else 0
 
 
 def _buffer_bytes(module: nn.Module) -> int:

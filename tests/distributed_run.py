@@ -4,14 +4,15 @@ Lightning's own launcher starts the other ranks (``devices=N``), or the test sta
 (``--num-nodes``, with ``NODE_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` set). Every rank writes ``OUT/rank<r>.pt``:
 its parameters and optimizer state after fit (as a user reads them), the bytes the strategy held at the end of training,
 the bytes it read from a pretrained folder and from a sharded checkpoint, the growth of the process's proportional set
-size from the start of ``main`` to then, its peak RSS, its state traffic per step and, with ``--plan-auto``, the plan
-it applied.
+size and of its private memory (before and after the heap hands its free memory back) from the start of ``main`` to
+then, its peak RSS, its state traffic per step and, with ``--plan-auto``, the plan it applied.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import dataclasses
 import errno
 import os
@@ -44,6 +45,24 @@ def proportional_set_size() -> int:
         return 0
 
 
+def private_memory() -> int:
+    """This process's anonymous memory and its proportional share of shared memory (Linux ``Pss_Anon`` +
+    ``Pss_Shmem``; 0 elsewhere): the memory it made, not the libraries' file pages it maps, with a host cache shared on
+    the node counted once over the node's processes."""
+    try:
+        with open("/proc/self/smaps_rollup") as rollup:
+            fields = dict(line.split()[:2] for line in rollup if line.startswith(("Pss_Anon:", "Pss_Shmem:")))
+    except OSError:
+        return 0
+    return sum(int(kb) * 1024 for kb in fields.values())
+
+
+def _trim_heap() -> None:
+    """Hand the heap's free memory back to the kernel (glibc's ``malloc_trim``; nothing elsewhere)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 def shared_cache_memory() -> tuple[int, int]:
     """Resident and proportional bytes of this process's mappings of a host cache shared with the node's other ranks
     (Linux; (0, 0) without one)."""
@@ -66,11 +85,14 @@ def shared_cache_memory() -> tuple[int, int]:
 
 class _Measure(L.Callback):
     """The bytes the strategy holds (engine accounting, swap files on disk) once training ends, before teardown, the
-    process's proportional set size then, above ``baseline``, and its memory of a host cache shared on the node."""
+    process's proportional set size then, above ``baseline``, its private memory (:func:`private_memory`) above
+    ``private``, as it is and once the heap handed its free memory back, and its memory of a host cache shared on the
+    node."""
 
-    def __init__(self, swap: Path, baseline: int) -> None:
+    def __init__(self, swap: Path, baseline: int, private: int) -> None:
         self.swap = swap
         self.baseline = baseline
+        self.private = private
         self.figures: dict[str, Any] = {}
 
     def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
@@ -79,7 +101,10 @@ class _Measure(L.Callback):
         self.figures = {"placement": placement, "states": states,
                         "swap_bytes": path_bytes(self.swap) if self.swap.exists() else 0,
                         "pss_growth": proportional_set_size() - self.baseline,
+                        "private_growth": private_memory() - self.private,
                         "shared_cache": shared_cache_memory()}
+        _trim_heap()
+        self.figures["private_growth_trimmed"] = private_memory() - self.private
         engine = getattr(trainer.strategy, "engine", None)
         if engine is not None and engine.adam is not None:
             # How this rank's own optimizer ran its updates (overlapped, deferred, redone, dropped).
@@ -214,7 +239,7 @@ def _overflow_on(module: LM, rank: int, step: int) -> None:
 
 
 def main(argv: list[str]) -> None:
-    baseline = proportional_set_size()
+    baseline, private = proportional_set_size(), private_memory()
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--strategy", default="ratel")
@@ -262,7 +287,7 @@ def main(argv: list[str]) -> None:
                                  optimizer_states=args.states, checkpoint_format=args.checkpoint_format,
                                  pretrained=args.pretrained, keep_swap_files=args.keep_swap,
                                  timeout=timedelta(seconds=60))
-    measure = _Measure(swap, baseline)
+    measure = _Measure(swap, baseline, private)
     callbacks: list[L.Callback] = [measure]
     if args.save:
         callbacks.append(_Save(args.save, args.save_every_step))

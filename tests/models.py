@@ -21,9 +21,9 @@ VOCAB = 64
 SEQ = 16
 
 
-def tiny_llama(layers: int = 3) -> nn.Module:
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+def tiny_llama(layers: int = 3, hidden: int = 32, heads: int = 4, kv_heads: int = 2) -> nn.Module:
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=SEQ,
                       tie_word_embeddings=False)
     return LlamaForCausalLM(cfg)
 
@@ -83,7 +83,9 @@ class BatchNormMLP(MLP):
 
 
 MODELS = {"llama": tiny_llama, "llama8": lambda: tiny_llama(8), "llama16": lambda: tiny_llama(16), "gpt2": tiny_gpt2,
-          "t5": tiny_t5, "mlp": MLP, "batchnorm": BatchNormMLP}
+          "t5": tiny_t5, "mlp": MLP, "batchnorm": BatchNormMLP,
+          # 19.7M parameters, for measuring memory (no test runs it).
+          "llama19m": lambda: tiny_llama(8, hidden=496, heads=8, kv_heads=8)}
 
 # Every tier at once: a block's activations on disk, one recomputed, the rest in host memory.
 # The first layer of Llama (layers.0), GPT-2 (h.0) and the MLP on disk, the second recomputed (a pattern that places

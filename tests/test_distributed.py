@@ -309,14 +309,22 @@ def test_without_room_or_checkpoint_every_rank_keeps_its_swap_files(tmp_path: Pa
 
 
 @pytest.mark.parametrize("states", ["ssd", "host"])
-def test_each_state_once_per_node(tmp_path: Path, states: str) -> None:
+def test_each_state_once_per_node(tmp_path: Path, states: str, ddp_reference: dict) -> None:
     """Two ranks on one node hold the optimizer states of one rank between them, in the swap files (whose bytes on
-    disk, both ranks' files in one directory, are within 1.1x of one rank's) or in host memory; each rank holds part."""
-    _ok(_run(tmp_path / "one", "--devices", "1", "--states", states))
-    _ok(_run(tmp_path / "two", "--states", states))
+    disk, both ranks' files in one directory, are within 1.1x of one rank's) or in host memory; each rank holds part.
+    The engine's host bytes of the two (the host cache, the states in host memory, the CPU optimizer's buffer sets
+    that stage the states from the swap files, which the ranks split, and its gradients) are within 1.1x of one
+    rank's; the numbers are ddp's. With accumulation and clipping every step holds its gradients until backward ends,
+    so the gradients' bytes do not depend on timing."""
+    _ok(_run(tmp_path / "one", "--devices", "1", "--states", states, *ACCUMULATE_CLIP))
+    _ok(_run(tmp_path / "two", "--states", states, *ACCUMULATE_CLIP))
     one, two = _load(tmp_path / "one"), [_load(tmp_path / "two", r) for r in (0, 1)]
+    for got in two:
+        _assert_same(ddp_reference, got)
     assert sum(t["states"][states] for t in two) == one["states"][states] > 0
     assert all(0 < t["states"][states] < one["states"][states] for t in two)
+    assert sum(t["placement"]["host"] for t in two) <= 1.1 * one["placement"]["host"]
+    assert all(0 < t["placement"]["host"] < one["placement"]["host"] for t in two)
     if states == "ssd":
         assert two[0]["swap_bytes"] <= 1.1 * one["swap_bytes"]
         assert sum(t["placement"]["disk"] for t in two) <= 1.1 * one["placement"]["disk"]

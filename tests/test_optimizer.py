@@ -10,6 +10,7 @@ from torch import nn
 
 from lightning_ratel.runtime.accumulation import GradientBudget
 from lightning_ratel.runtime.optimizer import CpuAdam, GroupHyper, StepPlan
+from lightning_ratel.runtime.state_buffers import Need, set_bytes, set_capacities
 from lightning_ratel.runtime.storage import TensorStore
 from lightning_ratel.runtime.units import Shard, ShardParam, Unit
 
@@ -24,7 +25,7 @@ class _Landed:
         return None
 
 
-def _pipeline(tmp_path: Path, depth: int, sizes: list[int] = SIZES
+def _pipeline(tmp_path: Path, depth: float, sizes: list[int] = SIZES
               ) -> tuple[CpuAdam, list[Shard], list[nn.Parameter], TensorStore]:
     """One single-parameter shard per unit; masters on the store, new values written to each unit's host cache."""
     torch.manual_seed(0)
@@ -59,9 +60,10 @@ def _step(adam: CpuAdam, shards: list[Shard], grads: list[torch.Tensor], order: 
     adam.barrier(include_writes=True)
 
 
-@pytest.mark.parametrize("depth", [1, 2, 3])
-def test_any_gradient_order_matches_torch(tmp_path: Path, depth: int) -> None:
-    """Gradients arrive in a new order every step, so reads ahead guess wrong and must give their buffers up."""
+@pytest.mark.parametrize("depth", [1, 1.5, 2, 3])
+def test_any_gradient_order_matches_torch(tmp_path: Path, depth: float) -> None:
+    """Gradients arrive in a new order every step, so reads ahead guess wrong and must give their buffers up (1.5:
+    a set for the largest shard and a smaller one, as a rank of two on a node has)."""
     adam, shards, params, store = _pipeline(tmp_path, depth)
     reference = [nn.Parameter(p.detach().clone()) for p in params]
     torch_adamw = torch.optim.AdamW(reference, lr=HYPER.lr, betas=(HYPER.beta1, HYPER.beta2), eps=HYPER.eps,
@@ -83,6 +85,42 @@ def test_any_gradient_order_matches_torch(tmp_path: Path, depth: int) -> None:
                 out = torch.empty(shard.numel)
                 store.read(adam.state_key(shard, what), out).result()
                 assert torch.equal(out, state[what]), (shard.index, what)
+    finally:
+        adam.close()
+        store.close()
+
+
+def test_a_fraction_of_a_set_buys_a_smaller_one() -> None:
+    """The sets a fraction of host memory buys: whole sets for the largest shard, and in the fraction left one set
+    for the shards that fit there together; never more bytes than asked, and at least one whole set."""
+    needs: list[Need] = [(n, n, 0, 0) for n in SIZES]
+    whole = set_bytes((4099, 4099, 0, 0))
+    # Half a set holds the shards of up to 2048 elements (24,576 of 24,594 bytes), not the next one.
+    assert set_capacities(needs, 1.5) == [(4099, 4099, 0, 0), (2048, 2048, 0, 0)]
+    assert sum(map(set_bytes, set_capacities(needs, 1.5))) <= 1.5 * whole
+    assert set_capacities(needs, 3) == [(4099, 4099, 0, 0)] * 3
+    assert set_capacities(needs, 2.001) == [(4099, 4099, 0, 0)] * 2 + [(1, 1, 0, 0)]
+    assert set_capacities(needs, 0.75) == set_capacities(needs, 1) == [(4099, 4099, 0, 0)]
+    # Masters kept in the host cache take no room; each field is sized on the largest shard that needs it.
+    assert set_capacities([(1000, 0, 0, 0), (500, 500, 1024, 0)], 1.2) == [(1000, 500, 1024, 0)]
+
+
+def test_each_shard_takes_the_smallest_set_that_holds_it(tmp_path: Path) -> None:
+    """With a whole set and a smaller one, a small shard's states are read into the smaller set and the largest
+    shard's into the whole one, whichever comes first."""
+    adam, shards, _, store = _pipeline(tmp_path, depth=1.5)
+    try:
+        adam.barrier()
+        buffers = adam.buffers
+        assert sorted(b.capacity[0] for b in buffers.free) == [2048, 4099]
+        assert buffers.nbytes <= 1.5 * set_bytes((4099, 4099, 0, 0))
+        small, large = buffers.take(shards[1]), buffers.take(shards[2])
+        assert small is not None and large is not None
+        assert small[0].capacity[0] == 2048 and large[0].capacity[0] == 4099
+        # Nothing is free, and nothing read ahead could give its set up: the shard waits.
+        assert buffers.take(shards[0]) is None
+        for loaded in (small, large):
+            buffers.give_back(loaded)
     finally:
         adam.close()
         store.close()

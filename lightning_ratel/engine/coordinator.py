@@ -35,7 +35,7 @@ from torch import nn
 from lightning_ratel.config import RatelConfig
 from lightning_ratel.engine.accounting import ByteAccount, StepBreakdown
 from lightning_ratel.engine.blocks import BlockMembership, discover_blocks
-from lightning_ratel.engine.layout import build_layout, with_state_tiers
+from lightning_ratel.engine.layout import buffer_sets, build_layout, with_state_tiers
 from lightning_ratel.engine.materialize import Materializer
 from lightning_ratel.engine.placement import check_patterns
 from lightning_ratel.engine.planner import Planner
@@ -279,9 +279,12 @@ class RatelEngine:
                 threads = None if self.device.is_cuda and ranks is None else rank_threads(
                     self.device.is_cuda, local_world, _cores())[0]
 
+                # The ranks of a node split one process's buffer sets between them.
+                depth = buffer_sets(local_world)
+
                 def cpu_adam(shards: list[Shard]) -> CpuAdam:
                     assert self.store is not None
-                    return CpuAdam(shards, self.store, timeline=self.timeline,
+                    return CpuAdam(shards, self.store, depth, timeline=self.timeline,
                                    compute_on_store=self.layout.param_cache == "ssd",
                                    grad_budget_bytes=GRAD_BUDGET_SHARDS * largest * 4,
                                    threads=threads, generic=self.layout.generic)

@@ -34,6 +34,7 @@ from lightning_ratel.plan.states import HOST_SHARE, describe, place_states, stat
 from lightning_ratel.runtime.generic import GenericUpdate, OptimizerStateError, ParamStates, probe_states, rebuild
 from lightning_ratel.runtime.hostmem import ALIGNMENT
 from lightning_ratel.runtime.probe import available_host_memory
+from lightning_ratel.runtime.state_buffers import BUFFER_SETS
 from lightning_ratel.runtime.units import Layout, ParamSlot, Shard, ShardParam, Unit
 from lightning_ratel.sizes import format_bytes, round_up
 from lightning_ratel.tiers import OptimizerStates, ParamCache
@@ -304,7 +305,8 @@ def with_state_tiers(layout: Layout, requested: OptimizerStates, host_memory_lim
     compute = sum(u.nbytes for u in layout.units.values()) if layout.param_cache == "host" else 0
     if cache_shared:
         compute //= ranks_on_node
-    held = compute + BUFFER_BYTES_PER_PARAM * max(s.numel for s in mine)
+    per_param = SET_BYTES_PER_PARAM * max(1.0, buffer_sets(ranks_on_node)) + GRADIENT_BYTES_PER_PARAM
+    held = compute + int(per_param * max(s.numel for s in mine))
     tiers = dict(zip((s.index for s in mine), place_states(sizes, requested,
                                                            states_budget(host_memory_limit, held, ranks_on_node))))
     if announce:
@@ -313,9 +315,21 @@ def with_state_tiers(layout: Layout, requested: OptimizerStates, host_memory_lim
     return dataclasses.replace(layout, shards=shards)
 
 
-BUFFER_BYTES_PER_PARAM = 64
-"""Host bytes per element of the largest shard that the CPU optimizer's buffers may take: three buffer sets of master,
-moments and a compute copy (16 bytes each) and four gradient buffers (4 bytes each)."""
+SET_BYTES_PER_PARAM = 16
+"""Host bytes per element of the largest shard in one of the CPU optimizer's buffer sets: master, moments and a compute
+copy."""
+GRADIENT_BYTES_PER_PARAM = 16
+"""Host bytes per element of the largest shard that the CPU optimizer's gradient buffers may take: four, of 4 bytes."""
+
+
+def buffer_sets(ranks_on_node: int) -> float:
+    """The CPU optimizer's buffer sets of each of ``ranks_on_node`` data-parallel processes of a node, in sets that hold
+    its largest shard (:class:`~lightning_ratel.runtime.optimizer.CpuAdam`'s ``depth``): together one process's
+    (:data:`~lightning_ratel.runtime.state_buffers.BUFFER_SETS`), so the node holds them once, not once per rank. Each
+    rank's updates, and its reads ahead and write-backs, then overlap less within the rank; the node's drives and cores,
+    shared by the ranks, see about as many in flight as one process keeps. Below one set the optimizer keeps one all
+    the same."""
+    return BUFFER_SETS / ranks_on_node
 
 
 def states_budget(host_memory_limit: int | None, held: int, ranks_on_node: int = 1) -> int:

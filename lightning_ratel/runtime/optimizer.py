@@ -250,7 +250,8 @@ class CpuAdam:
     Args:
         shards: every shard the optimizer holds, in the order of their units' forward.
         store: the swap store holding masters and moments.
-        depth: buffer sets in flight (reading ahead, computing, writing back).
+        depth: buffer sets in flight (reading ahead, computing, writing back), in sets that hold the largest shard: a
+            fraction buys a smaller set (:func:`~lightning_ratel.runtime.state_buffers.set_capacities`).
         timeline: where updates and reads ahead are recorded; a new one by default.
         compute_on_store: the pager reads compute copies from the store, so an update writes the new compute copy
             there (the fp32 master itself for fp32 shards) and a unit is ready only once those writes have landed.
@@ -264,7 +265,7 @@ class CpuAdam:
             the fused AdamW.
     """
 
-    def __init__(self, shards: Sequence[Shard], store: TensorStore, depth: int = BUFFER_SETS,
+    def __init__(self, shards: Sequence[Shard], store: TensorStore, depth: float = BUFFER_SETS,
                  timeline: Timeline | None = None, compute_on_store: bool = False,
                  grad_budget_bytes: int | None = None, threads: int | None = None,
                  generic: GenericUpdate | None = None) -> None:

@@ -6,6 +6,11 @@ free set is filled ahead with the states of the shards expected next, in the ord
 so an update starts as soon as its last gradient is in. Without that, the shards backward finishes last (the first
 block and the embedding, which the next forward needs first) would each wait for a disk read after backward.
 
+The sets are counted in units of a set sized for the largest shard (``depth``). Data-parallel ranks of one node
+split one process's sets between them, so a rank may get a fraction: its whole sets, and a smaller one for the shards
+that fit in the rest (a set is taken by the smallest free one that holds the shard). Every rank keeps at least one
+whole set, so every shard's update can run.
+
 Reads ahead happen only between the start of a boundary micro-batch and the step's schedule, so nothing else writes
 those states meanwhile; a shard whose previous write-back is still landing is read only once it has landed. Worker
 thread only (a write-back's completion comes back to the worker as a job).
@@ -34,6 +39,10 @@ from lightning_ratel.sizes import round_up
 BUFFER_SETS = 3
 """State buffer sets kept by default: one reading ahead, one computing, one writing back."""
 
+Need = tuple[int, int, int, int]
+"""What a shard's update takes of a buffer set: moment elements, master elements, compute copy bytes, state record
+bytes (the arguments of :class:`StateBufferSet`)."""
+
 
 class StateBufferSet:
     """Host memory for one shard's master, optimizer state and (when compute copies are read from the store) new
@@ -47,6 +56,7 @@ class StateBufferSet:
     """
 
     def __init__(self, numel: int, master_numel: int, compute_bytes: int, state_bytes: int = 0) -> None:
+        self.capacity: Need = (numel, master_numel, compute_bytes, state_bytes)
         self.master = aligned_empty(master_numel, torch.float32, huge=True)
         self.exp_avg = aligned_empty(numel, torch.float32, huge=True)
         self.exp_avg_sq = aligned_empty(numel, torch.float32, huge=True)
@@ -60,6 +70,50 @@ class StateBufferSet:
         # The master buffer is empty where every master lives in the host cache.
         states = self.master.numel() + self.exp_avg.numel() + self.exp_avg_sq.numel()
         return 4 * states + self.state.numel() + (self.compute.numel() if self.compute is not None else 0)
+
+    def holds(self, need: Need) -> bool:
+        """Whether a shard needing ``need`` fits in this set."""
+        return all(n <= c for n, c in zip(need, self.capacity))
+
+
+def shard_need(shard: Shard, compute_on_store: bool, generic: GenericUpdate | None) -> Need:
+    """What ``shard``'s update takes of a buffer set (see :class:`StateBuffers` for the arguments)."""
+    numel = shard.numel if generic is None else 0
+    master = 0 if shard.master_in_host else shard.numel
+    compute = shard.numel * shard.dtype.itemsize if compute_on_store and shard.dtype != torch.float32 else 0
+    return numel, master, compute, generic.nbytes(shard) if generic is not None else 0
+
+
+def set_bytes(need: Need) -> int:
+    """Host bytes of a :class:`StateBufferSet` of capacity ``need``."""
+    numel, master_numel, compute_bytes, state_bytes = need
+    return 4 * (master_numel + 2 * numel) + round_up(compute_bytes, ALIGNMENT) + state_bytes
+
+
+def set_capacities(needs: Sequence[Need], depth: float) -> list[Need]:
+    """The capacities of the buffer sets that ``depth`` sets' worth of host memory buys, for shards needing
+    ``needs``: ``int(depth)`` sets (at least one) that hold any of them, and for a fraction left, one set holding the
+    shards that fit in those bytes together (none where not even the smallest does).
+
+    Args:
+        needs: what each shard's update takes of a set (any order; at least one).
+        depth: host bytes of the sets, in sets that hold the largest shard.
+    """
+    whole: Need = tuple(max(column) for column in zip(*needs))  # type: ignore[assignment]
+    capacities = [whole] * max(1, int(depth))
+    fraction = depth - int(depth) if depth > 1 else 0.0
+    if not fraction:
+        return capacities
+    smaller: Need | None = None
+    running: Need = (0, 0, 0, 0)
+    for need in sorted(needs, key=set_bytes):
+        running = tuple(map(max, running, need))  # type: ignore[assignment]
+        if set_bytes(running) > fraction * set_bytes(whole):
+            break
+        smaller = running
+    if smaller is not None:
+        capacities.append(smaller)
+    return capacities
 
 
 class SlotViews:
@@ -109,28 +163,23 @@ class StateBuffers:
         store: the swap store holding masters and moments.
         ledger: which version of each shard a read takes (the latest).
         timeline: where reads ahead are recorded.
-        depth: buffer sets.
+        depth: host memory of the buffer sets, in sets that hold the largest shard; a fraction buys a smaller set
+            (see :func:`set_capacities`).
         compute_on_store: updates write 16-bit compute copies to the store (each set gets room for one).
         generic: the state layout of an optimizer other than AdamW/Adam (a state record per shard instead of
             moments), ``None`` for those.
     """
 
     def __init__(self, shards: Sequence[Shard], store: TensorStore, ledger: StepLedger, timeline: Timeline,
-                 depth: int = BUFFER_SETS, compute_on_store: bool = False,
+                 depth: float = BUFFER_SETS, compute_on_store: bool = False,
                  generic: GenericUpdate | None = None) -> None:
         self.store = store
         self.ledger = ledger
         self.timeline = timeline
         self.generic = generic
         self.compute_on_store = compute_on_store
-        pooled = [s for s in shards if not self._in_place(s)]
-        largest = max((s.numel for s in pooled), default=0) if generic is None else 0
-        largest_master = max((s.numel for s in pooled if not s.master_in_host), default=0)
-        compute_bytes = max((s.numel * s.dtype.itemsize for s in pooled
-                             if compute_on_store and s.dtype != torch.float32), default=0)
-        state_bytes = max((generic.nbytes(s) for s in pooled), default=0) if generic is not None else 0
-        depth = depth if pooled else 0
-        self.free = [StateBufferSet(largest, largest_master, compute_bytes, state_bytes) for _ in range(depth)]
+        needs = [self._need(s) for s in shards if not self._in_place(s)]
+        self.free = [StateBufferSet(*capacity) for capacity in set_capacities(needs, depth)] if needs else []
         self.nbytes = sum(b.nbytes for b in self.free)
         self.ahead: dict[int, Loaded] = {}
         self.reading_ahead = False
@@ -157,6 +206,9 @@ class StateBuffers:
         """The step was abandoned: its updates say nothing about the next step's order."""
         self._ran = []
 
+    def _need(self, shard: Shard) -> Need:
+        return shard_need(shard, self.compute_on_store, self.generic)
+
     def _in_place(self, shard: Shard) -> bool:
         return isinstance(self.store, TieredStore) and in_place(shard, self.compute_on_store)
 
@@ -173,9 +225,11 @@ class StateBuffers:
         if self._in_place(shard):
             views = self._views(shard)
             return views, self.read(shard, views)
-        if not self.free and not self._evict_ahead():
+        buffers = self._free_set(shard)
+        if buffers is None and self._evict_ahead(shard):
+            buffers = self._free_set(shard)
+        if buffers is None:
             return None
-        buffers = self.free.pop()
         return buffers, self.read(shard, buffers)
 
     def read(self, shard: Shard, buffers: StateBufferSet | SlotViews) -> list[Future]:
@@ -206,13 +260,14 @@ class StateBuffers:
                 views = self._views(shard)
                 self.ahead[shard.index] = (views, self.read(shard, views))
                 continue
-            if not self.free:
+            buffers = self._smallest_free(shard)
+            if buffers is None:
                 return
             last = self._last_write.get(shard.index)
             if last is not None and not last.done():
                 # Its previous write-back is still landing; later shards must not take the buffer it will need.
                 return
-            buffers = self.free.pop()
+            self.free.remove(buffers)
             self.timeline.record(f"read_ahead:{shard.index}")
             self.ahead[shard.index] = (buffers, self.read(shard, buffers))
 
@@ -270,10 +325,25 @@ class StateBuffers:
         self.ahead.clear()
         self.nbytes = 0
 
-    def _evict_ahead(self) -> bool:
-        """A ready shard needs a buffer set and none will come back from a write: free the read-ahead expected
-        last. Returns whether one was freed."""
-        pooled = [i for i, (buffers, _) in self.ahead.items() if isinstance(buffers, StateBufferSet)]
+    def _smallest_free(self, shard: Shard) -> StateBufferSet | None:
+        """The smallest free buffer set that holds ``shard``, if any."""
+        need = self._need(shard)
+        fitting = [b for b in self.free if b.holds(need)]
+        return min(fitting, key=lambda b: b.nbytes) if fitting else None
+
+    def _free_set(self, shard: Shard) -> StateBufferSet | None:
+        """Take the smallest free buffer set that holds ``shard``, if any."""
+        buffers = self._smallest_free(shard)
+        if buffers is not None:
+            self.free.remove(buffers)
+        return buffers
+
+    def _evict_ahead(self, shard: Shard) -> bool:
+        """``shard`` is ready and needs a buffer set, and none will come back from a write: free the read-ahead
+        expected last among those whose set holds it. Returns whether one was freed."""
+        need = self._need(shard)
+        pooled = [i for i, (buffers, _) in self.ahead.items()
+                  if isinstance(buffers, StateBufferSet) and buffers.holds(need)]
         if self.writes_pending or not pooled:
             return False
         position = {s.index: i for i, s in enumerate(self._order)}
