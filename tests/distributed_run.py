@@ -22,6 +22,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import OnExceptionCheckpoint
 
 from lightning_ratel import RatelHFExport, RatelPrecision, RatelStrategy
 from lightning_ratel.engine.coordinator import RatelEngine
@@ -208,6 +209,10 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--resume", default=None, help="resume from this checkpoint")
     parser.add_argument("--states", default="auto", help="RatelStrategy's optimizer_states")
     parser.add_argument("--fail", default=None, help="RANK:STEP: raise on that rank at that step")
+    parser.add_argument("--on-exception", default=None,
+                        help="Lightning's OnExceptionCheckpoint writes <this>/on_exception.ckpt when training fails")
+    parser.add_argument("--timeout", type=float, default=60, help="RatelStrategy's timeout of a collective, seconds")
+    parser.add_argument("--fault-timeout", type=float, default=None, help="RatelStrategy's fault_timeout, seconds")
     parser.add_argument("--save-every-step", action="store_true", help="save the checkpoint after every step")
     parser.add_argument("--fail-save", default=None, help="RANK:STEP: that rank fails to write that step's checkpoint")
     parser.add_argument("--pretrained", default=None, help="RatelStrategy's pretrained folder")
@@ -237,13 +242,17 @@ def main(argv: list[str]) -> None:
                                  param_cache="host",
                                  optimizer_states=args.states, checkpoint_format=args.checkpoint_format,
                                  pretrained=args.pretrained, keep_swap_files=args.keep_swap,
-                                 timeout=timedelta(seconds=60))
+                                 timeout=timedelta(seconds=args.timeout),
+                                 **({} if args.fault_timeout is None else
+                                    {"fault_timeout": timedelta(seconds=args.fault_timeout)}))
     measure = _Measure(swap, baseline)
     callbacks: list[L.Callback] = [measure]
     if args.save:
         callbacks.append(_Save(args.save, args.save_every_step))
     if args.export:
         callbacks.append(RatelHFExport(args.export, dtype="fp32"))
+    if args.on_exception:
+        callbacks.append(OnExceptionCheckpoint(args.on_exception))
     if args.fail:
         rank, step = (int(x) for x in args.fail.split(":"))
         callbacks.append(_Raise(rank, step))
@@ -275,6 +284,7 @@ def main(argv: list[str]) -> None:
         validation = dict(val_check_interval=args.validate, limit_val_batches=2, num_sanity_val_steps=1)
     t = trainer(strategy, devices=args.devices, num_nodes=args.num_nodes, max_steps=args.steps,
                 accumulate_grad_batches=args.accumulate, gradient_clip_val=args.clip, callbacks=callbacks,
+                enable_checkpointing=args.on_exception is not None,
                 **precision, **validation)
     t.fit(module, ckpt_path=args.resume)
     if args.export and args.strategy == "ratel":

@@ -575,6 +575,18 @@ class RatelEngine:
         if self.adam is not None:
             self.adam.abort()
 
+    def report_failure(self, error: BaseException) -> None:
+        """Tell the other ranks, if any, that ``error`` stopped training on this one (their collectives stop too)."""
+        if isinstance(self.adam, DataParallelAdam):
+            self.adam.report(error)
+
+    def regroup(self, error: BaseException) -> None:
+        """After ``error`` stopped training, before the ranks save its last committed step together: wait until every
+        rank stopped and give their collectives a new group (:meth:`DataParallelAdam.regroup
+        <lightning_ratel.runtime.collectives.DataParallelAdam.regroup>`); nothing on one rank."""
+        if isinstance(self.adam, DataParallelAdam):
+            self.adam.regroup(error)
+
     def synchronize(self) -> None:
         """Wait for every pending update and write-back."""
         if self.adam is not None:
