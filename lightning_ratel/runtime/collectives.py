@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
