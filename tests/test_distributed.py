@@ -233,6 +233,20 @@ def test_two_nodes_of_two_ranks_each_share_a_host_cache(tmp_path: Path) -> None:
         assert rss > 0 and 2 * pss == rss
 
 
+def test_parameters_unused_on_some_ranks_equal_ddp_finding_unused_parameters(tmp_path: Path) -> None:
+    """A layer that runs on rank 1 only, a parameter beside the embedding used on rank 0 only, one used on no rank:
+    every rank finishes each step on the shards that any rank has a gradient of (a rank without one reduces zeros), and
+    the numbers are those of ``DDPStrategy(find_unused_parameters=True)``, the parameter used nowhere never stepped."""
+    args = ["--model", "branch", *ACCUMULATE_CLIP]
+    _ok(_run(tmp_path / "ddp", "--strategy", "ddp_find_unused_parameters_true", *args))
+    _ok(_run(tmp_path / "ratel", *args))
+    for rank in (0, 1):
+        got = _load(tmp_path / "ratel", rank)
+        _assert_same(_load(tmp_path / "ddp"), got)
+        # Every parameter but the two of `unused` has a state.
+        assert len(got["optimizer"]["state"]) == len(got["params"]) - 2
+
+
 def test_encoder_decoder_equals_ddp(tmp_path: Path) -> None:
     _ok(_run(tmp_path / "ddp", "--strategy", "ddp", "--model", "t5", "--clip", "0.3"))
     _ok(_run(tmp_path / "ratel", "--model", "t5", "--clip", "0.3"))

@@ -798,7 +798,17 @@ class DataParallelAdam:
         :meth:`CpuAdam.finish <lightning_ratel.runtime.optimizer.CpuAdam.finish>` does, over every rank."""
         # The local optimizer's own window (the owned shards the reduces delivered) is part of this one.
         self.local.take_window()
-        return finish_step(self, self.take_window(), plan, unit_order, loss_scale, clip)
+        return finish_step(self, self._agreed_window(), plan, unit_order, loss_scale, clip)
+
+    def _agreed_window(self) -> list[Shard]:
+        """Collective: the shards that received a gradient on any rank since the last step, in forward order. A rank
+        whose forward left a parameter unused has no gradient of it (its share of the reduce is zero, as under
+        ``DistributedDataParallel(find_unused_parameters=True)``); every rank still finishes the step on the same
+        shards, so that they issue the same collectives and publish the same units."""
+        window = {s.index for s in self.take_window()}
+        mask = self._agree(torch.tensor([int(s.index in window) for s in self.shards], dtype=torch.int32),
+                           dist.ReduceOp.MAX)
+        return [s for s, got in zip(self.shards, mask.tolist()) if got]
 
     def discard_window(self) -> None:
         """Drop the gradients received since the last step without updating anything (``zero_grad``)."""
