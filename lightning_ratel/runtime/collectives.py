@@ -708,6 +708,16 @@ class DataParallelAdam:
     def _broadcast(self, tensor: torch.Tensor, src: int, group: Any) -> None:
         self._faults.wait(dist.broadcast(tensor, src=src, group=group, async_op=True))
 
+    @property
+    def control_group(self) -> Any:
+        """The gloo group of the training thread's collectives (a new one after :meth:`regroup`)."""
+        return self._control
+
+    def wait(self, work: Any) -> None:
+        """Wait for ``work``, a collective of gloo's started with ``async_op=True``; raise :class:`RankFailed` as soon
+        as a rank reports a failure (see :class:`Faults`)."""
+        self._faults.wait(work)
+
     def report(self, error: BaseException) -> None:
         """Tell the other ranks that ``error`` stopped training here: their collectives raise
         :class:`RankFailed` naming this rank instead of waiting for it (no collective)."""
