@@ -142,17 +142,27 @@ def _count_reads(fail_save: str | None) -> dict[str, int]:
 
 
 class _Raise(L.Callback):
-    """Raise on one rank at one step (the others must stop too)."""
+    """Raise on one rank at one step (the others must stop too): after its backward, or before its first forward
+    (``early``)."""
 
-    def __init__(self, rank: int, step: int) -> None:
+    def __init__(self, rank: int, step: int, early: bool = False) -> None:
         self.rank = rank
         self.step = step
+        self.early = early
 
-    def on_before_optimizer_step(self, trainer: L.Trainer, module: L.LightningModule, optimizer: Any) -> None:
+    def _fail(self, trainer: L.Trainer) -> None:
         if trainer.global_rank == self.rank and trainer.global_step == self.step:
             if os.environ.get("RATEL_TEST_KILL"):
                 os._exit(9)
             raise RuntimeError(f"rank {self.rank} fails at step {self.step}")
+
+    def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
+        if self.early:
+            self._fail(trainer)
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, module: L.LightningModule, optimizer: Any) -> None:
+        if not self.early:
+            self._fail(trainer)
 
 
 class _NoRoom(L.Callback):
@@ -209,6 +219,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--resume", default=None, help="resume from this checkpoint")
     parser.add_argument("--states", default="auto", help="RatelStrategy's optimizer_states")
     parser.add_argument("--fail", default=None, help="RANK:STEP: raise on that rank at that step")
+    parser.add_argument("--fail-early", action="store_true", help="--fail raises before the step's first forward")
     parser.add_argument("--on-exception", default=None,
                         help="Lightning's OnExceptionCheckpoint writes <this>/on_exception.ckpt when training fails")
     parser.add_argument("--timeout", type=float, default=60, help="RatelStrategy's timeout of a collective, seconds")
@@ -255,7 +266,7 @@ def main(argv: list[str]) -> None:
         callbacks.append(OnExceptionCheckpoint(args.on_exception))
     if args.fail:
         rank, step = (int(x) for x in args.fail.split(":"))
-        callbacks.append(_Raise(rank, step))
+        callbacks.append(_Raise(rank, step, args.fail_early))
     if args.no_room is not None:
         callbacks.append(_NoRoom(args.no_room))
     if args.tight_host is not None:

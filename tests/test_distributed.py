@@ -380,6 +380,16 @@ def test_a_raising_rank_with_on_exception_checkpoint_saves_the_committed_step_on
         _assert_same(_load(tmp_path / "resumed-saved", rank), _load(tmp_path / "resumed-on_exception", rank), tol=0.0)
 
 
+def test_a_rank_raising_before_its_forward_stops_the_others_and_they_save(tmp_path: Path) -> None:
+    """Rank 1 raises before the forward of step 1 while rank 0 broadcasts its module buffers to it there: rank 0 stops
+    with an error naming rank 1 (not at the timeout of 600 s), and ``OnExceptionCheckpoint`` writes step 1."""
+    result = _run(tmp_path / "run", "--fail", "1:1", "--fail-early", "--checkpoint-format", "sharded",
+                  "--on-exception", str(tmp_path), "--timeout", "600", timeout=180)
+    assert result.returncode != 0
+    assert "RankFailed: rank 1 failed (RuntimeError: rank 1 fails at step 1)" in result.stderr, result.stderr[-4000:]
+    assert ShardedReader(tmp_path / "on_exception.ckpt").meta()["global_step"] == 1
+
+
 @pytest.fixture(scope="module")
 def saved_by_two(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Checkpoints written after 2 steps on 2 ranks by ``ddp`` (``ddp.ckpt``) and by RatelStrategy, ordinary
