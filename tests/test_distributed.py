@@ -338,18 +338,22 @@ def test_a_raising_rank_stops_the_others(tmp_path: Path) -> None:
     assert not (tmp_path / "rank0.pt").exists()
 
 
-def test_a_killed_rank_stops_the_others_within_the_fault_timeout(tmp_path: Path) -> None:
-    """Rank 1's process ends at step 2, the on-exception checkpoint's path holding step 2's (saved after every step).
-    Rank 0 (another node: no launcher of Lightning's ends it) fails in its collective, waits at most its
-    ``fault_timeout`` of 5 s for rank 1 to stop (its collectives would wait 600 s), names it, and writes nothing: the
-    checkpoint there stays whole (every checksum verified) and no staging directory is left."""
+@pytest.mark.parametrize("killed", [0, 1])
+def test_a_killed_rank_stops_the_others_within_the_fault_timeout(tmp_path: Path, killed: int) -> None:
+    """One rank's process ends at step 2, the on-exception checkpoint's path holding step 2's (saved after every step).
+    The other (another node: no launcher of Lightning's ends it) fails in its collective, waits at most its
+    ``fault_timeout`` of 5 s for the killed rank to stop (its collectives would wait 600 s), names it, and writes
+    nothing: the checkpoint there stays whole (every checksum verified) and no staging directory is left. Rank 0's
+    process also hosts the process group's store: the other rank finds it gone at once."""
     ckpt = tmp_path / "on_exception.ckpt"
-    (rc0, err0), (rc1, _) = _launch_two_nodes(
-        tmp_path / "run", 1, "--fail", "1:2", "--checkpoint-format", "sharded", "--save", str(ckpt),
+    ended = _launch_two_nodes(
+        tmp_path / "run", 1, "--fail", f"{killed}:2", "--checkpoint-format", "sharded", "--save", str(ckpt),
         "--save-every-step", "--on-exception", str(tmp_path), "--timeout", "600", "--fault-timeout", "5",
         timeout=180, RATEL_TEST_KILL="1")
-    assert rc1 == 9 and rc0 != 0
-    assert "RankFailed: rank 1 did not stop within 0:00:05 after training stopped" in err0, err0[-4000:]
+    (rc, _), (survivor_rc, err) = ended[killed], ended[1 - killed]
+    assert rc == 9 and survivor_rc != 0
+    expected = "rank 0 stopped: its process hosts" if killed == 0 else "rank 1 did not stop within 0:00:05"
+    assert f"RankFailed: {expected}" in err, err[-4000:]
     assert ShardedReader(ckpt).meta()["global_step"] == 2
     sharded_to_lightning(ckpt, tmp_path / "check.ckpt")
     assert not list(tmp_path.glob(".on_exception.ckpt.*"))

@@ -188,12 +188,13 @@ class Faults:
         try:
             self._store.wait(keys, self._ranks.fault_timeout)
         except Exception as err:
+            here = f"rank {self._ranks.rank} stopped on {type(error).__name__}: {error}"
             try:
                 missing = [rank for rank, key in enumerate(keys) if not self._store.check([key])]
                 reported = self.describe(others=True)
-            except Exception:  # noqa: BLE001 - the store itself is gone with rank 0's process
-                missing, reported = [0], ""
-            here = f"rank {self._ranks.rank} stopped on {type(error).__name__}: {error}"
+            except Exception:
+                raise RankFailed(f"rank 0 stopped: its process hosts the process group's store, which rank "
+                                 f"{self._ranks.rank} cannot reach ({here})") from err
             raise RankFailed(f"rank {', '.join(map(str, missing))} did not stop within {self._ranks.fault_timeout} "
                              f"after training stopped: its process ended or it hangs ({here}"
                              f"{'; ' + reported if reported else ''})") from err
