@@ -49,7 +49,7 @@ from lightning_ratel.config import ActivationPolicy, CheckpointFormat, ParamInit
 from lightning_ratel.engine.coordinator import RatelEngine
 from lightning_ratel.engine.materialize import persistent_buffers
 from lightning_ratel.engine.planner import Planner
-from lightning_ratel.errors import RatelConfigError
+from lightning_ratel.errors import RatelConfigError, RatelRankFailed
 from lightning_ratel.io.checkpoint import Restored, choose_checkpoint_format
 from lightning_ratel.io.export import (
     DEFAULT_SHARD_SIZE,
@@ -73,7 +73,7 @@ from lightning_ratel.plan.search import Plan
 from lightning_ratel.precision import RatelPrecision
 from lightning_ratel.preflight import check_host_budget
 from lightning_ratel.report import show_plan
-from lightning_ratel.runtime.collectives import RankFailed, Ranks
+from lightning_ratel.runtime.collectives import Ranks
 from lightning_ratel.runtime.swapfile import prepare_directories
 from lightning_ratel.sizes import format_bytes, format_rate, path_bytes
 from lightning_ratel.tiers import OptimizerStates, ParamCache, Placement
@@ -834,7 +834,7 @@ class RatelStrategy(ParallelStrategy):
             if engine is None:
                 raise
             # Another rank's failure leaves this rank's state readable, but no longer with the others.
-            broken = not isinstance(err, RankFailed) and self._engine_broken(engine, err)
+            broken = not isinstance(err, RatelRankFailed) and self._engine_broken(engine, err)
             if not broken and not interrupted:
                 raise
             self._failure = err

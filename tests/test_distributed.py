@@ -353,7 +353,7 @@ def test_a_killed_rank_stops_the_others_within_the_fault_timeout(tmp_path: Path,
     (rc, _), (survivor_rc, err) = ended[killed], ended[1 - killed]
     assert rc == 9 and survivor_rc != 0
     expected = "rank 0 stopped: its process hosts" if killed == 0 else "rank 1 did not stop within 0:00:05"
-    assert f"RankFailed: {expected}" in err, err[-4000:]
+    assert f"RatelRankFailed: {expected}" in err, err[-4000:]
     assert ShardedReader(ckpt).meta()["global_step"] == 2
     sharded_to_lightning(ckpt, tmp_path / "check.ckpt")
     assert not list(tmp_path.glob(".on_exception.ckpt.*"))
@@ -370,7 +370,7 @@ def test_a_raising_rank_with_on_exception_checkpoint_saves_the_committed_step_on
     result = _run(tmp_path / "failed", "--fail", "1:1", *sharded, "--on-exception", str(tmp_path), "--timeout", "600",
                   timeout=180)
     assert result.returncode != 0
-    assert "RankFailed: rank 1 failed (RuntimeError: rank 1 fails at step 1)" in result.stderr, result.stderr[-4000:]
+    assert "RatelRankFailed: rank 1 failed (RuntimeError: rank 1 fails at step 1)" in result.stderr, result.stderr[-4000:]
     converted = {}
     for name in ("saved", "on_exception"):
         sharded_to_lightning(tmp_path / f"{name}.ckpt", tmp_path / f"{name}.pt")
@@ -390,7 +390,7 @@ def test_a_rank_raising_before_its_forward_stops_the_others_and_they_save(tmp_pa
     result = _run(tmp_path / "run", "--fail", "1:1", "--fail-early", "--checkpoint-format", "sharded",
                   "--on-exception", str(tmp_path), "--timeout", "600", timeout=180)
     assert result.returncode != 0
-    assert "RankFailed: rank 1 failed (RuntimeError: rank 1 fails at step 1)" in result.stderr, result.stderr[-4000:]
+    assert "RatelRankFailed: rank 1 failed (RuntimeError: rank 1 fails at step 1)" in result.stderr, result.stderr[-4000:]
     assert ShardedReader(tmp_path / "on_exception.ckpt").meta()["global_step"] == 1
 
 

@@ -35,7 +35,7 @@ With a shared cache both also have a group of the node's ranks and, with several
 
 A rank that raises never joins the collective the others wait in, and gloo notices only a rank whose process ended: every
 wait of these collectives also watches the process group's store, where a failing rank reports itself (:class:`Faults`),
-and raises :class:`RankFailed` naming it. After a failure the ranks meet there again (:meth:`DataParallelAdam.regroup`),
+and raises :class:`RatelRankFailed` naming it. After a failure the ranks meet there again (:meth:`DataParallelAdam.regroup`),
 so that they can still write the last committed step together (Lightning's ``OnExceptionCheckpoint``), or learn within
 a bounded time that a rank is gone.
 """
@@ -54,6 +54,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_ratel.errors import RatelRankFailed
 from lightning_ratel.runtime.device import DONE
 from lightning_ratel.runtime.hostmem import SharedHostMemory
 from lightning_ratel.runtime.optimizer import CpuAdam, Finished, Outcome, StepPlan, finish_step
@@ -94,10 +95,6 @@ class Ranks:
         return self.world // self.local_world
 
 
-class RankFailed(RuntimeError):
-    """Another rank stopped on an error (or its process ended): raised on the ranks that did not fail themselves."""
-
-
 # How often a collective's wait looks whether another rank reported a failure (only once it has waited that long).
 _POLL = timedelta(milliseconds=200)
 
@@ -107,7 +104,7 @@ class Faults:
     the collectives, hosted by rank 0's process).
 
     A rank that stops on an error reports it (:meth:`report`); every wait of the engine's collectives (:meth:`wait`)
-    raises :class:`RankFailed` naming it within a poll instead of waiting for the collective's timeout. :meth:`assemble`
+    raises :class:`RatelRankFailed` naming it within a poll instead of waiting for the collective's timeout. :meth:`assemble`
     is where the ranks meet after a failure.
 
     Args:
@@ -131,7 +128,7 @@ class Faults:
         self._reported = True
         rank = self._ranks.rank
         try:
-            if not isinstance(error, RankFailed):
+            if not isinstance(error, RatelRankFailed):
                 self._store.set(self._key("failed", rank), f"{type(error).__name__}: {error}")
                 self._store.set(self._key("any"), str(rank))
             self._store.set(self._key("stopped", rank), "1")
@@ -139,14 +136,14 @@ class Faults:
             error.__notes__ = [*getattr(error, "__notes__", []), f"rank {rank} could not report it: {err!r}"]
 
     def check(self) -> None:
-        """Raise :class:`RankFailed` when a rank reported a failure."""
+        """Raise :class:`RatelRankFailed` when a rank reported a failure."""
         try:
             failed = self._store.check([self._key("any")])
         except Exception as err:
-            raise RankFailed(f"rank {self._ranks.rank} cannot reach the process group's store, which rank 0's process "
+            raise RatelRankFailed(f"rank {self._ranks.rank} cannot reach the process group's store, which rank 0's process "
                              f"hosts: rank 0 stopped ({err})") from err
         if failed:
-            raise RankFailed(self.describe() or "another rank failed")
+            raise RatelRankFailed(self.describe() or "another rank failed")
 
     def describe(self, others: bool = False) -> str:
         """The failures reported so far, rank by rank (of the other ranks only, with ``others``)."""
@@ -163,7 +160,7 @@ class Faults:
         """Wait for ``work``, a collective started with ``async_op=True``, or until a rank reports a failure.
 
         Raises:
-            RankFailed: a rank reported a failure (the collective is abandoned: its group must not be used again).
+            RatelRankFailed: a rank reported a failure (the collective is abandoned: its group must not be used again).
         """
         while True:
             try:
@@ -181,7 +178,7 @@ class Faults:
         ``fault_timeout``).
 
         Raises:
-            RankFailed: a rank did not stop in time (its process ended, or it hangs), named.
+            RatelRankFailed: a rank did not stop in time (its process ended, or it hangs), named.
         """
         self.report(error)
         keys = [self._key("stopped", rank) for rank in range(self._ranks.world)]
@@ -193,9 +190,9 @@ class Faults:
                 missing = [rank for rank, key in enumerate(keys) if not self._store.check([key])]
                 reported = self.describe(others=True)
             except Exception:
-                raise RankFailed(f"rank 0 stopped: its process hosts the process group's store, which rank "
+                raise RatelRankFailed(f"rank 0 stopped: its process hosts the process group's store, which rank "
                                  f"{self._ranks.rank} cannot reach ({here})") from err
-            raise RankFailed(f"rank {', '.join(map(str, missing))} did not stop within {self._ranks.fault_timeout} "
+            raise RatelRankFailed(f"rank {', '.join(map(str, missing))} did not stop within {self._ranks.fault_timeout} "
                              f"after training stopped: its process ended or it hangs ({here}"
                              f"{'; ' + reported if reported else ''})") from err
 
@@ -715,13 +712,13 @@ class DataParallelAdam:
         return self._control
 
     def wait(self, work: Any) -> None:
-        """Wait for ``work``, a collective of gloo's started with ``async_op=True``; raise :class:`RankFailed` as soon
+        """Wait for ``work``, a collective of gloo's started with ``async_op=True``; raise :class:`RatelRankFailed` as soon
         as a rank reports a failure (see :class:`Faults`)."""
         self._faults.wait(work)
 
     def report(self, error: BaseException) -> None:
         """Tell the other ranks that ``error`` stopped training here: their collectives raise
-        :class:`RankFailed` naming this rank instead of waiting for it (no collective)."""
+        :class:`RatelRankFailed` naming this rank instead of waiting for it (no collective)."""
         self._faults.report(error)
 
     def regroup(self, error: BaseException) -> None:
@@ -731,7 +728,7 @@ class DataParallelAdam:
         failure; a collective the exchange or the publisher abandoned stays abandoned (they stopped).
 
         Raises:
-            RankFailed: a rank did not stop within ``fault_timeout`` (its process ended, or it hangs), named.
+            RatelRankFailed: a rank did not stop within ``fault_timeout`` (its process ended, or it hangs), named.
         """
         if self._regrouped:
             return
