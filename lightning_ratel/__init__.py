@@ -3,7 +3,13 @@
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_ratel.callbacks import RatelHFExport, RatelProfiler
-from lightning_ratel.errors import RatelConfigError, RatelModelError, RatelPlanError, RatelStoreError
+from lightning_ratel.errors import (
+    RatelConfigError,
+    RatelModelError,
+    RatelPlanError,
+    RatelRankFailed,
+    RatelStoreError,
+)
 from lightning_ratel.plan import Plan
 from lightning_ratel.precision import RatelPrecision
 from lightning_ratel.preflight import Estimate, estimate
@@ -21,6 +27,7 @@ __all__ = [
     "RatelPlanError",
     "RatelPrecision",
     "RatelProfiler",
+    "RatelRankFailed",
     "RatelStoreError",
     "RatelStrategy",
     "estimate",

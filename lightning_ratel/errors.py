@@ -29,3 +29,8 @@ class RatelStoreError(OSError):
     ``errno`` and ``filename`` are those of the failing system call; the message also names the operation, the
     tensor key and the file offset.
     """
+
+
+class RatelRankFailed(RuntimeError):
+    """With several ranks: another rank stopped on an error (named, with its error) or its process ended. Raised on the
+    ranks that did not fail themselves, at their next collective rather than at the process group's timeout."""

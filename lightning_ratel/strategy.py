@@ -10,6 +10,7 @@ import contextlib
 import itertools
 import os
 import shutil
+import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
@@ -48,7 +49,7 @@ from lightning_ratel.config import ActivationPolicy, CheckpointFormat, ParamInit
 from lightning_ratel.engine.coordinator import RatelEngine
 from lightning_ratel.engine.materialize import persistent_buffers
 from lightning_ratel.engine.planner import Planner
-from lightning_ratel.errors import RatelConfigError
+from lightning_ratel.errors import RatelConfigError, RatelRankFailed
 from lightning_ratel.io.checkpoint import Restored, choose_checkpoint_format
 from lightning_ratel.io.export import (
     DEFAULT_SHARD_SIZE,
@@ -140,7 +141,11 @@ class RatelStrategy(ParallelStrategy):
             (``log_every_n_steps``).
         process_group_backend: the torch.distributed backend of several ranks (``None``: NCCL on CUDA, gloo on the
             CPU). The engine's own collectives run on host memory over gloo groups either way.
-        timeout: how long a collective waits for the other ranks before the run fails (a rank that died).
+        timeout: how long a collective waits for the other ranks before the run fails (a rank that hangs).
+        fault_timeout: once a rank stopped on an error (or its process ended), how long the others wait for every rank
+            to stop before they take the missing ones as gone and stop too, without the checkpoint an
+            ``OnExceptionCheckpoint`` would write; the ranks still running first finish the step they are in. A rank
+            that raises is named on every rank within a fraction of a second of the others' next collective.
         start_method: how several ranks are launched, as for Lightning's ``DDPStrategy``: ``"popen"`` runs the script
             again for each rank, ``"spawn"``/``"fork"``/``"forkserver"`` start processes with ``multiprocessing``.
         accelerator: the accelerator; normally set by the Trainer.
@@ -172,6 +177,7 @@ class RatelStrategy(ParallelStrategy):
         log_metrics: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = timedelta(minutes=30),
+        fault_timeout: timedelta = timedelta(minutes=2),
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -183,6 +189,7 @@ class RatelStrategy(ParallelStrategy):
         self._num_nodes = 1
         self._process_group_backend = process_group_backend
         self._timeout = timeout
+        self._fault_timeout = fault_timeout
         self._start_method = start_method
         self.config = RatelConfig(
             ssd_paths=ssd_paths,
@@ -358,7 +365,7 @@ class RatelStrategy(ParallelStrategy):
         if not self.is_distributed:
             return None
         return Ranks(rank=self.global_rank, world=self.world_size, local_world=self.num_processes,
-                     timeout=self._timeout, local_rank=self.local_rank)
+                     timeout=self._timeout, local_rank=self.local_rank, fault_timeout=self._fault_timeout)
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
@@ -813,16 +820,21 @@ class RatelStrategy(ParallelStrategy):
         skips ``teardown`` then, which would leave the swap files and the directory lock behind). The failure is
         remembered: a later save must not fall back to the module's paging placeholders.
         """
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        interrupted = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
         try:
+            if interrupted and self._engine is not None:
+                # An on_exception callback saves while Lightning handles the error that stopped training (the
+                # strategy hears of it only after the callbacks): the ranks meet before they save together.
+                self._engine.regroup(sys.exc_info()[1] or RuntimeError("training stopped"))
             with self._internal():
                 return read()
         except BaseException as err:
             engine = self._engine
             if engine is None:
                 raise
-            broken = self._engine_broken(engine, err)
-            trainer = getattr(self.lightning_module, "_trainer", None)
-            interrupted = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
+            # Another rank's failure leaves this rank's state readable, but no longer with the others.
+            broken = not isinstance(err, RatelRankFailed) and self._engine_broken(engine, err)
             if not broken and not interrupted:
                 raise
             self._failure = err
@@ -873,6 +885,7 @@ class RatelStrategy(ParallelStrategy):
             _explain_out_of_memory(exception, self.config.device_memory_limit)
         if self._engine is not None:
             try:
+                self._engine.report_failure(exception)
                 self._engine.abort_step()
             except Exception as err:
                 # The exception that stopped training matters more; the copy-back at teardown says what it finds.

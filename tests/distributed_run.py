@@ -24,6 +24,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import OnExceptionCheckpoint
 
 from lightning_ratel import RatelHFExport, RatelPrecision, RatelStrategy
 from lightning_ratel.engine import planner
@@ -168,17 +169,27 @@ def _count_reads(fail_save: str | None) -> dict[str, int]:
 
 
 class _Raise(L.Callback):
-    """Raise on one rank at one step (the others must stop too)."""
+    """Raise on one rank at one step (the others must stop too): after its backward, or before its first forward
+    (``early``)."""
 
-    def __init__(self, rank: int, step: int) -> None:
+    def __init__(self, rank: int, step: int, early: bool = False) -> None:
         self.rank = rank
         self.step = step
+        self.early = early
 
-    def on_before_optimizer_step(self, trainer: L.Trainer, module: L.LightningModule, optimizer: Any) -> None:
+    def _fail(self, trainer: L.Trainer) -> None:
         if trainer.global_rank == self.rank and trainer.global_step == self.step:
             if os.environ.get("RATEL_TEST_KILL"):
                 os._exit(9)
             raise RuntimeError(f"rank {self.rank} fails at step {self.step}")
+
+    def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
+        if self.early:
+            self._fail(trainer)
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, module: L.LightningModule, optimizer: Any) -> None:
+        if not self.early:
+            self._fail(trainer)
 
 
 class _NoRoom(L.Callback):
@@ -255,6 +266,11 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--resume", default=None, help="resume from this checkpoint")
     parser.add_argument("--states", default="auto", help="RatelStrategy's optimizer_states")
     parser.add_argument("--fail", default=None, help="RANK:STEP: raise on that rank at that step")
+    parser.add_argument("--fail-early", action="store_true", help="--fail raises before the step's first forward")
+    parser.add_argument("--on-exception", default=None,
+                        help="Lightning's OnExceptionCheckpoint writes <this>/on_exception.ckpt when training fails")
+    parser.add_argument("--timeout", type=float, default=60, help="RatelStrategy's timeout of a collective, seconds")
+    parser.add_argument("--fault-timeout", type=float, default=None, help="RatelStrategy's fault_timeout, seconds")
     parser.add_argument("--save-every-step", action="store_true", help="save the checkpoint after every step")
     parser.add_argument("--fail-save", default=None, help="RANK:STEP: that rank fails to write that step's checkpoint")
     parser.add_argument("--pretrained", default=None, help="RatelStrategy's pretrained folder")
@@ -286,16 +302,20 @@ def main(argv: list[str]) -> None:
                                  param_cache="host",
                                  optimizer_states=args.states, checkpoint_format=args.checkpoint_format,
                                  pretrained=args.pretrained, keep_swap_files=args.keep_swap,
-                                 timeout=timedelta(seconds=60))
+                                 timeout=timedelta(seconds=args.timeout),
+                                 **({} if args.fault_timeout is None else
+                                    {"fault_timeout": timedelta(seconds=args.fault_timeout)}))
     measure = _Measure(swap, baseline, private)
     callbacks: list[L.Callback] = [measure]
     if args.save:
         callbacks.append(_Save(args.save, args.save_every_step))
     if args.export:
         callbacks.append(RatelHFExport(args.export, dtype="fp32"))
+    if args.on_exception:
+        callbacks.append(OnExceptionCheckpoint(args.on_exception))
     if args.fail:
         rank, step = (int(x) for x in args.fail.split(":"))
-        callbacks.append(_Raise(rank, step))
+        callbacks.append(_Raise(rank, step, args.fail_early))
     if args.no_room is not None:
         callbacks.append(_NoRoom(args.no_room))
     if args.tight_host is not None:
@@ -326,6 +346,7 @@ def main(argv: list[str]) -> None:
         validation = dict(val_check_interval=args.validate, limit_val_batches=2, num_sanity_val_steps=1)
     t = trainer(strategy, devices=args.devices, num_nodes=args.num_nodes, max_steps=args.steps,
                 accumulate_grad_batches=args.accumulate, gradient_clip_val=args.clip, callbacks=callbacks,
+                enable_checkpointing=args.on_exception is not None,
                 **precision, **validation)
     t.fit(module, ckpt_path=args.resume)
     if args.export and args.strategy == "ratel":

@@ -82,10 +82,35 @@ class BatchNormMLP(MLP):
         self.layers = nn.ModuleList(_NormedLayer() for _ in range(3))
 
 
+class BranchMLP(MLP):
+    """Parameters that some ranks' forward does not use (as ``DistributedDataParallel(find_unused_parameters=True)``
+    handles): the last of four layers runs on rank 1 only, ``gate`` (beside the embedding and the head) on rank 0
+    only, and ``unused`` on no rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = mlp_layers(4)
+        self.gate = nn.Linear(32, 32)
+        self.unused = nn.Linear(32, 32)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Any:
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        h = self.embed(input_ids)
+        for i, layer in enumerate(self.layers):
+            if i < 3 or rank == 1:
+                h = h + layer(h)
+        if rank == 0:
+            h = h + self.gate(h)
+        logits = self.head(h).float()
+        loss = nn.functional.cross_entropy(logits.view(-1, VOCAB), labels.view(-1))
+        return type("Out", (), {"loss": loss})()
+
+
 MODELS = {"llama": tiny_llama, "llama8": lambda: tiny_llama(8), "llama16": lambda: tiny_llama(16), "gpt2": tiny_gpt2,
           "t5": tiny_t5, "mlp": MLP, "batchnorm": BatchNormMLP,
           # 19.7M parameters, for measuring memory (no test runs it).
-          "llama19m": lambda: tiny_llama(8, hidden=496, heads=8, kv_heads=8)}
+          "llama19m": lambda: tiny_llama(8, hidden=496, heads=8, kv_heads=8),
+          "branch": BranchMLP}
 
 # Every tier at once: a block's activations on disk, one recomputed, the rest in host memory.
 # The first layer of Llama (layers.0), GPT-2 (h.0) and the MLP on disk, the second recomputed (a pattern that places

@@ -217,18 +217,26 @@ def test_fp16_overflow_on_one_rank_drops_the_speculative_updates_of_all(tmp_path
         assert all(entry["step"].item() == 2 for entry in got["optimizer"]["state"].values())
 
 
-def _run_two_nodes(out: Path, devices: int, *args: str, timeout: float) -> None:
+def _launch_two_nodes(out: Path, devices: int, *args: str, timeout: float, **env: str) -> list[tuple[int, str]]:
     """Runs ``tests.distributed_run`` as two nodes of ``devices`` ranks each on localhost, one process per node (as a
-    cluster's launcher starts them), and checks both succeeded."""
+    cluster's launcher starts them, none watching the other); each node's return code and stderr."""
     port = str(_free_port())
     procs = [subprocess.Popen([sys.executable, "-m", "tests.distributed_run", str(out), "--devices", str(devices),
                                "--num-nodes", "2", *args], cwd=ROOT,
-                              env=_env(NODE_RANK=str(node), MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
+                              env=_env(NODE_RANK=str(node), MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **env),
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
              for node in (0, 1)]
+    ended = []
     for proc in procs:
         _, err = proc.communicate(timeout=timeout)
-        assert proc.returncode == 0, err[-4000:]
+        ended.append((proc.returncode, err))
+    return ended
+
+
+def _run_two_nodes(out: Path, devices: int, *args: str, timeout: float) -> None:
+    """:func:`_launch_two_nodes`, checking that both nodes succeeded."""
+    for returncode, err in _launch_two_nodes(out, devices, *args, timeout=timeout):
+        assert returncode == 0, err[-4000:]
 
 
 def test_two_nodes_of_one_device_equal_ddp(tmp_path: Path, ddp_reference: dict) -> None:
@@ -263,6 +271,20 @@ def test_two_nodes_of_two_ranks_each_share_a_host_cache(tmp_path: Path) -> None:
         _assert_same(_load(tmp_path / "ddp"), got, tol=1e-5)
         rss, pss = got["shared_cache"]
         assert rss > 0 and 2 * pss == rss
+
+
+def test_parameters_unused_on_some_ranks_equal_ddp_finding_unused_parameters(tmp_path: Path) -> None:
+    """A layer that runs on rank 1 only, a parameter beside the embedding used on rank 0 only, one used on no rank:
+    every rank finishes each step on the shards that any rank has a gradient of (a rank without one reduces zeros), and
+    the numbers are those of ``DDPStrategy(find_unused_parameters=True)``, the parameter used nowhere never stepped."""
+    args = ["--model", "branch", *ACCUMULATE_CLIP]
+    _ok(_run(tmp_path / "ddp", "--strategy", "ddp_find_unused_parameters_true", *args))
+    _ok(_run(tmp_path / "ratel", *args))
+    for rank in (0, 1):
+        got = _load(tmp_path / "ratel", rank)
+        _assert_same(_load(tmp_path / "ddp"), got)
+        # Every parameter but the two of `unused` has a state.
+        assert len(got["optimizer"]["state"]) == len(got["params"]) - 2
 
 
 def test_encoder_decoder_equals_ddp(tmp_path: Path) -> None:
@@ -362,6 +384,62 @@ def test_a_raising_rank_stops_the_others(tmp_path: Path) -> None:
     assert result.returncode != 0
     assert "rank 1 fails at step 1" in result.stderr
     assert not (tmp_path / "rank0.pt").exists()
+
+
+@pytest.mark.parametrize("killed", [0, 1])
+def test_a_killed_rank_stops_the_others_within_the_fault_timeout(tmp_path: Path, killed: int) -> None:
+    """One rank's process ends at step 2, the on-exception checkpoint's path holding step 2's (saved after every step).
+    The other (another node: no launcher of Lightning's ends it) fails in its collective, waits at most its
+    ``fault_timeout`` of 5 s for the killed rank to stop (its collectives would wait 600 s), names it, and writes
+    nothing: the checkpoint there stays whole (every checksum verified) and no staging directory is left. Rank 0's
+    process also hosts the process group's store: the other rank finds it gone at once."""
+    ckpt = tmp_path / "on_exception.ckpt"
+    ended = _launch_two_nodes(
+        tmp_path / "run", 1, "--fail", f"{killed}:2", "--checkpoint-format", "sharded", "--save", str(ckpt),
+        "--save-every-step", "--on-exception", str(tmp_path), "--timeout", "600", "--fault-timeout", "5",
+        timeout=180, RATEL_TEST_KILL="1")
+    (rc, _), (survivor_rc, err) = ended[killed], ended[1 - killed]
+    assert rc == 9 and survivor_rc != 0
+    expected = "rank 0 stopped: its process hosts" if killed == 0 else "rank 1 did not stop within 0:00:05"
+    assert f"RatelRankFailed: {expected}" in err, err[-4000:]
+    assert ShardedReader(ckpt).meta()["global_step"] == 2
+    sharded_to_lightning(ckpt, tmp_path / "check.ckpt")
+    assert not list(tmp_path.glob(".on_exception.ckpt.*"))
+
+
+def test_a_raising_rank_with_on_exception_checkpoint_saves_the_committed_step_on_every_rank(tmp_path: Path) -> None:
+    """Rank 1 raises at step 1 while rank 0 waits for it in the step's agreement (for up to 600 s): rank 0 stops with
+    an error naming rank 1 and its error, the ranks meet again and Lightning's ``OnExceptionCheckpoint`` writes the
+    last committed step, bit for bit the checkpoint a run that saved at step 1 wrote (each rank's units from its own
+    states). Resumed, both train on alike (Lightning restarts a loader that cannot resume from its first batch either
+    way)."""
+    sharded = ("--checkpoint-format", "sharded")
+    _ok(_run(tmp_path / "run", "--steps", "1", *sharded, "--save", str(tmp_path / "saved.ckpt"), "--save-every-step"))
+    result = _run(tmp_path / "failed", "--fail", "1:1", *sharded, "--on-exception", str(tmp_path), "--timeout", "600",
+                  timeout=180)
+    assert result.returncode != 0
+    assert "RatelRankFailed: rank 1 failed (RuntimeError: rank 1 fails at step 1)" in result.stderr, result.stderr[-4000:]
+    converted = {}
+    for name in ("saved", "on_exception"):
+        sharded_to_lightning(tmp_path / f"{name}.ckpt", tmp_path / f"{name}.pt")
+        converted[name] = torch.load(tmp_path / f"{name}.pt", weights_only=False)
+    assert converted["on_exception"]["global_step"] == converted["saved"]["global_step"] == 1
+    for key in ("state_dict", "optimizer_states"):
+        _assert_identical(converted["on_exception"][key], converted["saved"][key])
+    for name in ("saved", "on_exception"):
+        _ok(_run(tmp_path / f"resumed-{name}", "--steps", "3", "--resume", str(tmp_path / f"{name}.ckpt")))
+    for rank in (0, 1):
+        _assert_same(_load(tmp_path / "resumed-saved", rank), _load(tmp_path / "resumed-on_exception", rank), tol=0.0)
+
+
+def test_a_rank_raising_before_its_forward_stops_the_others_and_they_save(tmp_path: Path) -> None:
+    """Rank 1 raises before the forward of step 1 while rank 0 broadcasts its module buffers to it there: rank 0 stops
+    with an error naming rank 1 (not at the timeout of 600 s), and ``OnExceptionCheckpoint`` writes step 1."""
+    result = _run(tmp_path / "run", "--fail", "1:1", "--fail-early", "--checkpoint-format", "sharded",
+                  "--on-exception", str(tmp_path), "--timeout", "600", timeout=180)
+    assert result.returncode != 0
+    assert "RatelRankFailed: rank 1 failed (RuntimeError: rank 1 fails at step 1)" in result.stderr, result.stderr[-4000:]
+    assert ShardedReader(tmp_path / "on_exception.ckpt").meta()["global_step"] == 1
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_ratel.runtime.collectives import NodeCache, Ranks, SharedCacheUnavailable, _Publisher
+from lightning_ratel.runtime.collectives import Faults, NodeCache, Ranks, SharedCacheUnavailable, _Publisher
 from lightning_ratel.runtime.device import Device
 from lightning_ratel.runtime.units import Shard, Unit
 
@@ -40,7 +40,7 @@ def _worker(rank: int, init: str, scenario: str) -> None:
             return
         node = NodeCache.open(ranks, 1 << 20)
         unit, shard = _unit(node)
-        publisher = _Publisher({0: 0}, rank, None, node)
+        publisher = _Publisher({0: 0}, rank, None, Faults(ranks, "test"), node)
         try:
             # Rank 0 owns the unit: its update writes the shared bytes, rank 1 expects them.
             unit.ready.expect()

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
@@ -295,7 +296,11 @@ class RatelEngine:
                     assert ranks is not None
                     self.adam = DataParallelAdam(cpu_adam, self.layout.shards, owners, ranks, node)
                     self.adam.sync_compute_copies()
-                    self._buffers = BufferBroadcast(module)
+                    # On gloo the training thread's own group, whose waits watch for a failed rank: an abandoned
+                    # broadcast on the default group would stand in the way of Lightning's barrier when saving.
+                    gloo = dist.get_backend() == "gloo"
+                    self._buffers = BufferBroadcast(module, group=self.adam.control_group if gloo else None,
+                                                    wait=self.adam.wait)
                     self._buffers.broadcast()
                 # State the optimizer's constructor made (Adagrad's sums) is made again for each parameter at its
                 # first update; the run's state lives in the store.
@@ -577,6 +582,18 @@ class RatelEngine:
         """An exception stopped the step before it was finished: put every shard back at the last committed step."""
         if self.adam is not None:
             self.adam.abort()
+
+    def report_failure(self, error: BaseException) -> None:
+        """Tell the other ranks, if any, that ``error`` stopped training on this one (their collectives stop too)."""
+        if isinstance(self.adam, DataParallelAdam):
+            self.adam.report(error)
+
+    def regroup(self, error: BaseException) -> None:
+        """After ``error`` stopped training, before the ranks save its last committed step together: wait until every
+        rank stopped and give their collectives a new group (:meth:`DataParallelAdam.regroup
+        <lightning_ratel.runtime.collectives.DataParallelAdam.regroup>`); nothing on one rank."""
+        if isinstance(self.adam, DataParallelAdam):
+            self.adam.regroup(error)
 
     def synchronize(self) -> None:
         """Wait for every pending update and write-back."""

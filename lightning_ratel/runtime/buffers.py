@@ -8,6 +8,7 @@ gradients; :class:`BufferBroadcast` is that broadcast, and the coordinator decid
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,11 +27,15 @@ class BufferBroadcast:
         module: the model.
         group: the process group; ``None``: the default one, whose backend moves tensors where they live (NCCL on
             CUDA), as ``DistributedDataParallel``'s own broadcast does. Only the training thread uses it.
+        wait: waits for a broadcast started asynchronously on a gloo group, watching for a rank that failed and will
+            never join it (:meth:`DataParallelAdam.wait <lightning_ratel.runtime.collectives.DataParallelAdam.wait>`);
+            ``None``, or another backend (whose broadcast the device orders): the broadcast waits as usual.
     """
 
-    def __init__(self, module: nn.Module, group: Any = None) -> None:
+    def __init__(self, module: nn.Module, group: Any = None, wait: Callable[[Any], None] | None = None) -> None:
         self._module = module
         self._group = group
+        self._wait = wait
         self._ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
 
     def broadcast(self) -> None:
@@ -40,11 +45,15 @@ class BufferBroadcast:
             if name not in self._ignore:
                 groups.setdefault((buffer.device, buffer.dtype), []).append(buffer)
         source = dist.get_rank(self._group) == 0
+        wait = self._wait if dist.get_backend(self._group) == "gloo" else None
         with torch.no_grad():
             for buffers in groups.values():
                 flat = torch.cat([b.reshape(-1) for b in buffers])
                 # As bytes: every backend sends uint8, whatever the buffers' dtype (bool, bfloat16, ...).
-                dist.broadcast(flat.view(torch.uint8), src=0, group=self._group)
+                if wait is None:
+                    dist.broadcast(flat.view(torch.uint8), src=0, group=self._group)
+                else:
+                    wait(dist.broadcast(flat.view(torch.uint8), src=0, group=self._group, async_op=True))
                 if source:
                     continue
                 offset = 0

@@ -32,6 +32,12 @@ so collectives of different threads never interleave differently on two ranks. T
 (the agreement, the global norm and overflow, reading another rank's states for a checkpoint) use a third group; they
 happen only where every rank runs the same code at the same point (finishing a step, a checkpoint, the end of fit).
 With a shared cache both also have a group of the node's ranks and, with several nodes, one of a rank per node.
+
+A rank that raises never joins the collective the others wait in, and gloo notices only a rank whose process ended: every
+wait of these collectives also watches the process group's store, where a failing rank reports itself (:class:`Faults`),
+and raises :class:`RatelRankFailed` naming it. After a failure the ranks meet there again (:meth:`DataParallelAdam.regroup`),
+so that they can still write the last committed step together (Lightning's ``OnExceptionCheckpoint``), or learn within
+a bounded time that a rank is gone.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_ratel.errors import RatelRankFailed
 from lightning_ratel.runtime.device import DONE
 from lightning_ratel.runtime.hostmem import SharedHostMemory
 from lightning_ratel.runtime.optimizer import CpuAdam, Finished, Outcome, StepPlan, finish_step
@@ -65,6 +72,8 @@ class Ranks:
         timeout: how long a collective of the engine's waits for the other ranks before it fails.
         local_rank: its place on its node; a node's ranks are consecutive (``rank - local_rank`` is the first), as
             Lightning and torchrun number them.
+        fault_timeout: after a rank stopped on an error, how long the others wait for every rank to stop (the ranks
+            still running finish the collective or step they are in first); a rank not stopped by then is taken as gone.
     """
 
     rank: int
@@ -72,6 +81,7 @@ class Ranks:
     local_world: int = 1
     timeout: timedelta | None = None
     local_rank: int = 0
+    fault_timeout: timedelta = timedelta(minutes=2)
 
     @property
     def node_ranks(self) -> list[int]:
@@ -115,6 +125,108 @@ def gather_outcomes(gather: Callable[[Any], list[Any]], step: Callable[[], Any],
         if not ok:
             raise RuntimeError(f"{failed}: rank {rank} failed ({what})")
     return [what for _, what in outcomes]
+
+
+# How often a collective's wait looks whether another rank reported a failure (only once it has waited that long).
+_POLL = timedelta(milliseconds=200)
+
+
+class Faults:
+    """The ranks' failures, told through the store of the default process group (which every rank reaches apart from
+    the collectives, hosted by rank 0's process).
+
+    A rank that stops on an error reports it (:meth:`report`); every wait of the engine's collectives (:meth:`wait`)
+    raises :class:`RatelRankFailed` naming it within a poll instead of waiting for the collective's timeout. :meth:`assemble`
+    is where the ranks meet after a failure.
+
+    Args:
+        ranks: this rank's place.
+        prefix: the keys' prefix, unique to one engine's groups (a second fit in the process uses others).
+    """
+
+    def __init__(self, ranks: Ranks, prefix: str) -> None:
+        self._ranks = ranks
+        self._prefix = prefix
+        self._store = dist.distributed_c10d._get_default_store()
+        self._reported = False
+
+    def _key(self, what: str, rank: int | None = None) -> str:
+        return f"{self._prefix}/{what}" if rank is None else f"{self._prefix}/{what}/{rank}"
+
+    def report(self, error: BaseException) -> None:
+        """This rank stopped on ``error`` (once; another rank's failure that stopped it is not reported as its own)."""
+        if self._reported:
+            return
+        self._reported = True
+        rank = self._ranks.rank
+        try:
+            if not isinstance(error, RatelRankFailed):
+                self._store.set(self._key("failed", rank), f"{type(error).__name__}: {error}")
+                self._store.set(self._key("any"), str(rank))
+            self._store.set(self._key("stopped", rank), "1")
+        except Exception as err:  # noqa: BLE001 - the store's host (rank 0) is gone: nobody is left to tell
+            error.__notes__ = [*getattr(error, "__notes__", []), f"rank {rank} could not report it: {err!r}"]
+
+    def check(self) -> None:
+        """Raise :class:`RatelRankFailed` when a rank reported a failure."""
+        try:
+            failed = self._store.check([self._key("any")])
+        except Exception as err:
+            raise RatelRankFailed(f"rank {self._ranks.rank} cannot reach the process group's store, which rank 0's process "
+                             f"hosts: rank 0 stopped ({err})") from err
+        if failed:
+            raise RatelRankFailed(self.describe() or "another rank failed")
+
+    def describe(self, others: bool = False) -> str:
+        """The failures reported so far, rank by rank (of the other ranks only, with ``others``)."""
+        failures = []
+        for rank in range(self._ranks.world):
+            key = self._key("failed", rank)
+            if others and rank == self._ranks.rank:
+                continue
+            if self._store.check([key]):
+                failures.append(f"rank {rank} failed ({self._store.get(key).decode()})")
+        return "; ".join(failures)
+
+    def wait(self, work: Any) -> None:
+        """Wait for ``work``, a collective started with ``async_op=True``, or until a rank reports a failure.
+
+        Raises:
+            RatelRankFailed: a rank reported a failure (the collective is abandoned: its group must not be used again).
+        """
+        while True:
+            try:
+                work.wait(timeout=_POLL)
+                return
+            except RuntimeError:
+                if work.is_completed():
+                    # It ended while the poll gave up, or failed (a rank's process ended): its own outcome.
+                    work.wait()
+                    return
+            self.check()
+
+    def assemble(self, error: BaseException) -> None:
+        """After ``error`` stopped this rank: report it and wait until every rank stopped (at most the ranks'
+        ``fault_timeout``).
+
+        Raises:
+            RatelRankFailed: a rank did not stop in time (its process ended, or it hangs), named.
+        """
+        self.report(error)
+        keys = [self._key("stopped", rank) for rank in range(self._ranks.world)]
+        try:
+            self._store.wait(keys, self._ranks.fault_timeout)
+        except Exception as err:
+            here = f"rank {self._ranks.rank} stopped on {type(error).__name__}: {error}"
+            try:
+                missing = [rank for rank, key in enumerate(keys) if not self._store.check([key])]
+                reported = self.describe(others=True)
+            except Exception:
+                raise RatelRankFailed(f"rank 0 stopped: its process hosts the process group's store, which rank "
+                                 f"{self._ranks.rank} cannot reach ({here})") from err
+            raise RatelRankFailed(f"rank {', '.join(map(str, missing))} did not stop within {self._ranks.fault_timeout} "
+                             f"after training stopped: its process ended or it hangs ({here}"
+                             f"{'; ' + reported if reported else ''})") from err
 
 
 class SharedCacheUnavailable(Exception):
@@ -281,13 +393,15 @@ class _GradientExchange:
         ranks: this rank's place.
         group: the process group of its reduces.
         deliver: called on the owner with a shard and its reduced buffer (gradient, then one flag per parameter).
+        faults: where the waits for the reduces learn of a failed rank.
     """
 
     def __init__(self, shards: Sequence[Shard], owner: dict[int, int], ranks: Ranks, group: Any,
-                 deliver: Callable[[Shard, torch.Tensor], None]) -> None:
+                 deliver: Callable[[Shard, torch.Tensor], None], faults: Faults) -> None:
         self._owner = owner
         self._ranks = ranks
         self._group = group
+        self._faults = faults
         self._deliver = deliver
         # Positions that get a gradient from autograd (the others never complete a shard).
         self._expected = {s.index: {i for i, sp in enumerate(s.params) if sp.param.requires_grad} for s in shards}
@@ -401,7 +515,7 @@ class _GradientExchange:
             if not item.work.is_completed():
                 if not block:
                     return
-                item.work.wait()
+                self._faults.wait(item.work)
             self._reducing.popleft()
             if self._owner[item.shard.index] == self._ranks.rank:
                 self._deliver(item.shard, item.buffer)
@@ -427,14 +541,17 @@ class _Publisher:
         owner: each trainable shard's owner rank, by shard index.
         rank: this rank.
         group: the process group of its broadcasts.
+        faults: where the waits for the broadcasts learn of a failed rank.
         node: the host cache this rank shares with its node, if it does (each copy then reaches each node once, see
             :class:`NodeCache`).
     """
 
-    def __init__(self, owner: dict[int, int], rank: int, group: Any, node: NodeCache | None = None) -> None:
+    def __init__(self, owner: dict[int, int], rank: int, group: Any, faults: Faults,
+                 node: NodeCache | None = None) -> None:
         self._owner = owner
         self._rank = rank
         self._group = group
+        self._faults = faults
         self._node = node
         self._jobs: queue.SimpleQueue[_Publish | _Stop] = queue.SimpleQueue()
         self._cond = threading.Condition()
@@ -489,10 +606,12 @@ class _Publisher:
                 # The owner's updates of this step wrote the copies; they were expected when the step was scheduled.
                 unit.ready.wait()
             for shard in shards:
-                dist.broadcast(_wire(_compute_copy(shard)), src=self._owner[shard.index], group=self._group)
+                self._broadcast(_wire(_compute_copy(shard)), self._owner[shard.index], self._group)
                 if self._owner[shard.index] != self._rank:
                     unit.ready.complete()
 
+    def _broadcast(self, tensor: torch.Tensor, src: int, group: Any) -> None:
+        self._faults.wait(dist.broadcast(tensor, src=src, group=group, async_op=True))
 
     def _publish_shared(self, node: NodeCache, unit: Unit, shards: Sequence[Shard]) -> None:
         """One unit's new compute copy into the node's shared cache: written there once, by its writer (a unit's
@@ -507,11 +626,11 @@ class _Publisher:
                     unit.ready.wait()
                 if node.column_publish is not None:
                     for shard in shards:
-                        dist.broadcast(_wire(_compute_copy(shard)), src=owner, group=node.column_publish)
+                        self._broadcast(_wire(_compute_copy(shard)), owner, node.column_publish)
             except BaseException as err:  # noqa: BLE001 - announced to the node, then raised
                 failure = err
         token = torch.tensor([0 if failure is not None else 1])
-        dist.broadcast(token, src=writer, group=node.publish)
+        self._broadcast(token, writer, node.publish)
         if failure is not None:
             raise failure
         if token.item() != 1:
@@ -547,13 +666,15 @@ class DataParallelAdam:
         groups = [dist.new_group(backend="gloo", timeout=ranks.timeout) for _ in range(3)]
         self._groups = groups
         self._control = groups[2]
+        self._faults = Faults(ranks, f"ratel-faults/{groups[2].group_name}")
+        self._regrouped = False
         self.local = make(self.owned)
         # Shards that received a gradient on this rank since the last step (autograd's thread adds, the training
         # thread takes after backward).
         self._window: set[int] = set()
-        self._exchange = _GradientExchange(self.shards, self._owner, ranks, groups[0], self._deliver)
+        self._exchange = _GradientExchange(self.shards, self._owner, ranks, groups[0], self._deliver, self._faults)
         self._node = node
-        self._publisher = _Publisher(self._owner, ranks.rank, groups[1], node)
+        self._publisher = _Publisher(self._owner, ranks.rank, groups[1], self._faults, node)
         # Parameters of every shard in the optimizer's order, for the global norm.
         self._param_count = sum(len(s.params) for s in self.shards)
 
@@ -611,8 +732,43 @@ class DataParallelAdam:
         self._exchange.wait(_Flush)
 
     def _agree(self, value: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
-        dist.all_reduce(value, op=op, group=self._control)
+        self._faults.wait(dist.all_reduce(value, op=op, group=self._control, async_op=True))
         return value
+
+    def _broadcast(self, tensor: torch.Tensor, src: int, group: Any) -> None:
+        self._faults.wait(dist.broadcast(tensor, src=src, group=group, async_op=True))
+
+    @property
+    def control_group(self) -> Any:
+        """The gloo group of the training thread's collectives (a new one after :meth:`regroup`)."""
+        return self._control
+
+    def wait(self, work: Any) -> None:
+        """Wait for ``work``, a collective of gloo's started with ``async_op=True``; raise :class:`RatelRankFailed` as soon
+        as a rank reports a failure (see :class:`Faults`)."""
+        self._faults.wait(work)
+
+    def report(self, error: BaseException) -> None:
+        """Tell the other ranks that ``error`` stopped training here: their collectives raise
+        :class:`RatelRankFailed` naming this rank instead of waiting for it (no collective)."""
+        self._faults.report(error)
+
+    def regroup(self, error: BaseException) -> None:
+        """After ``error`` stopped training on this rank, before the ranks save the last committed step together
+        (Lightning's ``OnExceptionCheckpoint``): report it, wait until every rank stopped, and give the training
+        thread's collectives a new group (the old one may hold a collective that a failed rank never joined). Once per
+        failure; a collective the exchange or the publisher abandoned stays abandoned (they stopped).
+
+        Raises:
+            RatelRankFailed: a rank did not stop within ``fault_timeout`` (its process ended, or it hangs), named.
+        """
+        if self._regrouped:
+            return
+        self._faults.assemble(error)
+        # Made through the store, as every group is: the abandoned collectives do not stand in its way.
+        self._control = dist.new_group(backend="gloo", timeout=self.ranks.timeout)
+        self._groups.append(self._control)
+        self._regrouped = True
 
     def all_agree(self, verdicts: Sequence[bool]) -> list[bool]:
         """Collective: each of ``verdicts`` holds on every rank (a decision each rank takes from what it measures, made
@@ -682,7 +838,17 @@ class DataParallelAdam:
         :meth:`CpuAdam.finish <lightning_ratel.runtime.optimizer.CpuAdam.finish>` does, over every rank."""
         # The local optimizer's own window (the owned shards the reduces delivered) is part of this one.
         self.local.take_window()
-        return finish_step(self, self.take_window(), plan, unit_order, loss_scale, clip)
+        return finish_step(self, self._agreed_window(), plan, unit_order, loss_scale, clip)
+
+    def _agreed_window(self) -> list[Shard]:
+        """Collective: the shards that received a gradient on any rank since the last step, in forward order. A rank
+        whose forward left a parameter unused has no gradient of it (its share of the reduce is zero, as under
+        ``DistributedDataParallel(find_unused_parameters=True)``); every rank still finishes the step on the same
+        shards, so that they issue the same collectives and publish the same units."""
+        window = {s.index for s in self.take_window()}
+        mask = self._agree(torch.tensor([int(s.index in window) for s in self.shards], dtype=torch.int32),
+                           dist.ReduceOp.MAX)
+        return [s for s, got in zip(self.shards, mask.tolist()) if got]
 
     def discard_window(self) -> None:
         """Drop the gradients received since the last step without updating anything (``zero_grad``)."""
@@ -756,12 +922,12 @@ class DataParallelAdam:
         node = self._node
         if node is None:
             for shard in self.shards:
-                dist.broadcast(_wire(_compute_copy(shard)), src=self.owner(shard), group=self._control)
+                self._broadcast(_wire(_compute_copy(shard)), self.owner(shard), self._control)
             return
         if node.column_control is not None:
             for shard in self.shards:
                 if node.writer(self.owner(shard)) == self.ranks.rank:
-                    dist.broadcast(_wire(_compute_copy(shard)), src=self.owner(shard), group=node.column_control)
+                    self._broadcast(_wire(_compute_copy(shard)), self.owner(shard), node.column_control)
         dist.barrier(group=node.control)
 
     def fetch(self, shard: Shard, flat: torch.Tensor, read: Callable[[CpuAdam], tuple[Future | None, Any]]) -> Any:
@@ -771,7 +937,7 @@ class DataParallelAdam:
             future, _ = read(self.local)
             if future is not None:
                 future.result()
-        dist.broadcast(_wire(flat), src=self.owner(shard), group=self._control)
+        self._broadcast(_wire(flat), self.owner(shard), self._control)
         return flat
 
     def gather_objects(self, obj: Any) -> list[Any]:
@@ -792,7 +958,7 @@ class DataParallelAdam:
         if self.owns(shard):
             entry[0] = int(self.local.moments_on_store(shard))
             entry[1:] = torch.tensor(self.local.param_steps(shard), dtype=torch.int64)
-        dist.broadcast(entry, src=self.owner(shard), group=self._control)
+        self._broadcast(entry, self.owner(shard), self._control)
         return [int(s) for s in entry[1:]], bool(entry[0])
 
     def param_steps(self, shard: Shard) -> list[int]:
