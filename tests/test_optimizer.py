@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -256,3 +257,79 @@ def test_updates_that_keep_their_gradients_are_not_waited_for():
     budget.keeping(True)
     budget.wait_for_room(4)
     budget.taken(4)
+
+
+class _CountedJobs:
+    """The optimizer's job queue, recording the kind of every job put."""
+
+    def __init__(self, jobs: Any) -> None:
+        self.jobs = jobs
+        self.names: list[str] = []
+
+    def put(self, job: Any) -> None:
+        self.names.append(type(job).__name__)
+        self.jobs.put(job)
+
+    def get(self) -> Any:
+        return self.jobs.get()
+
+    def empty(self) -> bool:
+        return self.jobs.empty()
+
+
+def test_a_shards_gradients_reach_the_worker_together(tmp_path: Path) -> None:
+    """The worker is woken once per completed shard, not once per parameter: gradients are held until one completes
+    its shard (with every other one held), and those of a shard backward never completes go before the next job of
+    the training thread. The updates equal torch's AdamW either way."""
+    torch.manual_seed(0)
+    store = TensorStore([tmp_path])
+    sizes = [(300, 5, 70), (40, 9)]
+    shards, params = [], []
+    for s, numels in enumerate(sizes):
+        n = sum(numels)
+        offsets = [sum(numels[:i]) for i in range(len(numels))]
+        mine = [nn.Parameter(torch.randn(k)) for k in numels]
+        unit = Unit(s, (), {torch.float32: n}, host={torch.float32: torch.cat([p.detach() for p in mine])})
+        slots = tuple(ShardParam(f"s{s}.p{i}", p, len(params) + i, o, p.numel(), p.shape)
+                      for i, (p, o) in enumerate(zip(mine, offsets)))
+        shard = Shard(s, unit, 0, torch.float32, 0, slots, n)
+        for what in ("master", "exp_avg", "exp_avg_sq"):
+            store.reserve(shard.key(what), n * 4)
+        store.write(shard.key("master"), torch.cat([p.detach() for p in mine])).result()
+        params.extend(mine)
+        shards.append(shard)
+    adam = CpuAdam(shards, store)
+    jobs = _CountedJobs(adam._jobs)
+    adam._jobs = jobs  # type: ignore[assignment]
+    queued = jobs.names
+    reference = [nn.Parameter(p.detach().clone()) for p in params]
+    torch_adamw = torch.optim.AdamW(reference, lr=HYPER.lr, betas=(HYPER.beta1, HYPER.beta2), eps=HYPER.eps,
+                                    weight_decay=HYPER.weight_decay)
+    grads = [torch.randn(p.numel()) for p in params]
+    plan = StepPlan([HYPER], overlap=True)
+    try:
+        adam.begin(plan)
+        adam.barrier()
+        queued.clear()
+        # Shard 0 completes with its third gradient; shard 1 gets one of its two (its other parameter is unused).
+        adam.gradient(shards[0], 2, grads[2], _Landed())
+        adam.gradient(shards[0], 0, grads[0], _Landed())
+        assert queued == []
+        adam.gradient(shards[0], 1, grads[1], _Landed())
+        assert queued == ["_Gradients"]
+        adam.gradient(shards[1], 0, grads[3], _Landed())
+        assert queued == ["_Gradients"]
+        adam.schedule(plan, shards)
+        assert queued == ["_Gradients", "_Gradients", "_Schedule"]
+        adam.barrier(include_writes=True)
+        assert adam.counts["overlapped"] == 1 and adam.counts["deferred"] == 1
+        for p, g in zip(reference, grads):
+            p.grad = g.clone()
+        reference[4].grad = None
+        torch_adamw.step()
+        for shard in shards:
+            for sp in shard.params:
+                assert torch.equal(sp.view(shard.unit.host[torch.float32]), reference[sp.index].detach()), sp.name
+    finally:
+        adam.close()
+        store.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,22 @@ def test_host_store_large_copies_are_split_over_threads(monkeypatch):
     out = torch.empty_like(values)
     store.read("x", out).result()
     assert torch.equal(out, values)
+    store.close()
+
+
+def test_host_store_without_threads_copies_on_the_callers_thread():
+    store = HostStore(threads=0)
+    values = torch.randn(10_000)
+    before = {t.name for t in threading.enumerate()}
+    write = store.write("x", values)
+    # Done on return, and no thread of the store's ever ran.
+    assert write.done() and write.exception() is None
+    out = torch.empty_like(values)
+    read = store.read("x", out)
+    assert read.done() and read.result() is out and torch.equal(out, values)
+    assert {t.name for t in threading.enumerate()} == before
+    assert not any(t.name.startswith("ratel-copy") for t in threading.enumerate())
+    assert store.bytes_copied == 2 * values.numel() * 4
     store.close()
 
 

@@ -95,13 +95,15 @@ def _activation_store(device: Device, config: RatelConfig) -> Callable[[], Tenso
 def rank_threads(is_cuda: bool, local_world: int, cores: int) -> tuple[int, int]:
     """Threads of one rank's CPU optimizer updates and of its host-state copies, out of the ``cores`` it may run on.
 
-    On the CPU the compute's own thread team already fills every core: one each. On a GPU the cores are the CPU
+    On the CPU the compute's own thread team already fills every core: one thread for the updates, and the copies
+    run on it (0: a thread of their own would take a core from the compute too, and wake the optimizer's thread
+    again after every copy). On a GPU the cores are the CPU
     optimizer's, split evenly among the ``local_world`` ranks of the node, so that their updates together run one
     thread per core; the copies of states kept in host memory (memory-bound, run while the update waits for its
     states) get a quarter of a rank's share, at most 4.
     """
     if not is_cuda:
-        return 1, 1
+        return 1, 0
     share = max(1, cores // max(1, local_world))
     return share, max(1, min(4, share // 4))
 

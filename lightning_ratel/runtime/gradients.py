@@ -5,8 +5,8 @@ stream and hands it to the CPU optimizer, whose worker waits for the copy's even
 gradient buffer (and updates the shard once its last gradient is in). The parameter's ``.grad`` is cleared at once, so
 gradients never pile up on the device. The host copy is a buffer of the device's host pool (pinned on CUDA), which
 takes it back once the worker has dropped it: the pinned staging is bounded by the gradients in flight, which the
-optimizer's gradient budget bounds. Parameters outside the optimizer have no consumer for their gradient: it is
-dropped.
+optimizer's gradient budget bounds, and those the optimizer holds until one of them completes its shard. Parameters
+outside the optimizer have no consumer for their gradient: it is dropped.
 
 Threads: the hooks run on autograd's thread.
 """

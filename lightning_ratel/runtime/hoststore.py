@@ -4,8 +4,9 @@ A :class:`HostStore` keeps named extents in host memory with the contract of
 :class:`~lightning_ratel.runtime.storage.TensorStore`: :meth:`~HostStore.write` and :meth:`~HostStore.read` return
 futures, a key never written reads as zeros. Its bytes never leave the process's memory, so it keeps no checksums.
 A copy runs as ``memmove`` calls on the store's threads (the GIL is released during each), cut into pieces so a large
-extent keeps several threads busy; a write of a tensor that *is* the key's memory (:meth:`~HostStore.view`) copies
-nothing, which lets the CPU optimizer update a shard's states in place in the slot it writes.
+extent keeps several threads busy, or on the calling thread for a store without threads of its own; a write of a tensor
+that *is* the key's memory (:meth:`~HostStore.view`) copies nothing, which lets the CPU optimizer update a shard's
+states in place in the slot it writes.
 
 A :class:`TieredStore` is what the rest of the run sees: every key goes to the swap files unless it was placed in
 host memory, and everything that is about the swap files (paths, kept files, their metadata, bytes moved to and from
@@ -43,7 +44,8 @@ class HostStore:
 
     Args:
         name: what the store holds, for messages.
-        threads: threads that copy (1 where the compute already fills every core).
+        threads: threads that copy; 0 copies on the calling thread (where the compute already fills every core, a
+            thread of its own would only take one from the compute, and wake its caller again for every copy).
     """
 
     def __init__(self, name: str = "ratel-states", threads: int = 1) -> None:
@@ -56,8 +58,9 @@ class HostStore:
         self._last: dict[str, concurrent.futures.Future] = {}
         self._arenas: list[torch.Tensor] = []
         self._lock = threading.Lock()
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, threads),
-                                                           thread_name_prefix=f"ratel-copy-{name}")
+        self._pool = (concurrent.futures.ThreadPoolExecutor(max_workers=threads,
+                                                            thread_name_prefix=f"ratel-copy-{name}")
+                      if threads > 0 else None)
         self._threads = max(1, threads)
         self._closed = False
         self.bytes_copied = 0
@@ -164,7 +167,8 @@ class HostStore:
         if self._closed:
             return
         self._closed = True
-        self._pool.shutdown(wait=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
         self._memory.clear()
         self._arenas.clear()
 
@@ -198,6 +202,9 @@ class HostStore:
         starts = range(0, nbytes, step)
         gather = Gather(len(starts), result)
         for start in starts:
+            if self._pool is None:
+                _copy_bytes(dst, src, start, min(step, nbytes - start), gather)
+                continue
             # Each task holds both tensors: the caller may drop its references before the copy runs.
             self._pool.submit(_copy_bytes, dst, src, start, min(step, nbytes - start), gather)
         future = gather.future

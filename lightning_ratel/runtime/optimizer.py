@@ -176,6 +176,13 @@ class _Gradient:
 
 
 @dataclass(frozen=True)
+class _Gradients:
+    """Gradients handed over together, in the order they arrived (see :meth:`CpuAdam.gradient`)."""
+
+    items: tuple[_Gradient, ...]
+
+
+@dataclass(frozen=True)
 class _Begin:
     plan: StepPlan | None
 
@@ -231,7 +238,7 @@ class _Stop:
     pass
 
 
-_Job = _Gradient | _Begin | _Schedule | _Discard | _Gather | _Undo | _Abort | _Assign | _Written | _Barrier | _Stop
+_Job = _Gradients | _Begin | _Schedule | _Discard | _Gather | _Undo | _Abort | _Assign | _Written | _Barrier | _Stop
 
 
 @dataclass(frozen=True)
@@ -281,6 +288,12 @@ class CpuAdam:
         self.budget = GradientBudget(grad_budget_bytes, lambda: self.accumulator.pool.nbytes_in_use)
         self.buffers = StateBuffers(self.shards, store, self.ledger, self.timeline, depth, compute_on_store, generic)
         self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        # Gradients handed over and not queued yet, in arrival order, and the positions each shard has among them:
+        # they are queued together once one completes its shard, or before any other job, so that the worker wakes
+        # (and takes the GIL, and a core from the compute's threads) once per shard rather than once per parameter.
+        self._held: list[_Gradient] = []
+        self._held_positions: dict[int, set[int]] = {}
+        self._held_lock = threading.Lock()
         # Updates waiting for a buffer set, then for their reads and their turn (worker thread).
         self._ready: deque[_Queued] = deque()
         self._inflight: deque[_Queued] = deque()
@@ -339,18 +352,39 @@ class CpuAdam:
     # ------------------------------------------------------------------ autograd thread
 
     def gradient(self, shard: Shard, position: int, grad: torch.Tensor, event: Any) -> None:
-        """Hand over the gradient of ``shard.params[position]``, already on (or travelling to) host memory; waits
-        first while the gradients held exceed the budget (see :class:`~lightning_ratel.runtime.accumulation.
-        GradientBudget`)."""
+        """Hand over the gradient of ``shard.params[position]``, already on (or travelling to) host memory.
+
+        The worker gets it with the other gradients held once this one completes its shard (or before the next job
+        of any other kind); handing them over waits first while the gradients held exceed the budget (see
+        :class:`~lightning_ratel.runtime.accumulation.GradientBudget`)."""
         self._window.add(shard.index)
-        self.budget.wait_for_room(grad.numel() * grad.element_size())
-        self._jobs.put(_Gradient(shard, position, grad, event))
+        with self._held_lock:
+            self._held.append(_Gradient(shard, position, grad, event))
+            positions = self._held_positions.setdefault(shard.index, set())
+            positions.add(position)
+            if len(positions) == len(shard.params):
+                self._queue(None)
+
+    def _put(self, job: _Job) -> None:
+        """Queue ``job`` after the gradients held (any thread but the worker)."""
+        with self._held_lock:
+            self._queue(job)
+
+    def _queue(self, job: _Job | None) -> None:
+        """Queue the gradients held, then ``job`` (under ``_held_lock``)."""
+        if self._held:
+            held, self._held = tuple(self._held), []
+            self._held_positions.clear()
+            self.budget.wait_for_room(sum(g.grad.numel() * g.grad.element_size() for g in held))
+            self._jobs.put(_Gradients(held))
+        if job is not None:
+            self._jobs.put(job)
 
     # ------------------------------------------------------------------ training thread
 
     def begin(self, plan: StepPlan | None) -> None:
         """Start a micro-batch; ``plan`` is set on the boundary micro-batch of an accumulation window."""
-        self._jobs.put(_Begin(plan))
+        self._put(_Begin(plan))
 
     def finish(self, plan: StepPlan, unit_order: Sequence[int], loss_scale: torch.Tensor | None = None,
                clip: tuple[float, str] | None = None) -> Finished:
@@ -386,18 +420,18 @@ class CpuAdam:
         """
         for shard in shards:
             shard.unit.ready.expect()
-        self._jobs.put(_Schedule(plan, tuple(shards)))
+        self._put(_Schedule(plan, tuple(shards)))
 
     def discard(self, shards: Sequence[Shard]) -> None:
         """Drop the gradients ``shards`` hold without updating them (a skipped step), and any states read ahead."""
-        self._jobs.put(_Discard(tuple(shards)))
+        self._put(_Discard(tuple(shards)))
 
     def abort(self) -> None:
         """Abandon the step the training thread has not finished (an exception stopped it): drop its gradients and
         queued updates, and undo the updates that already ran, so every shard is at its committed state again (also
         where the pager reads it). A step already finished still completes and commits. Waits until done."""
         future: Future = Future()
-        self._jobs.put(_Abort(future))
+        self._put(_Abort(future))
         self.barrier()
         future.result()
 
@@ -436,7 +470,7 @@ class CpuAdam:
         whether every gradient of the step is finite, and the gradients ``shards`` kept, in the optimizer's parameter
         order, with their parameters' positions in that order (for a norm over several ranks' shards)."""
         future: Future = Future()
-        self._jobs.put(_Gather(tuple(shards), future))
+        self._put(_Gather(tuple(shards), future))
         return self._wait(future)
 
     def undo_speculation(self, coef: torch.Tensor | None) -> None:
@@ -444,7 +478,7 @@ class CpuAdam:
         then clip its gradients by ``coef`` (or drop them, for ``None``). Waits: until the undo is done the units
         those updates completed still look ready to the pager."""
         future: Future = Future()
-        self._jobs.put(_Undo(coef, future))
+        self._put(_Undo(coef, future))
         self._wait(future)
 
     def unscale_(self, shards: Sequence[Shard], loss_scale: torch.Tensor) -> bool:
@@ -490,7 +524,7 @@ class CpuAdam:
     def barrier(self, include_writes: bool = False) -> None:
         """Wait until all work handed over so far is done (and, optionally, written back); re-raise its error."""
         future: Future = Future()
-        self._jobs.put(_Barrier(future, include_writes))
+        self._put(_Barrier(future, include_writes))
         self._wait(future)
 
     def _wait(self, future: Future) -> Any:
@@ -504,7 +538,7 @@ class CpuAdam:
 
     def close(self) -> None:
         """Stop the worker and free the buffers (whatever still references this object keeps no memory)."""
-        self._jobs.put(_Stop())
+        self._put(_Stop())
         self._worker.join()
         self.buffers.release_memory()
         self._inflight.clear()
@@ -560,7 +594,7 @@ class CpuAdam:
         as a committed step would; moments and step counts stay as they are. Waits until done."""
         self.barrier(include_writes=True)
         future: Future = Future()
-        self._jobs.put(_Assign(shard, master, future))
+        self._put(_Assign(shard, master, future))
         self.barrier()
         future.result()
 
@@ -598,8 +632,9 @@ class CpuAdam:
         self._ready.clear()
 
     def _handle(self, job: _Job) -> None:
-        if isinstance(job, _Gradient):
-            self._take_gradient(job)
+        if isinstance(job, _Gradients):
+            for item in job.items:
+                self._take_gradient(item)
         elif isinstance(job, _Begin):
             self._plan = job.plan
             if job.plan is not None:
