@@ -172,8 +172,8 @@ class Faults:
         try:
             failed = self._store.check([self._key("any")])
         except Exception as err:
-            raise RatelRankFailed(f"rank {self._ranks.rank} cannot reach the process group's store, which rank 0's process "
-                             f"hosts: rank 0 stopped ({err})") from err
+            raise RatelRankFailed(f"rank {self._ranks.rank} cannot reach the process group's store, which rank 0's "
+                                  f"process hosts: rank 0 stopped ({err})") from err
         if failed:
             raise RatelRankFailed(self.describe() or "another rank failed")
 
@@ -224,9 +224,9 @@ class Faults:
             except Exception:
                 raise RatelRankFailed(f"rank 0 stopped: its process hosts the process group's store, which rank "
                                  f"{self._ranks.rank} cannot reach ({here})") from err
-            raise RatelRankFailed(f"rank {', '.join(map(str, missing))} did not stop within {self._ranks.fault_timeout} "
-                             f"after training stopped: its process ended or it hangs ({here}"
-                             f"{'; ' + reported if reported else ''})") from err
+            raise RatelRankFailed(f"rank {', '.join(map(str, missing))} did not stop within "
+                                  f"{self._ranks.fault_timeout} after training stopped: its process ended or it hangs "
+                                  f"({here}{'; ' + reported if reported else ''})") from err
 
 
 class SharedCacheUnavailable(Exception):
