@@ -12,21 +12,24 @@ import os
 import socket
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
 from lightning_ratel.engine.coordinator import rank_threads
+from lightning_ratel.errors import RatelRankFailed
 from lightning_ratel.io.convert import main as convert_main
 from lightning_ratel.io.convert import sharded_to_lightning
 from lightning_ratel.io.sharded import ShardedReader, unit_writers
 from lightning_ratel.plan import Plan, predict
 from lightning_ratel.plan.owners import UnitCost, assign_owners, imbalance
-from lightning_ratel.runtime.collectives import gather_outcomes
+from lightning_ratel.runtime.collectives import Faults, Ranks, gather_outcomes
 from tests.distributed_run import node_speeds
 from tests.models import LM, max_rel_err
 
@@ -130,6 +133,28 @@ def test_gathered_outcomes_raise_mine_or_name_the_failed_rank() -> None:
     with pytest.raises(OSError, match="disk gone"):
         gather_outcomes(lambda mine: sent.append(mine) or [(True, "a"), mine, (True, "c")], fail, "unused")
     assert sent == [(False, "OSError: disk gone")]
+
+
+def test_failures_the_ranks_met_over_do_not_stop_the_save_that_follows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two ranks' fault watchers on one store: rank 1's failure stops rank 0's collectives until both met
+    (``assemble``); the collectives they then run together (the save) watch only for a new failure, while the
+    threads that stopped on the first keep seeing it."""
+    store = dist.HashStore()
+    monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", lambda: store)
+    first = [Faults(Ranks(rank=r, world=2, fault_timeout=timedelta(seconds=5)), "test") for r in (0, 1)]
+    first[0].check()
+    first[1].report(RuntimeError("rank 1 fails"))
+    with pytest.raises(RatelRankFailed, match=r"rank 1 failed \(RuntimeError: rank 1 fails\)"):
+        first[0].check()
+    for faults, error in zip(first, (RatelRankFailed("rank 1 failed"), RuntimeError("rank 1 fails"))):
+        faults.assemble(error)
+    later = [faults.after_meeting() for faults in first]
+    later[0].check()
+    with pytest.raises(RatelRankFailed):
+        first[0].check()
+    later[1].report(OSError("disk full"))
+    with pytest.raises(RatelRankFailed, match=r"rank 1 failed \(OSError: disk full\)"):
+        later[0].check()
 
 
 @pytest.mark.parametrize("cores", [1, 2, 16, 64, 96])

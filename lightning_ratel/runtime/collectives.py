@@ -142,16 +142,21 @@ class Faults:
     Args:
         ranks: this rank's place.
         prefix: the keys' prefix, unique to one engine's groups (a second fit in the process uses others).
+        generation: the meetings after a failure so far (see :meth:`after_meeting`).
     """
 
-    def __init__(self, ranks: Ranks, prefix: str) -> None:
+    def __init__(self, ranks: Ranks, prefix: str, generation: int = 0) -> None:
         self._ranks = ranks
         self._prefix = prefix
         self._store = dist.distributed_c10d._get_default_store()
         self._reported = False
+        # How many times the ranks met after a failure (:meth:`after_meeting`): each meeting's failures have keys of
+        # their own.
+        self._generation = generation
 
     def _key(self, what: str, rank: int | None = None) -> str:
-        return f"{self._prefix}/{what}" if rank is None else f"{self._prefix}/{what}/{rank}"
+        base = f"{self._prefix}/{self._generation}/{what}"
+        return base if rank is None else f"{base}/{rank}"
 
     def report(self, error: BaseException) -> None:
         """This rank stopped on ``error`` (once; another rank's failure that stopped it is not reported as its own)."""
@@ -227,6 +232,13 @@ class Faults:
             raise RatelRankFailed(f"rank {', '.join(map(str, missing))} did not stop within "
                                   f"{self._ranks.fault_timeout} after training stopped: its process ended or it hangs "
                                   f"({here}{'; ' + reported if reported else ''})") from err
+
+
+    def after_meeting(self) -> Faults:
+        """Once every rank stopped and met (:meth:`assemble`): a view for the collectives they then run together (the
+        save of the last committed step), which the failures behind them no longer stop; it watches for new ones. The
+        threads that stopped on those failures keep this one."""
+        return Faults(self._ranks, self._prefix, self._generation + 1)
 
 
 class SharedCacheUnavailable(Exception):
@@ -765,6 +777,9 @@ class DataParallelAdam:
         if self._regrouped:
             return
         self._faults.assemble(error)
+        # The save's collectives must not stop on the failure every rank has met over (the exchange and the publisher
+        # keep watching it: they stopped on it).
+        self._faults = self._faults.after_meeting()
         # Made through the store, as every group is: the abandoned collectives do not stand in its way.
         self._control = dist.new_group(backend="gloo", timeout=self.ranks.timeout)
         self._groups.append(self._control)
