@@ -237,8 +237,11 @@ class Faults:
     def after_meeting(self) -> Faults:
         """Once every rank stopped and met (:meth:`assemble`): a view for the collectives they then run together (the
         save of the last committed step), which the failures behind them no longer stop; it watches for new ones. The
-        threads that stopped on those failures keep this one."""
-        return Faults(self._ranks, self._prefix, self._generation + 1)
+        threads that stopped on those failures keep this one. This rank's own failure was reported and met over:
+        Lightning's ``on_exception``, which comes after the callbacks' save, must not report it again as a new one."""
+        later = Faults(self._ranks, self._prefix, self._generation + 1)
+        later._reported = self._reported
+        return later
 
 
 class SharedCacheUnavailable(Exception):
