@@ -210,6 +210,10 @@ class Faults:
                     return
             self.check()
 
+    def broadcast(self, tensor: torch.Tensor, src: int, group: Any) -> None:
+        """Collective: ``src``'s ``tensor`` on every rank of ``group`` (gloo), waited for as :meth:`wait` does."""
+        self.wait(dist.broadcast(tensor, src=src, group=group, async_op=True))
+
     def assemble(self, error: BaseException) -> None:
         """After ``error`` stopped this rank: report it and wait until every rank stopped (at most the ranks'
         ``fault_timeout``).
@@ -228,11 +232,10 @@ class Faults:
                 reported = self.describe(others=True)
             except Exception:
                 raise RatelRankFailed(f"rank 0 stopped: its process hosts the process group's store, which rank "
-                                 f"{self._ranks.rank} cannot reach ({here})") from err
+                                      f"{self._ranks.rank} cannot reach ({here})") from err
             raise RatelRankFailed(f"rank {', '.join(map(str, missing))} did not stop within "
                                   f"{self._ranks.fault_timeout} after training stopped: its process ended or it hangs "
                                   f"({here}{'; ' + reported if reported else ''})") from err
-
 
     def after_meeting(self) -> Faults:
         """Once every rank stopped and met (:meth:`assemble`): a view for the collectives they then run together (the
@@ -621,12 +624,9 @@ class _Publisher:
                 # The owner's updates of this step wrote the copies; they were expected when the step was scheduled.
                 unit.ready.wait()
             for shard in shards:
-                self._broadcast(_wire(_compute_copy(shard)), self._owner[shard.index], self._group)
+                self._faults.broadcast(_wire(_compute_copy(shard)), self._owner[shard.index], self._group)
                 if self._owner[shard.index] != self._rank:
                     unit.ready.complete()
-
-    def _broadcast(self, tensor: torch.Tensor, src: int, group: Any) -> None:
-        self._faults.wait(dist.broadcast(tensor, src=src, group=group, async_op=True))
 
     def _publish_shared(self, node: NodeCache, unit: Unit, shards: Sequence[Shard]) -> None:
         """One unit's new compute copy into the node's shared cache: written there once, by its writer (a unit's
@@ -641,11 +641,11 @@ class _Publisher:
                     unit.ready.wait()
                 if node.column_publish is not None:
                     for shard in shards:
-                        self._broadcast(_wire(_compute_copy(shard)), owner, node.column_publish)
+                        self._faults.broadcast(_wire(_compute_copy(shard)), owner, node.column_publish)
             except BaseException as err:  # noqa: BLE001 - announced to the node, then raised
                 failure = err
         token = torch.tensor([0 if failure is not None else 1])
-        self._broadcast(token, writer, node.publish)
+        self._faults.broadcast(token, writer, node.publish)
         if failure is not None:
             raise failure
         if token.item() != 1:
@@ -750,9 +750,6 @@ class DataParallelAdam:
         self._faults.wait(dist.all_reduce(value, op=op, group=self._control, async_op=True))
         return value
 
-    def _broadcast(self, tensor: torch.Tensor, src: int, group: Any) -> None:
-        self._faults.wait(dist.broadcast(tensor, src=src, group=group, async_op=True))
-
     @property
     def control_group(self) -> Any:
         """The gloo group of the training thread's collectives (a new one after :meth:`regroup`)."""
@@ -794,12 +791,16 @@ class DataParallelAdam:
         agreed = self._agree(torch.tensor([int(v) for v in verdicts], dtype=torch.int64), dist.ReduceOp.MIN)
         return [bool(v) for v in agreed.tolist()]
 
+    def _all_finite(self, finite: bool) -> bool:
+        """Collective: whether every rank's gradients are finite, given whether this rank's are."""
+        return self._agree(torch.tensor([0 if finite else 1]), dist.ReduceOp.MAX).item() == 0
+
     def unscale_(self, shards: Sequence[Shard], loss_scale: torch.Tensor) -> bool:
         """Unscale the owned gradients; whether every rank's are finite (the step is skipped everywhere if not)."""
         self._flush()
         mine = self._mine(shards)
         finite = self.local.unscale_(mine, loss_scale) if mine else True
-        return bool(self._agree(torch.tensor([0 if finite else 1]), dist.ReduceOp.MAX).item() == 0)
+        return self._all_finite(finite)
 
     def clip_(self, shards: Sequence[Shard], value: float, algorithm: str) -> bool:
         """Clip as ``torch.nn.utils.clip_grad_norm_`` over the gradients of all ranks (each rank's norms of its owned
@@ -839,7 +840,7 @@ class DataParallelAdam:
         the same outcome, and each undoes its owned updates where the guess missed."""
         self._flush()
         finite, grads, indices = self.local.kept_gradients(self._mine(shards))
-        if self._agree(torch.tensor([0 if finite else 1]), dist.ReduceOp.MAX).item() != 0:
+        if not self._all_finite(finite):
             self.local.undo_speculation(None)
             return "skip"
         if max_norm is None:
@@ -940,12 +941,12 @@ class DataParallelAdam:
         node = self._node
         if node is None:
             for shard in self.shards:
-                self._broadcast(_wire(_compute_copy(shard)), self.owner(shard), self._control)
+                self._faults.broadcast(_wire(_compute_copy(shard)), self.owner(shard), self._control)
             return
         if node.column_control is not None:
             for shard in self.shards:
                 if node.writer(self.owner(shard)) == self.ranks.rank:
-                    self._broadcast(_wire(_compute_copy(shard)), self.owner(shard), node.column_control)
+                    self._faults.broadcast(_wire(_compute_copy(shard)), self.owner(shard), node.column_control)
         dist.barrier(group=node.control)
 
     def fetch(self, shard: Shard, flat: torch.Tensor, read: Callable[[CpuAdam], tuple[Future | None, Any]]) -> Any:
@@ -955,7 +956,7 @@ class DataParallelAdam:
             future, _ = read(self.local)
             if future is not None:
                 future.result()
-        self._broadcast(_wire(flat), self.owner(shard), self._control)
+        self._faults.broadcast(_wire(flat), self.owner(shard), self._control)
         return flat
 
     def gather_objects(self, obj: Any) -> list[Any]:
@@ -976,7 +977,7 @@ class DataParallelAdam:
         if self.owns(shard):
             entry[0] = int(self.local.moments_on_store(shard))
             entry[1:] = torch.tensor(self.local.param_steps(shard), dtype=torch.int64)
-        self._broadcast(entry, self.owner(shard), self._control)
+        self._faults.broadcast(entry, self.owner(shard), self._control)
         return [int(s) for s in entry[1:]], bool(entry[0])
 
     def param_steps(self, shard: Shard) -> list[int]:
