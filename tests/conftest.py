@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from lightning_ratel.runtime import recompute
 from lightning_ratel.runtime.probe import CACHE_ENV
 from lightning_ratel.runtime.simulation import SIMULATE_STREAMS_ENV, take_simulation_errors
 
@@ -36,6 +37,22 @@ def pytest_configure(config: pytest.Config) -> None:
 def simulated_streams(monkeypatch: pytest.MonkeyPatch) -> None:
     """Devices created in this test simulate CUDA streams."""
     monkeypatch.setenv(SIMULATE_STREAMS_ENV, "1")
+
+
+@pytest.fixture
+def replays(monkeypatch: pytest.MonkeyPatch) -> list[recompute.ForwardRecord]:
+    """Every record replayed in this test, with the ops its replay executed as ``record.executed``."""
+    seen: list[recompute.ForwardRecord] = []
+    original = recompute.ForwardRecord.replay
+
+    def replay(self, unpack, restore):
+        if self.outputs is None:
+            seen.append(self)
+            self.executed = {self.ops[k].name for k in self.needed()[0]}
+        original(self, unpack, restore)
+
+    monkeypatch.setattr(recompute.ForwardRecord, "replay", replay)
+    return seen
 
 
 @pytest.fixture(autouse=True)

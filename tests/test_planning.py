@@ -145,24 +145,15 @@ def test_mixed_op_level_plan_from_file_matches(tmp_path, auto_run, model, precis
     assert _profiler(t).plan is None
 
 
-def test_partial_recompute_runs_only_what_was_discarded(tmp_path, auto_run, monkeypatch):
+def test_partial_recompute_runs_only_what_was_discarded(tmp_path, auto_run, replays):
     plan = _profiler(auto_run[0]).plan
     placement = {k: ("recompute" if k.endswith("mlp.act_fn:silu") else "host") for k in plan.activation_placement}
-    runs: list[tuple[int, int]] = []
-    original = recompute.ForwardRecord.replay
-
-    def counting(self, unpack, restore):
-        fresh = self.outputs is None
-        original(self, unpack, restore)
-        if fresh:
-            runs.append((len(self.needed()[0]), len(self.ops)))
-
-    monkeypatch.setattr(recompute.ForwardRecord, "replay", counting)
     module = LM("llama")
     t = trainer(RatelStrategy(ssd_paths=[str(tmp_path)], plan=dataclasses.replace(plan, activation_placement=placement)))
     t.fit(module)
     _close(_plain(), final_state(module, t))
     # One replay per layer per step, each running only the SiLU (its input, the gate projection, was stored).
+    runs = [(len(record.executed), len(record.ops)) for record in replays]
     assert len(runs) == 3 * 4
     assert all(executed == 1 and total > 40 for executed, total in runs)
 
@@ -172,26 +163,18 @@ _VIEWS = {"view", "_unsafe_view", "t", "transpose", "unsqueeze", "expand", "slic
 
 @pytest.mark.parametrize("kept, recomputed", [("device", ("input_layernorm:mul#1", "self_attn:add")),
                                                ("host", ("self_attn.o_proj", "mlp:mul"))])
-def test_a_replay_runs_the_ops_the_cost_model_charges(tmp_path, auto_run, monkeypatch, kept, recomputed):
+def test_a_replay_runs_the_ops_the_cost_model_charges(tmp_path, auto_run, replays, kept, recomputed):
     """The ops a replay executes are those :func:`recompute_ops` charges for the placement: what the plan keeps, on
     the device as much as in host memory, is handed back, never recomputed. The model may charge a view more (the
     profile counts saved bytes at the op that made the memory, the replay hands back the view it saved)."""
     plan = _profiler(auto_run[0]).plan
     placement = {key: "recompute" if key.rsplit("/", 1)[1].startswith(recomputed) else kept
                  for key in plan.activation_placement}
-    executed: dict[str, set[str]] = {}
-    original = recompute.ForwardRecord.replay
-
-    def replay(self, unpack, restore):
-        if self.outputs is None:
-            executed[self.name] = {self.ops[k].name for k in self.needed()[0]}
-        original(self, unpack, restore)
-
-    monkeypatch.setattr(recompute.ForwardRecord, "replay", replay)
     module = LM("llama")
     t = trainer(RatelStrategy(ssd_paths=[str(tmp_path)], plan=dataclasses.replace(plan, activation_placement=placement)))
     t.fit(module)
     _close(_plain(), final_state(module, t))
+    executed = {record.name: record.executed for record in replays}
     charged = {layer.name: recompute_ops(layer, placement) for layer in plan.layers}
     assert sum(len(ops) for ops in charged.values()) > 0
     assert executed.keys() == {name for name, ops in charged.items() if ops}

@@ -355,22 +355,6 @@ def _op_plan(placement: dict[str, str], prefix: str = "model.layers") -> Plan:
                 resource_times={}, memory={}, budgets={}, curve=[], chosen=0)
 
 
-@pytest.fixture
-def replays(monkeypatch) -> list[recompute.ForwardRecord]:
-    """Every record replayed, with the ops its replay executed as ``record.executed``."""
-    seen: list[recompute.ForwardRecord] = []
-    original = recompute.ForwardRecord.replay
-
-    def replay(self, unpack, restore):
-        if self.outputs is None:
-            seen.append(self)
-            self.executed = {self.ops[k].name for k in self.needed()[0]}
-        original(self, unpack, restore)
-
-    monkeypatch.setattr(recompute.ForwardRecord, "replay", replay)
-    return seen
-
-
 @pytest.mark.parametrize("how", ["whole_block", "only_the_clone"])
 def test_value_autograd_cloned_before_an_inplace_write_is_recomputed(tmp_path, replays, how):
     """Autograd's clone of ``x`` before ``x.div_`` is part of the replay, and recomputing its output gives ``x``
