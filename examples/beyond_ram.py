@@ -6,14 +6,16 @@ gradient). The default model here has 3.37B parameters, 53.9 GB of model states,
 - the model is built on the meta device, so it never exists in host memory as a whole; RatelStrategy initializes it
   one block at a time (`param_init_fn`, here the model's own Llama initialization) and writes each block's fp32
   masters straight to the swap files;
-- `param_cache="ssd"`: the compute copies are read from the swap files whenever a block runs (in fp32 training the
-  fp32 master is the compute copy, so this costs no extra disk), instead of being cached in host memory;
+- `param_cache="ssd"`: the compute copies are read from the swap files whenever a block runs, instead of being
+  cached in host memory (in fp32 training the fp32 master is the compute copy: the backward's page-in and the CPU
+  AdamW's read of it share one read of the disk);
 - gradients go into a few pooled shard buffers that the CPU AdamW gives back after each block's update, while
   backward still runs;
 - the optimizer states (fp32 master and moments, in two slots) of the first blocks stay in host memory as far as
   three quarters of the available memory hold them besides the run's buffers (`optimizer_states="auto"`), the rest in
-  the swap files; the summary compares each step's swap-file traffic with what those states need and says how busy
-  the disk was;
+  the swap files (`--optimizer-states ssd`, or a `--host-memory-limit`, keeps a smaller model's states there too); the
+  summary compares each step's swap-file traffic with the least the plan needs (the states read and written once,
+  the compute copies read for forward and for backward unless shared) and says how busy the disk was;
 - `activation_policy="recompute"`: only each block's input is kept between forward and backward;
 - no checkpoint is written (it would gather 12 bytes per parameter in host memory), and the trained parameters are
   not copied back into the module at the end (RatelStrategy warns and leaves NaN placeholders).
@@ -108,10 +110,15 @@ class StepReport(L.Callback):
         self._io = (0, 0)
         self.disk_bytes = 0
         self.planned: dict[str, int] = {}
+        self.states: dict[str, int] = {}
+        # The swap store's counters (read, written, shared) at the start of each step: a step's write-backs land
+        # during the next one, so a step is measured from its start to the next one's.
+        self.marks: list[tuple[int, int, int]] = []
         self.busy: list[float] = []
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.planned = trainer.strategy.state_traffic()
+        self.planned = trainer.strategy.step_traffic()
+        self.states = trainer.strategy.state_traffic()
 
     def _store_io(self, trainer: L.Trainer) -> tuple[int, int]:
         io = trainer.strategy.io_bytes()
@@ -120,6 +127,8 @@ class StepReport(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         self._started = time.perf_counter()
         self._io = self._store_io(trainer)
+        io = trainer.strategy.io_bytes()
+        self.marks.append((io["read"], io["written"], io["shared"]))
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any) -> None:
         loss = float(outputs["loss"])
@@ -196,6 +205,11 @@ def main() -> None:
     parser.add_argument("--activation-policy", default="recompute", choices=["keep", "host", "ssd", "recompute"],
                         help="where saved activations go (RatelStrategy's activation_policy)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the initialization, which happens during fit")
+    parser.add_argument("--optimizer-states", default="auto", choices=["auto", "host", "ssd"],
+                        help="where the fp32 masters and moments live (RatelStrategy's optimizer_states)")
+    parser.add_argument("--host-memory-limit", default=None,
+                        help="host memory the plan may use, such as 4GiB (RatelStrategy's host_memory_limit); "
+                             "a smaller model then still keeps part of its states in the swap files")
     args = parser.parse_args()
     L.seed_everything(args.seed)
 
@@ -222,6 +236,8 @@ def main() -> None:
         ssd_paths=[str(args.swap_dir)],
         activation_policy=args.activation_policy,
         param_cache="ssd",
+        optimizer_states=args.optimizer_states,
+        host_memory_limit=args.host_memory_limit,
         param_init_fn=module.model._init_weights,
     )
     report = StepReport()
@@ -254,14 +270,22 @@ def main() -> None:
     print(f"peak RSS: {peak_rusage / GIB:.2f} GiB (getrusage), {watch.peak / GIB:.2f} GiB (sampled VmRSS)")
     print(f"wall time per step: first {report.rows[0]['seconds']:.1f} s, then {sum(steady) / len(steady):.1f} s "
           f"on average; {total:.0f} s for the whole run including setup")
-    if report.planned and len(report.rows) > 1:
-        # The first step also writes what setup laid out and has no moments to read yet.
-        read = sum(row["read"] for row in report.rows[1:]) / (len(report.rows) - 1)
-        written = sum(row["written"] for row in report.rows[1:]) / (len(report.rows) - 1)
+    if report.planned and len(report.marks) > 2:
+        # Between the starts of steps, after the first two and up to the last: the first step has no moments to read
+        # yet, and its updates run after its backward, so more of its write-backs land in the second step than a
+        # later step's do in the next; the last one's land after it.
+        skip = 2 if len(report.marks) > 3 else 1
+        first, last = report.marks[skip], report.marks[-1]
+        steps = len(report.marks) - 1 - skip
+        read, written, shared = ((b - a) / steps for a, b in zip(first, last))
         print(f"swap-file traffic per step after the first: read {read / GIB:.2f} GiB, written {written / GIB:.2f} "
-              f"GiB; the model states alone need read {report.planned['read'] / GIB:.2f} GiB, written "
-              f"{report.planned['written'] / GIB:.2f} GiB (the compute copies' reads for forward and backward, "
-              "and activations on the SSD, come on top)")
+              f"GiB, and {shared / GIB:.2f} GiB copied from another read's memory instead of read again; the plan's "
+              f"minimum: read {report.planned['read'] / GIB:.2f} GiB, written {report.planned['written'] / GIB:.2f} "
+              f"GiB (read {read / max(report.planned['read'], 1):.2f}x, written "
+              f"{written / max(report.planned['written'], 1):.2f}x that): the model states read and written once "
+              f"({report.states['read'] / GIB:.2f} GiB, {report.states['written'] / GIB:.2f} GiB) and the compute "
+              "copies read for forward and for backward, the fp32 masters' backward read shared with the optimizer's "
+              "(activations on the SSD come on top)")
     if len(report.busy) > 1:
         busy = report.busy[1:]
         print(f"disk busy: {100 * sum(busy) / len(busy):.0f}% of each step's wall time on average after the first "

@@ -612,9 +612,12 @@ class RatelStrategy(ParallelStrategy):
     def io_bytes(self) -> dict[str, int]:
         """Bytes the swap files have read (``"read"``) and written (``"written"``) since the run started: the
         model states' traffic, activations swapped to the SSDs not included (they are in the loggers' ``ratel/disk_*``
-        figures). Empty outside a run."""
+        figures); and the bytes reads took from another read's memory instead of the drives (``"shared"``: a page-in
+        and the optimizer reading the same fp32 master). Empty outside a run."""
         store = self._engine.store if self._engine is not None else None
-        return {"read": store.bytes_read, "written": store.bytes_written} if store is not None else {}
+        if store is None:
+            return {}
+        return {"read": store.bytes_read, "written": store.bytes_written, "shared": store.bytes_shared}
 
     def state_traffic(self) -> dict[str, int]:
         """Bytes each optimizer step must read (``"read"``) and write (``"written"``) in the swap files for the model
@@ -622,6 +625,14 @@ class RatelStrategy(ParallelStrategy):
         them from there. Compare with :meth:`io_bytes` per step. Empty outside a fit."""
         planner = self.planner
         return planner.state_traffic() if planner is not None and self._engine.adam is not None else {}
+
+    def step_traffic(self) -> dict[str, int]:
+        """The least each optimizer step must read (``"read"``) and write (``"written"``) in the swap files: the model
+        states' traffic (:meth:`state_traffic`) and the page-ins of compute copies read from there, once for forward
+        and once for backward unless the optimizer's read of the same fp32 master serves the backward's. Compare with
+        :meth:`io_bytes` per step. Empty outside a fit."""
+        planner = self.planner
+        return planner.step_traffic() if planner is not None and self._engine.adam is not None else {}
 
     def state_placement(self) -> dict[str, int]:
         """Bytes of the optimizer states this process holds (fp32 masters and moments, both slots) by tier: ``"host"``

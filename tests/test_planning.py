@@ -17,7 +17,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning_ratel import Plan, RatelConfigError, RatelPlanError, RatelProfiler, RatelStrategy
 from lightning_ratel.engine.blocks import discover_blocks
 from lightning_ratel.engine.placement import plan_placements
-from lightning_ratel.engine.planner import node_profiles, plan_budgets, plan_settings, state_traffic
+from lightning_ratel.engine.planner import node_profiles, plan_budgets, plan_settings, state_traffic, step_traffic
 from lightning_ratel.hardware import HardwareProfile
 from lightning_ratel.plan import LayerProfile, OpProfile
 from lightning_ratel.plan.cost import OPTIMIZER_MEMORY_BYTES_PER_PARAM, CostModel, recompute_ops
@@ -366,6 +366,26 @@ def test_state_traffic_counts_the_shards_given():
     assert state_traffic(shards, "host") == {"read": 150 * 8 + 120 * 4, "written": 150 * 12}  # type: ignore[arg-type]
     # Compute copies read from the swap files are written there anew: the 16-bit shard's 2 B per element.
     assert state_traffic(shards, "ssd")["written"] == 150 * 12 + 20 * 2  # type: ignore[arg-type]
+
+
+def test_step_traffic_adds_the_page_ins_a_backward_does_not_share():
+    """With the compute copies in the swap files a step also reads each for forward and again for backward, except
+    an fp32 master there: the optimizer reads it anyway, and the backward's page-in shares that read."""
+    trainable = [_shard(100), _shard(50, "host"), _shard(20, dtype=torch.bfloat16)]
+    for shard in trainable:
+        shard.group = 0
+    frozen = SimpleNamespace(numel=10, dtype=torch.float32, state_tier="ssd", master_in_host=False, group=-1)
+    states = state_traffic(trainable, "ssd")  # type: ignore[arg-type]
+    # Forward: the masters on disk (100 x 4 B), the 16-bit copy (20 x 2 B), the frozen shard (10 x 4 B); backward
+    # the same but the master the update reads. The master in host memory is paged in from there.
+    pages = (100 * 4 + 20 * 2 + 10 * 4) + (20 * 2 + 10 * 4)
+    assert step_traffic(trainable, [frozen], "ssd") == {  # type: ignore[arg-type]
+        "read": states["read"] + pages, "written": states["written"]}
+    assert step_traffic(trainable, [frozen], "host") == state_traffic(trainable, "host")  # type: ignore[arg-type]
+    # The cost model counts that backward page-in already: its state reads leave the shared master out.
+    settings = plan_settings(trainable, trainable, "ssd", 1, prefetch_depth=1,  # type: ignore[arg-type]
+                             host_static_bytes=0, device_overhead=None)
+    assert settings.state_read_bytes_per_param == round((states["read"] - 100 * 4) / 170)
 
 
 def test_settings_count_this_ranks_states_per_parameter_it_owns():

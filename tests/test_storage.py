@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -638,3 +639,127 @@ def test_urgent_requests_overtake_queued_ones(ssd: Path, monkeypatch: pytest.Mon
         for future in futures:
             future.result()
     assert order == ["first", "urgent", "background0", "background1", "background2"]
+
+
+# ------------------------------------------------------------------ reads served from another read's memory
+
+
+def test_a_shared_read_serves_later_reads_of_the_key_from_memory(ssd: Path) -> None:
+    """A read with ``share`` lets later reads of its key copy its tensor: the drive is read once, both get the bytes."""
+    data = _random(5 * STRIPE // 4 + 3, torch.float32)
+    with TensorStore([ssd], stripe_bytes=STRIPE) as store:
+        store.write("k", data).result()
+        store.take_busy_intervals()
+        holder = aligned_empty(data.numel(), torch.float32)
+        store.read("k", holder, share=True).result()
+        copies = [aligned_empty(data.numel(), torch.float32), _buffer(data.numel(), torch.float32, aligned=False)]
+        for out in copies:
+            store.read("k", out).result()
+        assert all(torch.equal(t, data) for t in (holder, *copies))
+        nbytes = data.numel() * 4
+        assert store.bytes_read == nbytes and store.bytes_shared == 2 * nbytes
+        # Only reads of the drive are the drive's busy time and bytes; the copies are not.
+        assert sum(1 for _ in store.take_busy_intervals()) == len(range(0, nbytes, STRIPE))
+
+
+def test_reads_share_only_until_unshare_or_a_write(ssd: Path) -> None:
+    first, second = _random(2048, torch.float32, seed=1), _random(2048, torch.float32, seed=2)
+    with TensorStore([ssd], stripe_bytes=STRIPE) as store:
+        store.write("k", first).result()
+        store.write("other", second).result()
+        holder = aligned_empty(2048, torch.float32)
+        store.read("k", holder, share=True).result()
+        out = aligned_empty(2048, torch.float32)
+        # Another key is not served from it.
+        store.read("other", out).result()
+        assert torch.equal(out, second) and store.bytes_shared == 0
+        # A write of the key stops the sharing: the new bytes come from the drive.
+        store.write("k", second).result()
+        store.read("k", out).result()
+        assert torch.equal(out, second) and store.bytes_shared == 0
+        store.read("k", holder, share=True).result()
+        assert store.unshare(holder) == []
+        read = store.bytes_read
+        store.read("k", out).result()
+        assert store.bytes_read == read + 2048 * 4 and store.bytes_shared == 0
+
+
+def test_a_changed_shared_tensor_fails_the_checksum(ssd: Path) -> None:
+    """Bytes copied from a shared tensor are verified like bytes from the drive: a holder that changed its tensor
+    while sharing it shows up as a checksum mismatch, never as wrong values."""
+    data = _random(2048, torch.float32)
+    with TensorStore([ssd], stripe_bytes=STRIPE) as store:
+        store.write("k", data).result()
+        holder = aligned_empty(2048, torch.float32)
+        store.read("k", holder, share=True).result()
+        holder[100] += 1.0
+        with pytest.raises(RatelStoreError, match="checksum mismatch") as info:
+            store.read("k", aligned_empty(2048, torch.float32)).result()
+        assert info.value.errno == errno.EBADMSG
+
+
+def test_a_read_waits_for_the_shared_read_in_flight_and_urgent_moves_it_ahead(
+        ssd: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read of a key that a shared read is still filling copies it once that lands; an urgent one moves that read
+    ahead of the background requests queued before it. ``unshare`` hands back the copies still running."""
+    started, release, copying, finish_copy = threading.Event(), threading.Event(), threading.Event(), threading.Event()
+    order: list[str] = []
+    real = TensorStore._transfer_chunk
+
+    def gated(self: TensorStore, request: storage.Request, chunk: storage.Chunk) -> Any:
+        if request.source is not None:
+            copying.set()
+            finish_copy.wait(10)
+        else:
+            order.append(request.key)
+        if request.key == "blocker":
+            started.set()
+            release.wait(10)
+        return real(self, request, chunk)
+
+    data = _random(1024, torch.float32)
+    with TensorStore([ssd], stripe_bytes=STRIPE, io_threads_per_path=1) as store:
+        for key in ("k", "background"):
+            store.write(key, data).result()
+        monkeypatch.setattr(TensorStore, "_transfer_chunk", gated)
+        blocker = store.write("blocker", data)
+        assert started.wait(10)
+        background = store.read("background", aligned_empty(1024, torch.float32))
+        holder = aligned_empty(1024, torch.float32)
+        shared = store.read("k", holder, share=True)
+        out = aligned_empty(1024, torch.float32)
+        copy = store.read("k", out, urgent=True)
+        release.set()
+        assert copying.wait(10)
+        assert shared.done() and not background.done() and not copy.done()
+        # The holder may not reuse its tensor before the copy from it is done.
+        assert store.unshare(holder) == [copy]
+        finish_copy.set()
+        for future in (blocker, background, shared, copy):
+            future.result()
+    assert order == ["blocker", "k", "background"]
+    assert torch.equal(out, data) and torch.equal(holder, data)
+    assert store.bytes_shared == 1024 * 4
+
+
+def test_a_failed_shared_read_leaves_the_others_to_the_drive(ssd: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = _random(1024, torch.float32)
+    real = storage._pread
+    failures = [OSError(errno.EIO, "Input/output error")]
+
+    def failing(fd: int, buf: memoryview, offset: int) -> int:
+        if failures:
+            raise failures.pop()
+        return real(fd, buf, offset)
+
+    with TensorStore([ssd], stripe_bytes=STRIPE, io_threads_per_path=1) as store:
+        store.write("k", data).result()
+        monkeypatch.setattr(storage, "_pread", failing)
+        holder = aligned_empty(1024, torch.float32)
+        shared = store.read("k", holder, share=True)
+        out = aligned_empty(1024, torch.float32)
+        later = store.read("k", out)
+        with pytest.raises(RatelStoreError, match="Input/output error"):
+            shared.result()
+        later.result()
+        assert torch.equal(out, data) and store.bytes_shared == 0

@@ -283,6 +283,11 @@ class Planner:
         :func:`state_traffic`): over the shards it owns; the other ranks' states are in theirs."""
         return state_traffic(self.owned_shards(), self.layout.param_cache)
 
+    def step_traffic(self) -> dict[str, int]:
+        """Bytes each optimizer step of this rank must move through its swap files (see :func:`step_traffic`): its
+        model states' traffic, and the page-ins of compute copies read from there."""
+        return step_traffic(self.owned_shards(), self.layout.frozen_shards, self.layout.param_cache)
+
     def host_room(self, nodes: Sequence[HardwareProfile]) -> int:
         """Host bytes this rank's budget leaves beyond what it holds now (see :func:`plan_budgets`), given every node's
         profile (:meth:`measure_hardware`)."""
@@ -378,6 +383,32 @@ def state_traffic(shards: Sequence[Shard], param_cache: str) -> dict[str, int]:
             "written": moments + sum(s.numel * 4 for s in on_disk) + copies}
 
 
+def step_traffic(shards: Sequence[Shard], frozen_shards: Sequence[Shard], param_cache: str) -> dict[str, int]:
+    """The least a training step moves through the swap files: :func:`state_traffic` of ``shards``, and where the
+    pager reads compute copies from the swap files (``param_cache="ssd"``), each unit's copies read for its forward
+    and again for its backward, except where the backward's page-in and the optimizer read the same bytes at the same
+    time (an fp32 shard whose master, its compute copy, is in the swap files: read once, shared by both). Activations
+    sent to the SSD come on top.
+
+    Args:
+        shards: the trainable shards (those whose states this rank holds).
+        frozen_shards: the shards outside the optimizer (their compute copies are paged in too).
+        param_cache: where compute copies live between uses (``"host"`` or ``"ssd"``).
+
+    Returns:
+        ``{"read": bytes, "written": bytes}``.
+    """
+    traffic = state_traffic(shards, param_cache)
+    if param_cache != "ssd":
+        return traffic
+    # A compute copy is on the swap files unless it is an fp32 master kept in host memory.
+    on_disk = [s for s in [*shards, *frozen_shards]
+               if not (s.dtype == torch.float32 and s.group >= 0 and s.state_tier == "host")]
+    forward = sum(s.numel * s.dtype.itemsize for s in on_disk)
+    shared = sum(s.numel * 4 for s in on_disk if s.dtype == torch.float32 and s.group >= 0)
+    return {"read": traffic["read"] + 2 * forward - shared, "written": traffic["written"]}
+
+
 def plan_settings(shards: Sequence[Shard], owned: Sequence[Shard], param_cache: str, ranks_on_node: int,
                   *, prefetch_depth: int, host_static_bytes: int,
                   device_overhead: DeviceOverhead | None) -> CostSettings:
@@ -398,6 +429,10 @@ def plan_settings(shards: Sequence[Shard], owned: Sequence[Shard], param_cache: 
     """
     share = (sum(s.numel for s in shards) or 1) / ranks_on_node
     traffic = state_traffic(owned, param_cache)
+    if param_cache == "ssd":
+        # The cost model counts every compute copy's backward page-in; an fp32 master in the swap files is that
+        # copy, and the optimizer's read of it shares the page-in's (see step_traffic).
+        traffic["read"] -= sum(s.numel * 4 for s in owned if s.state_tier == "ssd" and s.dtype == torch.float32)
     # States in host memory cost a copy of the committed slot into the other (12 bytes read, 12 written) besides the
     # update's own traffic.
     in_host = sum(s.numel for s in owned if s.state_tier == "host")

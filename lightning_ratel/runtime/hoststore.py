@@ -265,8 +265,17 @@ class TieredStore:
     def write(self, key: str, tensor: torch.Tensor, *, urgent: bool = False) -> concurrent.futures.Future[None]:
         return self._route(key).write(key, tensor, urgent=urgent)
 
-    def read(self, key: str, out: torch.Tensor, *, urgent: bool = False) -> concurrent.futures.Future[torch.Tensor]:
-        return self._route(key).read(key, out, urgent=urgent)
+    def read(self, key: str, out: torch.Tensor, *, urgent: bool = False, share: bool = False
+             ) -> concurrent.futures.Future[torch.Tensor]:
+        """Read ``key`` from where it lives; ``share`` applies to the swap files' keys (see :meth:`TensorStore.read
+        <lightning_ratel.runtime.storage.TensorStore.read>`): a key in host memory is a copy anyway."""
+        if key in self.host_keys:
+            return self.host.read(key, out, urgent=urgent)
+        return self.disk.read(key, out, urgent=urgent, share=share)
+
+    def unshare(self, tensor: torch.Tensor) -> list[concurrent.futures.Future]:
+        """See :meth:`TensorStore.unshare <lightning_ratel.runtime.storage.TensorStore.unshare>`."""
+        return self.disk.unshare(tensor)
 
     def nbytes(self, key: str) -> int:
         return self._route(key).nbytes(key)

@@ -869,6 +869,8 @@ class CpuAdam:
                 reads: list[Future]) -> None:
         for r in reads:
             r.result()
+        # The update changes the master in place: no page-in may copy it from here any more.
+        self.buffers.unshare(b)
         self.timeline.record(f"update_start:{shard.index}")
         version = self.ledger.latest(shard)
         # States updated in place must be in the slot this update writes, not in the one it reads.

@@ -153,9 +153,13 @@ class ParameterPager:
             self._upload(unit, dict(unit.host))
         else:
             state.staging = {dtype: self.device.host_buffer(n, dtype) for dtype, n in unit.numels.items()}
-            # A page-in: the forward or backward of this block will wait for it.
+            # A page-in: the forward or backward of this block will wait for it. The staging buffers hold the keys'
+            # bytes until the page-out, so a read of the same key meanwhile (the optimizer's of an fp32 master, which
+            # is that shard's compute copy) copies them rather than reading the drive again; a page-in copies in turn
+            # from such a read where it came first.
             state.reads = [
-                self._store.read(unit.ready.compute_key(s), s.compute_view(state.staging[s.dtype]), urgent=True)
+                self._store.read(unit.ready.compute_key(s), s.compute_view(state.staging[s.dtype]), urgent=True,
+                                 share=True)
                 for s in self._unit_shards.get(unit.index, ())
             ]
             if self.device.separate_memory:
@@ -218,7 +222,9 @@ class ParameterPager:
         # flight (a prefetch nobody used; its errors do not matter because the data is never used) and the upload's
         # copies recorded against them have completed.
         for buffer in (state.staging or {}).values():
-            self.pool.give(buffer, after=state.reads)
+            # Reads copying from the buffer (see _page_in) may still run too.
+            copies = self._store.unshare(buffer) if self._store is not None else []
+            self.pool.give(buffer, after=[*state.reads, *copies])
         state.reads = []
         self._reading.discard(unit.index)
         for flat in (state.flats or {}).values():

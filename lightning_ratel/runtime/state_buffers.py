@@ -11,6 +11,10 @@ split one process's sets between them, so a rank may get a fraction: its whole s
 that fit in the rest (a set is taken by the smallest free one that holds the shard). Every rank keeps at least one
 whole set, so every shard's update can run.
 
+A master read into a set is offered to other reads of its key (the store's ``share``) until the update changes it:
+with compute copies on the store, an fp32 master is also the compute copy the pager reads for that block's backward
+(and forward), which then copies it instead of reading the drive again, or the other way round.
+
 Reads ahead happen only between the start of a boundary micro-batch and the step's schedule, so nothing else writes
 those states meanwhile; a shard whose previous write-back is still landing is read only once it has landed. Worker
 thread only (a write-back's completion comes back to the worker as a job).
@@ -237,7 +241,10 @@ class StateBuffers:
         self.wait_written(shard)
         n = shard.numel
         version = self.ledger.latest(shard)
-        reads = [] if shard.master_in_host else [self.store.read(shard.key("master", version.slot), buffers.master[:n])]
+        # The master is offered to the pager's page-in of the same key until the update changes it (see unshare):
+        # for an fp32 shard whose compute copy is on the store, it is the same bytes.
+        reads = [] if shard.master_in_host else [
+            self.store.read(shard.key("master", version.slot), buffers.master[:n], share=True)]
         if version.moments and self.generic is not None:
             nbytes = self.generic.nbytes(shard)
             if nbytes:
@@ -282,12 +289,20 @@ class StateBuffers:
             self._release_ahead(index)
 
     def give_back(self, loaded: Loaded) -> None:
-        """Return a buffer set whose update will not run, once its reads stop writing it."""
+        """Return a buffer set whose update will not run, once its reads stop writing it (and reading from it)."""
         buffers, reads = loaded
         for read in reads:
             read.exception()
+        self.unshare(buffers)
         if isinstance(buffers, StateBufferSet):
             self.free.append(buffers)
+
+    def unshare(self, buffers: StateBufferSet | SlotViews) -> None:
+        """Stop offering the master ``buffers`` hold to other reads (see :meth:`read`), once those copying it are
+        done: it is about to change."""
+        if isinstance(buffers, StateBufferSet):
+            for copy in self.store.unshare(buffers.master):
+                copy.exception()
 
     def writing(self, shard: Shard, done: Future) -> None:
         """A write-back of ``shard`` from a buffer set started; :meth:`written` hands the set back."""
@@ -321,6 +336,8 @@ class StateBuffers:
 
     def release_memory(self) -> None:
         """Free every buffer set (no update will run any more)."""
+        for buffers in [*self.free, *(loaded[0] for loaded in self.ahead.values())]:
+            self.unshare(buffers)
         self.free.clear()
         self.ahead.clear()
         self.nbytes = 0

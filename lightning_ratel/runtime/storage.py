@@ -33,7 +33,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -119,14 +119,27 @@ class Extent:
 
 class Request:
     """A read or write of one key in flight, as the chunk transfers see it; holds the caller's tensor so its memory
-    stays valid. Subclasses add what their transfers need."""
+    stays valid. Subclasses add what their transfers need.
 
-    __slots__ = ("key", "is_write", "tensor")
+    Attributes:
+        urgent: its chunks run in the urgent lane.
+        source: the address of host memory holding the key's bytes, which a read copies instead of reading the drive
+            (see :meth:`TensorStore.read`'s ``share``); ``None`` reads the drive.
+        claimed: the chunks a transfer has taken, for a request whose chunks may be queued twice (a shared read moved
+            to the urgent lane, :meth:`TensorStore._promote`); ``None``: each chunk is queued once.
+        queued: its chunks are queued (a read copying another's is queued once that one has landed).
+    """
+
+    __slots__ = ("key", "is_write", "tensor", "urgent", "source", "claimed", "queued")
 
     def __init__(self, key: str, is_write: bool, tensor: torch.Tensor) -> None:
         self.key = key
         self.is_write = is_write
         self.tensor = tensor
+        self.urgent = False
+        self.source: int | None = None
+        self.claimed: set[int] | None = None
+        self.queued = False
 
 
 class _HostRequest(Request):
@@ -147,6 +160,35 @@ class _HostRequest(Request):
             if storage.data_ptr() + storage.nbytes() == self.address + padded:
                 span = padded
         self.view = raw_memory(self.address, span) if span else None
+
+
+@dataclass(eq=False)
+class _Share:
+    """A caller's tensor that holds (or a read in flight is filling with) a key's bytes, which other reads of the key
+    copy instead of reading the drive (see :meth:`TensorStore.read`).
+
+    Attributes:
+        tensor: the caller's tensor.
+        request: the read filling it.
+        gather: that read's chunk count and future.
+        extent: the key's extent when the read started.
+        upstream: the share that read copies from once that one has landed, if it is served from memory too.
+        copies: reads copying from it that may still run (the holder waits for them before reusing its memory).
+        stale: the key was written since, so no new read copies from it.
+    """
+
+    tensor: torch.Tensor
+    request: Request
+    gather: Gather
+    extent: Extent
+    upstream: _Share | None = None
+    copies: list[concurrent.futures.Future] = field(default_factory=list)
+    stale: bool = False
+
+    def usable(self) -> bool:
+        """Whether a new read of the key may copy from it: not stale, and its read has not failed."""
+        future = self.gather.future
+        return not self.stale and not (future.done() and future.exception() is not None)
 
 
 class Gather:
@@ -352,6 +394,11 @@ class TensorStore:
         self._bytes_read = 0
         self._busy: list[tuple[float, float]] = []
         self._bytes_written = 0
+        self._bytes_shared = 0
+        # Tensors holding keys' bytes that reads of those keys copy (under ``_lock``), and the chunks taken by the
+        # transfers of requests whose chunks may be queued twice.
+        self._shares: dict[str, list[_Share]] = {}
+        self._claims_lock = threading.Lock()
         self._locks: list[tuple[Path, int]] = []
         self._files: list[SwapFile] = []
         self._pool: PriorityPool | None = None
@@ -419,6 +466,12 @@ class TensorStore:
         """Bytes written from caller tensors so far."""
         with self._stats_lock:
             return self._bytes_written
+
+    @property
+    def bytes_shared(self) -> int:
+        """Bytes reads copied from another read's tensor instead of reading them from the drive (see :meth:`read`)."""
+        with self._stats_lock:
+            return self._bytes_shared
 
     def keys(self) -> list[str]:
         """Every reserved key, in the order of reservation."""
@@ -567,15 +620,25 @@ class TensorStore:
         """
         return self._submit(key, tensor, is_write=True, urgent=urgent)
 
-    def read(self, key: str, out: torch.Tensor, *, urgent: bool = False) -> concurrent.futures.Future[torch.Tensor]:
+    def read(self, key: str, out: torch.Tensor, *, urgent: bool = False, share: bool = False
+             ) -> concurrent.futures.Future[torch.Tensor]:
         """Start reading ``key`` into ``out``.
 
         Keep ``out`` alive and do not use its contents until the returned future is done.
+
+        Where a tensor shared by an earlier read of ``key`` holds its bytes (or is being filled with them), the read
+        copies them from there instead of reading the drive, once that read has landed, and verifies every chunk's
+        checksum as a read from the drive does; an urgent read moves the read it waits for to the urgent lane. Two
+        parts of a step that need the same bytes at the same time (a page-in and the optimizer's read of an fp32
+        master) then read them from the drive once.
 
         Args:
             key: Name of a reserved tensor.
             out: A contiguous CPU tensor whose size in bytes matches the key's.
             urgent: Run before every request that is not (something will soon wait for it).
+            share: Let later reads of ``key`` copy from ``out`` until :meth:`unshare` (or a write of ``key``). The
+                caller must not change ``out`` until then, and must wait for the futures :meth:`unshare` returns
+                before reusing its memory.
 
         Returns:
             A future that resolves to ``out`` once it is filled, or raises :class:`RatelStoreError` (``EBADMSG``
@@ -586,7 +649,96 @@ class TensorStore:
             ValueError: If ``out`` is not a contiguous CPU tensor or its size differs from the key's.
             RuntimeError: If the store is closed.
         """
-        return self._submit(key, out, is_write=False, urgent=urgent)
+        if not share and not self._shares:
+            return self._submit(key, out, is_write=False, urgent=urgent)
+        return self._read_shared(key, out, urgent, share)
+
+    def unshare(self, tensor: torch.Tensor) -> list[concurrent.futures.Future]:
+        """Stop offering what reads with ``share`` put into the memory of ``tensor`` (any of them within it).
+
+        Returns:
+            The futures of reads still copying from that memory: wait for them before changing or reusing it.
+        """
+        start = tensor.data_ptr()
+        end = start + tensor.numel() * tensor.element_size()
+        copies: list[concurrent.futures.Future] = []
+        with self._lock:
+            for key in list(self._shares):
+                kept = []
+                for entry in self._shares[key]:
+                    if start <= entry.tensor.data_ptr() < end:
+                        copies.extend(f for f in entry.copies if not f.done())
+                    else:
+                        kept.append(entry)
+                if kept:
+                    self._shares[key] = kept
+                else:
+                    del self._shares[key]
+        return copies
+
+    def _read_shared(self, key: str, out: torch.Tensor, urgent: bool, share: bool
+                     ) -> concurrent.futures.Future[torch.Tensor]:
+        """:meth:`read` where shared tensors are offered or taken."""
+        self._check_tensor(key, out)
+        nbytes = out.numel() * out.element_size()
+        with self._lock:
+            self._check_open()
+            extent = self._extents.get(key)
+            if extent is None:
+                raise KeyError(f"Key {key!r} was never reserved or written")
+            if extent.nbytes != nbytes:
+                raise ValueError(f"Key {key!r} holds {extent.nbytes} bytes but the output tensor has {nbytes} bytes")
+            offered = self._shares.get(key, [])
+            # One that has landed first; of those in flight, the earliest (it lands first).
+            usable = [e for e in offered if e.usable()]
+            source = min(usable, key=lambda e: not e.gather.future.done(), default=None)
+            gather = Gather(len(extent.chunks), out)
+            request = self._request(key, False, out, nbytes)
+            request.urgent = urgent
+            if share:
+                request.claimed = set()
+                self._shares.setdefault(key, []).append(_Share(out, request, gather, extent, upstream=source))
+            if source is None:
+                request.queued = True
+                for index in range(len(extent.chunks)):
+                    self._pool.submit(urgent, self._run_chunk, request, gather, extent, index)
+                return gather.future
+            source.copies.append(gather.future)
+            if urgent:
+                self._promote(source)
+        source.gather.future.add_done_callback(
+            lambda landed: self._copy_from(source, landed, request, gather, extent))
+        return gather.future
+
+    def _copy_from(self, source: _Share, landed: concurrent.futures.Future, request: Request, gather: Gather,
+                   extent: Extent) -> None:
+        """The read ``source`` was waiting for has landed: queue the chunks of ``request``, copying from it, or
+        reading the drive where that read failed or the key was written since."""
+        if landed.exception() is None and not source.stale:
+            request.source = source.tensor.data_ptr()
+        with self._lock:
+            request.queued = True
+            for index in range(len(extent.chunks)):
+                self._pool.submit(request.urgent, self._run_chunk, request, gather, extent, index)
+
+    def _promote(self, share: _Share) -> None:
+        """Move the read filling ``share`` (and any it waits for) to the urgent lane: an urgent read waits for it.
+        Its chunks not taken yet are queued again as urgent; whichever copy of a chunk runs first transfers it. Under
+        ``_lock``."""
+        request = share.request
+        if request.urgent:
+            return
+        request.urgent = True
+        if not request.queued:
+            # Its chunks are queued (urgent now) once the read it copies from has landed.
+            if share.upstream is not None:
+                self._promote(share.upstream)
+            return
+        assert request.claimed is not None
+        with self._claims_lock:
+            waiting = [index for index in range(len(share.extent.chunks)) if index not in request.claimed]
+        for index in waiting:
+            self._pool.submit(True, self._run_chunk, request, share.gather, share.extent, index)
 
     def close(self) -> None:
         """Wait for I/O in flight, then close the swap files and remove them (unless kept) and the lock files.
@@ -680,6 +832,8 @@ class TensorStore:
             if is_write:
                 self._check_writable(f"write of key {key!r}")
                 extent = self._reserve_locked(key, nbytes)
+                for entry in self._shares.get(key, ()):
+                    entry.stale = True
             else:
                 extent = self._extents.get(key)
                 if extent is None:
@@ -696,6 +850,11 @@ class TensorStore:
         return gather.future
 
     def _run_chunk(self, request: Request, gather: Gather, extent: Extent, index: int) -> None:
+        if request.claimed is not None:
+            with self._claims_lock:
+                if index in request.claimed:
+                    return
+                request.claimed.add(index)
         error: BaseException | None = None
         chunk = extent.chunks[index]
         start = time.perf_counter()
@@ -710,11 +869,14 @@ class TensorStore:
             error = exc
         else:
             with self._stats_lock:
-                self._busy.append((start, time.perf_counter()))
-                if request.is_write:
-                    self._bytes_written += chunk.length
+                if request.source is not None:
+                    self._bytes_shared += chunk.length
                 else:
-                    self._bytes_read += chunk.length
+                    self._busy.append((start, time.perf_counter()))
+                    if request.is_write:
+                        self._bytes_written += chunk.length
+                    else:
+                        self._bytes_read += chunk.length
         gather.finish(error)
 
     def _write_verified(self, request: Request, extent: Extent, index: int) -> None:
@@ -775,6 +937,10 @@ class TensorStore:
         assert isinstance(request, _HostRequest)
         data = request.view[chunk.key_offset : chunk.key_offset + chunk.length]
         checksum = None
+        if request.source is not None:
+            # Another read's tensor holds the key's bytes: copied, then verified as if read from the drive.
+            ctypes.memmove(request.address + chunk.key_offset, request.source + chunk.key_offset, chunk.length)
+            return host_checksum(self._algorithm, data) if self._verify else None
         if self._verify and request.is_write:
             # Right before the write, while the bytes are hot in cache for it.
             checksum = host_checksum(self._algorithm, data)
@@ -922,6 +1088,7 @@ class TensorStore:
     def _release(self) -> None:
         if self._pool is not None:
             self._pool.shutdown()
+        self._shares.clear()
         failures: list[tuple[OSError, Path, str]] = []
         if self._keep_files and not self._read_only and self._files:
             failures += self._keep()
