@@ -1,4 +1,4 @@
-"""Shared pytest setup: the simulated-streams mode.
+"""Shared pytest setup: the simulated-streams mode, and updates overlapped with backward as on a GPU.
 
 ``pytest --simulate-streams`` (or ``RATEL_SIMULATE_STREAMS=1`` in the environment) runs every test on a CPU device that
 simulates CUDA's streams (see :mod:`lightning_ratel.runtime.simulation`): copies run asynchronously on worker threads,
@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from lightning_ratel.engine.coordinator import RatelEngine
 from lightning_ratel.runtime import recompute
 from lightning_ratel.runtime.probe import CACHE_ENV
 from lightning_ratel.runtime.simulation import SIMULATE_STREAMS_ENV, take_simulation_errors
@@ -53,6 +54,13 @@ def replays(monkeypatch: pytest.MonkeyPatch) -> list[recompute.ForwardRecord]:
 
     monkeypatch.setattr(recompute.ForwardRecord, "replay", replay)
     return seen
+
+
+@pytest.fixture(autouse=True)
+def _updates_overlap_backward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test runs the updates during backward, the path a GPU run takes (on the CPU the cost model defers them to
+    the end of backward); a test of that decision sets ``RatelEngine.overlap_updates`` back to ``None``."""
+    monkeypatch.setattr(RatelEngine, "overlap_updates", True)
 
 
 @pytest.fixture(autouse=True)

@@ -284,6 +284,9 @@ def main(argv: list[str]) -> None:
                         help="RANK:STEP: the llama's embedding gets a non-finite gradient on that rank at that step")
     parser.add_argument("--no-speculate", action="store_true",
                         help="every step that clips by norm or scales the loss waits for the end of backward")
+    parser.add_argument("--updates-after-backward", action="store_true",
+                        help="the cost model decides where updates run (after backward, on the CPU); by default they "
+                             "overlap backward, as on a GPU")
     parser.add_argument("--plan-auto", action="store_true",
                         help="RatelStrategy profiles the first step and plans activation placement (plan='auto')")
     parser.add_argument("--slow-node", type=int, default=None,
@@ -335,6 +338,8 @@ def main(argv: list[str]) -> None:
         _overflow_on(module, rank, step)
     if args.no_speculate:
         RatelEngine.speculate = False
+    # As the tests' conftest does in their own process: the GPU's path unless asked otherwise.
+    RatelEngine.overlap_updates = None if args.updates_after_backward else True
     # As RatelStrategy does during fit: with the cache on, attention rounds differently (an encoder-decoder's decoder).
     cache_off(module)
     precision: dict[str, Any] = {"precision": args.precision}

@@ -186,6 +186,16 @@ def test_two_processes_equal_ddp_with_accumulation_and_clipping(tmp_path: Path, 
     assert all(c.get("redone", 0) > 0 and c.get("deferred", 0) > 0 for c in counts), counts
 
 
+def test_updates_after_backward_on_the_cpu_equal_ddp(tmp_path: Path, ddp_reference: dict) -> None:
+    """Left to the cost model, a run on the CPU updates after backward on every owner: nothing overlapped, nothing
+    speculated, the numbers ddp's."""
+    _ok(_run(tmp_path, "--updates-after-backward", *ACCUMULATE_CLIP))
+    for rank in (0, 1):
+        _assert_same(ddp_reference, _load(tmp_path, rank))
+        counts = _load(tmp_path, rank)["counts"]
+        assert counts.get("deferred", 0) > 0 and not counts.get("overlapped") and not counts.get("redone"), counts
+
+
 def test_plan_auto_on_two_ranks_applies_rank_zeros_plan_and_equals_ddp(tmp_path: Path, ddp_reference: dict) -> None:
     """plan="auto": every rank profiles its first step, rank 0 plans for a rank of two on the node, and both ranks apply
     that plan (measured times differ between ranks, so plans made on each would too); the numbers stay ddp's. Each

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from lightning_ratel import RatelPrecision, RatelStrategy
+from lightning_ratel.engine import coordinator
+from lightning_ratel.engine.coordinator import RatelEngine
 from lightning_ratel.runtime import adamw as ops
 from tests.models import LM, MIXED_POLICY, HostAdamLM
 from tests.models import compare_states as _compare
@@ -123,6 +125,54 @@ def test_updates_start_while_backward_runs(tmp_path):
         inside = [u for u in updates if begin <= u < end]
         overlapped += bool(inside)
     assert overlapped >= 2, timeline
+
+
+class _Counts(L.Callback):
+    """The optimizer's update counts and the timeline at the end of fit."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self.timeline: list[tuple[str, float]] = []
+
+    def on_train_end(self, trainer, pl_module):
+        engine = trainer.strategy.engine
+        engine.adam.barrier()
+        self.counts = dict(engine.adam.counts)
+        self.timeline = list(engine.timeline)
+
+
+@pytest.mark.parametrize(("states", "accumulate", "clip", "precision"),
+                         [("host", 1, None, "32-true"), ("ssd", 3, 0.05, "32-true"), ("ssd", 1, 0.05, "bf16-mixed")])
+def test_updates_after_backward_on_the_cpu_match_plain_adamw(tmp_path, monkeypatch, states, accumulate, clip,
+                                                             precision):
+    """Left to the cost model, a run on the CPU updates after backward (the optimizer shares the compute's cores):
+    no update starts while a backward runs, and the numbers are plain AdamW's."""
+    monkeypatch.setattr(RatelEngine, "overlap_updates", None)
+    kwargs = dict(precision=precision, accumulate_grad_batches=accumulate, gradient_clip_val=clip)
+    ref = _fit("auto", "llama8", **kwargs)
+    record = _Counts()
+    got = _fit(RatelStrategy(ssd_paths=[str(tmp_path)], optimizer_states=states), "llama8", callbacks=[record],
+               **kwargs)
+    _compare(ref, got, 1e-5)
+    assert record.counts.get("deferred", 0) > 0 and not record.counts.get("overlapped"), record.counts
+    assert not record.counts.get("redone") and not record.counts.get("dropped"), record.counts
+    starts = [t for name, t in record.timeline if name == "backward_start"]
+    ends = [t for name, t in record.timeline if name == "backward_end"]
+    updates = [t for name, t in record.timeline if name.startswith("update_start")]
+    assert len(starts) == len(ends) > 0 and updates
+    assert not [u for begin, end in zip(starts, ends) for u in updates if begin <= u < end], record.timeline
+
+
+def test_updates_overlap_on_the_cpu_where_gradients_would_crowd_host_memory(tmp_path, monkeypatch):
+    """Where holding every gradient until the end of backward would take too much of the host memory left, a run on
+    the CPU keeps its updates overlapped (they hold a few shards' gradients), on the same numbers."""
+    monkeypatch.setattr(RatelEngine, "overlap_updates", None)
+    monkeypatch.setattr(coordinator, "available_host_memory", lambda: 1 << 16)
+    ref = _fit("auto", "llama8")
+    record = _Counts()
+    got = _fit(RatelStrategy(ssd_paths=[str(tmp_path)]), "llama8", callbacks=[record])
+    _compare(ref, got, 1e-5)
+    assert record.counts.get("overlapped", 0) > 0 and not record.counts.get("deferred"), record.counts
 
 
 def test_resident_parameters_bounded_by_prefetch_window(tmp_path):

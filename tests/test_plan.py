@@ -18,7 +18,15 @@ from lightning_ratel.plan import (
     recompute_ops,
     search,
 )
-from lightning_ratel.plan.cost import CostModel, CostSettings, DeviceOverhead, bottleneck, largest_batch, layer_cost
+from lightning_ratel.plan.cost import (
+    CostModel,
+    CostSettings,
+    DeviceOverhead,
+    bottleneck,
+    largest_batch,
+    layer_cost,
+    updates_overlap,
+)
 
 BIG = 1 << 50  # a budget that never binds
 
@@ -154,6 +162,19 @@ def test_predict_by_hand_unified_memory():
     assert slow_adam.backward_time == pytest.approx(0.192 + 20 / 5 + slow_adam.backward["ssd"])
     assert p.forward_time == pytest.approx(0.08 + 2.0)
     assert p.memory == {"device": 4950, "host": 4950, "ssd": 100}
+
+
+def test_updates_overlap_backward_only_where_the_optimizer_has_cores_of_its_own():
+    gpu, cpu = _hw("cuda").unified_memory, _hw("cpu").unified_memory
+    # A GPU computes: backward and the CPU optimizer run side by side, so overlapping shortens the step.
+    assert updates_overlap(unified=gpu, gradient_bytes=1000, host_room=BIG)
+    # On the CPU both run on the same cores: overlapped or after backward, the step takes their sum (as the unified
+    # prediction above does), and the updates run after backward...
+    assert not updates_overlap(unified=cpu, gradient_bytes=1000, host_room=4000)
+    # ... unless holding every gradient until then takes more than its share of the host memory left: overlapping
+    # holds a few shards' worth.
+    assert updates_overlap(unified=cpu, gradient_bytes=1001, host_room=4000)
+    assert updates_overlap(unified=gpu, gradient_bytes=1001, host_room=4000)
 
 
 def test_predict_missing_ops_count_as_device():

@@ -133,6 +133,25 @@ def test_step_rule_with_speculation(clip_val, algorithm, custom, scaled, overlap
     assert (rule.overlap, rule.speculative, rule.clip_value) == (overlap, speculative, clip_value)
 
 
+@pytest.mark.parametrize("speculate", [False, True])
+@pytest.mark.parametrize(
+    ("clip_val", "algorithm", "custom", "scaled"),
+    [
+        (None, "norm", False, False),
+        (1.0, "value", False, False),  # clipped at the end of backward (Lightning's clip_gradients), not per shard
+        (1.0, "norm", False, False),
+        (None, "norm", False, True),
+        (1.0, "value", False, True),
+        (None, "norm", True, False),
+    ],
+)
+def test_step_rule_where_overlapping_cannot_pay(clip_val, algorithm, custom, scaled, speculate):
+    """Where the cost model says overlapping cannot shorten the step (a run on the CPU), every step waits for the end
+    of backward, and nothing is speculated."""
+    rule = StepRule.decide(clip_val, algorithm, custom, scaled, speculate=speculate, overlap_pays=False)
+    assert (rule.overlap, rule.speculative, rule.clip_value) == (False, False, None)
+
+
 def test_a_clip_requested_in_the_closure_reaches_the_engine_before_the_step_finishes():
     engine = FakeEngine()
     plugin = _plugin("32-true", engine)

@@ -46,6 +46,7 @@ from lightning_ratel.engine.switches import FitSwitches
 from lightning_ratel.errors import RatelConfigError, RatelModelError
 from lightning_ratel.io.checkpoint import ModelState
 from lightning_ratel.io.sources import ValueSource
+from lightning_ratel.plan.cost import updates_overlap
 from lightning_ratel.plan.owners import UnitCost, assign_owners
 from lightning_ratel.runtime import gds
 from lightning_ratel.runtime.activations import ActivationCache, PlaceholderRead
@@ -60,6 +61,7 @@ from lightning_ratel.runtime.hostmem import ALIGNMENT
 from lightning_ratel.runtime.hoststore import HostStore, TieredStore
 from lightning_ratel.runtime.optimizer import CpuAdam, StepPlan
 from lightning_ratel.runtime.pager import ParameterPager
+from lightning_ratel.runtime.probe import available_host_memory
 from lightning_ratel.runtime.storage import TensorStore
 from lightning_ratel.runtime.timeline import Timeline
 from lightning_ratel.runtime.units import Layout, Shard
@@ -162,8 +164,10 @@ class StepRule:
 
     Attributes:
         overlap: updates run during backward as each shard's gradients complete. Otherwise they wait for the end of
-            backward, where something global about the gradients must be known first: the norm (clipping by norm),
-            the overflow check (fp16 loss scaling), or whatever the module's own ``configure_gradient_clipping`` asks.
+            backward: where overlapping cannot shorten the step (the cost model's
+            :func:`~lightning_ratel.plan.cost.updates_overlap`: a run on the CPU), or where something global about the
+            gradients must be known first: the norm (clipping by norm), the overflow check (fp16 loss scaling), or
+            whatever the module's own ``configure_gradient_clipping`` asks.
         speculative: the norm or the overflow check is needed, yet updates overlap backward: each runs as if the clip
             coefficient were 1 and nothing overflowed, and the step's end confirms that or redoes them
             (:meth:`~lightning_ratel.runtime.optimizer.CpuAdam.resolve`), with the numbers of the deferred path.
@@ -177,7 +181,7 @@ class StepRule:
 
     @classmethod
     def decide(cls, clip_val: float | None, clip_algorithm: str, custom_clipping: bool, loss_scaled: bool,
-               speculate: bool = False) -> StepRule:
+               speculate: bool = False, overlap_pays: bool = True) -> StepRule:
         """The rule of one step.
 
         Args:
@@ -188,10 +192,12 @@ class StepRule:
             loss_scaled: fp16 loss scaling is on.
             speculate: a step that needs the norm or the overflow check may speculate (the engine's predictor: the
                 last step neither clipped nor overflowed, so the guess is likely right).
+            overlap_pays: updating during backward can shorten the step at all; ``False`` runs every update after
+                backward (nothing is speculated then either).
         """
         clipping = bool(clip_val) and float(clip_val) > 0
         needs_global = loss_scaled or (clipping and clip_algorithm == "norm")
-        deferred = custom_clipping or (needs_global and not speculate)
+        deferred = not overlap_pays or custom_clipping or (needs_global and not speculate)
         by_value = clipping and clip_algorithm == "value" and not deferred
         return cls(overlap=not deferred, clip_value=float(clip_val) if by_value else None,
                    speculative=needs_global and not deferred)
@@ -216,6 +222,12 @@ class RatelEngine:
     speculate = True
     """Whether steps that clip by norm or scale the loss may speculate (:class:`StepRule`); ``False`` keeps every such
     step on the deferred path (the reference the speculative path is tested against)."""
+
+    overlap_updates: bool | None = None
+    """Whether updates run during backward: ``None`` lets the cost model decide
+    (:func:`~lightning_ratel.plan.cost.updates_overlap`: during backward where a GPU computes, after it on the CPU);
+    ``True`` overlaps them on the CPU too (the path a GPU run takes, which the tests run on a machine without one),
+    ``False`` defers every update to the end of backward."""
 
     def __init__(
         self,
@@ -345,6 +357,7 @@ class RatelEngine:
             optimizer.add_param_group = self._refuse_new_group  # type: ignore[method-assign]
         self._step_plan = StepPlan([], overlap=False)
         self._pending_plan: StepPlan | None = None
+        self._overlap_pays = self._decide_overlap(local_world)
         self._clip: tuple[float, str] | None = None
         # The predictor of speculation: whether the last step clipped by norm or overflowed (a speculative update would
         # have been redone or dropped).
@@ -355,6 +368,18 @@ class RatelEngine:
         self._unwatched_ran = False
         # Whether the last training pass's loss was finite, on its way to host memory (flag, copy's event).
         self._last_loss: tuple[torch.Tensor, Any] | None = None
+
+    def _decide_overlap(self, local_world: int) -> bool:
+        """Whether updates may run during backward (:attr:`overlap_updates`, or else the cost model's
+        :func:`~lightning_ratel.plan.cost.updates_overlap`), from what the run holds once set up."""
+        if self.overlap_updates is not None:
+            return self.overlap_updates
+        held = self.accounts.held()["host"]
+        limit = self.config.host_memory_limit
+        room = max(0, limit - held) if limit is not None else available_host_memory() // local_world
+        # With streams simulated on the CPU the run takes a GPU's path (copies between separate memories).
+        return updates_overlap(unified=not self.device.separate_memory,
+                               gradient_bytes=4 * sum(s.numel for s in self.layout.shards), host_room=room)
 
     # ------------------------------------------------------------------ parameters used outside their block
 
@@ -505,7 +530,8 @@ class RatelEngine:
         """
         self._check_optimizer_params(optimizer)
         speculate = self.speculate and self.layout.generic is None and not self._missed
-        rule = StepRule.decide(clip_val, clip_algorithm, custom_clipping, loss_scale is not None, speculate)
+        rule = StepRule.decide(clip_val, clip_algorithm, custom_clipping, loss_scale is not None, speculate,
+                               overlap_pays=self._overlap_pays)
         hyper = GroupHyper.of(optimizer) if self.layout.generic is None else group_settings(optimizer)
         # GradScaler's reciprocal, taken once for every shard's unscale during backward.
         inv_scale = (loss_scale.double().reciprocal().float()

@@ -262,6 +262,37 @@ def bottleneck(resources: Mapping[str, float], *, unified: bool) -> str:
     return max(lanes, key=lambda name: lanes[name])
 
 
+DEFERRED_GRADIENT_SHARE = 0.25
+"""Of the host memory a run on the CPU has left once it is set up, the most its updates may take by waiting for the end
+of backward: every shard's fp32 gradient is held until then (the rest is for activations, the data loader and the page
+cache)."""
+
+
+def updates_overlap(*, unified: bool, gradient_bytes: int, host_room: int) -> bool:
+    """Whether a step's CPU optimizer updates run during backward, each as its shard's gradients complete, rather than
+    in one pass after backward.
+
+    Time decides first: overlapping pays only where it makes backward shorter than backward followed by the updates.
+    Where the optimizer has a lane of its own (a GPU computes), the overlapped phase lasts as long as its busiest lane,
+    shorter than the sum whenever both compute and update. On unified memory the optimizer runs on the compute cores
+    (:data:`CORE_RESOURCES`), so both orders take the same time here, and overlapping costs what the model does not
+    hold: the optimizer's thread and the compute's thread team take turns on the same cores, each switch waking
+    threads and evicting the other's cache lines. A tie runs the updates after backward, where memory allows: that
+    holds every shard's fp32 gradient until backward ends, where overlapping holds a few shards' worth, so a step whose
+    gradients take more than :data:`DEFERRED_GRADIENT_SHARE` of ``host_room`` still overlaps.
+
+    Args:
+        unified: "device" and host are one memory and the device computes on the CPU's cores
+            (:attr:`~lightning_ratel.hardware.HardwareProfile.unified_memory`).
+        gradient_bytes: host bytes of one step's fp32 gradients, every shard's.
+        host_room: host bytes the run has left once set up.
+    """
+    # One second of each is enough: only which lanes they share matters, not their length.
+    overlapped = phase_time({"compute": 1.0, "cpu_optimizer": 1.0}, unified=unified)
+    after = phase_time({"compute": 1.0}, unified=unified) + 1.0
+    return overlapped < after or gradient_bytes > DEFERRED_GRADIENT_SHARE * host_room
+
+
 @dataclass(frozen=True)
 class CostSettings:
     """What the cost model needs to know of a run besides the machine and the blocks: one definition for
