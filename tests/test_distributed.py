@@ -79,7 +79,7 @@ def _free_port() -> int:
 def ddp_reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Plain Lightning ``ddp`` on 2 processes: a Llama with accumulation over 2 micro-batches and clipping by norm."""
     out = tmp_path_factory.mktemp("ddp")
-    _ok(_run(out, "--strategy", "ddp", *ACCUMULATE_CLIP))
+    _ok(_run(out, "--strategy", "ddp", *ACCUMULATE_CLIP, "--sync-dist"))
     return _load(out)
 
 
@@ -177,9 +177,13 @@ def _shared_caches() -> set[str]:
 
 
 def test_two_processes_equal_ddp_with_accumulation_and_clipping(tmp_path: Path, ddp_reference: dict) -> None:
-    _ok(_run(tmp_path, *ACCUMULATE_CLIP))
+    """The states of ``ddp``'s, and the loss logged with ``sync_dist`` (reduced over the strategy's own collectives)
+    is ``ddp``'s mean of the ranks' losses."""
+    _ok(_run(tmp_path, *ACCUMULATE_CLIP, "--sync-dist"))
     for rank in (0, 1):
         _assert_same(ddp_reference, _load(tmp_path, rank))
+        assert _load(tmp_path, rank)["metrics"]["train_loss"] == pytest.approx(
+            ddp_reference["metrics"]["train_loss"], rel=1e-6, abs=0)
     # The first step speculated (each owner updated during backward as if nothing clipped), clipped, and was redone;
     # the steps after it waited for the end of backward.
     counts = [_load(tmp_path, rank)["counts"] for rank in (0, 1)]
@@ -469,6 +473,33 @@ def test_a_rank_raising_before_its_forward_stops_the_others_and_they_save(tmp_pa
     assert result.returncode != 0
     assert "RatelRankFailed: rank 1 failed (RuntimeError: rank 1 fails at step 1)" in result.stderr, result.stderr[-4000:]
     assert ShardedReader(tmp_path / "on_exception.ckpt").meta()["global_step"] == 1
+
+
+@pytest.mark.parametrize("where", ["barrier", "forward"])
+def test_a_rank_raising_while_the_other_waits_in_lightnings_collectives_stops_it_and_they_save(
+        tmp_path: Path, where: str) -> None:
+    """Rank 1 raises after step 1 while rank 0 waits for it in ``trainer.strategy.barrier()`` (``"barrier"``), or at the
+    end of its forward of step 2 while rank 0 reduces the loss it logs with ``sync_dist=True`` (``"forward"``). Rank 0
+    stops with an error naming rank 1's (its collectives would wait 600 s), while rank 1 is still there waiting for
+    it to stop (``fault_timeout``); the ranks meet and ``OnExceptionCheckpoint`` writes step 1, the last committed,
+    from every rank's states."""
+    result = _run(tmp_path / "run", "--fail", "1:1", "--fail-in", where, "--sync-dist", "--checkpoint-format",
+                  "sharded", "--on-exception", str(tmp_path), "--timeout", "600", "--fault-timeout", "60",
+                  timeout=240)
+    assert result.returncode != 0
+    assert "RatelRankFailed: rank 1 failed (RuntimeError: rank 1 fails at step 1)" in result.stderr, result.stderr[-4000:]
+    assert ShardedReader(tmp_path / "on_exception.ckpt").meta()["global_step"] == 1
+    sharded_to_lightning(tmp_path / "on_exception.ckpt", tmp_path / "check.ckpt")
+
+
+def test_a_rank_killed_while_the_other_waits_in_a_barrier_stops_it(tmp_path: Path) -> None:
+    """Rank 1's process ends after step 1 while rank 0 waits for it in ``trainer.strategy.barrier()``: rank 0 stops
+    with an error saying so (its collectives would wait 600 s)."""
+    result = _run(tmp_path, "--fail", "1:1", "--fail-in", "barrier", "--timeout", "600", "--fault-timeout", "60",
+                  env=_env(RATEL_TEST_KILL="1"), timeout=240)
+    assert result.returncode != 0
+    assert "RatelRankFailed: a collective with the other ranks failed on rank 0: a rank's process ended" in \
+        result.stderr, result.stderr[-4000:]
 
 
 @pytest.fixture(scope="module")
