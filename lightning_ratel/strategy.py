@@ -558,7 +558,7 @@ class RatelStrategy(ParallelStrategy):
                                                     self.config.host_memory_limit)
             # Before the model is materialized: the budget must hold at least the run's own buffers.
             check_host_budget(module, optimizer, self.config, self.precision_plugin.half_dtype,
-                              unified=self.root_device.type == "cpu")
+                              unified=self.root_device.type == "cpu", ranks=self.world_size)
         self.model_to_device()
         config = replace(self.config.with_ssd_paths(self._swap_directories), name=self._store_name())
         self._limit_device_memory()

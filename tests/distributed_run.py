@@ -111,6 +111,10 @@ class _Measure(L.Callback):
             # How this rank's own optimizer ran its updates (overlapped, deferred, redone, dropped).
             engine.adam.barrier()
             self.figures["counts"] = dict(getattr(engine.adam, "local", engine.adam).counts)
+            local = getattr(engine.adam, "local", None)
+            if local is not None:
+                # What the gradient exchange holds, in the engine's host accounting.
+                self.figures["exchange_bytes"] = engine.adam.host_buffer_bytes - local.host_buffer_bytes
             self.figures["state_traffic"] = trainer.strategy.state_traffic()
         profiler = getattr(trainer.strategy, "profiler", None)
         if profiler is not None and profiler.plan is not None:

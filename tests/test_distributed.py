@@ -22,6 +22,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
+import lightning_ratel
 from lightning_ratel.engine.coordinator import rank_threads
 from lightning_ratel.errors import RatelRankFailed
 from lightning_ratel.io.convert import main as convert_main
@@ -184,6 +185,12 @@ def test_two_processes_equal_ddp_with_accumulation_and_clipping(tmp_path: Path, 
         _assert_same(ddp_reference, _load(tmp_path, rank))
         assert _load(tmp_path, rank)["metrics"]["train_loss"] == pytest.approx(
             ddp_reference["metrics"]["train_loss"], rel=1e-6, abs=0)
+    # Each rank's gradient exchange held every shard's window at once (accumulation): the host accounting counts it,
+    # as the pre-flight estimate of two ranks does.
+    lm = LM("llama")
+    estimate = lightning_ratel.estimate(lm, precision="32-true", optimizer=lm.configure_optimizers()["optimizer"],
+                                        ranks=2, param_cache="host")
+    assert [_load(tmp_path, rank)["exchange_bytes"] for rank in (0, 1)] == [estimate.exchange_buffers] * 2
     # The first step speculated (each owner updated during backward as if nothing clipped), clipped, and was redone;
     # the steps after it waited for the end of backward.
     counts = [_load(tmp_path, rank)["counts"] for rank in (0, 1)]

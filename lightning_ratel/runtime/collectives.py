@@ -59,9 +59,11 @@ import torch.distributed as dist
 
 from lightning_ratel.errors import RatelRankFailed
 from lightning_ratel.runtime.device import DONE
-from lightning_ratel.runtime.hostmem import SharedHostMemory
+from lightning_ratel.runtime.hostmem import ALIGNMENT, SharedHostMemory
 from lightning_ratel.runtime.optimizer import CpuAdam, Finished, Outcome, StepPlan, finish_step
+from lightning_ratel.runtime.pool import HostPool
 from lightning_ratel.runtime.units import Shard, Unit
+from lightning_ratel.sizes import round_up
 
 
 @dataclass(frozen=True)
@@ -561,6 +563,13 @@ class _Reducing:
     work: Any
 
 
+def exchange_window_nbytes(shards: Sequence[Shard]) -> int:
+    """The most host memory a rank's gradient exchange holds for the window's sums of ``shards`` (the trainable ones):
+    every shard's buffer at once, as between the boundary micro-batches of gradient accumulation, or where the
+    reduces fall behind backward."""
+    return sum(round_up((s.numel + len(s.params)) * 4, ALIGNMENT) for s in shards)
+
+
 class _GradientExchange:
     """The exchange thread: sums a rank's gradients of the window and reduces each shard onto its owner.
 
@@ -586,6 +595,9 @@ class _GradientExchange:
         self._cursor = 0
         self._boundary = False
         self._buffers: dict[int, torch.Tensor] = {}
+        # The window's buffers come back when the reduce (and, on the owner, the optimizer) is done with them, and are
+        # reused: the memory is touched once, and its footprint is the most held at once (counted by :attr:`nbytes`).
+        self.pool = HostPool()
         self._seen: dict[int, set[int]] = {}
         self._complete: set[int] = set()
         self._reducing: deque[_Reducing] = deque()
@@ -593,6 +605,11 @@ class _GradientExchange:
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="ratel-grad-reduce", daemon=True)
         self._thread.start()
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes of the window's buffers, in use or free for the next window."""
+        return self.pool.nbytes
 
     def put(self, job: _Gradient | _Begin | _Flush | _Drop | _Stop) -> None:
         self._jobs.put(job)
@@ -659,7 +676,7 @@ class _GradientExchange:
         buffer = self._buffers.get(shard.index)
         if buffer is None:
             # The gradient, then one flag per parameter: 1 where this rank has that parameter's gradient.
-            buffer = self._buffers[shard.index] = torch.zeros(shard.numel + len(shard.params))
+            buffer = self._buffers[shard.index] = self._zeros(shard)
         sp = shard.params[job.position]
         sp.view(buffer).add_(job.grad)
         buffer[shard.numel + job.position] = 1.0
@@ -677,12 +694,15 @@ class _GradientExchange:
         self._cursor += 1
         buffer = self._buffers.pop(shard.index, None)
         if buffer is None:
-            buffer = torch.zeros(shard.numel + len(shard.params))
+            buffer = self._zeros(shard)
         # DistributedDataParallel's arithmetic: each rank's sum multiplied by 1/world, then summed over the ranks.
         buffer[: shard.numel].mul_(1.0 / self._ranks.world)
         work = dist.reduce(buffer, dst=self._owner[shard.index], op=dist.ReduceOp.SUM, group=self._group,
                            async_op=True)
         self._reducing.append(_Reducing(shard, buffer, work))
+
+    def _zeros(self, shard: Shard) -> torch.Tensor:
+        return self.pool.take(shard.numel + len(shard.params), torch.float32).zero_()
 
     def _collect(self, block: bool, everything: bool = False) -> None:
         """Deliver the reduces that finished, in order; with ``block``, wait for the oldest one (all of them with
@@ -869,8 +889,8 @@ class DataParallelAdam:
 
     @property
     def host_buffer_bytes(self) -> int:
-        """Host bytes of the local optimizer's buffers."""
-        return self.local.host_buffer_bytes
+        """Host bytes of the local optimizer's buffers and of the gradient exchange's window."""
+        return self.local.host_buffer_bytes + self._exchange.nbytes
 
     def _mine(self, shards: Sequence[Shard]) -> list[Shard]:
         return [s for s in shards if self.owns(s)]
@@ -1077,6 +1097,7 @@ class DataParallelAdam:
     def release_memory(self) -> None:
         """Free the buffers of the updates (no more will run)."""
         self._exchange.wait(_Drop)
+        self._exchange.pool.clear()
         self.local.release_memory()
 
     def close(self) -> None:
