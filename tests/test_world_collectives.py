@@ -35,7 +35,7 @@ def _healthy(world: WorldCollectives, rank: int) -> None:
             expected /= 2
         assert torch.equal(got, expected), reduce_op
     assert torch.equal(world.reduce(torch.tensor(3 + rank), "mean"), torch.tensor(3))
-    assert torch.equal(world.all_gather(torch.full((2, 3), float(rank))),
+    assert torch.equal(world.all_gather(torch.full((3, 2), float(rank)).t()),
                        torch.stack([torch.zeros(2, 3), torch.ones(2, 3)]))
 
 

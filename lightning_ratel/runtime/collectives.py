@@ -253,8 +253,9 @@ class Faults:
 
     def all_gather(self, tensor: torch.Tensor, group: Any) -> list[torch.Tensor]:
         """Collective: every rank's ``tensor`` (host memory, one shape on every rank), in rank order."""
+        tensor = tensor.contiguous()
         gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-        self.wait(dist.all_gather(gathered, tensor.contiguous(), group=group, async_op=True))
+        self.wait(dist.all_gather(gathered, tensor, group=group, async_op=True))
         return gathered
 
     def broadcast_object(self, obj: Any, src: int, group: Any) -> Any:
