@@ -503,11 +503,13 @@ def test_a_rank_raising_while_the_other_waits_in_lightnings_collectives_stops_it
     sharded_to_lightning(tmp_path / "on_exception.ckpt", tmp_path / "check.ckpt")
 
 
-def test_a_rank_killed_while_the_other_waits_in_a_barrier_stops_it(tmp_path: Path) -> None:
-    """Rank 1's process ends after step 1 while rank 0 waits for it in ``trainer.strategy.barrier()``: rank 0 stops
-    with an error saying so (its collectives would wait 600 s)."""
-    result = _run(tmp_path, "--fail", "1:1", "--fail-in", "barrier", "--timeout", "600", "--fault-timeout", "60",
-                  env=_env(RATEL_TEST_KILL="1"), timeout=240)
+@pytest.mark.parametrize("where", ["barrier", "forward"])
+def test_a_rank_killed_while_the_other_waits_in_lightnings_collectives_stops_it(tmp_path: Path, where: str) -> None:
+    """Rank 1's process ends after step 1 while rank 0 waits for it in ``trainer.strategy.barrier()``, or at the end of
+    its forward of step 2 while rank 0 reduces the loss it logs with ``sync_dist=True``: rank 0 stops with an error
+    saying so (its collectives would wait 600 s)."""
+    result = _run(tmp_path, "--fail", "1:1", "--fail-in", where, "--sync-dist", "--timeout", "600",
+                  "--fault-timeout", "60", env=_env(RATEL_TEST_KILL="1"), timeout=240)
     assert result.returncode != 0
     assert "RatelRankFailed: a collective with the other ranks failed on rank 0: a rank's process ended" in \
         result.stderr, result.stderr[-4000:]
