@@ -68,6 +68,8 @@ def estimate_parser(prog: str = "ratel-estimate") -> argparse.ArgumentParser:
                                                     "is available)")
     parser.add_argument("--checkpoint-format", choices=["auto", "full", "sharded"], default="auto",
                         help="RatelStrategy's checkpoint_format (default: auto)")
+    parser.add_argument("--ranks", type=int, default=1,
+                        help="ranks training data parallel: each holds a gradient exchange's buffers (default: 1)")
     return parser
 
 
@@ -80,7 +82,7 @@ def estimate(argv: Sequence[str] | None = None, prog: str = "ratel-estimate") ->
     try:
         print(estimate_run(args.folder, precision=args.precision, param_cache=args.param_cache,
                            prefetch_depth=args.prefetch_depth, host_memory_limit=args.host_memory_limit,
-                           checkpoint_format=args.checkpoint_format))
+                           checkpoint_format=args.checkpoint_format, ranks=args.ranks))
     except RatelConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -25,6 +25,7 @@ from lightning_ratel.errors import RatelConfigError, RatelPlanError
 from lightning_ratel.io.checkpoint import choose_checkpoint_format, gathered_checkpoint_bytes
 from lightning_ratel.plan.states import state_bytes
 from lightning_ratel.precision import RatelPrecision
+from lightning_ratel.runtime.collectives import exchange_window_nbytes
 from lightning_ratel.runtime.state_buffers import BUFFER_SETS, in_place, set_bytes, set_capacities, shard_need
 from lightning_ratel.runtime.units import Layout
 from lightning_ratel.sizes import format_bytes
@@ -49,6 +50,9 @@ class Estimate:
             the swap files, each set).
         gradient_buffers: the gradients backward may hold in host memory before an update frees some (with gradient
             accumulation or deferred updates, 4 bytes per trainable parameter instead).
+        exchange_buffers: with several ranks, each rank's gradient exchange: the window's fp32 sum of every trainable
+            shard (4 bytes per trainable parameter) until it is reduced onto its owner; at most all of them at once
+            (between the boundary micro-batches of gradient accumulation). 0 on one rank.
         device: the compute copies of the blocks in flight (``prefetch_depth + 1`` of the largest); activations and
             workspaces come on top and are known only once a step has run.
         checkpoint: one checkpoint in ``checkpoint_format`` (a sharded one: 12 bytes per trainable parameter, and the
@@ -66,16 +70,19 @@ class Estimate:
     gradient_buffers: int
     device: int
     checkpoint: int
+    exchange_buffers: int = 0
 
     @property
     def host(self) -> int:
         """Host memory of the run's own buffers (its activations come on top)."""
-        return self.host_cache + self.host_states + self.optimizer_buffers + self.gradient_buffers
+        return (self.host_cache + self.host_states + self.optimizer_buffers + self.gradient_buffers
+                + self.exchange_buffers)
 
     def _host_parts(self) -> str:
         return (f"compute copies {format_bytes(self.host_cache)}, optimizer states "
                 f"{format_bytes(self.host_states)}, CPU optimizer buffers "
-                f"{format_bytes(self.optimizer_buffers)}, gradients {format_bytes(self.gradient_buffers)}")
+                f"{format_bytes(self.optimizer_buffers)}, gradients {format_bytes(self.gradient_buffers)}"
+                + (f", gradient exchange {format_bytes(self.exchange_buffers)}" if self.exchange_buffers else ""))
 
     def __str__(self) -> str:
         rows = [
@@ -90,7 +97,7 @@ class Estimate:
 
 
 def estimate(model: nn.Module | Any | str | os.PathLike[str], precision: str = "bf16-mixed",
-             optimizer: torch.optim.Optimizer | None = None, **strategy_args: Any) -> Estimate:
+             optimizer: torch.optim.Optimizer | None = None, ranks: int = 1, **strategy_args: Any) -> Estimate:
     """The disk, host, device and checkpoint bytes a fit with :class:`~lightning_ratel.RatelStrategy` needs.
 
     Nothing is allocated: the model is laid out as a run lays it out, on the meta device.
@@ -102,6 +109,8 @@ def estimate(model: nn.Module | Any | str | os.PathLike[str], precision: str = "
         precision: the Trainer's precision: ``"bf16-mixed"``, ``"16-mixed"`` or ``"32-true"``.
         optimizer: the optimizer the module's ``configure_optimizers`` returns, for its parameter groups; ``None``:
             one group of every parameter that requires a gradient.
+        ranks: the ranks training data parallel (each holds a gradient exchange's buffers; the other parts are one
+            process's).
         **strategy_args: the arguments of :class:`~lightning_ratel.RatelStrategy` (``param_cache``,
             ``prefetch_depth``, ``host_memory_limit``, ``checkpoint_format``, ``blocks``, ``pretrained``...).
 
@@ -124,11 +133,11 @@ def estimate(model: nn.Module | Any | str | os.PathLike[str], precision: str = "
         optimizer = torch.optim.AdamW(trainable) if trainable else None
     if optimizer is None:
         raise RatelConfigError("the model has no parameter that requires a gradient: there is nothing to train")
-    return _estimate(model, optimizer, config, half)
+    return _estimate(model, optimizer, config, half, ranks)
 
 
 def _estimate(module: nn.Module, optimizer: torch.optim.Optimizer, config: RatelConfig,
-              half_dtype: torch.dtype | None) -> Estimate:
+              half_dtype: torch.dtype | None, ranks: int = 1) -> Estimate:
     layout = build_layout(module, discover_blocks(module, config.blocks), optimizer, half_dtype, config.param_cache,
                           config.host_memory_limit, _meta_empty, announce=False,
                           optimizer_states=config.states_request)
@@ -156,6 +165,7 @@ def _estimate(module: nn.Module, optimizer: torch.optim.Optimizer, config: Ratel
         gradient_buffers=GRAD_BUDGET_SHARDS * max((s.numel for s in layout.shards), default=0) * 4,
         device=(config.prefetch_depth + 1) * largest_unit,
         checkpoint=checkpoint,
+        exchange_buffers=exchange_window_nbytes(layout.shards) if ranks > 1 else 0,
     )
 
 
@@ -201,7 +211,7 @@ def _from_config(config: Any) -> nn.Module:
 
 
 def check_host_budget(module: nn.Module, optimizer: torch.optim.Optimizer, config: RatelConfig,
-                      half_dtype: torch.dtype | None, unified: bool) -> None:
+                      half_dtype: torch.dtype | None, unified: bool, ranks: int = 1) -> None:
     """Refuse a ``host_memory_limit`` that the run's own buffers exceed, before any of them is allocated.
 
     Args:
@@ -210,6 +220,7 @@ def check_host_budget(module: nn.Module, optimizer: torch.optim.Optimizer, confi
         config: the strategy's settings.
         half_dtype: the 16-bit dtype of mixed precision, ``None`` for fp32.
         unified: device and host are one memory (a CPU run): the device's parameters count too.
+        ranks: the ranks training data parallel (see :func:`estimate`).
 
     Raises:
         RatelPlanError: the buffers need more than ``host_memory_limit``.
@@ -217,7 +228,7 @@ def check_host_budget(module: nn.Module, optimizer: torch.optim.Optimizer, confi
     limit = config.host_memory_limit
     if limit is None:
         return
-    need = _estimate(module, optimizer, config, half_dtype)
+    need = _estimate(module, optimizer, config, half_dtype, ranks)
     total = need.host + (need.device if unified else 0)
     if total <= limit:
         return

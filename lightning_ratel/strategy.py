@@ -73,7 +73,7 @@ from lightning_ratel.plan.search import Plan
 from lightning_ratel.precision import RatelPrecision
 from lightning_ratel.preflight import check_host_budget
 from lightning_ratel.report import show_plan
-from lightning_ratel.runtime.collectives import Ranks
+from lightning_ratel.runtime.collectives import Ranks, WorldCollectives
 from lightning_ratel.runtime.swapfile import prepare_directories
 from lightning_ratel.sizes import format_bytes, format_rate, path_bytes
 from lightning_ratel.tiers import OptimizerStates, ParamCache, Placement
@@ -145,7 +145,10 @@ class RatelStrategy(ParallelStrategy):
         fault_timeout: once a rank stopped on an error (or its process ended), how long the others wait for every rank
             to stop before they take the missing ones as gone and stop too, without the checkpoint an
             ``OnExceptionCheckpoint`` would write; the ranks still running first finish the step they are in. A rank
-            that raises is named on every rank within a fraction of a second of the others' next collective.
+            that raises is named on every rank within a fraction of a second of the others' next collective: the
+            engine's, and those Lightning runs through the strategy (:meth:`barrier`, :meth:`broadcast`,
+            :meth:`reduce` of ``self.log(..., sync_dist=True)``, :meth:`all_gather`) except a reduce or all-gather of
+            a tensor on the GPU (NCCL's wait cannot be abandoned: ranks waiting there wait for ``timeout``).
         start_method: how several ranks are launched, as for Lightning's ``DDPStrategy``: ``"popen"`` runs the script
             again for each rank, ``"spawn"``/``"fork"``/``"forkserver"`` start processes with ``multiprocessing``.
         accelerator: the accelerator; normally set by the Trainer.
@@ -208,6 +211,8 @@ class RatelStrategy(ParallelStrategy):
             log_metrics=log_metrics,
         )
         self._engine: RatelEngine | None = None
+        # The run's collectives over every rank, watched for a failed rank (several ranks, during a run).
+        self._world: WorldCollectives | None = None
         self._exception: BaseException | None = None
         self._failure: BaseException | None = None
         # The device and allocator fraction that `device_memory_limit` replaced, to put back at teardown.
@@ -367,9 +372,34 @@ class RatelStrategy(ParallelStrategy):
         return Ranks(rank=self.global_rank, world=self.world_size, local_world=self.num_processes,
                      timeout=self._timeout, local_rank=self.local_rank, fault_timeout=self._fault_timeout)
 
+    def _collectives(self) -> WorldCollectives | None:
+        """The run's collectives over every rank, whose waits stop when a rank reports a failure (``None`` on one rank
+        and outside a run, where Lightning's default-group collectives serve, as under ``DDPStrategy``). While
+        Lightning handles an error that stopped training, the ranks first meet (:meth:`_meet`)."""
+        if self._world is not None and self._interrupted():
+            self._meet()
+        return self._world
+
+    def _interrupted(self) -> bool:
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        return trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
+
+    def _meet(self) -> None:
+        """While Lightning handles the error that stopped training, before the ranks' first collective since (an
+        ``on_exception`` callback's save or barrier): wait until every rank stopped, and give the engine's collectives
+        and the strategy's new groups (the old ones may hold a collective that a failed rank never joined). Once."""
+        error = sys.exc_info()[1] or RuntimeError("training stopped")
+        if self._engine is not None:
+            self._engine.regroup(error)
+        if self._world is not None:
+            self._world.regroup(error)
+
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if _distributed_is_initialized():
+        world = self._collectives()
+        if world is not None:
+            world.barrier()
+        elif _distributed_is_initialized():
             if dist.get_backend() == "nccl":
                 dist.barrier(device_ids=[self.root_device.index])
             else:
@@ -377,6 +407,9 @@ class RatelStrategy(ParallelStrategy):
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
+        world = self._collectives()
+        if world is not None:
+            return world.broadcast_object(obj, src)
         if not _distributed_is_initialized():
             return obj
         box = [obj]
@@ -385,9 +418,31 @@ class RatelStrategy(ParallelStrategy):
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
-        if isinstance(tensor, torch.Tensor):
+        """Reduce ``tensor`` over the ranks (``self.log(..., sync_dist=True)``, boolean decisions). A tensor in host
+        memory goes through the run's watched collectives; one on a GPU, or over a ``group`` of the caller's, through
+        Lightning's default-group reduction (NCCL on a GPU), whose wait does not watch for a failed rank."""
+        if not isinstance(tensor, torch.Tensor):
+            return tensor
+        world = self._collectives()
+        if world is None or group is not None or tensor.device.type != "cpu":
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+        return world.reduce(tensor, reduce_op)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        # In host memory, so that the reduction is watched on a GPU too.
+        count = self.reduce(torch.tensor(int(decision)), reduce_op=ReduceOp.SUM)  # type: ignore[arg-type]
+        return bool(count == self.world_size) if all else bool(count)
+
+    @override
+    def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
+        """Every rank's ``tensor``, stacked. A tensor in host memory without ``sync_grads`` goes through the run's
+        watched collectives; otherwise Lightning's all-gather on the default group (autograd's, NCCL on a GPU), whose
+        wait does not watch for a failed rank."""
+        world = self._collectives()
+        if world is None or group is not None or sync_grads or tensor.device.type != "cpu":
+            return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+        return world.all_gather(tensor)
 
     @property  # type: ignore[override]
     @override
@@ -464,6 +519,8 @@ class RatelStrategy(ParallelStrategy):
         super().setup_environment()
         if self.is_distributed:
             self._setup_distributed()
+            if self._world is None:
+                self._world = WorldCollectives(self._ranks())
         paths = self.config.ssd_paths or [os.path.join(trainer.default_root_dir, "ratel_swap")]
         self._created_directories = [missing for path in paths for missing in _missing_directories(Path(path))]
         self._swap_directories = [str(p) for p in prepare_directories(paths, self._store_name())]
@@ -501,7 +558,7 @@ class RatelStrategy(ParallelStrategy):
                                                     self.config.host_memory_limit)
             # Before the model is materialized: the budget must hold at least the run's own buffers.
             check_host_budget(module, optimizer, self.config, self.precision_plugin.half_dtype,
-                              unified=self.root_device.type == "cpu")
+                              unified=self.root_device.type == "cpu", ranks=self.world_size)
         self.model_to_device()
         config = replace(self.config.with_ssd_paths(self._swap_directories), name=self._store_name())
         self._limit_device_memory()
@@ -517,7 +574,8 @@ class RatelStrategy(ParallelStrategy):
         self._resume_source = None
         start = time.perf_counter()
         self._engine = RatelEngine(module, self.root_device, config, precision.half_dtype, optimizer, source,
-                                   progress=trainer.progress_bar_callback is not None, ranks=self._ranks())
+                                   progress=trainer.progress_bar_callback is not None, ranks=self._ranks(),
+                                   faults=self._world.faults if self._world is not None else None)
         if source is not None:
             layout = self._engine.layout
             rank_zero_info(f"RatelStrategy: {source.description.replace('loading', 'loaded', 1)}: "
@@ -831,13 +889,12 @@ class RatelStrategy(ParallelStrategy):
         skips ``teardown`` then, which would leave the swap files and the directory lock behind). The failure is
         remembered: a later save must not fall back to the module's paging placeholders.
         """
-        trainer = getattr(self.lightning_module, "_trainer", None)
-        interrupted = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
+        interrupted = self._interrupted()
         try:
-            if interrupted and self._engine is not None:
+            if interrupted:
                 # An on_exception callback saves while Lightning handles the error that stopped training (the
                 # strategy hears of it only after the callbacks): the ranks meet before they save together.
-                self._engine.regroup(sys.exc_info()[1] or RuntimeError("training stopped"))
+                self._meet()
             with self._internal():
                 return read()
         except BaseException as err:
@@ -894,6 +951,9 @@ class RatelStrategy(ParallelStrategy):
         self._exception = exception
         if isinstance(exception, torch.cuda.OutOfMemoryError):
             _explain_out_of_memory(exception, self.config.device_memory_limit)
+        if self._world is not None:
+            # The other ranks' watched collectives stop now instead of waiting for this one.
+            self._world.report(exception)
         if self._engine is not None:
             try:
                 self._engine.report_failure(exception)
@@ -1008,6 +1068,9 @@ class RatelStrategy(ParallelStrategy):
         engine, self._engine = self._engine, None
         if engine is not None:
             self._end_engine(engine, self._exception)
+        world, self._world = self._world, None
+        if world is not None:
+            world.close()
         self._remove_created_directories()
         if self._resume is not None:
             self._resume.close()

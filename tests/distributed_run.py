@@ -5,7 +5,7 @@ Lightning's own launcher starts the other ranks (``devices=N``), or the test sta
 its parameters and optimizer state after fit (as a user reads them), the bytes the strategy held at the end of training,
 the bytes it read from a pretrained folder and from a sharded checkpoint, the growth of the process's proportional set
 size and of its private memory (before and after the heap hands its free memory back) from the start of ``main`` to
-then, its peak RSS, its state traffic per step and, with ``--plan-auto``, the plan it applied.
+then, its peak RSS, its state traffic per step, the metrics logged last and, with ``--plan-auto``, the plan it applied.
 """
 
 from __future__ import annotations
@@ -111,6 +111,10 @@ class _Measure(L.Callback):
             # How this rank's own optimizer ran its updates (overlapped, deferred, redone, dropped).
             engine.adam.barrier()
             self.figures["counts"] = dict(getattr(engine.adam, "local", engine.adam).counts)
+            local = getattr(engine.adam, "local", None)
+            if local is not None:
+                # What the gradient exchange holds, in the engine's host accounting.
+                self.figures["exchange_bytes"] = engine.adam.host_buffer_bytes - local.host_buffer_bytes
             self.figures["state_traffic"] = trainer.strategy.state_traffic()
         profiler = getattr(trainer.strategy, "profiler", None)
         if profiler is not None and profiler.plan is not None:
@@ -169,13 +173,14 @@ def _count_reads(fail_save: str | None) -> dict[str, int]:
 
 
 class _Raise(L.Callback):
-    """Raise on one rank at one step (the others must stop too): after its backward, or before its first forward
-    (``early``)."""
+    """Raise on one rank at one step (the others must stop too), ``where``: after its backward (``"backward"``), before
+    its first forward (``"early"``), at the end of its forward while the others log the loss with ``sync_dist``
+    (``"forward"``), or after the step while the others wait in ``trainer.strategy.barrier()`` (``"barrier"``)."""
 
-    def __init__(self, rank: int, step: int, early: bool = False) -> None:
+    def __init__(self, rank: int, step: int, where: str = "backward") -> None:
         self.rank = rank
         self.step = step
-        self.early = early
+        self.where = where
 
     def _fail(self, trainer: L.Trainer) -> None:
         if trainer.global_rank == self.rank and trainer.global_step == self.step:
@@ -183,13 +188,22 @@ class _Raise(L.Callback):
                 os._exit(9)
             raise RuntimeError(f"rank {self.rank} fails at step {self.step}")
 
+    def setup(self, trainer: L.Trainer, module: L.LightningModule, stage: str) -> None:
+        if self.where == "forward":
+            module.model.register_forward_hook(lambda *_: self._fail(trainer) if torch.is_grad_enabled() else None)
+
     def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
-        if self.early:
+        if self.where == "early":
             self._fail(trainer)
 
     def on_before_optimizer_step(self, trainer: L.Trainer, module: L.LightningModule, optimizer: Any) -> None:
-        if not self.early:
+        if self.where == "backward":
             self._fail(trainer)
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
+        if self.where == "barrier" and trainer.global_step == self.step:
+            self._fail(trainer)
+            trainer.strategy.barrier()
 
 
 class _NoRoom(L.Callback):
@@ -267,6 +281,9 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--states", default="auto", help="RatelStrategy's optimizer_states")
     parser.add_argument("--fail", default=None, help="RANK:STEP: raise on that rank at that step")
     parser.add_argument("--fail-early", action="store_true", help="--fail raises before the step's first forward")
+    parser.add_argument("--fail-in", default="backward", choices=["backward", "forward", "barrier"],
+                        help="--fail raises there (see _Raise)")
+    parser.add_argument("--sync-dist", action="store_true", help="the losses are logged with sync_dist=True")
     parser.add_argument("--on-exception", default=None,
                         help="Lightning's OnExceptionCheckpoint writes <this>/on_exception.ckpt when training fails")
     parser.add_argument("--timeout", type=float, default=60, help="RatelStrategy's timeout of a collective, seconds")
@@ -318,7 +335,7 @@ def main(argv: list[str]) -> None:
         callbacks.append(OnExceptionCheckpoint(args.on_exception))
     if args.fail:
         rank, step = (int(x) for x in args.fail.split(":"))
-        callbacks.append(_Raise(rank, step, args.fail_early))
+        callbacks.append(_Raise(rank, step, "early" if args.fail_early else args.fail_in))
     if args.no_room is not None:
         callbacks.append(_NoRoom(args.no_room))
     if args.tight_host is not None:
@@ -336,6 +353,7 @@ def main(argv: list[str]) -> None:
     if args.overflow:
         rank, step = (int(x) for x in args.overflow.split(":"))
         _overflow_on(module, rank, step)
+    module.sync_dist = args.sync_dist
     if args.no_speculate:
         RatelEngine.speculate = False
     # As the tests' conftest does in their own process: the GPU's path unless asked otherwise.
@@ -359,6 +377,7 @@ def main(argv: list[str]) -> None:
     params, optimizer = final_state(module, t)
     torch.save({"params": params, "optimizer": optimizer, **measure.figures,
                 "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "world": t.world_size,
+                "metrics": {name: value.item() for name, value in t.callback_metrics.items()},
                 "reads": reads},
                out / f"rank{t.global_rank}.pt")
 

@@ -121,6 +121,9 @@ MIXED_POLICY = {"*.0": "ssd", "*.1": "recompute", "*": "host"}
 class LM(L.LightningModule):
     """Wraps a causal LM; AdamW with a no-decay group and a step LR scheduler, like a typical fine-tuning script."""
 
+    sync_dist = False
+    """Whether the losses are logged with ``sync_dist=True`` (reduced over the ranks as they are logged)."""
+
     def __init__(self, model: str = "llama", lr: float = 1e-2, n_batches: int = 12, batch_size: int = 2) -> None:
         super().__init__()
         torch.manual_seed(0)
@@ -131,11 +134,11 @@ class LM(L.LightningModule):
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self.model(input_ids=batch, labels=batch).loss
-        self.log("train_loss", loss, prog_bar=True)
+        self.log("train_loss", loss, prog_bar=True, sync_dist=self.sync_dist)
         return loss
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
-        self.log("val_loss", self.model(input_ids=batch, labels=batch).loss)
+        self.log("val_loss", self.model(input_ids=batch, labels=batch).loss, sync_dist=self.sync_dist)
 
     def test_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         self.log("test_loss", self.model(input_ids=batch, labels=batch).loss)

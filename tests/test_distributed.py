@@ -22,6 +22,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
+import lightning_ratel
 from lightning_ratel.engine.coordinator import rank_threads
 from lightning_ratel.errors import RatelRankFailed
 from lightning_ratel.io.convert import main as convert_main
@@ -79,7 +80,7 @@ def _free_port() -> int:
 def ddp_reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Plain Lightning ``ddp`` on 2 processes: a Llama with accumulation over 2 micro-batches and clipping by norm."""
     out = tmp_path_factory.mktemp("ddp")
-    _ok(_run(out, "--strategy", "ddp", *ACCUMULATE_CLIP))
+    _ok(_run(out, "--strategy", "ddp", *ACCUMULATE_CLIP, "--sync-dist"))
     return _load(out)
 
 
@@ -177,9 +178,19 @@ def _shared_caches() -> set[str]:
 
 
 def test_two_processes_equal_ddp_with_accumulation_and_clipping(tmp_path: Path, ddp_reference: dict) -> None:
-    _ok(_run(tmp_path, *ACCUMULATE_CLIP))
+    """The states of ``ddp``'s, and the loss logged with ``sync_dist`` (reduced over the strategy's own collectives)
+    is ``ddp``'s mean of the ranks' losses."""
+    _ok(_run(tmp_path, *ACCUMULATE_CLIP, "--sync-dist"))
     for rank in (0, 1):
         _assert_same(ddp_reference, _load(tmp_path, rank))
+        assert _load(tmp_path, rank)["metrics"]["train_loss"] == pytest.approx(
+            ddp_reference["metrics"]["train_loss"], rel=1e-6, abs=0)
+    # Each rank's gradient exchange held every shard's window at once (accumulation): the host accounting counts it,
+    # as the pre-flight estimate of two ranks does.
+    lm = LM("llama")
+    estimate = lightning_ratel.estimate(lm, precision="32-true", optimizer=lm.configure_optimizers()["optimizer"],
+                                        ranks=2, param_cache="host")
+    assert [_load(tmp_path, rank)["exchange_bytes"] for rank in (0, 1)] == [estimate.exchange_buffers] * 2
     # The first step speculated (each owner updated during backward as if nothing clipped), clipped, and was redone;
     # the steps after it waited for the end of backward.
     counts = [_load(tmp_path, rank)["counts"] for rank in (0, 1)]
@@ -375,8 +386,9 @@ def test_each_state_once_per_node(tmp_path: Path, states: str, ddp_reference: di
     disk, both ranks' files in one directory, are within 1.1x of one rank's) or in host memory; each rank holds part.
     The engine's host bytes of the two (the host cache, the states in host memory, the CPU optimizer's buffer sets
     that stage the states from the swap files, which the ranks split, and its gradients) are within 1.1x of one
-    rank's; the numbers are ddp's. With accumulation and clipping every step holds its gradients until backward ends,
-    so the gradients' bytes do not depend on timing."""
+    rank's, apart from the gradient exchange's window, which each rank holds for itself (counted in its host bytes:
+    every trainable shard's fp32 sum); the numbers are ddp's. With accumulation and clipping every step holds its
+    gradients until backward ends, so the gradients' bytes do not depend on timing."""
     _ok(_run(tmp_path / "one", "--devices", "1", "--states", states, *ACCUMULATE_CLIP))
     _ok(_run(tmp_path / "two", "--states", states, *ACCUMULATE_CLIP))
     one, two = _load(tmp_path / "one"), [_load(tmp_path / "two", r) for r in (0, 1)]
@@ -384,8 +396,10 @@ def test_each_state_once_per_node(tmp_path: Path, states: str, ddp_reference: di
         _assert_same(ddp_reference, got)
     assert sum(t["states"][states] for t in two) == one["states"][states] > 0
     assert all(0 < t["states"][states] < one["states"][states] for t in two)
-    assert sum(t["placement"]["host"] for t in two) <= 1.1 * one["placement"]["host"]
-    assert all(0 < t["placement"]["host"] < one["placement"]["host"] for t in two)
+    shared = [t["placement"]["host"] - t["exchange_bytes"] for t in two]
+    assert all(t["exchange_bytes"] > 0 for t in two) and "exchange_bytes" not in one
+    assert sum(shared) <= 1.1 * one["placement"]["host"]
+    assert all(0 < held < one["placement"]["host"] for held in shared)
     if states == "ssd":
         assert two[0]["swap_bytes"] <= 1.1 * one["swap_bytes"]
         assert sum(t["placement"]["disk"] for t in two) <= 1.1 * one["placement"]["disk"]
@@ -395,15 +409,16 @@ def test_each_state_once_per_node(tmp_path: Path, states: str, ddp_reference: di
 def test_host_cache_once_per_node(tmp_path: Path) -> None:
     """Two ranks on one node page from one host cache of the compute copies: the node's engine host bytes (each rank
     counts the units whose cache it writes, and the optimizer states it owns in host memory) are within 1.1x of one
-    rank's, and the cache's pages are resident once (the two ranks' proportional shares of them add up to what each
+    rank's, apart from each rank's gradient exchange window, and the cache's pages are resident once (the two ranks' proportional shares of them add up to what each
     maps). Nothing of it is left in /dev/shm."""
     before = _shared_caches()
     args = ("--model", "llama16", "--states", "host")
     _ok(_run(tmp_path / "one", "--devices", "1", *args))
     _ok(_run(tmp_path / "two", *args))
     one, two = _load(tmp_path / "one"), [_load(tmp_path / "two", r) for r in (0, 1)]
-    assert sum(t["placement"]["host"] for t in two) <= 1.1 * one["placement"]["host"]
-    assert all(0 < t["placement"]["host"] < one["placement"]["host"] for t in two)
+    shared = [t["placement"]["host"] - t["exchange_bytes"] for t in two]
+    assert sum(shared) <= 1.1 * one["placement"]["host"]
+    assert all(0 < held < one["placement"]["host"] for held in shared)
     assert one["shared_cache"] == (0, 0)
     (rss0, pss0), (rss1, pss1) = (t["shared_cache"] for t in two)
     assert rss0 == rss1 > 0 and pss0 + pss1 == rss0
@@ -479,6 +494,35 @@ def test_a_rank_raising_before_its_forward_stops_the_others_and_they_save(tmp_pa
     assert result.returncode != 0
     assert "RatelRankFailed: rank 1 failed (RuntimeError: rank 1 fails at step 1)" in result.stderr, result.stderr[-4000:]
     assert ShardedReader(tmp_path / "on_exception.ckpt").meta()["global_step"] == 1
+
+
+@pytest.mark.parametrize("where", ["barrier", "forward"])
+def test_a_rank_raising_while_the_other_waits_in_lightnings_collectives_stops_it_and_they_save(
+        tmp_path: Path, where: str) -> None:
+    """Rank 1 raises after step 1 while rank 0 waits for it in ``trainer.strategy.barrier()`` (``"barrier"``), or at the
+    end of its forward of step 2 while rank 0 reduces the loss it logs with ``sync_dist=True`` (``"forward"``). Rank 0
+    stops with an error naming rank 1's (its collectives would wait 600 s), while rank 1 is still there waiting for
+    it to stop (``fault_timeout``); the ranks meet and ``OnExceptionCheckpoint`` writes step 1, the last committed,
+    from every rank's states."""
+    result = _run(tmp_path / "run", "--fail", "1:1", "--fail-in", where, "--sync-dist", "--checkpoint-format",
+                  "sharded", "--on-exception", str(tmp_path), "--timeout", "600", "--fault-timeout", "60",
+                  timeout=240)
+    assert result.returncode != 0
+    assert "RatelRankFailed: rank 1 failed (RuntimeError: rank 1 fails at step 1)" in result.stderr, result.stderr[-4000:]
+    assert ShardedReader(tmp_path / "on_exception.ckpt").meta()["global_step"] == 1
+    sharded_to_lightning(tmp_path / "on_exception.ckpt", tmp_path / "check.ckpt")
+
+
+@pytest.mark.parametrize("where", ["barrier", "forward"])
+def test_a_rank_killed_while_the_other_waits_in_lightnings_collectives_stops_it(tmp_path: Path, where: str) -> None:
+    """Rank 1's process ends after step 1 while rank 0 waits for it in ``trainer.strategy.barrier()``, or at the end of
+    its forward of step 2 while rank 0 reduces the loss it logs with ``sync_dist=True``: rank 0 stops with an error
+    saying so (its collectives would wait 600 s)."""
+    result = _run(tmp_path, "--fail", "1:1", "--fail-in", where, "--sync-dist", "--timeout", "600",
+                  "--fault-timeout", "60", env=_env(RATEL_TEST_KILL="1"), timeout=240)
+    assert result.returncode != 0
+    assert "RatelRankFailed: a collective with the other ranks failed on rank 0: a rank's process ended" in \
+        result.stderr, result.stderr[-4000:]
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,9 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 import lightning_ratel
 from lightning_ratel import RatelPlanError, RatelStrategy
+from lightning_ratel.config import RatelConfig
 from lightning_ratel.engine.coordinator import GRAD_BUDGET_SHARDS
+from lightning_ratel.preflight import check_host_budget
 from tests.models import LM, tiny_llama, trainer
 
 
@@ -106,3 +108,24 @@ def test_host_budget_refused_before_the_model_is_built(tmp_path: Path) -> None:
     assert steps == []
     assert not swap.exists(), "swap files written before the budget was checked, or the directory the run made left"
     assert all(torch.isfinite(p).all() for p in lm.parameters())
+
+
+def test_several_ranks_count_their_gradient_exchange() -> None:
+    """Each of several ranks sums the window's gradients of every trainable shard in fp32 before reducing it onto its
+    owner: 4 bytes per trainable parameter (and a flag per tensor), counted in its host memory and checked against the
+    budget; one rank holds none."""
+    lm = LM("llama8", n_batches=2)
+    optimizer = lm.configure_optimizers()["optimizer"]
+    # Where the states and the compute copies live chosen, so that a host budget does not move them.
+    placed = {"param_cache": "host", "optimizer_states": "ssd"}
+    one = lightning_ratel.estimate(lm, precision="32-true", optimizer=optimizer, **placed)
+    two = lightning_ratel.estimate(lm, precision="32-true", optimizer=optimizer, ranks=2, **placed)
+    assert one.exchange_buffers == 0 and "gradient exchange" not in str(one)
+    tensors = sum(1 for p in lm.parameters() if p.requires_grad)
+    assert 4 * two.trainable <= two.exchange_buffers <= 4 * (two.trainable + tensors) + 4096 * tensors
+    assert two.host == one.host + two.exchange_buffers and "gradient exchange" in str(two)
+    # A budget that holds one rank's buffers but not those of a rank of two.
+    config = RatelConfig(host_memory_limit=one.host + one.device + two.exchange_buffers // 2, **placed)
+    check_host_budget(lm, optimizer, config, None, unified=True)
+    with pytest.raises(RatelPlanError, match="gradient exchange"):
+        check_host_budget(lm, optimizer, config, None, unified=True, ranks=2)

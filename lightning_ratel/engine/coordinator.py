@@ -52,7 +52,7 @@ from lightning_ratel.runtime import gds
 from lightning_ratel.runtime.activations import ActivationCache, PlaceholderRead
 from lightning_ratel.runtime.adamw import GroupHyper
 from lightning_ratel.runtime.buffers import BufferBroadcast
-from lightning_ratel.runtime.collectives import DataParallelAdam, NodeCache, Ranks, SharedCacheUnavailable
+from lightning_ratel.runtime.collectives import DataParallelAdam, Faults, NodeCache, Ranks, SharedCacheUnavailable
 from lightning_ratel.runtime.device import Device
 from lightning_ratel.runtime.escapes import Escape, EscapeDetector
 from lightning_ratel.runtime.generic import group_settings
@@ -124,15 +124,15 @@ def _state_store(device: Device, config: RatelConfig, shards: list[Shard], local
     return TieredStore(disk, HostStore(f"{config.name}-states", threads=threads), host_keys)
 
 
-def _node_cache(module: nn.Module, ranks: Ranks) -> NodeCache | None:
-    """The host cache the ranks of this node share (collective over every rank), or ``None``: each rank keeps its
-    own, with a warning why where several ranks share the node."""
+def _node_cache(module: nn.Module, ranks: Ranks, faults: Faults | None) -> NodeCache | None:
+    """The host cache the ranks of this node share (collective over every rank, watching ``faults``), or ``None``:
+    each rank keeps its own, with a warning why where several ranks share the node."""
     params = list(module.parameters())
     # At least the host cache's bytes: compute dtypes are never wider than the parameters' own, and each of a unit's
     # runs of one dtype and group starts on a page.
     nbytes = sum(p.numel() * p.element_size() for p in params) + 2 * ALIGNMENT * len(params)
     try:
-        return NodeCache.open(ranks, nbytes)
+        return NodeCache.open(ranks, nbytes, faults)
     except SharedCacheUnavailable as err:
         if ranks.local_world > 1:
             rank_zero_warn(
@@ -217,6 +217,9 @@ class RatelEngine:
         progress: show a progress bar while the model is materialized.
         ranks: this process's place among several training data parallel (each unit's states and update then live on
             one owner rank, :mod:`lightning_ratel.runtime.collectives`); ``None``: one process.
+        faults: with ``ranks``, where the run's failures are reported and watched for (shared with the strategy's own
+            collectives, :class:`~lightning_ratel.runtime.collectives.WorldCollectives`); ``None``: the engine's
+            collectives watch a store of their own.
     """
 
     speculate = True
@@ -239,6 +242,7 @@ class RatelEngine:
         source: ValueSource | None = None,
         progress: bool = False,
         ranks: Ranks | None = None,
+        faults: Faults | None = None,
     ) -> None:
         assert config.ssd_paths is not None
         self.module = module
@@ -253,7 +257,7 @@ class RatelEngine:
             check_patterns(found, config.activation_policy)
         parallel = ranks is not None and optimizer is not None
         # The ranks of a node page from one host cache (each compute copy held once per node).
-        node = _node_cache(module, ranks) if parallel and ranks is not None else None
+        node = _node_cache(module, ranks, faults) if parallel and ranks is not None else None
         try:
             host_empty = (self.device.host_empty if node is None
                           else functools.partial(self.device.shared_host_empty, node.memory))
@@ -308,10 +312,11 @@ class RatelEngine:
                     self.adam = cpu_adam(self.layout.shards)
                 else:
                     assert ranks is not None
-                    self.adam = DataParallelAdam(cpu_adam, self.layout.shards, owners, ranks, node)
+                    self.adam = DataParallelAdam(cpu_adam, self.layout.shards, owners, ranks, node, faults)
                     self.adam.sync_compute_copies()
-                    # On gloo the training thread's own group, whose waits watch for a failed rank: an abandoned
-                    # broadcast on the default group would stand in the way of Lightning's barrier when saving.
+                    # On gloo the training thread's own group, whose waits watch for a failed rank (and which the
+                    # ranks replace when they meet after a failure); on CUDA the default group (NCCL), as DDP sends
+                    # them, unwatched.
                     gloo = dist.get_backend() == "gloo"
                     self._buffers = BufferBroadcast(module, group=self.adam.control_group if gloo else None,
                                                     wait=self.adam.wait)

@@ -37,11 +37,14 @@ A rank that raises never joins the collective the others wait in, and gloo notic
 wait of these collectives also watches the process group's store, where a failing rank reports itself (:class:`Faults`),
 and raises :class:`RatelRankFailed` naming it. After a failure the ranks meet there again (:meth:`DataParallelAdam.regroup`),
 so that they can still write the last committed step together (Lightning's ``OnExceptionCheckpoint``), or learn within
-a bounded time that a rank is gone.
+a bounded time that a rank is gone. The collectives that Lightning's loops and callbacks run through the strategy
+(barriers, broadcasts, the reductions of ``self.log(..., sync_dist=True)``) are watched alike, on a gloo group of their
+own (:class:`WorldCollectives`), and share the run's :class:`Faults` with the engine's.
 """
 
 from __future__ import annotations
 
+import pickle
 import queue
 import threading
 from collections import deque
@@ -56,9 +59,11 @@ import torch.distributed as dist
 
 from lightning_ratel.errors import RatelRankFailed
 from lightning_ratel.runtime.device import DONE
-from lightning_ratel.runtime.hostmem import SharedHostMemory
+from lightning_ratel.runtime.hostmem import ALIGNMENT, SharedHostMemory
 from lightning_ratel.runtime.optimizer import CpuAdam, Finished, Outcome, StepPlan, finish_step
+from lightning_ratel.runtime.pool import HostPool
 from lightning_ratel.runtime.units import Shard, Unit
+from lightning_ratel.sizes import round_up
 
 
 @dataclass(frozen=True)
@@ -197,7 +202,9 @@ class Faults:
         """Wait for ``work``, a collective started with ``async_op=True``, or until a rank reports a failure.
 
         Raises:
-            RatelRankFailed: a rank reported a failure (the collective is abandoned: its group must not be used again).
+            RatelRankFailed: a rank reported a failure (the collective is abandoned: its group must not be used
+                again), or the collective itself failed: a rank's process ended (gloo notices the closed connection)
+                or a rank did not join it within the group's timeout.
         """
         while True:
             try:
@@ -205,14 +212,70 @@ class Faults:
                 return
             except RuntimeError:
                 if work.is_completed():
-                    # It ended while the poll gave up, or failed (a rank's process ended): its own outcome.
-                    work.wait()
+                    # It ended while the poll gave up, or failed: its own outcome.
+                    self._outcome(work)
                     return
             self.check()
+
+    def _outcome(self, work: Any) -> None:
+        """The outcome of ``work``, which completed: nothing, or the failure of a collective in the ranks' words."""
+        try:
+            work.wait()
+        except RuntimeError as err:
+            # A rank that failed reports before its process ends; one killed reports nothing.
+            reported = self.describe(others=True) if self._reachable() else ""
+            raise RatelRankFailed(
+                f"a collective with the other ranks failed on rank {self._ranks.rank}: "
+                + (reported or "a rank's process ended, or a rank did not join it within the timeout")
+                + f" ({err})") from err
+
+    def _reachable(self) -> bool:
+        """Whether the process group's store still answers (rank 0's process hosts it)."""
+        try:
+            self._store.check([self._key("any")])
+        except Exception:  # noqa: BLE001 - any failure to reach it means it is gone
+            return False
+        return True
 
     def broadcast(self, tensor: torch.Tensor, src: int, group: Any) -> None:
         """Collective: ``src``'s ``tensor`` on every rank of ``group`` (gloo), waited for as :meth:`wait` does."""
         self.wait(dist.broadcast(tensor, src=src, group=group, async_op=True))
+
+    def barrier(self, group: Any) -> None:
+        """Collective: every rank of ``group`` (gloo) got here, waited for as :meth:`wait` does."""
+        self.wait(dist.barrier(group=group, async_op=True))
+
+    def all_reduce(self, tensor: torch.Tensor, op: Any, group: Any) -> torch.Tensor:
+        """Collective: ``tensor`` (host memory) reduced with ``op`` over ``group`` (gloo), in place, waited for as
+        :meth:`wait` does."""
+        self.wait(dist.all_reduce(tensor, op=op, group=group, async_op=True))
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor, group: Any) -> list[torch.Tensor]:
+        """Collective: every rank's ``tensor`` (host memory, one shape on every rank), in rank order."""
+        tensor = tensor.contiguous()
+        gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        self.wait(dist.all_gather(gathered, tensor, group=group, async_op=True))
+        return gathered
+
+    def broadcast_object(self, obj: Any, src: int, group: Any) -> Any:
+        """Collective: rank ``src``'s picklable ``obj`` on every rank of ``group`` (its length, then its bytes)."""
+        payload = _pickled(obj) if self._ranks.rank == src else None
+        length = torch.tensor([0 if payload is None else payload.numel()], dtype=torch.int64)
+        self.broadcast(length, src, group)
+        if payload is None:
+            payload = torch.empty(int(length.item()), dtype=torch.uint8)
+        self.broadcast(payload, src, group)
+        return _unpickled(payload)
+
+    def gather_objects(self, obj: Any, group: Any) -> list[Any]:
+        """Collective: every rank's picklable ``obj``, in rank order, on every rank of ``group`` (the lengths, then
+        the bytes, padded to the longest)."""
+        payload = _pickled(obj)
+        lengths = [int(n.item()) for n in self.all_gather(torch.tensor([payload.numel()], dtype=torch.int64), group)]
+        padded = torch.zeros(max(lengths), dtype=torch.uint8)
+        padded[: payload.numel()] = payload
+        return [_unpickled(bytes_[:n]) for bytes_, n in zip(self.all_gather(padded, group), lengths)]
 
     def assemble(self, error: BaseException) -> None:
         """After ``error`` stopped this rank: report it and wait until every rank stopped (at most the ranks'
@@ -245,6 +308,98 @@ class Faults:
         later = Faults(self._ranks, self._prefix, self._generation + 1)
         later._reported = self._reported
         return later
+
+
+def _pickled(obj: Any) -> torch.Tensor:
+    """``obj`` pickled, as a tensor of bytes a collective sends."""
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+
+
+def _unpickled(payload: torch.Tensor) -> Any:
+    """The object :func:`_pickled` made ``payload`` of (sent by the ranks of this run only)."""
+    return pickle.loads(payload.numpy().tobytes())
+
+
+class WorldCollectives:
+    """The collectives over every rank that Lightning's loops and callbacks run through the strategy (barriers, an
+    object broadcast from one rank, the reductions of ``self.log(..., sync_dist=True)`` and of boolean decisions,
+    all-gathers), watched for a failed rank as the engine's are (:class:`Faults`), for one run.
+
+    They run on a gloo group of their own, whatever the default backend: a barrier and an object need no device, and a
+    wait on gloo can be abandoned when a rank reports a failure. The run's engine shares :attr:`faults`, so a failure
+    reported anywhere stops every watched wait on every rank. Tensors on an accelerator are not these collectives' to
+    move (the caller sends them over the default group, NCCL, whose wait runs on the device's stream and cannot be
+    abandoned from the host: a rank that raises leaves the others there until the collective's timeout).
+
+    Args:
+        ranks: this rank's place.
+    """
+
+    def __init__(self, ranks: Ranks) -> None:
+        self.ranks = ranks
+        # Made on every rank at the same point of the run, as every group must be.
+        self._groups = [dist.new_group(backend="gloo", timeout=ranks.timeout)]
+        self.faults = Faults(ranks, f"ratel-faults/{self._groups[0].group_name}")
+        self._met = False
+
+    @property
+    def _group(self) -> Any:
+        return self._groups[-1]
+
+    def barrier(self) -> None:
+        """Collective: every rank got here."""
+        self.faults.barrier(self._group)
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Collective: rank ``src``'s picklable ``obj`` on every rank."""
+        return self.faults.broadcast_object(obj, src, self._group)
+
+    def reduce(self, tensor: torch.Tensor, reduce_op: str | Any | None = "mean") -> torch.Tensor:
+        """Collective: ``tensor`` (host memory) reduced over every rank, in place, as Lightning's ``_sync_ddp`` reduces
+        on gloo: ``reduce_op`` a ``ReduceOp`` or its name (``None``: a sum); an average (``"mean"``, ``"avg"``) is a
+        sum divided by the number of ranks, since gloo has no average."""
+        if isinstance(reduce_op, str):
+            name = reduce_op.lower()
+            mean = name in ("mean", "avg")
+            op = dist.ReduceOp.SUM if mean else getattr(dist.ReduceOp, name.upper())
+        else:
+            mean = reduce_op == dist.ReduceOp.AVG
+            op = dist.ReduceOp.SUM if reduce_op is None or mean else reduce_op
+        self.faults.all_reduce(tensor, op, self._group)
+        if not mean:
+            return tensor
+        if not torch.is_floating_point(tensor):
+            return tensor.copy_(tensor / self.ranks.world)
+        return tensor.div_(self.ranks.world)
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Collective: every rank's ``tensor`` (host memory, one shape on every rank), stacked in rank order."""
+        return torch.stack(self.faults.all_gather(tensor, self._group))
+
+    def report(self, error: BaseException) -> None:
+        """Tell the other ranks that ``error`` stopped this rank (see :meth:`Faults.report`)."""
+        self.faults.report(error)
+
+    def regroup(self, error: BaseException) -> None:
+        """After ``error`` stopped this rank, before the ranks save together (Lightning's ``OnExceptionCheckpoint``):
+        meet (:meth:`Faults.assemble`, a no-op where the engine met over the same failure already) and move to a new
+        group, since the old one may hold a collective that a failed rank never joined. Once per run.
+
+        Raises:
+            RatelRankFailed: a rank did not stop within ``fault_timeout``, named.
+        """
+        if self._met:
+            return
+        self.faults.assemble(error)
+        self.faults = self.faults.after_meeting()
+        self._groups.append(dist.new_group(backend="gloo", timeout=self.ranks.timeout))
+        self._met = True
+
+    def close(self) -> None:
+        """Release the groups."""
+        groups, self._groups = self._groups, []
+        for group in groups:
+            dist.destroy_process_group(group)
 
 
 class SharedCacheUnavailable(Exception):
@@ -280,9 +435,10 @@ class NodeCache:
         self._groups = [g for g in groups if g is not None]
 
     @classmethod
-    def open(cls, ranks: Ranks, nbytes: int) -> NodeCache:
+    def open(cls, ranks: Ranks, nbytes: int, faults: Faults | None = None) -> NodeCache:
         """Collective over every rank: make the groups, and map one shared memory per node, which the node's first
         rank creates where ``/dev/shm`` has room for ``nbytes`` and removes once every rank of its node opened it.
+        With ``faults`` its collectives' waits watch for a failed rank.
 
         Raises:
             SharedCacheUnavailable: on every rank alike, when any node cannot share (one rank per node, ranks not
@@ -312,7 +468,10 @@ class NodeCache:
                 except OSError as err:
                     reason = f"no shared memory file could be made ({err})"
             box = [memory.path if memory is not None and not reason else "", reason]
-            dist.broadcast_object_list(box, src=ranks.node_ranks[0], group=groups[0])
+            if faults is None:
+                dist.broadcast_object_list(box, src=ranks.node_ranks[0], group=groups[0])
+            else:
+                box = faults.broadcast_object(box, ranks.node_ranks[0], groups[0])
             reason = box[1]
             if ranks.local_rank != 0 and not reason:
                 try:
@@ -320,7 +479,10 @@ class NodeCache:
                 except OSError as err:
                     reason = f"rank {ranks.rank} could not open {box[0]} ({err})"
             failed = torch.tensor([1 if reason else 0])
-            dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=world)
+            if faults is None:
+                dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=world)
+            else:
+                faults.all_reduce(failed, dist.ReduceOp.MAX, world)
             # Every rank of the node has the file open (or gave up): its name is no longer needed.
             if ranks.local_rank == 0 and memory is not None:
                 memory.unlink()
@@ -402,6 +564,13 @@ class _Reducing:
     work: Any
 
 
+def exchange_window_nbytes(shards: Sequence[Shard]) -> int:
+    """The most host memory a rank's gradient exchange holds for the window's sums of ``shards`` (the trainable ones):
+    every shard's buffer at once, as between the boundary micro-batches of gradient accumulation, or where the
+    reduces fall behind backward."""
+    return sum(round_up((s.numel + len(s.params)) * 4, ALIGNMENT) for s in shards)
+
+
 class _GradientExchange:
     """The exchange thread: sums a rank's gradients of the window and reduces each shard onto its owner.
 
@@ -427,6 +596,9 @@ class _GradientExchange:
         self._cursor = 0
         self._boundary = False
         self._buffers: dict[int, torch.Tensor] = {}
+        # The window's buffers come back when the reduce (and, on the owner, the optimizer) is done with them, and are
+        # reused: the memory is touched once, and its footprint is the most held at once (counted by :attr:`nbytes`).
+        self.pool = HostPool()
         self._seen: dict[int, set[int]] = {}
         self._complete: set[int] = set()
         self._reducing: deque[_Reducing] = deque()
@@ -434,6 +606,11 @@ class _GradientExchange:
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="ratel-grad-reduce", daemon=True)
         self._thread.start()
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes of the window's buffers, in use or free for the next window."""
+        return self.pool.nbytes
 
     def put(self, job: _Gradient | _Begin | _Flush | _Drop | _Stop) -> None:
         self._jobs.put(job)
@@ -500,7 +677,7 @@ class _GradientExchange:
         buffer = self._buffers.get(shard.index)
         if buffer is None:
             # The gradient, then one flag per parameter: 1 where this rank has that parameter's gradient.
-            buffer = self._buffers[shard.index] = torch.zeros(shard.numel + len(shard.params))
+            buffer = self._buffers[shard.index] = self._zeros(shard)
         sp = shard.params[job.position]
         sp.view(buffer).add_(job.grad)
         buffer[shard.numel + job.position] = 1.0
@@ -518,12 +695,15 @@ class _GradientExchange:
         self._cursor += 1
         buffer = self._buffers.pop(shard.index, None)
         if buffer is None:
-            buffer = torch.zeros(shard.numel + len(shard.params))
+            buffer = self._zeros(shard)
         # DistributedDataParallel's arithmetic: each rank's sum multiplied by 1/world, then summed over the ranks.
         buffer[: shard.numel].mul_(1.0 / self._ranks.world)
         work = dist.reduce(buffer, dst=self._owner[shard.index], op=dist.ReduceOp.SUM, group=self._group,
                            async_op=True)
         self._reducing.append(_Reducing(shard, buffer, work))
+
+    def _zeros(self, shard: Shard) -> torch.Tensor:
+        return self.pool.take(shard.numel + len(shard.params), torch.float32).zero_()
 
     def _collect(self, block: bool, everything: bool = False) -> None:
         """Deliver the reduces that finished, in order; with ``block``, wait for the oldest one (all of them with
@@ -669,10 +849,12 @@ class DataParallelAdam:
         owners: each unit's owner rank (:func:`~lightning_ratel.plan.owners.assign_owners`).
         ranks: this rank's place.
         node: the host cache this rank shares with the other ranks of its node, if it does; closed with this.
+        faults: where the run's failures are reported (:attr:`WorldCollectives.faults`, so that the strategy's
+            collectives and these stop alike); ``None``: a watch of its own.
     """
 
     def __init__(self, make: Callable[[list[Shard]], CpuAdam], shards: Sequence[Shard], owners: dict[int, int],
-                 ranks: Ranks, node: NodeCache | None = None) -> None:
+                 ranks: Ranks, node: NodeCache | None = None, faults: Faults | None = None) -> None:
         self.shards = list(shards)
         self.ranks = ranks
         self._owner = {s.index: owners[s.unit.index] for s in self.shards}
@@ -681,7 +863,7 @@ class DataParallelAdam:
         groups = [dist.new_group(backend="gloo", timeout=ranks.timeout) for _ in range(3)]
         self._groups = groups
         self._control = groups[2]
-        self._faults = Faults(ranks, f"ratel-faults/{groups[2].group_name}")
+        self._faults = faults if faults is not None else Faults(ranks, f"ratel-faults/{groups[2].group_name}")
         self._regrouped = False
         self.local = make(self.owned)
         # Shards that received a gradient on this rank since the last step (autograd's thread adds, the training
@@ -708,8 +890,8 @@ class DataParallelAdam:
 
     @property
     def host_buffer_bytes(self) -> int:
-        """Host bytes of the local optimizer's buffers."""
-        return self.local.host_buffer_bytes
+        """Host bytes of the local optimizer's buffers and of the gradient exchange's window."""
+        return self.local.host_buffer_bytes + self._exchange.nbytes
 
     def _mine(self, shards: Sequence[Shard]) -> list[Shard]:
         return [s for s in shards if self.owns(s)]
@@ -916,6 +1098,7 @@ class DataParallelAdam:
     def release_memory(self) -> None:
         """Free the buffers of the updates (no more will run)."""
         self._exchange.wait(_Drop)
+        self._exchange.pool.clear()
         self.local.release_memory()
 
     def close(self) -> None:
@@ -947,7 +1130,7 @@ class DataParallelAdam:
             for shard in self.shards:
                 if node.writer(self.owner(shard)) == self.ranks.rank:
                     self._faults.broadcast(_wire(_compute_copy(shard)), self.owner(shard), node.column_control)
-        dist.barrier(group=node.control)
+        self._faults.barrier(node.control)
 
     def fetch(self, shard: Shard, flat: torch.Tensor, read: Callable[[CpuAdam], tuple[Future | None, Any]]) -> Any:
         """Collective: the owner reads one of ``shard``'s committed states into ``flat`` with ``read`` (given its local
@@ -961,15 +1144,11 @@ class DataParallelAdam:
 
     def gather_objects(self, obj: Any) -> list[Any]:
         """Collective: every rank's ``obj`` (picklable), in rank order, on every rank (a checkpoint's bookkeeping)."""
-        out: list[Any] = [None] * self.ranks.world
-        dist.all_gather_object(out, obj, group=self._control)
-        return out
+        return self._faults.gather_objects(obj, self._control)
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """Collective: rank ``src``'s ``obj`` (picklable) on every rank (a decision one rank takes for all)."""
-        box = [obj]
-        dist.broadcast_object_list(box, src=src, group=self._control)
-        return box[0]
+        return self._faults.broadcast_object(obj, src, self._control)
 
     def _ledger(self, shard: Shard) -> tuple[list[int], bool]:
         """Collective: ``shard``'s committed step counts and whether its moments were ever written."""

@@ -1,0 +1,93 @@
+"""The strategy's collectives over every rank (:class:`~lightning_ratel.runtime.collectives.WorldCollectives`), on two
+spawned gloo processes: they give what torch's own collectives give, and a rank that reports a failure, or whose
+process ends, stops the other's wait with :class:`~lightning_ratel.errors.RatelRankFailed` while the failed rank is
+still there (the collectives' timeout is 10 minutes); after meeting, the ranks' collectives work again."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from lightning_ratel.errors import RatelRankFailed
+from lightning_ratel.runtime.collectives import Ranks, WorldCollectives
+
+TIMEOUT = timedelta(minutes=10)
+
+
+def _healthy(world: WorldCollectives, rank: int) -> None:
+    world.barrier()
+    assert world.broadcast_object({"rank": rank, "path": "x" * (100 * rank)}, src=1) == {"rank": 1, "path": "x" * 100}
+    assert world.faults.gather_objects(("r", rank, [0] * (50 * rank)), world._group) == [
+        ("r", 0, []), ("r", 1, [0] * 50)]
+    values = torch.tensor([1.0 + rank, 3.0 * rank])
+    for reduce_op in ("mean", "avg", "sum", "max", dist.ReduceOp.MIN, None):
+        got = world.reduce(values.clone(), reduce_op)
+        expected = values.clone()
+        dist.all_reduce(expected, op=dist.ReduceOp.SUM if reduce_op in ("mean", "avg", None) else
+                        reduce_op if not isinstance(reduce_op, str) else getattr(dist.ReduceOp, reduce_op.upper()))
+        if reduce_op in ("mean", "avg"):
+            expected /= 2
+        assert torch.equal(got, expected), reduce_op
+    assert torch.equal(world.reduce(torch.tensor(3 + rank), "mean"), torch.tensor(3))
+    assert torch.equal(world.all_gather(torch.full((3, 2), float(rank)).t()),
+                       torch.stack([torch.zeros(2, 3), torch.ones(2, 3)]))
+
+
+def _worker(rank: int, init: str, scenario: str) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=TIMEOUT)
+    store = dist.distributed_c10d._get_default_store()
+    ranks = Ranks(rank=rank, world=2, timeout=TIMEOUT, fault_timeout=timedelta(seconds=60))
+    world = WorldCollectives(ranks)
+    try:
+        if scenario == "healthy":
+            _healthy(world, rank)
+            return
+        if rank == 1:
+            if scenario == "killed":
+                store.set("rank 1 ends", "1")
+                os._exit(9)
+            error = RuntimeError("rank 1 fails")
+            world.report(error)
+        else:
+            with pytest.raises(RatelRankFailed) as raised:
+                if scenario == "barrier":
+                    world.barrier()
+                elif scenario == "reduce":
+                    world.reduce(torch.ones(3), "mean")
+                else:
+                    store.wait(["rank 1 ends"])
+                    world.barrier()
+            expected = ("a rank's process ended" if scenario == "killed"
+                        else "rank 1 failed (RuntimeError: rank 1 fails)")
+            assert expected in str(raised.value), str(raised.value)
+            if scenario == "killed":
+                return
+            error = raised.value
+        # Rank 1 is still there; the ranks meet and their collectives run again on a new group.
+        world.regroup(error)
+        world.barrier()
+        assert torch.equal(world.reduce(torch.tensor([1.0 + rank]), "sum"), torch.tensor([3.0]))
+        assert world.broadcast_object(rank, src=0) == 0
+    finally:
+        world.close()
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("scenario", ["healthy", "barrier", "reduce", "killed"])
+def test_world_collectives_of_two_ranks(tmp_path: Path, scenario: str) -> None:
+    init = f"file://{tmp_path}/init"
+    if scenario != "killed":
+        mp.spawn(_worker, args=(init, scenario), nprocs=2, join=True)
+        return
+    # Rank 1's process ends with code 9; rank 0 must still pass its checks.
+    context = mp.spawn(_worker, args=(init, scenario), nprocs=2, join=False)
+    context.processes[0].join(timeout=300)
+    context.processes[1].join(timeout=60)
+    assert context.processes[0].exitcode == 0
+    assert context.processes[1].exitcode == 9
