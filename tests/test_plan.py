@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -23,8 +24,11 @@ from lightning_ratel.plan.cost import (
     CostSettings,
     DeviceOverhead,
     bottleneck,
+    check_device_types,
     largest_batch,
     layer_cost,
+    node_models,
+    node_settings,
     updates_overlap,
 )
 
@@ -550,7 +554,67 @@ def test_a_plan_for_several_nodes_holds_on_the_slowest():
 
 def test_nodes_of_one_plan_share_a_device_type():
     layers = [_chain(0, [1e-3], 1000, 1000)]
-    with pytest.raises(RatelConfigError, match="device types"):
+    with pytest.raises(RatelConfigError, match=r"device types \(node 0: cuda, node 1: cpu\)"):
         search([_hw(), _hw("cpu")], layers, device_budget=BIG, host_budget=BIG, store_budget=BIG)
     with pytest.raises(RatelConfigError, match="at least one node"):
         search([], layers, device_budget=BIG, host_budget=BIG, store_budget=BIG)
+    with pytest.raises(RatelConfigError, match="settings for the profiles of 2 nodes"):
+        node_models([_hw(), _hw()], layers, [CostSettings()])
+
+
+def test_device_types_are_named_per_node():
+    check_device_types(["cuda"] * 4, local_world=2)
+    check_device_types([])
+    with pytest.raises(RatelConfigError, match=r"\(node 0: cuda, node 1: cpu\)"):
+        check_device_types(["cuda", "cuda", "cpu", "cpu"], local_world=2)
+    # Ranks of one node that disagree are named together.
+    with pytest.raises(RatelConfigError, match=r"\(node 0: cuda/cpu\)"):
+        check_device_types(["cuda", "cpu"], local_world=2)
+
+
+def test_a_node_with_its_states_on_disk_is_the_slowest_and_decides_the_plan():
+    """Two nodes of equal speeds: one keeps its optimizer states in host memory (no state traffic), the other in the
+    swap files (12 bytes read and 12 written per parameter). Alone, the first stores every op in host memory (backward
+    is compute-bound, so each recompute costs); on the second, backward waits for the drive anyway (48 MB at 100 MB/s)
+    and recomputing is free, so the fewest bytes are moved. Planned for both, the second node's settings decide, in
+    either order."""
+    layers = [dataclasses.replace(_chain(i, [10e-3, 6e-3, 3e-3, 1.5e-3, 0.5e-3], 1_000_000, 1_000_000),
+                                  trainable_numel=1_000_000) for i in range(2)]
+    hw = _hw(link=1e9, ssd=1e8)
+    in_host = CostSettings(state_read_bytes_per_param=0, state_write_bytes_per_param=0, host_static_bytes=1000)
+    on_disk = CostSettings(state_read_bytes_per_param=12, state_write_bytes_per_param=12, host_static_bytes=5000)
+    budgets = dict(device_budget=_fixed_device(layers), host_budget=20_000_000, store_budget=BIG)
+    alone = search(hw, layers, settings=in_host, **budgets)
+    assert set(_stored_ops(alone).values()) == {"host"}
+    slow = search(hw, layers, settings=on_disk, **budgets)
+    assert set(_stored_ops(slow).values()) == {"recompute"}
+    for settings in ([in_host, on_disk], [on_disk, in_host]):
+        nodes = [hw, dataclasses.replace(hw)]
+        plan = search(nodes, layers, settings=settings, **budgets)
+        assert plan.activation_placement == slow.activation_placement
+        assert plan.hardware is nodes[settings.index(on_disk)] and plan.settings == on_disk
+        # Forward's compute (42 ms) and backward bound by the drive: 2 M parameters x 24 B at 100 MB/s.
+        assert plan.predicted_iteration_time == pytest.approx(0.042 + 2e6 * 24 / 1e8)
+        assert plan.predicted_iteration_time == predict(hw, layers, plan.activation_placement, on_disk).iteration_time
+        assert predict(hw, layers, plan.activation_placement, in_host).iteration_time < plan.predicted_iteration_time
+        # Memory is checked against the budgets with the first node's settings (the planning rank's host bytes).
+        assert plan.memory == predict(hw, layers, plan.activation_placement, settings[0]).memory
+    # One set of settings for every node, as before.
+    assert search([hw, hw], layers, settings=on_disk, **budgets).activation_placement == slow.activation_placement
+
+
+def test_a_nodes_settings_are_the_mean_traffic_of_its_ranks():
+    """The node's drives carry every rank's state traffic: a rank with all its states on disk and one with none load
+    them as two ranks with half each. What is not traffic is the first rank's."""
+    on_disk = CostSettings(state_read_bytes_per_param=12, state_write_bytes_per_param=12, host_static_bytes=7,
+                           optimizer_memory_bytes_per_param=28, ranks_on_node=2)
+    in_host = CostSettings(state_read_bytes_per_param=0, state_write_bytes_per_param=0, host_static_bytes=9,
+                           optimizer_memory_bytes_per_param=52, ranks_on_node=2)
+    node = node_settings([on_disk, in_host])
+    assert (node.state_read_bytes_per_param, node.state_write_bytes_per_param) == (6, 6)
+    assert (node.optimizer_memory_bytes_per_param, node.host_static_bytes, node.ranks_on_node) == (40, 7, 2)
+    assert node_settings([in_host]) == in_host
+    with pytest.raises(RatelConfigError, match="different param_cache"):
+        node_settings([on_disk, dataclasses.replace(in_host, param_cache="ssd")])
+    with pytest.raises(RatelConfigError, match="at least one"):
+        node_settings([])

@@ -12,8 +12,10 @@ they receive its profile: all ranks probing at once would each see a shared driv
 the node's rates among its ranks (:attr:`~lightning_ratel.plan.cost.CostSettings.ranks_on_node`) a second time.
 Each rank plans for the states it owns and its share of the node's free memory and disk. Global rank 0 makes the
 plan and every rank applies it, so all ranks place their activations alike (placements change speed, never values).
-Every node's profile reaches rank 0: it plans for the least free memory and disk of any rank, and predicts each
-placement on every node's speeds, the slowest node's time being the step's.
+Every node's profile and every rank's cost settings reach rank 0: it plans for the least free memory and disk of any
+rank, and predicts each placement on every node's speeds with that node's settings (the optimizer-state traffic of
+its ranks, which keep more states in the swap files where the node has less memory), the slowest node's time being
+the step's.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from lightning_ratel.engine.placement import plan_placements, profiling_placemen
 from lightning_ratel.engine.schedule import BlockScheduler, BlockTimer
 from lightning_ratel.errors import RatelConfigError
 from lightning_ratel.hardware import HardwareProfile
-from lightning_ratel.plan.cost import OPTIMIZER_MEMORY_BYTES_PER_PARAM, CostSettings, DeviceOverhead
+from lightning_ratel.plan.cost import OPTIMIZER_MEMORY_BYTES_PER_PARAM, CostSettings, DeviceOverhead, node_settings
 from lightning_ratel.plan.profile import LayerProfile, OpProfile
 from lightning_ratel.plan.search import Plan, search
 from lightning_ratel.report import show_plan
@@ -178,21 +180,26 @@ class Planner:
 
     def _agreed_plan(self, nodes: list[HardwareProfile], layers: list[LayerProfile]) -> Plan:
         """The plan of this run: this rank's own on one rank; with several, rank 0's, received by every rank. Rank 0
-        plans with the least host room of any rank and every node's speeds, so that the plan fits each rank and its
-        predicted time holds on the slowest node.
+        plans with the least host room of any rank and every node's speeds and settings (:func:`node_settings` of
+        its ranks'), so that the plan fits each rank and its predicted time holds on the slowest node.
 
         Raises:
             RatelPlanError: no placement fits the budgets (on every rank where rank 0's search found none).
+            RuntimeError: another rank could not say its host room or settings (that rank raises its own error).
         """
         parallel = self._parallel
         if parallel is None:
             return self.make_plan(nodes, layers)
-        rooms = parallel.gather_objects(self.host_room(nodes))
+        entries = gather_outcomes(parallel.gather_objects, lambda: (self.host_room(nodes), self.cost_settings(layers)),
+                                  "the ranks' planning inputs could not be computed")
+        local_world = parallel.ranks.local_world
+        per_node = [node_settings([settings for _, settings in entries[first:first + local_world]])
+                    for first in range(0, len(entries), local_world)]
         plan: Plan | None = None
         failure: Exception | None = None
         if parallel.ranks.rank == 0:
             try:
-                plan = self.make_plan(nodes, layers, host_room=min(rooms))
+                plan = self.make_plan(nodes, layers, host_room=min(room for room, _ in entries), settings=per_node)
             except Exception as err:  # noqa: BLE001 - the other ranks must hear of it, then it is raised
                 failure = err
         made = parallel.broadcast_object(failure if plan is None else plan.to_json(), src=0)
@@ -295,8 +302,16 @@ class Planner:
         return plan_budgets(nodes[0], static, self.ranks_on_node, self.config.host_memory_limit,
                             self.config.device_memory_limit)[1] - static
 
+    def cost_settings(self, layers: Sequence[LayerProfile]) -> CostSettings:
+        """The cost model's settings of this rank (see :func:`plan_settings`): the states it owns and where they
+        are, the host bytes it holds now, and on a GPU what a step needs on the device beyond its working set."""
+        return plan_settings(
+            self.layout.shards, self.owned_shards(), self.layout.param_cache, self.ranks_on_node,
+            prefetch_depth=self.config.prefetch_depth, host_static_bytes=self.accounts.held()["host"],
+            device_overhead=self._device_overhead(layers) if self.device.is_cuda else None)
+
     def make_plan(self, nodes: Sequence[HardwareProfile], layers: list[LayerProfile],
-                  host_room: int | None = None) -> Plan:
+                  host_room: int | None = None, settings: Sequence[CostSettings] | None = None) -> Plan:
         """Search the placement with the least predicted iteration time, on the slowest node, under this run's memory
         budgets.
 
@@ -306,21 +321,20 @@ class Planner:
             layers: the blocks' profiles.
             host_room: host bytes the plan may use beyond what this rank holds, where less than its own budget
                 leaves (another rank's, for a plan every rank applies).
+            settings: each node's cost settings, in the order of ``nodes``, the first node's with this rank's host
+                bytes (:func:`node_settings`); ``None``: this rank's own (:meth:`cost_settings`) on every node.
         """
         static = self.accounts.held()["host"]
-        ranks = self.ranks_on_node
         device_budget, host_budget, store_budget = plan_budgets(
-            nodes[0], static, ranks, self.config.host_memory_limit, self.config.device_memory_limit, host_room)
-        settings = plan_settings(
-            self.layout.shards, self.owned_shards(), self.layout.param_cache, ranks,
-            prefetch_depth=self.config.prefetch_depth, host_static_bytes=static,
-            device_overhead=self._device_overhead(layers) if self.device.is_cuda else None)
+            nodes[0], static, self.ranks_on_node, self.config.host_memory_limit, self.config.device_memory_limit,
+            host_room)
         plan = search(nodes, layers, device_budget=device_budget, host_budget=host_budget,
-                      store_budget=store_budget, settings=settings)
+                      store_budget=store_budget, settings=settings or self.cost_settings(layers))
         plan.budgets["host_static"] = static
         if len(nodes) > 1:
-            rank_zero_info(f"RatelProfiler: planned for {len(nodes)} nodes; node {list(nodes).index(plan.hardware)} "
-                           f"is the slowest under this plan and sets its predicted step time")
+            slowest = next(n for n, node in enumerate(nodes) if node is plan.hardware)
+            rank_zero_info(f"RatelProfiler: planned for {len(nodes)} nodes; node {slowest} is the slowest under this "
+                           f"plan and sets its predicted step time")
         return plan
 
     def _device_overhead(self, layers: Sequence[LayerProfile]) -> DeviceOverhead:

@@ -543,25 +543,81 @@ class CostModel:
         )
 
 
+def check_device_types(device_types: Sequence[str], local_world: int = 1) -> None:
+    """Raise where ranks train on different kinds of device: one plan cannot fit them all (a plan's memory differs
+    where the device is the host), nor can one process group serve them (NCCL on CUDA, gloo on the CPU).
+
+    Args:
+        device_types: each rank's (or each node's, with ``local_world`` 1), in rank order.
+        local_world: the ranks of each node (a node's ranks are consecutive).
+
+    Raises:
+        RatelConfigError: two device types differ; the message names each node's.
+    """
+    if len(set(device_types)) <= 1:
+        return
+    named = []
+    for first in range(0, len(device_types), local_world):
+        kinds = list(dict.fromkeys(device_types[first:first + local_world]))
+        named.append(f"node {first // local_world}: {'/'.join(kinds)}")
+    raise RatelConfigError(
+        f"the nodes train on different device types ({', '.join(named)}); RatelStrategy needs one type on every rank "
+        f"(one plan and one process group serve them all). Give every node the same accelerator.")
+
+
+def node_settings(ranks: Sequence[CostSettings]) -> CostSettings:
+    """The settings of one node from those of its ranks (:attr:`CostSettings.ranks_on_node` of them).
+
+    The node's SSDs, host-side PCIe and DRAM carry every one of its ranks' optimizer-state traffic, so per parameter a
+    rank owns the node moves the mean of its ranks' bytes: a rank with all its states in the swap files and one with
+    none load the drives as two ranks with half of them each. What is not traffic comes from the first rank
+    (``host_static_bytes``, ``device_overhead``: the memory a plan is checked against is the planning rank's).
+
+    Raises:
+        RatelConfigError: no ranks, or ranks that disagree on how their node runs (``prefetch_depth``,
+            ``param_cache``, ``state_spill``, ``ranks_on_node``).
+    """
+    if not ranks:
+        raise RatelConfigError("a node's settings need the settings of at least one of its ranks")
+    first = ranks[0]
+    for name in ("prefetch_depth", "param_cache", "state_spill", "ranks_on_node"):
+        values = [getattr(settings, name) for settings in ranks]
+        if len(set(values)) > 1:
+            raise RatelConfigError(f"the ranks of a node plan with different {name} ({values}); they must agree")
+
+    def mean(name: str) -> int:
+        return round(sum(getattr(settings, name) for settings in ranks) / len(ranks))
+
+    return replace(first, state_read_bytes_per_param=mean("state_read_bytes_per_param"),
+                   state_write_bytes_per_param=mean("state_write_bytes_per_param"),
+                   optimizer_memory_bytes_per_param=mean("optimizer_memory_bytes_per_param"))
+
+
 def node_models(nodes: Sequence[HardwareProfile], layers: Sequence[LayerProfile],
-                settings: CostSettings | None = None) -> list[CostModel]:
+                settings: CostSettings | Sequence[CostSettings] | None = None) -> list[CostModel]:
     """One cost model per node, for a plan that every node of a data-parallel run applies.
 
     Args:
         nodes: each node's profile.
         layers: the blocks.
-        settings: the run's settings, alike on every node.
+        settings: each node's settings, in the order of ``nodes`` (their optimizer-state traffic differs where one
+            node keeps more of its states in the swap files than another, see :func:`node_settings`); one
+            :class:`CostSettings`, or ``None`` for the defaults, alike on every node.
 
     Raises:
-        RatelConfigError: no node, nodes of different device types (a plan's memory differs where the device is the
-            host), or what :class:`CostModel` raises.
+        RatelConfigError: no node, nodes of different device types (see :func:`check_device_types`), settings for
+            another number of nodes, or what :class:`CostModel` raises.
     """
     if not nodes:
         raise RatelConfigError("a plan needs the profile of at least one node")
-    types = sorted({hw.device_type for hw in nodes})
-    if len(types) > 1:
-        raise RatelConfigError(f"the nodes have different device types ({', '.join(types)}); one plan cannot fit all")
-    return [CostModel(hw, layers, settings) for hw in nodes]
+    check_device_types([hw.device_type for hw in nodes])
+    if settings is None or isinstance(settings, CostSettings):
+        per_node = [settings] * len(nodes)
+    else:
+        per_node = list(settings)
+        if len(per_node) != len(nodes):
+            raise RatelConfigError(f"{len(per_node)} nodes' settings for the profiles of {len(nodes)} nodes")
+    return [CostModel(hw, layers, node) for hw, node in zip(nodes, per_node)]
 
 
 def slowest_node(models: Sequence[CostModel], costs: Sequence[LayerCost]) -> tuple[int, Prediction]:

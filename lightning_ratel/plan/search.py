@@ -47,7 +47,8 @@ class Plan:
         predicted_backward_time: predicted seconds of its backward.
         resource_times: ``{"forward": {...}, "backward": {...}}``: busy seconds per resource
             (see :class:`~lightning_ratel.plan.cost.Prediction`).
-        memory: predicted peak bytes of ``"device"``, ``"host"`` and ``"ssd"``.
+        memory: predicted peak bytes of ``"device"``, ``"host"`` and ``"ssd"`` (of several nodes, the first one's:
+            the budgets are checked against its settings).
         budgets: the budgets searched under, same keys as ``memory``.
         curve: ``(offloaded bytes (host + ssd), predicted iteration time)`` at each search point.
         chosen: index of this plan's point in ``curve``.
@@ -56,8 +57,9 @@ class Plan:
         layers: the block profiles searched with.
         blocks: names of every block of the model the plan was made for, so a plan is never applied to another one.
         format_version: :data:`PLAN_FORMAT` of the code that wrote it.
-        settings: the cost model's settings searched with, so another placement can be predicted as this one was
-            (``None`` in plans written before they were kept).
+        settings: the cost model's settings searched with, so another placement can be predicted as this one was; of
+            several nodes', those of the node whose predicted time is the plan's (``None`` in plans written before
+            they were kept).
     """
 
     activation_placement: dict[str, str]
@@ -402,12 +404,14 @@ def _staging_reserve(model: CostModel) -> int:
 
 
 def search(hw: HardwareProfile | Sequence[HardwareProfile], layers: Sequence[LayerProfile], *, device_budget: int,
-           host_budget: int, store_budget: int, settings: CostSettings | None = None) -> Plan:
+           host_budget: int, store_budget: int,
+           settings: CostSettings | Sequence[CostSettings] | None = None) -> Plan:
     """Find the activation placement with the least predicted iteration time within the budgets.
 
     For several nodes that all apply the plan, a placement's time is that of the node slowest under it (each node is
-    predicted with its own speeds, and the slowest may differ from one placement to the next): the plan is the
-    placement whose slowest node is fastest.
+    predicted with its own speeds and settings, and the slowest may differ from one placement to the next): the plan
+    is the placement whose slowest node is fastest. The budgets hold for the first node's settings (its
+    ``host_static_bytes``): give budgets that leave every node's ranks room (see ``host_room`` in the planner).
 
     Args:
         hw: the machine, or each node's profile.
@@ -417,7 +421,8 @@ def search(hw: HardwareProfile | Sequence[HardwareProfile], layers: Sequence[Lay
         host_budget: bytes of host memory the run may use.
         store_budget: bytes the swap directories may hold for activations.
         settings: the run's settings (``None``: the defaults of
-            :class:`~lightning_ratel.plan.cost.CostSettings`).
+            :class:`~lightning_ratel.plan.cost.CostSettings`), or each node's, in the order of ``hw`` (see
+            :func:`~lightning_ratel.plan.cost.node_models`).
 
     Returns:
         The plan at the best point of the search, with the whole curve.
@@ -425,11 +430,12 @@ def search(hw: HardwareProfile | Sequence[HardwareProfile], layers: Sequence[Lay
     Raises:
         RatelPlanError: even the minimum placement does not fit; the message names the budget, the shortfall and
             what to change.
-        RatelConfigError: the profiles are inconsistent, or the nodes have different device types.
+        RatelConfigError: the profiles are inconsistent, the nodes have different device types, or ``settings`` are
+            for another number of nodes.
     """
     nodes = [hw] if isinstance(hw, HardwareProfile) else list(hw)
     models = node_models(nodes, layers, settings)
-    # Memory does not depend on the speeds: any node's model counts it.
+    # Memory does not depend on the speeds; the first node's settings (the planning rank's host bytes) count it.
     model = models[0]
     walk, candidates = _start(model, device_budget, host_budget, store_budget)
     order = [candidates[key] for key in candidate_order(model.layers) if key in candidates]
@@ -442,14 +448,15 @@ def search(hw: HardwareProfile | Sequence[HardwareProfile], layers: Sequence[Lay
     if reserve and reserved.fits():
         descents.append(_descend(reserved, order, models))
     best = min(descents, key=lambda descent: descent.rank(descent.chosen))
-    slowest, prediction = slowest_node(models, [layer_cost(layer, best.placement()) for layer in model.layers])
+    costs = [layer_cost(layer, best.placement()) for layer in model.layers]
+    slowest, prediction = slowest_node(models, costs)
     return Plan(
         activation_placement=best.placement(),
         predicted_iteration_time=prediction.iteration_time,
         predicted_forward_time=prediction.forward_time,
         predicted_backward_time=prediction.backward_time,
         resource_times={"forward": prediction.forward, "backward": prediction.backward},
-        memory=prediction.memory,
+        memory=model.memory([cost.bytes for cost in costs]),
         budgets=dict(walk.budgets),
         curve=best.curve,
         chosen=best.chosen,
@@ -457,7 +464,7 @@ def search(hw: HardwareProfile | Sequence[HardwareProfile], layers: Sequence[Lay
         hardware=nodes[slowest],
         layers=list(layers),
         blocks=[layer.name for layer in layers],
-        settings=model.settings,
+        settings=models[slowest].settings,
     )
 
 
