@@ -69,6 +69,7 @@ from lightning_ratel.io.sharded import (
 )
 from lightning_ratel.io.sources import ValueSource
 from lightning_ratel.io.tensorfiles import parse_dtype
+from lightning_ratel.plan.cost import check_device_types
 from lightning_ratel.plan.search import Plan
 from lightning_ratel.precision import RatelPrecision
 from lightning_ratel.preflight import check_host_budget
@@ -521,6 +522,8 @@ class RatelStrategy(ParallelStrategy):
             self._setup_distributed()
             if self._world is None:
                 self._world = WorldCollectives(self._ranks())
+            # Before anything is built: a rank on another kind of device would otherwise fail only when planning.
+            check_device_types(self._world.gather_objects(self.root_device.type), self.num_processes)
         paths = self.config.ssd_paths or [os.path.join(trainer.default_root_dir, "ratel_swap")]
         self._created_directories = [missing for path in paths for missing in _missing_directories(Path(path))]
         self._swap_directories = [str(p) for p in prepare_directories(paths, self._store_name())]

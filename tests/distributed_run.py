@@ -32,6 +32,7 @@ from lightning_ratel.engine.coordinator import RatelEngine
 from lightning_ratel.io import checkpoint, sharded
 from lightning_ratel.io.pretrained import PretrainedFolder
 from lightning_ratel.io.sharded import ShardedReader
+from lightning_ratel.runtime.collectives import WorldCollectives
 from lightning_ratel.sizes import path_bytes
 from tests.models import LM, cache_off, final_state, trainer
 
@@ -231,15 +232,15 @@ class _TightHost(L.Callback):
             engine.config.host_memory_limit = engine.byte_placement()["host"] - (1 << 20)
 
 
-def node_speeds(node: int, slow_node: int) -> dict[str, float]:
-    """The speeds node ``node`` reports with ``--slow-node`` (:func:`_fixed_speeds`): the slow node a quarter of the
-    others'."""
+def node_speeds(node: int, slow_node: int | None) -> dict[str, float]:
+    """The speeds node ``node`` reports with ``--slow-node`` or ``--same-speeds`` (:func:`_fixed_speeds`): the slow
+    node a quarter of the others'."""
     share = 0.25 if node == slow_node else 1.0
     return {"h2d_bandwidth": 8e9 * share, "d2h_bandwidth": 8e9 * share, "ssd_read_bandwidth": 2e9 * share,
             "ssd_write_bandwidth": 1e9 * share, "adam_params_per_s": 2e8 * share}
 
 
-def _fixed_speeds(slow_node: int) -> None:
+def _fixed_speeds(slow_node: int | None) -> None:
     """Make this node's hardware probe report :func:`node_speeds` instead of what it measured (the nodes of the tests
     are one machine), keeping the free capacities it read."""
     measure = planner.measure_hardware
@@ -249,6 +250,17 @@ def _fixed_speeds(slow_node: int) -> None:
         return dataclasses.replace(measure(*args, **kwargs), **node_speeds(node, slow_node))
 
     planner.measure_hardware = fixed  # type: ignore[assignment]
+
+
+def _claim_device(rank: int, device_type: str) -> None:
+    """Make rank ``rank`` tell the others at setup that it trains on ``device_type`` (the ranks' device types are the
+    only objects the strategy's collectives gather)."""
+    gather = WorldCollectives.gather_objects
+
+    def claimed(self: WorldCollectives, obj: Any) -> list[Any]:
+        return gather(self, device_type if self.ranks.rank == rank else obj)
+
+    WorldCollectives.gather_objects = claimed  # type: ignore[method-assign]
 
 
 def _overflow_on(module: LM, rank: int, step: int) -> None:
@@ -279,6 +291,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--save", default=None, help="save a checkpoint here at the end of training")
     parser.add_argument("--resume", default=None, help="resume from this checkpoint")
     parser.add_argument("--states", default="auto", help="RatelStrategy's optimizer_states")
+    parser.add_argument("--node-states", default=None,
+                        help="each node's optimizer_states, comma-separated in node order (instead of --states)")
     parser.add_argument("--fail", default=None, help="RANK:STEP: raise on that rank at that step")
     parser.add_argument("--fail-early", action="store_true", help="--fail raises before the step's first forward")
     parser.add_argument("--fail-in", default="backward", choices=["backward", "forward", "barrier"],
@@ -308,6 +322,10 @@ def main(argv: list[str]) -> None:
                         help="RatelStrategy profiles the first step and plans activation placement (plan='auto')")
     parser.add_argument("--slow-node", type=int, default=None,
                         help="every node's probe reports fixed speeds, this node's a quarter of the others' (--plan-auto)")
+    parser.add_argument("--same-speeds", action="store_true",
+                        help="every node's probe reports the same fixed speeds (--plan-auto)")
+    parser.add_argument("--claim-device", default=None,
+                        help="RANK:TYPE: that rank tells the others at setup that it trains on TYPE")
     parser.add_argument("--tight-host", type=int, default=None,
                         help="this rank has no host room for activations when the plan is made (--plan-auto)")
     parser.add_argument("--validate", type=int, default=0,
@@ -317,10 +335,11 @@ def main(argv: list[str]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     swap = out / "swap"
     strategy: Any = args.strategy
+    states = args.node_states.split(",")[int(os.environ.get("NODE_RANK", "0"))] if args.node_states else args.states
     if args.strategy == "ratel":
         strategy = RatelStrategy(ssd_paths=[str(swap)], activation_policy=None if args.plan_auto else "device",
                                  param_cache="host",
-                                 optimizer_states=args.states, checkpoint_format=args.checkpoint_format,
+                                 optimizer_states=states, checkpoint_format=args.checkpoint_format,
                                  pretrained=args.pretrained, keep_swap_files=args.keep_swap,
                                  timeout=timedelta(seconds=args.timeout),
                                  **({} if args.fault_timeout is None else
@@ -340,8 +359,11 @@ def main(argv: list[str]) -> None:
         callbacks.append(_NoRoom(args.no_room))
     if args.tight_host is not None:
         callbacks.append(_TightHost(args.tight_host))
-    if args.slow_node is not None:
+    if args.slow_node is not None or args.same_speeds:
         _fixed_speeds(args.slow_node)
+    if args.claim_device:
+        claimer, device_type = args.claim_device.split(":")
+        _claim_device(int(claimer), device_type)
     reads = _count_reads(args.fail_save)
     with torch.device("meta") if args.lora else contextlib.nullcontext():
         module = LM(args.model, batch_size=2)

@@ -310,6 +310,35 @@ def test_plan_auto_on_two_nodes_holds_on_the_slower_node(tmp_path: Path) -> None
     assert on[0] < on[1] == pytest.approx(plan.predicted_iteration_time)
 
 
+def test_plan_auto_on_two_nodes_predicts_each_with_its_own_states(tmp_path: Path) -> None:
+    """Two nodes of one rank and equal speeds, the first keeping its optimizer states in host memory, the second in the
+    swap files: rank 0 predicts the second node with that node's state traffic, which makes it the slower one."""
+    _run_two_nodes(tmp_path, 1, "--plan-auto", "--node-states", "host,ssd", "--same-speeds", timeout=240)
+    got = [_load(tmp_path, rank) for rank in (0, 1)]
+    assert got[0]["plan"] == got[1]["plan"]
+    assert got[0]["state_traffic"]["written"] == 0 < got[1]["state_traffic"]["written"]
+    plan = Plan.from_json(got[0]["plan"])
+    assert plan.hardware is not None and plan.settings is not None
+    numel = sum(layer.trainable_numel for layer in plan.layers)
+    # The second node's own bytes per parameter (each node one rank: per parameter of the model).
+    assert plan.settings.state_write_bytes_per_param == round(got[1]["state_traffic"]["written"] / numel) > 0
+    on = [predict(plan.hardware, plan.layers, plan.activation_placement, settings).iteration_time
+          for settings in (dataclasses.replace(plan.settings, state_read_bytes_per_param=0,
+                                               state_write_bytes_per_param=0), plan.settings)]
+    assert on[0] < on[1] == pytest.approx(plan.predicted_iteration_time)
+
+
+def test_nodes_of_different_device_types_stop_at_setup(tmp_path: Path) -> None:
+    """The second node says it trains on CUDA, the first on the CPU: both stop in the strategy's setup with an error
+    naming each node's device type, before the swap directory is made (so before any step)."""
+    ended = _launch_two_nodes(tmp_path, 1, "--claim-device", "1:cuda", timeout=180)
+    for returncode, err in ended:
+        assert returncode != 0
+        assert "RatelConfigError: the nodes train on different device types (node 0: cpu, node 1: cuda)" in err, \
+            err[-4000:]
+    assert not (tmp_path / "swap").exists() and not (tmp_path / "rank0.pt").exists()
+
+
 def test_two_nodes_of_two_ranks_each_share_a_host_cache(tmp_path: Path) -> None:
     """Each node's two ranks page from one host cache, filled over a group of one rank per node: the numbers of ``ddp``
     on four processes (four ranks' gradients are summed in another order than ``ddp``'s: rounding apart), and each

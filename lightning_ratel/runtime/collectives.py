@@ -323,7 +323,8 @@ def _unpickled(payload: torch.Tensor) -> Any:
 class WorldCollectives:
     """The collectives over every rank that Lightning's loops and callbacks run through the strategy (barriers, an
     object broadcast from one rank, the reductions of ``self.log(..., sync_dist=True)`` and of boolean decisions,
-    all-gathers), watched for a failed rank as the engine's are (:class:`Faults`), for one run.
+    all-gathers), and the strategy's own (every rank's device type, gathered at setup), watched for a failed rank as the
+    engine's are (:class:`Faults`), for one run.
 
     They run on a gloo group of their own, whatever the default backend: a barrier and an object need no device, and a
     wait on gloo can be abandoned when a rank reports a failure. The run's engine shares :attr:`faults`, so a failure
@@ -353,6 +354,10 @@ class WorldCollectives:
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """Collective: rank ``src``'s picklable ``obj`` on every rank."""
         return self.faults.broadcast_object(obj, src, self._group)
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """Collective: every rank's picklable ``obj``, in rank order."""
+        return self.faults.gather_objects(obj, self._group)
 
     def reduce(self, tensor: torch.Tensor, reduce_op: str | Any | None = "mean") -> torch.Tensor:
         """Collective: ``tensor`` (host memory) reduced over every rank, in place, as Lightning's ``_sync_ddp`` reduces
