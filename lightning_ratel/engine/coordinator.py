@@ -145,7 +145,7 @@ def _state_store(device: Device, config: RatelConfig, shards: list[Shard], local
     """The model-state store: the swap files (moving chunks as ``io`` says), and host memory for the states of shards
     placed there."""
     assert config.ssd_paths is not None
-    # A kept store records its stripe size, so that whatever opens it later reads it whatever this run chose.
+    # The stripe is recorded in the files' headers and a kept store's index: stores kept with another one still open.
     disk = TensorStore(config.ssd_paths, name=config.name, keep_files=config.keep_swap_files,
                        stripe_bytes=io.stripe_bytes, io_threads_per_path=io.threads_per_path)
     threads = rank_threads(device.is_cuda, local_world, _cores())[1]
