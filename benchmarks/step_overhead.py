@@ -15,7 +15,9 @@ included. tokens/s counts input tokens (batch size times window length). The CPU
 threads) over the same span is printed too: on a machine shared with other work it shows how much computing each
 run did, which wall time alone mixes up with waiting for a core. So are counts that do not depend on the load: Ratel's
 updates per timed step by how they ran (overlapped with backward, deferred to its end, speculative ones redone or
-dropped) and the bytes its swap store wrote and read (each checksummed).
+dropped), the bytes its swap store wrote and read (each checksummed), and what its store's I/O threads did (their
+context switches, read and write calls and CPU time, from ``/proc`` on Linux; only the involuntary switches depend on
+the load): on a CPU run each wake-up of one of them preempts a compute thread.
 
 Run from the repository root::
 
@@ -30,6 +32,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -76,6 +79,8 @@ class StepClock(L.Callback):
             self.cpu_seconds = time.process_time() - self.cpu_started
             start, end = self.counts, _ratel_counts(trainer)
             self.counts = Counter({key: end[key] - start[key] for key in end})
+            # Not a count of events: how many there are.
+            self.counts["io threads"] = end["io threads"]
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -92,7 +97,31 @@ def _ratel_counts(trainer: L.Trainer) -> Counter[str]:
         return Counter()
     engine.adam.barrier(include_writes=True)
     return Counter({**engine.adam.counts, "bytes written": engine.store.bytes_written,
-                    "bytes read": engine.store.bytes_read})
+                    "bytes read": engine.store.bytes_read, **_io_thread_counts()})
+
+
+def _io_thread_counts() -> Counter[str]:
+    """Context switches, read and write calls and CPU clock ticks so far of the swap stores' I/O threads, from
+    ``/proc`` (empty where it is missing)."""
+    counts: Counter[str] = Counter()
+    for thread in threading.enumerate():
+        if not thread.name.startswith("ratel-io-"):
+            continue
+        task = Path(f"/proc/self/task/{thread.native_id}")
+        try:
+            status = dict(line.split(":", 1) for line in (task / "status").read_text().splitlines())
+            io = dict(line.split(":", 1) for line in (task / "io").read_text().splitlines())
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue
+        # utime and stime, counted after the command name (which may hold spaces).
+        utime, stime = stat[stat.rindex(")") + 2 :].split()[11:13]
+        counts["io threads"] += 1
+        counts["io voluntary switches"] += int(status["voluntary_ctxt_switches"])
+        counts["io involuntary switches"] += int(status["nonvoluntary_ctxt_switches"])
+        counts["io calls"] += int(io["syscr"]) + int(io["syscw"])
+        counts["io ticks"] += int(utime) + int(stime)
+    return counts
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -211,6 +240,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         + f"; swap store {counts['bytes written'] / steps / 2**20:.1f} MiB written, "
         f"{counts['bytes read'] / steps / 2**20:.1f} MiB read (each checksummed)"
     )
+    if counts["io threads"]:
+        console.print(
+            f"Ratel's swap-store I/O threads ({counts['io threads'] // args.repeats}) per timed step: "
+            f"{counts['io voluntary switches'] / steps:.1f} voluntary and "
+            f"{counts['io involuntary switches'] / steps:.1f} involuntary context switches, "
+            f"{counts['io calls'] / steps:.1f} read and write calls, "
+            f"{1000 * counts['io ticks'] / os.sysconf('SC_CLK_TCK') / steps:.1f} ms CPU"
+        )
 
 
 if __name__ == "__main__":

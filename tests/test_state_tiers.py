@@ -13,10 +13,13 @@ import torch
 
 from lightning_ratel import RatelStrategy, estimate
 from lightning_ratel.engine import layout as layout_module
+from lightning_ratel.engine.coordinator import StoreIO, store_io
 from lightning_ratel.errors import RatelConfigError
 from lightning_ratel.plan.states import describe, place_states, state_bytes
 from lightning_ratel.runtime.hoststore import HostStore, TieredStore
+from lightning_ratel.runtime.kept import KeptStore
 from lightning_ratel.runtime.storage import TensorStore
+from lightning_ratel.runtime.swapfile import HEADER_BYTES
 from tests.models import LM, compare_states, final_state, tiny_llama, trainer
 
 # ------------------------------------------------------------------ the placement (pure)
@@ -226,6 +229,44 @@ def test_kept_swap_files_hold_the_states(tmp_path: Path):
     assert RatelStrategy(ssd_paths=[str(tmp_path)], keep_swap_files=True).config.states_request == "ssd"
     with pytest.raises(RatelConfigError, match="optimizer_states"):
         RatelStrategy(ssd_paths=[str(tmp_path)], optimizer_states="ram")  # type: ignore[arg-type]
+
+
+def test_store_threads_and_stripes_fit_the_device():
+    for cores in (1, 2, 8, 16, 64, 256):
+        # A GPU run keeps its queue depth and stripe: the cores are the optimizer's, the drives want requests.
+        assert store_io(True, cores) == StoreIO(threads_per_path=4, stripe_bytes=1 << 20)
+        # On the CPU the compute fills the cores: few threads, fewer and larger transfers.
+        cpu = store_io(False, cores)
+        assert 1 <= cpu.threads_per_path <= 2
+        assert cpu.stripe_bytes % 4096 == 0 and cpu.stripe_bytes >= 4 << 20
+    assert store_io(False, 2).threads_per_path == 1
+
+
+def test_a_cpu_run_builds_its_stores_for_the_cpu(tmp_path: Path):
+    """The states store of a CPU run moves its chunks as :func:`store_io` says for the CPU, its stripes still spread
+    over every directory, and the files it keeps open again with the stripe they were written in."""
+    paths = [tmp_path / "a", tmp_path / "b"]
+    for path in paths:
+        path.mkdir()
+    strategy = RatelStrategy(ssd_paths=[str(p) for p in paths], activation_policy="host", optimizer_states="ssd",
+                             keep_swap_files=True)
+    lm = LM("llama")
+    seen: dict[str, Any] = {}
+
+    def look() -> None:
+        seen["stripe"] = strategy.engine.store.disk.stripe_bytes
+        seen["threads"] = [t.name for t in threading.enumerate() if t.name.startswith("ratel-io-ratel_")]
+
+    lm.on_train_start = look  # type: ignore[method-assign]
+    trainer(strategy, max_steps=2).fit(lm)
+    io = store_io(False, len(os.sched_getaffinity(0)))
+    assert seen["stripe"] == io.stripe_bytes
+    assert len(seen["threads"]) == io.threads_per_path * len(paths)
+    with KeptStore(paths) as kept:
+        assert kept.stripe_bytes == io.stripe_bytes
+        assert all(os.fstat(swap.fd).st_size > HEADER_BYTES for swap in kept.swap_files)
+        for key in kept.keys():
+            kept.read(key, torch.empty(kept.nbytes(key), dtype=torch.uint8)).result()
 
 
 def test_estimate_counts_states_where_they_live():

@@ -185,6 +185,28 @@ def test_direct_io_matches_probe(tmp_path: Path, ssd: Path) -> None:
         assert store.direct == _direct_supported(tmp_path)
 
 
+def test_a_slice_of_a_larger_buffer_is_written_in_one_transfer(ssd: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Its last partial block is written from the buffer itself (the bytes after the slice land in the chunk's
+    # padding), not through the bounce buffer in a second transfer; reading it back leaves the neighbour alone.
+    numel = ALIGNMENT // 2 + 5  # two whole blocks and 20 bytes of a third
+    flat = aligned_empty(numel + 4 * ALIGNMENT, torch.float32)
+    head, neighbour = flat[:numel], flat[numel:]
+    lengths: list[int] = []
+    real = storage._pwrite
+    monkeypatch.setattr(storage, "_pwrite", lambda fd, buf, offset: lengths.append(len(buf)) or real(fd, buf, offset))
+    with TensorStore([ssd], stripe_bytes=STRIPE) as store:
+        if not store.direct:
+            pytest.skip("the filesystem refuses O_DIRECT, so every transfer takes the tensor's own bytes")
+        source = _random(numel, torch.float32)
+        head.copy_(source)
+        neighbour.fill_(7.0)
+        store.write("head", head).result()
+        assert lengths == [3 * ALIGNMENT]
+        head.zero_()
+        store.read("head", head).result()
+        assert torch.equal(head, source) and bool((neighbour == 7.0).all())
+
+
 def test_aligned_buffers_need_no_bounce_buffer(ssd: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
     real = storage.aligned_empty

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_ratel.engine.coordinator import store_io
 from lightning_ratel.errors import RatelConfigError, RatelStoreError
 from lightning_ratel.runtime import storage
 from lightning_ratel.runtime.hostmem import aligned_empty
@@ -416,6 +417,22 @@ def test_kept_store_reads_back(tmp_path: Path, io_mode: bool) -> None:
     assert {path: path.read_bytes() for path in files} == files
     assert sorted(os.listdir(paths[0])) == ["ratel.index.json", "ratel.swap"]
     assert os.listdir(paths[1]) == ["ratel.swap"]
+
+
+@pytest.mark.parametrize("is_cuda", [True, False])
+def test_kept_stores_open_whatever_stripe_their_run_chose(tmp_path: Path, is_cuda: bool) -> None:
+    # A GPU run (and every run before the stripe depended on the device) keeps 1 MiB stripes, a CPU run larger ones:
+    # the index records the stripe, and the kept store reads with it.
+    stripe = store_io(is_cuda, cores=2).stripe_bytes
+    paths = _dirs(tmp_path, 2)
+    values = {"large": _random(stripe // 2 + 1001, torch.float32, seed=4), "small": _random(1001, torch.float32)}
+    with TensorStore(paths, stripe_bytes=stripe, keep_files=True) as store:
+        for key, value in values.items():
+            store.write(key, value).result()
+    with KeptStore(paths) as kept:
+        assert kept.stripe_bytes == stripe
+        for key, value in values.items():
+            assert torch.equal(kept.read(key, torch.empty_like(value)).result(), value)
 
 
 def test_kept_store_detects_corruption(tmp_path: Path) -> None:

@@ -153,11 +153,15 @@ class _HostRequest(Request):
         self.aligned = self.address % ALIGNMENT == 0
         span = nbytes
         if self.aligned:
-            # The bytes up to the next block boundary may be transferred too, but only when they are the end of the
-            # tensor's storage (as for aligned_empty); otherwise they could belong to a neighbouring tensor.
+            # The bytes up to the next block boundary may be transferred too, which saves the last block a second
+            # transfer through the bounce buffer. A read may fill them only where they are the end of the tensor's
+            # storage (as for aligned_empty), else they could belong to a neighbouring tensor; a write only reads
+            # them, so any within the storage do (a slice of a larger buffer): they land in the chunk's padding,
+            # which nothing reads back.
             storage = tensor.untyped_storage()
             padded = round_up(nbytes, ALIGNMENT)
-            if storage.data_ptr() + storage.nbytes() == self.address + padded:
+            end = storage.data_ptr() + storage.nbytes()
+            if end == self.address + padded or (is_write and end > self.address + padded):
                 span = padded
         self.view = raw_memory(self.address, span) if span else None
 
