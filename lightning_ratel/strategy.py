@@ -1,7 +1,8 @@
 """RatelStrategy: the Lightning entry point.
 
-A thin adapter: it checks the settings (:class:`~lightning_ratel.config.RatelConfig`), builds a :class:`~lightning_ratel.engine.coordinator.RatelEngine` for each
-fit/validate/test/predict run, and forwards Lightning's events to it. It never moves data itself.
+A thin adapter: it checks the settings (:class:`~lightning_ratel.config.RatelConfig`), builds a
+:class:`~lightning_ratel.engine.coordinator.RatelEngine` for each fit/validate/test/predict run, and forwards
+Lightning's events to it. It never moves data itself.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 ``pytest --simulate-streams`` (or ``RATEL_SIMULATE_STREAMS=1`` in the environment) runs every test on a CPU device that
 simulates CUDA's streams (see :mod:`lightning_ratel.runtime.simulation`): copies run asynchronously on worker threads,
 and memory that CUDA could hand out again is poisoned, so a missing wait or ``keep_alive`` makes results wrong or
-raises :class:`~lightning_ratel.runtime.simulation.StreamOrderError`. The ``simulated_streams`` fixture does the same for
-one test.
+raises :class:`~lightning_ratel.runtime.simulation.StreamOrderError`. The ``simulated_streams`` fixture does the same
+for one test.
 """
 
 from __future__ import annotations

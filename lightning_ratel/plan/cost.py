@@ -374,7 +374,8 @@ class CostModel:
             not one of :data:`~lightning_ratel.tiers.PARAM_CACHE_TIERS`.
     """
 
-    def __init__(self, hw: HardwareProfile, layers: Sequence[LayerProfile], settings: CostSettings | None = None) -> None:
+    def __init__(self, hw: HardwareProfile, layers: Sequence[LayerProfile],
+                 settings: CostSettings | None = None) -> None:
         settings = settings or CostSettings()
         prefetch_depth, param_cache = settings.prefetch_depth, settings.param_cache
         validate_layers(list(layers))

@@ -306,9 +306,11 @@ def _batch_hint(model: CostModel, budget: int) -> str:
     per_batch = model.working_bytes(working) - working.param_bytes - working.grad_bytes + model.overhead.logits_bytes
     fixed = model.fixed_device_bytes - per_batch
     # In thousandths of the profiled batch.
-    fits = largest_batch(budget, fixed, max(1, round_up(per_batch, 1000) // 1000), fragmentation=model.overhead.fragmentation,
-                         limit=999)
-    return f" (at most {fits / 10:.1f}% of the profiled one fits)" if fits else " (none fits: the rest alone is too big)"
+    fits = largest_batch(budget, fixed, max(1, round_up(per_batch, 1000) // 1000),
+                         fragmentation=model.overhead.fragmentation, limit=999)
+    if not fits:
+        return " (none fits: the rest alone is too big)"
+    return f" (at most {fits / 10:.1f}% of the profiled one fits)"
 
 
 def _overhead_text(overhead: DeviceOverhead) -> str:

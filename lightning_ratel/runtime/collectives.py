@@ -33,10 +33,10 @@ so collectives of different threads never interleave differently on two ranks. T
 happen only where every rank runs the same code at the same point (finishing a step, a checkpoint, the end of fit).
 With a shared cache both also have a group of the node's ranks and, with several nodes, one of a rank per node.
 
-A rank that raises never joins the collective the others wait in, and gloo notices only a rank whose process ended: every
-wait of these collectives also watches the process group's store, where a failing rank reports itself (:class:`Faults`),
-and raises :class:`RatelRankFailed` naming it. After a failure the ranks meet there again (:meth:`DataParallelAdam.regroup`),
-so that they can still write the last committed step together (Lightning's ``OnExceptionCheckpoint``), or learn within
+A rank that raises never joins the collective the others wait in, and gloo notices only a rank whose process ended:
+every wait of these collectives also watches the process group's store, where a failing rank reports itself
+(:class:`Faults`), and raises :class:`RatelRankFailed` naming it. After a failure the ranks meet there again
+(:meth:`DataParallelAdam.regroup`), so that they can still write the last committed step together (Lightning's ``OnExceptionCheckpoint``), or learn within
 a bounded time that a rank is gone. The collectives that Lightning's loops and callbacks run through the strategy
 (barriers, broadcasts, the reductions of ``self.log(..., sync_dist=True)``) are watched alike, on a gloo group of their
 own (:class:`WorldCollectives`), and share the run's :class:`Faults` with the engine's.
@@ -141,8 +141,8 @@ class Faults:
     the collectives, hosted by rank 0's process).
 
     A rank that stops on an error reports it (:meth:`report`); every wait of the engine's collectives (:meth:`wait`)
-    raises :class:`RatelRankFailed` naming it within a poll instead of waiting for the collective's timeout. :meth:`assemble`
-    is where the ranks meet after a failure.
+    raises :class:`RatelRankFailed` naming it within a poll instead of waiting for the collective's timeout.
+    :meth:`assemble` is where the ranks meet after a failure.
 
     Args:
         ranks: this rank's place.
@@ -943,8 +943,8 @@ class DataParallelAdam:
         return self._control
 
     def wait(self, work: Any) -> None:
-        """Wait for ``work``, a collective of gloo's started with ``async_op=True``; raise :class:`RatelRankFailed` as soon
-        as a rank reports a failure (see :class:`Faults`)."""
+        """Wait for ``work``, a collective of gloo's started with ``async_op=True``; raise :class:`RatelRankFailed` as
+        soon as a rank reports a failure (see :class:`Faults`)."""
         self._faults.wait(work)
 
     def report(self, error: BaseException) -> None:
