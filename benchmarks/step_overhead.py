@@ -6,8 +6,8 @@ Lightning's default strategy with everything in memory; the contender is ``Ratel
 where ``optimizer_states`` puts them (host memory for this model by default; ``--ratel-config '{"optimizer_states":
 "ssd"}'`` puts them in swap files under ``--swap-dir``; fp32 masters stay in the host cache, where they are the compute
 copies), parameters paged per block and activations placed as ``--ratel-config`` says (by default planned by the
-profiler, as a user gets it; its two profiled steps fall in the warm-up). Runs take turns (plain, Ratel, plain, ...) so that changing machine
-load hits both alike.
+profiler, as a user gets it; its two profiled steps fall in the warm-up). Runs take turns (plain, Ratel, plain, ...)
+so that changing machine load hits both alike.
 
 The clock starts when the batch after the ``--warmup`` untimed steps starts and stops when the batch after the timed
 ``--steps`` starts, so every timed step is a whole step, Ratel's optimizer work that overlaps the next forward
