@@ -37,9 +37,10 @@ A rank that raises never joins the collective the others wait in, and gloo notic
 every wait of these collectives also watches the process group's store, where a failing rank reports itself
 (:class:`Faults`), and raises :class:`RatelRankFailed` naming it. After a failure the ranks meet there again
 (:meth:`DataParallelAdam.regroup`), so that they can still write the last committed step together (Lightning's
-``OnExceptionCheckpoint``), or learn within a bounded time that a rank is gone. The collectives that Lightning's loops and callbacks run through the strategy
-(barriers, broadcasts, the reductions of ``self.log(..., sync_dist=True)``) are watched alike, on a gloo group of their
-own (:class:`WorldCollectives`), and share the run's :class:`Faults` with the engine's.
+``OnExceptionCheckpoint``), or learn within a bounded time that a rank is gone. The collectives that Lightning's
+loops and callbacks run through the strategy (barriers, broadcasts, the reductions of ``self.log(...,
+sync_dist=True)``) are watched alike, on a gloo group of their own (:class:`WorldCollectives`), and share the run's
+:class:`Faults` with the engine's.
 """
 
 from __future__ import annotations
