@@ -48,8 +48,10 @@ class Estimate:
         host_states: the optimizer states kept in host memory (``optimizer_states``), both slots.
         optimizer_buffers: the CPU AdamW's buffer sets (master and moments of the largest shard whose states are in
             the swap files, each set).
-        gradient_buffers: the gradients backward may hold in host memory before an update frees some (with gradient
-            accumulation or deferred updates, 4 bytes per trainable parameter instead).
+        gradient_buffers: the gradients backward may hold in host memory before an update frees some (the largest
+            shards' worth the gradient budget allows). Not counted: with gradient accumulation, or with updates after
+            backward (a CPU run's choice while those gradients take at most a quarter of the host memory left), the
+            window holds up to 4 bytes per trainable parameter.
         exchange_buffers: with several ranks, each rank's gradient exchange: the window's fp32 sum of every trainable
             shard (4 bytes per trainable parameter) until it is reduced onto its owner; at most all of them at once
             (between the boundary micro-batches of gradient accumulation). 0 on one rank.
