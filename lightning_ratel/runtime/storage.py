@@ -687,11 +687,7 @@ class TensorStore:
         nbytes = out.numel() * out.element_size()
         with self._lock:
             self._check_open()
-            extent = self._extents.get(key)
-            if extent is None:
-                raise KeyError(f"Key {key!r} was never reserved or written")
-            if extent.nbytes != nbytes:
-                raise ValueError(f"Key {key!r} holds {extent.nbytes} bytes but the output tensor has {nbytes} bytes")
+            extent = self._read_extent_locked(key, nbytes)
             offered = self._shares.get(key, [])
             # One that has landed first; of those in flight, the earliest (it lands first).
             usable = [e for e in offered if e.usable()]
@@ -703,9 +699,7 @@ class TensorStore:
                 request.claimed = set()
                 self._shares.setdefault(key, []).append(_Share(out, request, gather, extent, upstream=source))
             if source is None:
-                request.queued = True
-                for index in range(len(extent.chunks)):
-                    self._pool.submit(urgent, self._run_chunk, request, gather, extent, index)
+                self._queue_locked(request, gather, extent, urgent)
                 return gather.future
             source.copies.append(gather.future)
             if urgent:
@@ -721,9 +715,7 @@ class TensorStore:
         if landed.exception() is None and not source.stale:
             request.source = source.tensor.data_ptr()
         with self._lock:
-            request.queued = True
-            for index in range(len(extent.chunks)):
-                self._pool.submit(request.urgent, self._run_chunk, request, gather, extent, index)
+            self._queue_locked(request, gather, extent, request.urgent)
 
     def _promote(self, share: _Share) -> None:
         """Move the read filling ``share`` (and any it waits for) to the urgent lane: an urgent read waits for it.
@@ -839,19 +831,27 @@ class TensorStore:
                 for entry in self._shares.get(key, ()):
                     entry.stale = True
             else:
-                extent = self._extents.get(key)
-                if extent is None:
-                    raise KeyError(f"Key {key!r} was never reserved or written")
-                if extent.nbytes != nbytes:
-                    raise ValueError(
-                        f"Key {key!r} holds {extent.nbytes} bytes but the output tensor has {nbytes} bytes"
-                    )
+                extent = self._read_extent_locked(key, nbytes)
             gather = Gather(len(extent.chunks), None if is_write else tensor)
             request = self._request(key, is_write, tensor, nbytes, **extra)
-            # Submitting under the lock keeps close() from shutting the pool down halfway through a request.
-            for index in range(len(extent.chunks)):
-                self._pool.submit(urgent, self._run_chunk, request, gather, extent, index)
+            self._queue_locked(request, gather, extent, urgent)
         return gather.future
+
+    def _read_extent_locked(self, key: str, nbytes: int) -> Extent:
+        """The extent a read of ``nbytes`` from ``key`` transfers. Under ``_lock``."""
+        extent = self._extents.get(key)
+        if extent is None:
+            raise KeyError(f"Key {key!r} was never reserved or written")
+        if extent.nbytes != nbytes:
+            raise ValueError(f"Key {key!r} holds {extent.nbytes} bytes but the output tensor has {nbytes} bytes")
+        return extent
+
+    def _queue_locked(self, request: Request, gather: Gather, extent: Extent, urgent: bool) -> None:
+        """Queue every chunk transfer of ``request``. Under ``_lock``, which keeps close() from shutting the pool
+        down halfway through a request."""
+        request.queued = True
+        for index in range(len(extent.chunks)):
+            self._pool.submit(urgent, self._run_chunk, request, gather, extent, index)
 
     def _run_chunk(self, request: Request, gather: Gather, extent: Extent, index: int) -> None:
         if request.claimed is not None:
