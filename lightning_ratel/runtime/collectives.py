@@ -301,6 +301,16 @@ class Faults:
                                   f"{self._ranks.fault_timeout} after training stopped: its process ended or it hangs "
                                   f"({here}{'; ' + reported if reported else ''})") from err
 
+    def meet(self, error: BaseException) -> Faults:
+        """After ``error`` stopped this rank: meet the other ranks (:meth:`assemble`), and the view the collectives
+        they then run together watch (:meth:`after_meeting`).
+
+        Raises:
+            RatelRankFailed: a rank did not stop in time, named.
+        """
+        self.assemble(error)
+        return self.after_meeting()
+
     def after_meeting(self) -> Faults:
         """Once every rank stopped and met (:meth:`assemble`): a view for the collectives they then run together (the
         save of the last committed step), which the failures behind them no longer stop; it watches for new ones. The
@@ -396,8 +406,7 @@ class WorldCollectives:
         """
         if self._met:
             return
-        self.faults.assemble(error)
-        self.faults = self.faults.after_meeting()
+        self.faults = self.faults.meet(error)
         self._groups.append(dist.new_group(backend="gloo", timeout=self.ranks.timeout))
         self._met = True
 
@@ -444,7 +453,7 @@ class NodeCache:
     def open(cls, ranks: Ranks, nbytes: int, faults: Faults | None = None) -> NodeCache:
         """Collective over every rank: make the groups, and map one shared memory per node, which the node's first
         rank creates where ``/dev/shm`` has room for ``nbytes`` and removes once every rank of its node opened it.
-        With ``faults`` its collectives' waits watch for a failed rank.
+        Its collectives' waits watch ``faults`` for a failed rank (``None``: a watch of its own).
 
         Raises:
             SharedCacheUnavailable: on every rank alike, when any node cannot share (one rank per node, ranks not
@@ -456,6 +465,8 @@ class NodeCache:
         node_lists = [list(range(n * lw, (n + 1) * lw)) for n in range(ranks.nodes)]
         column_lists = [[n * lw + j for n in range(ranks.nodes)] for j in range(lw)]
         world = dist.new_group(backend="gloo", timeout=ranks.timeout)
+        if faults is None:
+            faults = Faults(ranks, f"ratel-faults/{world.group_name}")
         groups: list[Any] = []
         memory: SharedHostMemory | None = None
         try:
@@ -474,10 +485,7 @@ class NodeCache:
                 except OSError as err:
                     reason = f"no shared memory file could be made ({err})"
             box = [memory.path if memory is not None and not reason else "", reason]
-            if faults is None:
-                dist.broadcast_object_list(box, src=ranks.node_ranks[0], group=groups[0])
-            else:
-                box = faults.broadcast_object(box, ranks.node_ranks[0], groups[0])
+            box = faults.broadcast_object(box, ranks.node_ranks[0], groups[0])
             reason = box[1]
             if ranks.local_rank != 0 and not reason:
                 try:
@@ -485,10 +493,7 @@ class NodeCache:
                 except OSError as err:
                     reason = f"rank {ranks.rank} could not open {box[0]} ({err})"
             failed = torch.tensor([1 if reason else 0])
-            if faults is None:
-                dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=world)
-            else:
-                faults.all_reduce(failed, dist.ReduceOp.MAX, world)
+            faults.all_reduce(failed, dist.ReduceOp.MAX, world)
             # Every rank of the node has the file open (or gave up): its name is no longer needed.
             if ranks.local_rank == 0 and memory is not None:
                 memory.unlink()
@@ -964,10 +969,9 @@ class DataParallelAdam:
         """
         if self._regrouped:
             return
-        self._faults.assemble(error)
         # The save's collectives must not stop on the failure every rank has met over (the exchange and the publisher
         # keep watching it: they stopped on it).
-        self._faults = self._faults.after_meeting()
+        self._faults = self._faults.meet(error)
         # Made through the store, as every group is: the abandoned collectives do not stand in its way.
         self._control = dist.new_group(backend="gloo", timeout=self.ranks.timeout)
         self._groups.append(self._control)
