@@ -419,8 +419,14 @@ def step_traffic(shards: Sequence[Shard], frozen_shards: Sequence[Shard], param_
     on_disk = [s for s in [*shards, *frozen_shards]
                if not (s.dtype == torch.float32 and s.group >= 0 and s.state_tier == "host")]
     forward = sum(s.numel * s.dtype.itemsize for s in on_disk)
-    shared = sum(s.numel * 4 for s in on_disk if s.dtype == torch.float32 and s.group >= 0)
-    return {"read": traffic["read"] + 2 * forward - shared, "written": traffic["written"]}
+    return {"read": traffic["read"] + 2 * forward - shared_master_reads(shards), "written": traffic["written"]}
+
+
+def shared_master_reads(shards: Sequence[Shard]) -> int:
+    """Bytes of the reads the backward's page-ins and the optimizer share with compute copies in the swap files
+    (``param_cache="ssd"``): the fp32 masters of ``shards`` (trainable) whose states are there, each its own compute
+    copy, read once for both."""
+    return sum(s.numel * 4 for s in shards if s.dtype == torch.float32 and s.state_tier == "ssd")
 
 
 def plan_settings(shards: Sequence[Shard], owned: Sequence[Shard], param_cache: str, ranks_on_node: int,
@@ -446,7 +452,7 @@ def plan_settings(shards: Sequence[Shard], owned: Sequence[Shard], param_cache: 
     if param_cache == "ssd":
         # The cost model counts every compute copy's backward page-in; an fp32 master in the swap files is that
         # copy, and the optimizer's read of it shares the page-in's (see step_traffic).
-        traffic["read"] -= sum(s.numel * 4 for s in owned if s.state_tier == "ssd" and s.dtype == torch.float32)
+        traffic["read"] -= shared_master_reads(owned)
     # States in host memory cost a copy of the committed slot into the other (12 bytes read, 12 written) besides the
     # update's own traffic.
     in_host = sum(s.numel for s in owned if s.state_tier == "host")
