@@ -75,7 +75,7 @@ from lightning_ratel.plan.search import Plan
 from lightning_ratel.precision import RatelPrecision
 from lightning_ratel.preflight import check_host_budget
 from lightning_ratel.report import show_plan
-from lightning_ratel.runtime.collectives import Ranks, WorldCollectives
+from lightning_ratel.runtime.collectives import Ranks, WorldCollectives, meet_at_rendezvous
 from lightning_ratel.runtime.swapfile import prepare_directories
 from lightning_ratel.sizes import format_bytes, format_rate, path_bytes
 from lightning_ratel.tiers import OptimizerStates, ParamCache, Placement
@@ -360,13 +360,27 @@ class RatelStrategy(ParallelStrategy):
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
-    def _setup_distributed(self) -> None:
+    def _setup_distributed(self) -> bool:
+        """Create the default process group, once the ranks agreed on their device type (ranks on different types
+        would pick different backends and never meet). Returns whether the check ran (not where the process group
+        existed before the run)."""
         reset_seed()
         self.set_world_ranks()
         if self._process_group_backend is None:
             self._process_group_backend = _get_default_process_group_backend_for_device(self.root_device)
-        assert self.cluster_environment is not None
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
+        environment = self.cluster_environment
+        assert environment is not None
+        if _distributed_is_initialized():
+            return False
+        os.environ["MASTER_ADDR"] = environment.main_address
+        os.environ["MASTER_PORT"] = str(environment.main_port)
+        timeout = self._timeout or dist.default_pg_timeout
+        store, device_types = meet_at_rendezvous(self.global_rank, self.world_size, timeout, self.root_device.type)
+        check_device_types(device_types, self.num_processes)
+        # The prefix init_process_group gives the store it makes itself.
+        _init_dist_connection(environment, self._process_group_backend, timeout=self._timeout,
+                              store=dist.PrefixStore("default_pg", store))
+        return True
 
     def _ranks(self) -> Ranks | None:
         if not self.is_distributed:
@@ -520,11 +534,11 @@ class RatelStrategy(ParallelStrategy):
         trainer = self.lightning_module.trainer
         super().setup_environment()
         if self.is_distributed:
-            self._setup_distributed()
+            checked = self._setup_distributed()
             if self._world is None:
                 self._world = WorldCollectives(self._ranks())
-            # Before anything is built: a rank on another kind of device would otherwise fail only when planning.
-            check_device_types(self._world.gather_objects(self.root_device.type), self.num_processes)
+            if not checked:
+                check_device_types(self._world.gather_objects(self.root_device.type), self.num_processes)
         paths = self.config.ssd_paths or [os.path.join(trainer.default_root_dir, "ratel_swap")]
         self._created_directories = [missing for path in paths for missing in _missing_directories(Path(path))]
         self._swap_directories = [str(p) for p in prepare_directories(paths, self._store_name())]

@@ -18,6 +18,7 @@ import errno
 import os
 import resource
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -27,12 +28,12 @@ import torch
 from lightning.pytorch.callbacks import OnExceptionCheckpoint
 
 from lightning_ratel import RatelHFExport, RatelPrecision, RatelStrategy
+from lightning_ratel import strategy as strategy_module
 from lightning_ratel.engine import planner
 from lightning_ratel.engine.coordinator import RatelEngine
 from lightning_ratel.io import checkpoint, sharded
 from lightning_ratel.io.pretrained import PretrainedFolder
 from lightning_ratel.io.sharded import ShardedReader
-from lightning_ratel.runtime.collectives import WorldCollectives
 from lightning_ratel.sizes import path_bytes
 from tests.models import LM, cache_off, final_state, trainer
 
@@ -253,14 +254,22 @@ def _fixed_speeds(slow_node: int | None) -> None:
 
 
 def _claim_device(rank: int, device_type: str) -> None:
-    """Make rank ``rank`` tell the others at setup that it trains on ``device_type`` (the ranks' device types are the
-    only objects the strategy's collectives gather)."""
-    gather = WorldCollectives.gather_objects
+    """Make rank ``rank`` tell the others at the rendezvous that it trains on ``device_type``, and make its process
+    group one the others can never join (as NCCL's is for ranks on gloo): its ``init_process_group`` never returns."""
+    meet = strategy_module.meet_at_rendezvous
 
-    def claimed(self: WorldCollectives, obj: Any) -> list[Any]:
-        return gather(self, device_type if self.ranks.rank == rank else obj)
+    def claimed(this: int, world: int, timeout: Any, value: str) -> Any:
+        return meet(this, world, timeout, device_type if this == rank else value)
 
-    WorldCollectives.gather_objects = claimed  # type: ignore[method-assign]
+    init = torch.distributed.init_process_group
+
+    def never_meets(*args: Any, **kwargs: Any) -> None:
+        if kwargs["rank"] == rank:
+            time.sleep(3600)
+        init(*args, **kwargs)
+
+    strategy_module.meet_at_rendezvous = claimed  # type: ignore[assignment]
+    torch.distributed.init_process_group = never_meets  # type: ignore[assignment]
 
 
 def _overflow_on(module: LM, rank: int, step: int) -> None:

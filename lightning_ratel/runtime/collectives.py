@@ -133,6 +133,29 @@ def gather_outcomes(gather: Callable[[Any], list[Any]], step: Callable[[], Any],
     return [what for _, what in outcomes]
 
 
+def meet_at_rendezvous(rank: int, world: int, timeout: timedelta, value: str) -> tuple[dist.Store, list[str]]:
+    """Meet the other ranks through torch's ``env://`` rendezvous (``MASTER_ADDR``/``MASTER_PORT``, or torchrun's
+    agent store) and learn each rank's ``value``, before any process group exists.
+
+    A process group's backend is chosen per rank (NCCL where the device is CUDA, gloo on the CPU). Ranks that chose
+    differently never meet in ``init_process_group``: they wait there for its whole timeout and fail without saying
+    why. What they must agree on is therefore exchanged first, over the store the process group is then built on.
+
+    Args:
+        rank: this process's global rank.
+        world: the number of ranks.
+        timeout: how long to wait for the other ranks (they may start minutes apart on a cluster).
+        value: this rank's part.
+
+    Returns:
+        The store, to build the default process group on, and every rank's ``value`` in rank order.
+    """
+    store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
+    store.set_timeout(timeout)
+    store.set(f"ratel/meet/{rank}", value)
+    return store, [store.get(f"ratel/meet/{other}").decode() for other in range(world)]
+
+
 # How often a collective's wait looks whether another rank reported a failure (only once it has waited that long).
 _POLL = timedelta(milliseconds=200)
 
