@@ -80,6 +80,15 @@ from lightning_ratel.runtime.swapfile import prepare_directories
 from lightning_ratel.sizes import format_bytes, format_rate, path_bytes
 from lightning_ratel.tiers import OptimizerStates, ParamCache, Placement
 
+# A device tensor up to this size is reduced or gathered through host memory, where the wait watches for a failed rank:
+# metrics and decisions, whose copies cost less than a collective's latency; larger ones keep the default group's speed.
+WATCHED_DEVICE_BYTES = 64 * 1024
+
+
+def _watchable(tensor: torch.Tensor) -> bool:
+    """Whether a collective of ``tensor`` runs on the strategy's watched host collectives."""
+    return tensor.device.type == "cpu" or tensor.numel() * tensor.element_size() <= WATCHED_DEVICE_BYTES
+
 
 class RatelStrategy(ParallelStrategy):
     """Fine-tune a model larger than device memory, with model states in host memory or on NVMe, on one device or
@@ -150,7 +159,7 @@ class RatelStrategy(ParallelStrategy):
             that raises is named on every rank within a fraction of a second of the others' next collective: the
             engine's, and those Lightning runs through the strategy (:meth:`barrier`, :meth:`broadcast`,
             :meth:`reduce` of ``self.log(..., sync_dist=True)``, :meth:`all_gather`) except a reduce or all-gather of
-            a tensor on the GPU (NCCL's wait cannot be abandoned: ranks waiting there wait for ``timeout``).
+            a GPU tensor over 64 KiB (NCCL's wait cannot be abandoned: ranks waiting there wait for ``timeout``).
         start_method: how several ranks are launched, as for Lightning's ``DDPStrategy``: ``"popen"`` runs the script
             again for each rank, ``"spawn"``/``"fork"``/``"forkserver"`` start processes with ``multiprocessing``.
         accelerator: the accelerator; normally set by the Trainer.
@@ -435,14 +444,17 @@ class RatelStrategy(ParallelStrategy):
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
         """Reduce ``tensor`` over the ranks (``self.log(..., sync_dist=True)``, boolean decisions). A tensor in host
-        memory goes through the run's watched collectives; one on a GPU, or over a ``group`` of the caller's, through
-        Lightning's default-group reduction (NCCL on a GPU), whose wait does not watch for a failed rank."""
+        memory, or a small one on a GPU (copied through host memory), goes through the run's watched collectives; a
+        larger one on a GPU, or one over a ``group`` of the caller's, through Lightning's default-group reduction (NCCL
+        on a GPU), whose wait does not watch for a failed rank."""
         if not isinstance(tensor, torch.Tensor):
             return tensor
         world = self._collectives()
-        if world is None or group is not None or tensor.device.type != "cpu":
+        if world is None or group is not None or not _watchable(tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return world.reduce(tensor, reduce_op)
+        if tensor.device.type == "cpu":
+            return world.reduce(tensor, reduce_op)
+        return tensor.copy_(world.reduce(tensor.cpu(), reduce_op))
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
@@ -452,13 +464,13 @@ class RatelStrategy(ParallelStrategy):
 
     @override
     def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
-        """Every rank's ``tensor``, stacked. A tensor in host memory without ``sync_grads`` goes through the run's
-        watched collectives; otherwise Lightning's all-gather on the default group (autograd's, NCCL on a GPU), whose
-        wait does not watch for a failed rank."""
+        """Every rank's ``tensor``, stacked. A tensor in host memory, or a small one on a GPU (through host memory),
+        without ``sync_grads`` goes through the run's watched collectives; otherwise Lightning's all-gather on the
+        default group (autograd's, NCCL on a GPU), whose wait does not watch for a failed rank."""
         world = self._collectives()
-        if world is None or group is not None or sync_grads or tensor.device.type != "cpu":
+        if world is None or group is not None or sync_grads or not _watchable(tensor):
             return super().all_gather(tensor, group=group, sync_grads=sync_grads)
-        return world.all_gather(tensor)
+        return world.all_gather(tensor.cpu()).to(tensor.device)
 
     @property  # type: ignore[override]
     @override

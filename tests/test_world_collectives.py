@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 
 from lightning_ratel.errors import RatelRankFailed
 from lightning_ratel.runtime.collectives import Ranks, WorldCollectives
+from lightning_ratel.strategy import WATCHED_DEVICE_BYTES, _watchable
 
 TIMEOUT = timedelta(minutes=10)
 
@@ -91,3 +92,12 @@ def test_world_collectives_of_two_ranks(tmp_path: Path, scenario: str) -> None:
     context.processes[1].join(timeout=60)
     assert context.processes[0].exitcode == 0
     assert context.processes[1].exitcode == 9
+
+
+def test_small_device_tensors_take_the_watched_collectives() -> None:
+    """Host tensors of any size and device tensors up to ``WATCHED_DEVICE_BYTES`` (metrics, decisions) go through the
+    watched host collectives; a larger device tensor keeps the default group (a ``meta`` tensor stands for a GPU's)."""
+    assert _watchable(torch.empty(10**6))
+    assert _watchable(torch.empty(WATCHED_DEVICE_BYTES // 4, device="meta"))
+    assert not _watchable(torch.empty(WATCHED_DEVICE_BYTES // 4 + 1, device="meta"))
+    assert not _watchable(torch.empty(WATCHED_DEVICE_BYTES // 2 + 1, dtype=torch.bfloat16, device="meta"))
