@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
@@ -344,12 +343,9 @@ class RatelEngine:
                     assert ranks is not None
                     self.adam = DataParallelAdam(cpu_adam, self.layout.shards, owners, ranks, node, faults)
                     self.adam.sync_compute_copies()
-                    # On gloo the training thread's own group, whose waits watch for a failed rank (and which the
-                    # ranks replace when they meet after a failure); on CUDA the default group (NCCL), as DDP sends
-                    # them, unwatched.
-                    gloo = dist.get_backend() == "gloo"
-                    self._buffers = BufferBroadcast(module, group=self.adam.control_group if gloo else None,
-                                                    wait=self.adam.wait)
+                    # The training thread's own gloo group, whose waits watch for a failed rank (and which the ranks
+                    # replace when they meet after a failure), also on CUDA.
+                    self._buffers = BufferBroadcast(module, group=self.adam.control_group, wait=self.adam.wait)
                     self._buffers.broadcast()
                 # State the optimizer's constructor made (Adagrad's sums) is made again for each parameter at its
                 # first update; the run's state lives in the store.

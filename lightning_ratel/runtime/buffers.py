@@ -21,18 +21,18 @@ class BufferBroadcast:
 
     The buffers are looked up at each broadcast (a forward may rebind one), in ``named_buffers()`` order, which is the
     same on every rank. Those named in the module's ``_ddp_params_and_buffers_to_ignore`` stay as they are, as
-    ``DistributedDataParallel`` leaves them.
+    ``DistributedDataParallel`` leaves them. The bytes travel through host memory over a gloo group, also for buffers
+    on a GPU: buffers are small (tables, statistics, counters), and a wait there can watch for a rank that failed,
+    which a wait of NCCL's on the device's stream cannot.
 
     Args:
         module: the model.
-        group: the process group; ``None``: the default one, whose backend moves tensors where they live (NCCL on
-            CUDA), as ``DistributedDataParallel``'s own broadcast does. Only the training thread uses it.
-        wait: waits for a broadcast started asynchronously on a gloo group, watching for a rank that failed and will
-            never join it (:meth:`DataParallelAdam.wait <lightning_ratel.runtime.collectives.DataParallelAdam.wait>`);
-            ``None``, or another backend (whose broadcast the device orders): the broadcast waits as usual.
+        group: a gloo process group of every rank, used by the training thread only.
+        wait: waits for a broadcast started asynchronously on ``group``, watching for a rank that failed and will never
+            join it (:meth:`DataParallelAdam.wait <lightning_ratel.runtime.collectives.DataParallelAdam.wait>`).
     """
 
-    def __init__(self, module: nn.Module, group: Any = None, wait: Callable[[Any], None] | None = None) -> None:
+    def __init__(self, module: nn.Module, group: Any, wait: Callable[[Any], None]) -> None:
         self._module = module
         self._group = group
         self._wait = wait
@@ -45,15 +45,11 @@ class BufferBroadcast:
             if name not in self._ignore:
                 groups.setdefault((buffer.device, buffer.dtype), []).append(buffer)
         source = dist.get_rank(self._group) == 0
-        wait = self._wait if dist.get_backend(self._group) == "gloo" else None
         with torch.no_grad():
             for buffers in groups.values():
-                flat = torch.cat([b.reshape(-1) for b in buffers])
-                # As bytes: every backend sends uint8, whatever the buffers' dtype (bool, bfloat16, ...).
-                if wait is None:
-                    dist.broadcast(flat.view(torch.uint8), src=0, group=self._group)
-                else:
-                    wait(dist.broadcast(flat.view(torch.uint8), src=0, group=self._group, async_op=True))
+                flat = torch.cat([b.reshape(-1) for b in buffers]).cpu()
+                # As bytes: gloo sends uint8, whatever the buffers' dtype (bool, bfloat16, ...).
+                self._wait(dist.broadcast(flat.view(torch.uint8), src=0, group=self._group, async_op=True))
                 if source:
                     continue
                 offset = 0
