@@ -70,6 +70,11 @@ def estimate_parser(prog: str = "ratel-estimate") -> argparse.ArgumentParser:
                         help="RatelStrategy's checkpoint_format (default: auto)")
     parser.add_argument("--ranks", type=int, default=1,
                         help="ranks training data parallel: each holds a gradient exchange's buffers (default: 1)")
+    parser.add_argument("--accumulate-grad-batches", type=int, default=1,
+                        help="the Trainer's accumulate_grad_batches, for the gradient exchange of several ranks "
+                             "(default: 1)")
+    parser.add_argument("--gradient-exchange", choices=["auto", "window", "micro_batch"], default="auto",
+                        help="RatelStrategy's gradient_exchange (default: auto)")
     return parser
 
 
@@ -82,7 +87,9 @@ def estimate(argv: Sequence[str] | None = None, prog: str = "ratel-estimate") ->
     try:
         print(estimate_run(args.folder, precision=args.precision, param_cache=args.param_cache,
                            prefetch_depth=args.prefetch_depth, host_memory_limit=args.host_memory_limit,
-                           checkpoint_format=args.checkpoint_format, ranks=args.ranks))
+                           checkpoint_format=args.checkpoint_format, ranks=args.ranks,
+                           accumulate_grad_batches=args.accumulate_grad_batches,
+                           gradient_exchange=args.gradient_exchange))
     except RatelConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -11,6 +11,7 @@ from typing import Literal, Protocol
 from torch import nn
 
 from lightning_ratel.errors import RatelConfigError
+from lightning_ratel.plan.exchange import GRADIENT_EXCHANGES
 from lightning_ratel.plan.search import Plan
 from lightning_ratel.sizes import parse_bytes
 from lightning_ratel.tiers import OPTIMIZER_STATES, PARAM_CACHES, OptimizerStates, ParamCache, check_policy
@@ -62,6 +63,7 @@ class RatelConfig:
     param_init_fn: ParamInitFn | None = None
     pretrained: str | None = None
     checkpoint_format: CheckpointFormat = "auto"
+    gradient_exchange: str = "auto"
     log_metrics: bool = True
     name: str = "ratel"
 
@@ -94,6 +96,9 @@ class RatelConfig:
         if self.checkpoint_format not in CHECKPOINT_FORMATS:
             raise RatelConfigError(
                 f"`checkpoint_format` must be one of {CHECKPOINT_FORMATS}, got {self.checkpoint_format!r}")
+        if self.gradient_exchange not in GRADIENT_EXCHANGES:
+            raise RatelConfigError(
+                f"`gradient_exchange` must be one of {GRADIENT_EXCHANGES}, got {self.gradient_exchange!r}")
         if not isinstance(self.log_metrics, bool):
             raise RatelConfigError(f"`log_metrics` must be True or False, got {self.log_metrics!r}")
 

@@ -11,7 +11,7 @@ before it builds anything (:func:`check_host_budget`). From the command line::
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
@@ -23,9 +23,11 @@ from lightning_ratel.engine.coordinator import GRAD_BUDGET_SHARDS
 from lightning_ratel.engine.layout import build_layout
 from lightning_ratel.errors import RatelConfigError, RatelPlanError
 from lightning_ratel.io.checkpoint import choose_checkpoint_format, gathered_checkpoint_bytes
+from lightning_ratel.plan.exchange import ExchangeChoice, choose_exchange
 from lightning_ratel.plan.states import state_bytes
 from lightning_ratel.precision import RatelPrecision
-from lightning_ratel.runtime.collectives import exchange_window_nbytes
+from lightning_ratel.runtime.collectives import exchange_micro_batch_nbytes, exchange_window_nbytes
+from lightning_ratel.runtime.probe import available_host_memory
 from lightning_ratel.runtime.state_buffers import BUFFER_SETS, in_place, set_bytes, set_capacities, shard_need
 from lightning_ratel.runtime.units import Layout
 from lightning_ratel.sizes import format_bytes
@@ -52,9 +54,14 @@ class Estimate:
             shards' worth the gradient budget allows). Not counted: with gradient accumulation, or with updates after
             backward (a CPU run's choice while those gradients take at most a quarter of the host memory left), the
             window holds up to 4 bytes per trainable parameter.
-        exchange_buffers: with several ranks, each rank's gradient exchange: the window's fp32 sum of every trainable
-            shard (4 bytes per trainable parameter) until it is reduced onto its owner; at most all of them at once
-            (between the boundary micro-batches of gradient accumulation). 0 on one rank.
+        exchange_buffers: with several ranks, each rank's gradient exchange. Under ``exchange="window"`` the window's
+            fp32 sum of every trainable shard (4 bytes per trainable parameter) until it is reduced onto its owner; at
+            most all of them at once (between the boundary micro-batches of gradient accumulation). Under
+            ``"micro_batch"`` the fp32 copies of gradients in flight (16-bit gradients, zeros for a parameter only
+            another rank has a gradient of): at most the largest shard's. 0 on one rank.
+        exchange: with several ranks, the gradient exchange the planner chooses
+            (:func:`~lightning_ratel.plan.exchange.choose_exchange`) from the host budget (``host_memory_limit``, else
+            a rank's part of the memory available now) and the other host bytes; ``None`` on one rank.
         device: the compute copies of the blocks in flight (``prefetch_depth + 1`` of the largest); activations and
             workspaces come on top and are known only once a step has run.
         checkpoint: one checkpoint in ``checkpoint_format`` (a sharded one: 12 bytes per trainable parameter, and the
@@ -73,6 +80,7 @@ class Estimate:
     device: int
     checkpoint: int
     exchange_buffers: int = 0
+    exchange: ExchangeChoice | None = None
 
     @property
     def host(self) -> int:
@@ -94,12 +102,15 @@ class Estimate:
             ("device memory", f"{format_bytes(self.device)} of parameters in flight, plus activations"),
             (f"checkpoint ({self.checkpoint_format})", format_bytes(self.checkpoint)),
         ]
+        if self.exchange is not None:
+            rows.append(("gradient exchange", f"{self.exchange.mode} ({self.exchange.reason})"))
         width = max(len(name) for name, _ in rows)
         return "\n".join(f"{name:<{width}}  {value}" for name, value in rows) + f"\nparam_cache: {self.param_cache}"
 
 
 def estimate(model: nn.Module | Any | str | os.PathLike[str], precision: str = "bf16-mixed",
-             optimizer: torch.optim.Optimizer | None = None, ranks: int = 1, **strategy_args: Any) -> Estimate:
+             optimizer: torch.optim.Optimizer | None = None, ranks: int = 1, accumulate_grad_batches: int = 1,
+             **strategy_args: Any) -> Estimate:
     """The disk, host, device and checkpoint bytes a fit with :class:`~lightning_ratel.RatelStrategy` needs.
 
     Nothing is allocated: the model is laid out as a run lays it out, on the meta device.
@@ -111,8 +122,9 @@ def estimate(model: nn.Module | Any | str | os.PathLike[str], precision: str = "
         precision: the Trainer's precision: ``"bf16-mixed"``, ``"16-mixed"`` or ``"32-true"``.
         optimizer: the optimizer the module's ``configure_optimizers`` returns, for its parameter groups; ``None``:
             one group of every parameter that requires a gradient.
-        ranks: the ranks training data parallel (each holds a gradient exchange's buffers; the other parts are one
-            process's).
+        ranks: the ranks training data parallel, on one node (each holds a gradient exchange's buffers; the other parts
+            are one process's).
+        accumulate_grad_batches: the Trainer's, for the choice of gradient exchange with several ranks.
         **strategy_args: the arguments of :class:`~lightning_ratel.RatelStrategy` (``param_cache``,
             ``prefetch_depth``, ``host_memory_limit``, ``checkpoint_format``, ``blocks``, ``pretrained``...).
 
@@ -135,11 +147,12 @@ def estimate(model: nn.Module | Any | str | os.PathLike[str], precision: str = "
         optimizer = torch.optim.AdamW(trainable) if trainable else None
     if optimizer is None:
         raise RatelConfigError("the model has no parameter that requires a gradient: there is nothing to train")
-    return _estimate(model, optimizer, config, half, ranks)
+    return _estimate(model, optimizer, config, half, ranks, accumulate_grad_batches)
 
 
 def _estimate(module: nn.Module, optimizer: torch.optim.Optimizer, config: RatelConfig,
-              half_dtype: torch.dtype | None, ranks: int = 1) -> Estimate:
+              half_dtype: torch.dtype | None, ranks: int = 1, accumulate: int = 1, unified: bool = False,
+              automatic: bool = True) -> Estimate:
     layout = build_layout(module, discover_blocks(module, config.blocks), optimizer, half_dtype, config.param_cache,
                           config.host_memory_limit, _meta_empty, announce=False,
                           optimizer_states=config.states_request)
@@ -155,7 +168,7 @@ def _estimate(module: nn.Module, optimizer: torch.optim.Optimizer, config: Ratel
         frozen = 0 if config.pretrained is not None else sum(s.numel * s.dtype.itemsize for s in layout.frozen_shards)
         checkpoint = sum(12 * s.numel for s in layout.shards) + frozen
     largest_unit = max((u.nbytes for u in layout.units.values()), default=0)
-    return Estimate(
+    estimate = Estimate(
         parameters=sum(s.numel for s in layout.slots),
         trainable=sum(s.numel for s in layout.shards),
         param_cache=layout.param_cache,
@@ -167,8 +180,18 @@ def _estimate(module: nn.Module, optimizer: torch.optim.Optimizer, config: Ratel
         gradient_buffers=GRAD_BUDGET_SHARDS * max((s.numel for s in layout.shards), default=0) * 4,
         device=(config.prefetch_depth + 1) * largest_unit,
         checkpoint=checkpoint,
-        exchange_buffers=exchange_window_nbytes(layout.shards) if ranks > 1 else 0,
     )
+    if ranks < 2:
+        return estimate
+    window = exchange_window_nbytes(layout.shards)
+    budget = config.host_memory_limit
+    if budget is None and config.gradient_exchange == "auto" and accumulate > 1:
+        budget = available_host_memory() // ranks
+    # The bytes the budget check counts for a rank, without the exchange.
+    held = estimate.host + (estimate.device if unified else 0)
+    choice = choose_exchange(config.gradient_exchange, accumulate, ranks, held, window, budget, automatic=automatic)
+    nbytes = window if choice.mode == "window" else exchange_micro_batch_nbytes(layout.shards)
+    return replace(estimate, exchange_buffers=nbytes, exchange=choice)
 
 
 def _buffer_sets_bytes(layout: Layout, compute_on_store: bool) -> int:
@@ -213,8 +236,10 @@ def _from_config(config: Any) -> nn.Module:
 
 
 def check_host_budget(module: nn.Module, optimizer: torch.optim.Optimizer, config: RatelConfig,
-                      half_dtype: torch.dtype | None, unified: bool, ranks: int = 1) -> None:
-    """Refuse a ``host_memory_limit`` that the run's own buffers exceed, before any of them is allocated.
+                      half_dtype: torch.dtype | None, unified: bool, ranks: int = 1, accumulate: int = 1,
+                      automatic: bool = True) -> Estimate | None:
+    """Refuse a ``host_memory_limit`` that the run's own buffers exceed, before any of them is allocated; with several
+    ranks, plan their gradient exchange on the way.
 
     Args:
         module: the model, on any device.
@@ -223,22 +248,30 @@ def check_host_budget(module: nn.Module, optimizer: torch.optim.Optimizer, confi
         half_dtype: the 16-bit dtype of mixed precision, ``None`` for fp32.
         unified: device and host are one memory (a CPU run): the device's parameters count too.
         ranks: the ranks training data parallel (see :func:`estimate`).
+        accumulate: the Trainer's ``accumulate_grad_batches``.
+        automatic: Lightning's automatic optimization (see :func:`~lightning_ratel.plan.exchange.choose_exchange`).
+
+    Returns:
+        The estimate the check used (its ``exchange`` the plan of several ranks); ``None`` where one rank had no limit
+        to check.
 
     Raises:
         RatelPlanError: the buffers need more than ``host_memory_limit``.
     """
     limit = config.host_memory_limit
-    if limit is None:
-        return
-    need = _estimate(module, optimizer, config, half_dtype, ranks)
+    if limit is None and ranks < 2:
+        return None
+    need = _estimate(module, optimizer, config, half_dtype, ranks, accumulate, unified, automatic)
     total = need.host + (need.device if unified else 0)
-    if total <= limit:
-        return
+    if limit is None or total <= limit:
+        return need
     fixes = ["raise host_memory_limit"]
     if need.host_states:
         fixes.append("use optimizer_states='ssd' (optimizer states in the swap files)")
     if need.param_cache == "host":
         fixes.append("use param_cache='ssd' (compute copies read from the swap files)")
+    if need.exchange is not None and need.exchange.mode == "window" and accumulate > 1:
+        fixes.append("use gradient_exchange='micro_batch' (no gradient window on each rank)")
     raise RatelPlanError(
         f"RatelStrategy: host_memory_limit ({format_bytes(limit)}) is less than the {format_bytes(total)} the run's "
         f"own buffers take before any activation ({need._host_parts()}"

@@ -147,6 +147,14 @@ class RatelStrategy(ParallelStrategy):
             ``ratel-convert`` turns it into either of the others; with several ranks each writes the units it owns, in
             parallel); ``"auto"``: ``"sharded"`` when gathering the checkpoint would take more than half of the host
             memory budget. Either resumes at any world size.
+        gradient_exchange: how several ranks' gradients reach each shard's owner under gradient accumulation:
+            ``"window"`` (each rank sums its micro-batches, then one reduce per step, as ``DistributedDataParallel``;
+            every rank holds 4 bytes per trainable parameter for its sums), ``"micro_batch"`` (each micro-batch's
+            gradients are reduced at once and the owner sums them: no rank holds sums it does not own, at the cost of
+            ``accumulate_grad_batches`` reduces per step; the sums' order differs from ``ddp``'s within fp32
+            rounding) or ``"auto"`` (the planner's choice from the host budget and the node's bytes held once:
+            :func:`~lightning_ratel.plan.exchange.choose_exchange`; manual optimization keeps ``"window"``). Without
+            accumulation the two are one.
         log_metrics: send the plugin's figures of every training step (time per part, disk bytes and throughput,
             overlap, bytes per tier; ``ratel/...`` keys) to the Trainer's loggers, at the rate of ``self.log``
             (``log_every_n_steps``).
@@ -188,6 +196,7 @@ class RatelStrategy(ParallelStrategy):
         param_init_fn: ParamInitFn | None = None,
         pretrained: str | None = None,
         checkpoint_format: CheckpointFormat = "auto",
+        gradient_exchange: Literal["auto", "window", "micro_batch"] = "auto",
         log_metrics: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = timedelta(minutes=30),
@@ -219,6 +228,7 @@ class RatelStrategy(ParallelStrategy):
             param_init_fn=param_init_fn,
             pretrained=pretrained,
             checkpoint_format=checkpoint_format,
+            gradient_exchange=gradient_exchange,
             log_metrics=log_metrics,
         )
         self._engine: RatelEngine | None = None
@@ -565,6 +575,7 @@ class RatelStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         optimizer = None
+        exchange = None
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             if len(self.optimizers) != 1:
@@ -587,8 +598,14 @@ class RatelStrategy(ParallelStrategy):
             self._format = choose_checkpoint_format(self.config.checkpoint_format, module, optimizer,
                                                     self.config.host_memory_limit)
             # Before the model is materialized: the budget must hold at least the run's own buffers.
-            check_host_budget(module, optimizer, self.config, self.precision_plugin.half_dtype,
-                              unified=self.root_device.type == "cpu", ranks=self.world_size)
+            need = check_host_budget(module, optimizer, self.config, self.precision_plugin.half_dtype,
+                                     unified=self.root_device.type == "cpu", ranks=self.world_size,
+                                     accumulate=trainer.accumulate_grad_batches,
+                                     automatic=module.automatic_optimization)
+            exchange = need.exchange if need is not None else None
+            if self._world is not None:
+                # Every rank exchanges alike: rank 0's choice (each measured its own free memory).
+                exchange = self._world.broadcast_object(exchange)
         self.model_to_device()
         config = replace(self.config.with_ssd_paths(self._swap_directories), name=self._store_name())
         self._limit_device_memory()
@@ -605,7 +622,8 @@ class RatelStrategy(ParallelStrategy):
         start = time.perf_counter()
         self._engine = RatelEngine(module, self.root_device, config, precision.half_dtype, optimizer, source,
                                    progress=trainer.progress_bar_callback is not None, ranks=self._ranks(),
-                                   faults=self._world.faults if self._world is not None else None)
+                                   faults=self._world.faults if self._world is not None else None,
+                                   exchange=exchange)
         if source is not None:
             layout = self._engine.layout
             rank_zero_info(f"RatelStrategy: {source.description.replace('loading', 'loaded', 1)}: "

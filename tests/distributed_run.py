@@ -118,6 +118,8 @@ class _Measure(L.Callback):
                 # What the gradient exchange holds, in the engine's host accounting.
                 self.figures["exchange_bytes"] = engine.adam.host_buffer_bytes - local.host_buffer_bytes
             self.figures["state_traffic"] = trainer.strategy.state_traffic()
+            if engine.exchange is not None:
+                self.figures["exchange"] = engine.exchange.mode
         profiler = getattr(trainer.strategy, "profiler", None)
         if profiler is not None and profiler.plan is not None:
             self.figures["plan"] = profiler.plan.to_json()
@@ -300,6 +302,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--save", default=None, help="save a checkpoint here at the end of training")
     parser.add_argument("--resume", default=None, help="resume from this checkpoint")
     parser.add_argument("--states", default="auto", help="RatelStrategy's optimizer_states")
+    parser.add_argument("--exchange", default="auto", help="RatelStrategy's gradient_exchange")
     parser.add_argument("--node-states", default=None,
                         help="each node's optimizer_states, comma-separated in node order (instead of --states)")
     parser.add_argument("--fail", default=None, help="RANK:STEP: raise on that rank at that step")
@@ -349,6 +352,7 @@ def main(argv: list[str]) -> None:
         strategy = RatelStrategy(ssd_paths=[str(swap)], activation_policy=None if args.plan_auto else "device",
                                  param_cache="host",
                                  optimizer_states=states, checkpoint_format=args.checkpoint_format,
+                                 gradient_exchange=args.exchange,
                                  pretrained=args.pretrained, keep_swap_files=args.keep_swap,
                                  timeout=timedelta(seconds=args.timeout),
                                  **({} if args.fault_timeout is None else

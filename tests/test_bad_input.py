@@ -433,6 +433,7 @@ def test_same_module_resumes_after_io_error(tmp_path: Path, monkeypatch: pytest.
         ({"keep_swap_files": "no"}, "keep_swap_files"),
         ({"plan": 123}, "plan"),
         ({"host_memory_limit": True}, "host_memory_limit"),
+        ({"gradient_exchange": "per_step"}, "gradient_exchange"),
     ],
 )
 def test_wrong_types_rejected_at_construction(kwargs: dict[str, Any], words: str) -> None:

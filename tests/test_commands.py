@@ -69,6 +69,11 @@ def test_estimate_command(tmp_path: Path) -> None:
                      "'--param-cache', 'ssd', '--precision', '32-true']))")
     assert done.returncode == 0, done.stderr
     assert "disk (swap files)" in done.stdout and "param_cache: ssd" in done.stdout
+    ranks = run("-c", f"import lightning_ratel_cli as c; raise SystemExit(c.estimate([{str(tmp_path / 'hf')!r}, "
+                      "'--param-cache', 'host', '--ranks', '2', '--accumulate-grad-batches', '2', "
+                      "'--gradient-exchange', 'micro_batch']))")
+    assert ranks.returncode == 0, ranks.stderr
+    assert "gradient exchange  micro_batch (asked for)" in ranks.stdout
     missing = run("-c", f"import lightning_ratel_cli as c; raise SystemExit(c.estimate([{str(tmp_path)!r}]))")
     assert missing.returncode == 2 and "no config.json" in missing.stderr
 

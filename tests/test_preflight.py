@@ -129,3 +129,32 @@ def test_several_ranks_count_their_gradient_exchange() -> None:
     check_host_budget(lm, optimizer, config, None, unified=True)
     with pytest.raises(RatelPlanError, match="gradient exchange"):
         check_host_budget(lm, optimizer, config, None, unified=True, ranks=2)
+
+
+def test_a_host_budget_the_windows_exceed_reduces_each_micro_batch() -> None:
+    """With accumulation, two ranks whose window buffers would exceed the host budget reduce each micro-batch instead
+    (the planner's choice, in the estimate and the budget check alike): the exchange then counts at most the largest
+    shard's fp32 copies, and the same budget passes; asked for the window, it is refused, naming the way out."""
+    lm = LM("llama8", n_batches=2)
+    optimizer = lm.configure_optimizers()["optimizer"]
+    placed = {"param_cache": "host", "optimizer_states": "ssd"}
+    window = lightning_ratel.estimate(lm, precision="32-true", optimizer=optimizer, ranks=2,
+                                      accumulate_grad_batches=4, gradient_exchange="window", **placed)
+    assert window.exchange is not None and window.exchange.mode == "window"
+    limit = window.host + window.device - window.exchange_buffers // 2
+    tight = lightning_ratel.estimate(lm, precision="32-true", optimizer=optimizer, ranks=2, accumulate_grad_batches=4,
+                                     host_memory_limit=limit, **placed)
+    assert tight.exchange is not None and tight.exchange.mode == "micro_batch" and "host budget" in tight.exchange.reason
+    largest = max(p.numel() for p in lm.parameters())
+    assert largest * 4 <= tight.exchange_buffers < window.exchange_buffers // 2
+    assert "micro_batch" in str(tight)
+    checked = check_host_budget(lm, optimizer, RatelConfig(host_memory_limit=limit, **placed), None, unified=True,
+                                ranks=2, accumulate=4)
+    assert checked is not None and checked.exchange is not None and checked.exchange.mode == "micro_batch"
+    with pytest.raises(RatelPlanError, match="gradient_exchange='micro_batch'"):
+        check_host_budget(lm, optimizer, RatelConfig(host_memory_limit=limit, gradient_exchange="window", **placed),
+                          None, unified=True, ranks=2, accumulate=4)
+    # Without accumulation there is nothing to save: the window stays.
+    one_batch = lightning_ratel.estimate(lm, precision="32-true", optimizer=optimizer, ranks=2,
+                                         host_memory_limit=limit, **placed)
+    assert one_batch.exchange is not None and one_batch.exchange.mode == "window"

@@ -46,6 +46,7 @@ from lightning_ratel.errors import RatelConfigError, RatelModelError
 from lightning_ratel.io.checkpoint import ModelState
 from lightning_ratel.io.sources import ValueSource
 from lightning_ratel.plan.cost import updates_overlap
+from lightning_ratel.plan.exchange import ExchangeChoice
 from lightning_ratel.plan.owners import UnitCost, assign_owners
 from lightning_ratel.runtime import gds
 from lightning_ratel.runtime.activations import ActivationCache, PlaceholderRead
@@ -248,6 +249,9 @@ class RatelEngine:
         faults: with ``ranks``, where the run's failures are reported and watched for (shared with the strategy's own
             collectives, :class:`~lightning_ratel.runtime.collectives.WorldCollectives`); ``None``: the engine's
             collectives watch a store of their own.
+        exchange: with ``ranks``, how their gradients reach each shard's owner
+            (:func:`~lightning_ratel.plan.exchange.choose_exchange`, planned by the pre-flight check); ``None``: the
+            window's sums (``"window"``).
     """
 
     speculate = True
@@ -271,6 +275,7 @@ class RatelEngine:
         progress: bool = False,
         ranks: Ranks | None = None,
         faults: Faults | None = None,
+        exchange: ExchangeChoice | None = None,
     ) -> None:
         assert config.ssd_paths is not None
         self.module = module
@@ -294,6 +299,11 @@ class RatelEngine:
                                        optimizer_states=config.states_request)
             self.blocks = BlockMembership(found, self.layout.block_units)
             owners = _owners(self.layout, ranks) if parallel and ranks is not None else None
+            # How the ranks' gradients reach their owners (the strategy's pre-flight plans it; window sums where it
+            # did not).
+            self.exchange = None if owners is None else exchange or ExchangeChoice("window", "not planned", 1)
+            if self.exchange is not None:
+                rank_zero_info(f"RatelStrategy: {self.exchange.describe()}.")
         except BaseException:
             if node is not None:
                 node.close()
@@ -341,7 +351,9 @@ class RatelEngine:
                     self.adam = cpu_adam(self.layout.shards)
                 else:
                     assert ranks is not None
-                    self.adam = DataParallelAdam(cpu_adam, self.layout.shards, owners, ranks, node, faults)
+                    assert self.exchange is not None
+                    self.adam = DataParallelAdam(cpu_adam, self.layout.shards, owners, ranks, node, faults,
+                                                 self.exchange.mode)
                     self.adam.sync_compute_copies()
                     # The training thread's own gloo group, whose waits watch for a failed rank (and which the ranks
                     # replace when they meet after a failure), also on CUDA.

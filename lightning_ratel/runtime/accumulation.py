@@ -3,7 +3,10 @@
 :class:`GradientAccumulator` keeps each shard's fp32 gradient of the current accumulation window in a host buffer
 that the shard takes from a pool with its first gradient and gives back after its update, so gradient memory follows
 the shards in flight rather than the model. It also counts which parameters delivered a gradient in the current
-micro-batch, so the optimizer knows when a shard is complete. Worker thread only.
+micro-batch, so the optimizer knows when a shard is complete. Worker thread only. With several ranks it holds the
+shards its rank owns; reducing each micro-batch (``gradient_exchange="micro_batch"``,
+:class:`~lightning_ratel.runtime.collectives.DataParallelAdam`) it receives each micro-batch's sum over the ranks, so
+it is the only window of those shards on any rank.
 
 :class:`GradientBudget` is shared by the thread handing gradients over (autograd's) and the worker: while the
 gradients held exceed a budget and the worker has work that will release some, the handing thread waits, so backward

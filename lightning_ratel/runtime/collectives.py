@@ -14,6 +14,11 @@ swap store and their update on its CPU optimizer. :class:`DataParallelAdam` stan
    shard completed out of that order waits for the ones before it, and the end of backward reduces whatever is left,
    so the ranks always issue the same collectives in the same order. Each buffer carries, after the gradient, one flag
    per parameter (1: this rank has its gradient), so the owner knows which parameters got a gradient on any rank.
+   That is ``gradient_exchange="window"``: every rank holds a window buffer of every shard. With ``"micro_batch"``
+   (:class:`_MicroBatchExchange`, the planner's choice where host memory needs it) each micro-batch's gradients are
+   reduced onto the owner in the same order, parameter by parameter in the tensors they came in, and the owner's
+   ``CpuAdam`` sums the window as on one rank: no rank holds a window for shards it does not own, for one reduce per
+   micro-batch instead of one per step (the sum over ranks and micro-batches is taken in another order than ``ddp``'s).
 2. The owner hands the reduced gradients to its ``CpuAdam``, which updates the shard as on one rank (overlapped with
    backward where the step allows it, speculatively under clipping by norm or fp16 loss scaling; clipping by norm and
    fp16 overflow checks use the norm and the overflow of all ranks, :meth:`DataParallelAdam.clip_`,
@@ -574,6 +579,7 @@ class _Gradient:
 @dataclass(frozen=True)
 class _Begin:
     boundary: bool
+    plan: StepPlan | None = None
 
 
 @dataclass(frozen=True)
@@ -603,6 +609,13 @@ def exchange_window_nbytes(shards: Sequence[Shard]) -> int:
     every shard's buffer at once, as between the boundary micro-batches of gradient accumulation, or where the
     reduces fall behind backward."""
     return sum(round_up((s.numel + len(s.params)) * 4, ALIGNMENT) for s in shards)
+
+
+def exchange_micro_batch_nbytes(shards: Sequence[Shard]) -> int:
+    """The most host memory a rank's gradient exchange holds when it reduces each micro-batch's gradients
+    (:class:`_MicroBatchExchange`): fp32 copies of gradients in flight (a 16-bit gradient, or zeros for a parameter
+    another rank has a gradient of), at most the largest of ``shards`` at once."""
+    return max((s.numel for s in shards), default=0) * 4
 
 
 class _GradientExchange:
@@ -761,6 +774,152 @@ class _GradientExchange:
         self._cursor = 0
 
 
+@dataclass
+class _ParamReducing:
+    shard: Shard
+    position: int
+    tensor: torch.Tensor
+    work: Any
+    scratch: int
+
+
+class _MicroBatchExchange(_GradientExchange):
+    """The exchange thread that reduces each micro-batch's gradients onto their owners (``gradient_exchange=
+    "micro_batch"``): no rank holds a window, the owner's optimizer sums the micro-batches as on one rank.
+
+    Within a micro-batch, shards go in the fixed order of :class:`_GradientExchange`, each as soon as backward
+    completed it here (the ones before it first). For each shard the ranks first agree which of its parameters got a
+    gradient on any rank (a small all-reduce); then each such parameter's gradient, multiplied by ``1 / world_size``, is
+    reduced onto the owner in place, in the tensor it came in (an fp32 copy for a 16-bit one, zeros where this rank has
+    none: at most :func:`exchange_micro_batch_nbytes` of those at once, older reduces waited for to make room), and
+    the owner hands it to its optimizer. The next micro-batch's start (or the step's flush) reduces what is left, and
+    only then starts the local optimizer's micro-batch, so that its count of a shard's gradients per micro-batch stays
+    right.
+
+    Args:
+        shards, owner, ranks, group, faults: as for :class:`_GradientExchange`.
+        deliver: called on the owner with a shard, a parameter's position and its reduced gradient.
+        begin: starts a micro-batch on the local optimizer (``CpuAdam.begin``), given the step's plan on its boundary.
+    """
+
+    def __init__(self, shards: Sequence[Shard], owner: dict[int, int], ranks: Ranks, group: Any,
+                 deliver: Callable[[Shard, int, torch.Tensor], None], faults: Faults,
+                 begin: Callable[[StepPlan | None], None]) -> None:
+        self._deliver_param = deliver
+        self._begin_local = begin
+        self._limit = exchange_micro_batch_nbytes(shards)
+        self._held: dict[int, dict[int, torch.Tensor]] = {}
+        self._issued: set[int] = set()
+        self._open = False
+        self._scratch = 0
+        self._peak = 0
+        self._param_reducing: deque[_ParamReducing] = deque()
+        super().__init__(shards, owner, ranks, group, lambda shard, buffer: None, faults)
+
+    @property
+    def nbytes(self) -> int:
+        """The most host bytes of fp32 copies the exchange held at once."""
+        return self._peak
+
+    def _handle(self, job: _Gradient | _Begin | _Flush | _Drop) -> None:
+        if isinstance(job, _Gradient):
+            if self.error is None:
+                self._add(job)
+        elif isinstance(job, _Begin):
+            if self.error is None and self._open:
+                self._close()
+            self._begin_local(job.plan)
+            self._open = True
+        elif isinstance(job, _Flush):
+            if self.error is not None:
+                job.future.set_exception(self.error)
+                return
+            if self._open:
+                self._close()
+            job.future.set_result(None)
+        elif isinstance(job, _Drop):
+            self._forget()
+            # Every rank drops at the same point (``discard`` flushed first); gradients may still come before the next
+            # micro-batch's start (a ``zero_grad`` before backward), which then reduces them.
+            self._open = True
+            job.future.set_result(None)
+
+    def _add(self, job: _Gradient) -> None:
+        job.event.synchronize()
+        shard = job.shard
+        if shard.index in self._issued:
+            raise RuntimeError(
+                f"a second gradient of {shard.params[job.position].name} arrived in one micro-batch after its shard "
+                "was reduced; gradient_exchange='micro_batch' expects each parameter's gradient once per training "
+                "step call: use gradient_exchange='window'")
+        held = self._held.setdefault(shard.index, {})
+        if job.position in held:
+            held[job.position].add_(job.grad)
+        else:
+            held[job.position] = job.grad
+        if held.keys() >= self._expected[shard.index]:
+            self._complete.add(shard.index)
+            self._issue_ready()
+
+    def _close(self) -> None:
+        """Reduce what is left of the micro-batch, in order, and deliver every reduce."""
+        while self._cursor < len(self._order):
+            self._issue(self._order[self._cursor])
+        self._collect(block=True, everything=True)
+        self._forget()
+
+    def _issue(self, shard: Shard) -> None:
+        self._cursor += 1
+        self._issued.add(shard.index)
+        held = self._held.pop(shard.index, {})
+        flags = torch.zeros(len(shard.params), dtype=torch.int32)
+        flags[list(held)] = 1
+        self._faults.all_reduce(flags, dist.ReduceOp.MAX, self._group)
+        for position in flags.nonzero().flatten().tolist():
+            sp = shard.params[position]
+            tensor = held.pop(position, None)
+            scratch = 0
+            if tensor is None or tensor.dtype != torch.float32 or not tensor.is_contiguous():
+                scratch = sp.numel * 4
+                self._make_room(scratch)
+                copy = torch.empty(sp.shape, dtype=torch.float32)
+                tensor = copy.zero_() if tensor is None else copy.copy_(tensor)
+            # DistributedDataParallel's arithmetic: each rank's gradient multiplied by 1/world, summed over the ranks.
+            tensor.mul_(1.0 / self._ranks.world)
+            work = dist.reduce(tensor, dst=self._owner[shard.index], op=dist.ReduceOp.SUM, group=self._group,
+                               async_op=True)
+            self._param_reducing.append(_ParamReducing(shard, position, tensor, work, scratch))
+
+    def _make_room(self, nbytes: int) -> None:
+        """Wait for the oldest reduces until ``nbytes`` more fp32 copies stay within the limit."""
+        while self._param_reducing and self._scratch + nbytes > self._limit:
+            self._collect_oldest()
+        self._scratch += nbytes
+        self._peak = max(self._peak, self._scratch)
+
+    def _collect_oldest(self) -> None:
+        item = self._param_reducing.popleft()
+        self._faults.wait(item.work)
+        self._scratch -= item.scratch
+        if self._owner[item.shard.index] == self._ranks.rank:
+            self._deliver_param(item.shard, item.position, item.tensor)
+
+    def _collect(self, block: bool, everything: bool = False) -> None:
+        while self._param_reducing:
+            if not self._param_reducing[0].work.is_completed() and not block:
+                return
+            self._collect_oldest()
+            block = block and everything
+
+    def _forget(self) -> None:
+        super()._forget()
+        self._held = {}
+        self._issued = set()
+        self._param_reducing.clear()
+        self._scratch = 0
+        self._open = False
+
+
 @dataclass(frozen=True)
 class _Publish:
     items: tuple[tuple[Unit, tuple[Shard, ...]], ...]
@@ -885,10 +1044,15 @@ class DataParallelAdam:
         node: the host cache this rank shares with the other ranks of its node, if it does; closed with this.
         faults: where the run's failures are reported (:attr:`WorldCollectives.faults`, so that the strategy's
             collectives and these stop alike); ``None``: a watch of its own.
+        exchange: ``"window"``: each rank sums its gradients of the accumulation window and reduces the sum once
+            (:class:`_GradientExchange`); ``"micro_batch"``: each micro-batch's gradients are reduced onto their owners
+            and summed there (:class:`_MicroBatchExchange`). The planner's choice
+            (:func:`~lightning_ratel.plan.exchange.choose_exchange`).
     """
 
     def __init__(self, make: Callable[[list[Shard]], CpuAdam], shards: Sequence[Shard], owners: dict[int, int],
-                 ranks: Ranks, node: NodeCache | None = None, faults: Faults | None = None) -> None:
+                 ranks: Ranks, node: NodeCache | None = None, faults: Faults | None = None,
+                 exchange: str = "window") -> None:
         self.shards = list(shards)
         self.ranks = ranks
         self._owner = {s.index: owners[s.unit.index] for s in self.shards}
@@ -903,7 +1067,11 @@ class DataParallelAdam:
         # Shards that received a gradient on this rank since the last step (autograd's thread adds, the training
         # thread takes after backward).
         self._window: set[int] = set()
-        self._exchange = _GradientExchange(self.shards, self._owner, ranks, groups[0], self._deliver, self._faults)
+        self.exchange = exchange
+        self._exchange = (_MicroBatchExchange(self.shards, self._owner, ranks, groups[0], self._deliver_param,
+                                              self._faults, self.local.begin)
+                          if exchange == "micro_batch" else
+                          _GradientExchange(self.shards, self._owner, ranks, groups[0], self._deliver, self._faults))
         self._node = node
         self._publisher = _Publisher(self._owner, ranks.rank, groups[1], self._faults, node)
         # Parameters of every shard in the optimizer's order, for the global norm.
@@ -951,12 +1119,19 @@ class DataParallelAdam:
             if flags[position] > 0:
                 self.local.gradient(shard, position, sp.view(grad), DONE)
 
+    def _deliver_param(self, shard: Shard, position: int, grad: torch.Tensor) -> None:
+        """One parameter's reduced gradient of a micro-batch reaches the local optimizer (exchange thread)."""
+        self.local.gradient(shard, position, grad, DONE)
+
     # ------------------------------------------------------------------ the step (training thread)
 
     def begin(self, plan: StepPlan | None) -> None:
         """Start a micro-batch; ``plan`` is set on the boundary micro-batch of an accumulation window."""
-        self.local.begin(plan)
-        self._exchange.put(_Begin(plan is not None))
+        if self.exchange != "micro_batch":
+            self.local.begin(plan)
+        # Reducing each micro-batch, the exchange starts the local optimizer's micro-batch once the last one's
+        # gradients reached it.
+        self._exchange.put(_Begin(plan is not None, plan))
 
     def _flush(self) -> None:
         """Reduce whatever is left of the window and wait until the owned shards' gradients are with the optimizer."""
@@ -1086,6 +1261,14 @@ class DataParallelAdam:
 
     def discard_window(self) -> None:
         """Drop the gradients received since the last step without updating anything (``zero_grad``)."""
+        if self.exchange == "micro_batch":
+            # Collective: the micro-batch's reduces (some may have run, on every rank alike) go to their end, and each
+            # owner drops what reached its optimizer, whatever this rank's own gradients were.
+            self._flush()
+            self._exchange.wait(_Drop)
+            self.take_window()
+            self.local.discard_window()
+            return
         self.local.take_window()
         shards = self.take_window()
         if shards:
@@ -1108,6 +1291,9 @@ class DataParallelAdam:
 
     def discard(self, shards: Sequence[Shard]) -> None:
         """Drop the window's gradients (a skipped step, ``zero_grad``)."""
+        if self.exchange == "micro_batch":
+            # The reduces of the micro-batch run to their end on every rank (some may have started): then dropped.
+            self._flush()
         self._exchange.wait(_Drop)
         self.local.discard(self._mine(shards))
 

@@ -1,0 +1,116 @@
+"""How a rank's gradients reach their owners under gradient accumulation (several ranks; pure arithmetic).
+
+Two ways, the same numbers within fp32 rounding (the sum over ranks and micro-batches is taken in another order):
+
+- ``"window"``: each rank sums its gradients of the whole accumulation window in an fp32 buffer per shard and reduces
+  the sum onto the shard's owner once, on the boundary micro-batch (``DistributedDataParallel``'s arithmetic and
+  traffic). Every rank holds a window buffer of every trainable shard: 4 bytes per trainable parameter per rank, on
+  top of the owners' own accumulation.
+- ``"micro_batch"``: each micro-batch's gradient is reduced onto its owner as soon as backward completes it, and the
+  owner's optimizer sums the window (as it does on one rank). A rank holds no window for what it does not own, so a
+  node holds each gradient sum once; the price is ``accumulate - 1`` more reduces of the gradients per step.
+
+Without accumulation both reduce each gradient once, with the same sums; ``"micro_batch"`` then only saves the window
+buffers (it reduces each gradient in the tensor it came in), and runs only where asked for. :func:`choose_exchange`
+keeps the window
+(``ddp``'s very sums) while its buffers fit the host budget, and reduces each micro-batch where they do not. Where the
+windows fit but would add more than :data:`ONCE_SLACK` to the bytes the node holds once, it reduces each micro-batch
+too once the step has been measured and the extra reduces cost at most :data:`TRAFFIC_SHARE` of it (at setup nothing
+is measured yet: the window stays).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from lightning_ratel.errors import RatelConfigError
+from lightning_ratel.sizes import format_bytes
+
+Exchange = Literal["window", "micro_batch"]
+GRADIENT_EXCHANGES: tuple[str, ...] = ("auto", "window", "micro_batch")
+ONCE_SLACK = 0.1
+"""The share of a rank's host bytes (its part of what the node holds once) that the window buffers may add: the ranks
+of a node together stay within 1.1x of one rank's host bytes."""
+TRAFFIC_SHARE = 0.1
+"""The share of a step that the extra reduces of ``"micro_batch"`` may cost where the windows fit the budget."""
+
+
+@dataclass(frozen=True)
+class ExchangeChoice:
+    """The planner's choice of gradient exchange, and why.
+
+    Attributes:
+        mode: ``"window"`` or ``"micro_batch"``.
+        reason: one clause for the run's log.
+        reduces_per_step: how many times a rank reduces its gradients each step.
+    """
+
+    mode: Exchange
+    reason: str
+    reduces_per_step: int
+
+    def describe(self) -> str:
+        """One line for the run's log."""
+        return f"gradient exchange: {self.mode} ({self.reduces_per_step} reduce(s) per step; {self.reason})"
+
+
+def choose_exchange(requested: str, accumulate: int, ranks: int, rank_host_bytes: int, window_bytes: int,
+                    host_budget: int | None = None, reduce_seconds: float | None = None,
+                    micro_batch_seconds: float | None = None, automatic: bool = True) -> ExchangeChoice:
+    """The gradient exchange of one rank.
+
+    Args:
+        requested: ``"auto"``, ``"window"`` or ``"micro_batch"`` (the strategy's ``gradient_exchange``).
+        accumulate: micro-batches per step (the Trainer's ``accumulate_grad_batches``).
+        ranks: ranks training data parallel.
+        rank_host_bytes: the host bytes this rank holds without any window buffer, as the host budget check counts
+            them (:func:`~lightning_ratel.preflight.check_host_budget`).
+        window_bytes: this rank's window buffers under ``"window"``.
+        host_budget: host bytes this rank may take; ``None``: unlimited.
+        reduce_seconds: the time of one reduce of a rank's gradients; ``None``: not measured yet.
+        micro_batch_seconds: the time of one micro-batch's forward and backward; ``None``: not measured yet.
+        automatic: Lightning's automatic optimization; manual optimization may run several backward passes in one
+            micro-batch, which only the window sums, so ``"auto"`` keeps it.
+
+    Raises:
+        RatelConfigError: ``requested`` or ``accumulate`` is invalid.
+    """
+    if requested not in GRADIENT_EXCHANGES:
+        raise RatelConfigError(f"`gradient_exchange` must be one of {GRADIENT_EXCHANGES}, got {requested!r}")
+    if accumulate < 1:
+        raise RatelConfigError(f"accumulate_grad_batches must be at least 1, got {accumulate}")
+    if ranks < 2:
+        return ExchangeChoice("window", "one rank: nothing is exchanged", 0)
+    if accumulate == 1 and requested != "micro_batch":
+        return ExchangeChoice("window", "one micro-batch per step: each gradient is reduced once either way", 1)
+    window = ExchangeChoice("window", "", 1)
+    micro = ExchangeChoice("micro_batch", "", accumulate)
+    if requested == "window":
+        return _because(window, "asked for")
+    if requested == "micro_batch":
+        return _because(micro, "asked for")
+    if not automatic:
+        return _because(window, "manual optimization may run several backward passes in one micro-batch")
+    with_window = rank_host_bytes + window_bytes
+    if host_budget is not None and with_window > host_budget:
+        return _because(micro, f"the window buffers ({format_bytes(window_bytes)}) would take this rank to "
+                               f"{format_bytes(with_window)}, over its host budget of {format_bytes(host_budget)}")
+    if window_bytes <= ONCE_SLACK * rank_host_bytes:
+        return _because(window, f"the window buffers ({format_bytes(window_bytes)}) are within {ONCE_SLACK:.0%} of "
+                                f"this rank's {format_bytes(rank_host_bytes)}")
+    if reduce_seconds is None or micro_batch_seconds is None:
+        return _because(window, f"the window buffers ({format_bytes(window_bytes)}) fit the host budget; the cost of "
+                                "reducing each micro-batch is not measured yet")
+    extra = (accumulate - 1) * reduce_seconds
+    step = accumulate * micro_batch_seconds
+    if extra > TRAFFIC_SHARE * step:
+        return _because(window, f"the {accumulate - 1} extra reduces per step ({extra:.3g} s) would cost more than "
+                                f"{TRAFFIC_SHARE:.0%} of the {step:.3g} s step, and the window buffers fit")
+    return _because(micro, f"the window buffers ({format_bytes(window_bytes)}) would add more than {ONCE_SLACK:.0%} to "
+                           f"this rank's {format_bytes(rank_host_bytes)}, and the "
+                           f"{accumulate - 1} extra reduces per step cost {extra:.3g} s of a {step:.3g} s step")
+
+
+def _because(choice: ExchangeChoice, reason: str) -> ExchangeChoice:
+    return ExchangeChoice(choice.mode, reason, choice.reduces_per_step)
