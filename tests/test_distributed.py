@@ -116,13 +116,7 @@ def test_gradient_exchange_reduces_each_micro_batch_where_host_memory_needs_it()
     assert choose(host_budget=1400).mode == "window"
     tight = choose(host_budget=1399)
     assert (tight.mode, tight.reduces_per_step) == ("micro_batch", 4) and "host budget" in tight.describe()
-    # Windows within 10% of the rank's bytes stay, whatever the traffic.
-    assert choose_exchange("auto", 4, 2, 1000, 100, reduce_seconds=0.0, micro_batch_seconds=1.0).mode == "window"
-    # Windows that fit but break each-state-once: reduced per micro-batch once measured and cheap (3 extra reduces of
-    # 0.1 s against a 4 s step), kept where the traffic would cost more than 10% of the step (3 x 0.2 s).
-    assert choose().mode == "window"
-    assert choose(reduce_seconds=0.1, micro_batch_seconds=1.0).mode == "micro_batch"
-    assert choose(reduce_seconds=0.2, micro_batch_seconds=1.0).mode == "window"
+    assert choose().mode == "window" and "fit the host budget" in choose().describe()
     # Manual optimization keeps the window unless asked; an explicit choice stands.
     assert choose(host_budget=1399, automatic=False).mode == "window"
     assert choose_exchange("micro_batch", 4, 2, 1000, 400, automatic=False).mode == "micro_batch"

@@ -12,11 +12,9 @@ Two ways, the same numbers within fp32 rounding (the sum over ranks and micro-ba
 
 Without accumulation both reduce each gradient once, with the same sums; ``"micro_batch"`` then only saves the window
 buffers (it reduces each gradient in the tensor it came in), and runs only where asked for. :func:`choose_exchange`
-keeps the window
-(``ddp``'s very sums) while its buffers fit the host budget, and reduces each micro-batch where they do not. Where the
-windows fit but would add more than :data:`ONCE_SLACK` to the bytes the node holds once, it reduces each micro-batch
-too once the step has been measured and the extra reduces cost at most :data:`TRAFFIC_SHARE` of it (at setup nothing
-is measured yet: the window stays).
+keeps the window (``ddp``'s very sums) while its buffers fit the host budget, and reduces each micro-batch where they do
+not. Host memory the windows take is not weighed against what it would hold of the states (nor the extra reduces'
+time): ``gradient_exchange="micro_batch"`` asks for the node's bytes held once where the windows fit too.
 """
 
 from __future__ import annotations
@@ -29,11 +27,6 @@ from lightning_ratel.sizes import format_bytes
 
 Exchange = Literal["window", "micro_batch"]
 GRADIENT_EXCHANGES: tuple[str, ...] = ("auto", "window", "micro_batch")
-ONCE_SLACK = 0.1
-"""The share of a rank's host bytes (its part of what the node holds once) that the window buffers may add: the ranks
-of a node together stay within 1.1x of one rank's host bytes."""
-TRAFFIC_SHARE = 0.1
-"""The share of a step that the extra reduces of ``"micro_batch"`` may cost where the windows fit the budget."""
 
 
 @dataclass(frozen=True)
@@ -56,8 +49,7 @@ class ExchangeChoice:
 
 
 def choose_exchange(requested: str, accumulate: int, ranks: int, rank_host_bytes: int, window_bytes: int,
-                    host_budget: int | None = None, reduce_seconds: float | None = None,
-                    micro_batch_seconds: float | None = None, automatic: bool = True) -> ExchangeChoice:
+                    host_budget: int | None = None, automatic: bool = True) -> ExchangeChoice:
     """The gradient exchange of one rank.
 
     Args:
@@ -68,8 +60,6 @@ def choose_exchange(requested: str, accumulate: int, ranks: int, rank_host_bytes
             them (:func:`~lightning_ratel.preflight.check_host_budget`).
         window_bytes: this rank's window buffers under ``"window"``.
         host_budget: host bytes this rank may take; ``None``: unlimited.
-        reduce_seconds: the time of one reduce of a rank's gradients; ``None``: not measured yet.
-        micro_batch_seconds: the time of one micro-batch's forward and backward; ``None``: not measured yet.
         automatic: Lightning's automatic optimization; manual optimization may run several backward passes in one
             micro-batch, which only the window sums, so ``"auto"`` keeps it.
 
@@ -96,20 +86,8 @@ def choose_exchange(requested: str, accumulate: int, ranks: int, rank_host_bytes
     if host_budget is not None and with_window > host_budget:
         return _because(micro, f"the window buffers ({format_bytes(window_bytes)}) would take this rank to "
                                f"{format_bytes(with_window)}, over its host budget of {format_bytes(host_budget)}")
-    if window_bytes <= ONCE_SLACK * rank_host_bytes:
-        return _because(window, f"the window buffers ({format_bytes(window_bytes)}) are within {ONCE_SLACK:.0%} of "
-                                f"this rank's {format_bytes(rank_host_bytes)}")
-    if reduce_seconds is None or micro_batch_seconds is None:
-        return _because(window, f"the window buffers ({format_bytes(window_bytes)}) fit the host budget; the cost of "
-                                "reducing each micro-batch is not measured yet")
-    extra = (accumulate - 1) * reduce_seconds
-    step = accumulate * micro_batch_seconds
-    if extra > TRAFFIC_SHARE * step:
-        return _because(window, f"the {accumulate - 1} extra reduces per step ({extra:.3g} s) would cost more than "
-                                f"{TRAFFIC_SHARE:.0%} of the {step:.3g} s step, and the window buffers fit")
-    return _because(micro, f"the window buffers ({format_bytes(window_bytes)}) would add more than {ONCE_SLACK:.0%} to "
-                           f"this rank's {format_bytes(rank_host_bytes)}, and the "
-                           f"{accumulate - 1} extra reduces per step cost {extra:.3g} s of a {step:.3g} s step")
+    return _because(window, f"the window buffers ({format_bytes(window_bytes)}) fit the host budget: ddp's sums; "
+                            "'micro_batch' would hold each gradient sum once per node")
 
 
 def _because(choice: ExchangeChoice, reason: str) -> ExchangeChoice:
