@@ -8,6 +8,16 @@ where a larger one did not).
 
 A shard kept in host memory holds both of its state slots there (the committed step and the one being written), so it
 takes twice its states' bytes. Pure arithmetic: the layout calls it with the shards' sizes and the budget.
+
+The CPU optimizer's buffer sets compete for the same budget (:func:`read_ahead_sets`). During the boundary
+micro-batch's forward the drives read only page-ins and the states of as many shards as there are free sets (those
+backward updates first); the rest of the forward they idle. A set of one shard's master and moments moves that many
+read bytes out of backward into the forward's idle time, so it saves at most its own bytes of disk time per step, and
+only while the forward has idle disk time left. A shard kept in host memory saves its master and moments read *and*
+written every step (twice one slot's bytes, the same as its two slots take), and more where its master is also the
+compute copy a page-in would read: per byte never less than a set, and whether the forward idles or not. So the host
+tier is filled first, and sets beyond the pipeline's few are bought with what the host tier cannot use (a remainder
+smaller than the next shard's states), as far as they can still read ahead a shard kept in the swap files.
 """
 
 from __future__ import annotations
@@ -68,3 +78,24 @@ def describe(sizes: Sequence[int], tiers: Sequence[StateTier]) -> str:
     if disk:
         parts.append(f"{format_bytes(disk)} per slot in the swap files ({tiers.count('ssd')} shards)")
     return "optimizer states: " + (", ".join(parts) if parts else "none")
+
+
+def read_ahead_sets(tiers: Sequence[StateTier], sizes: Sequence[int], budget: int | None, set_bytes: int,
+                    base_sets: int) -> int:
+    """The optimizer's buffer sets: the pipeline's ``base_sets`` (reading ahead, updating, writing back), and one more
+    for each ``set_bytes`` of the states' budget the host tier left unused, up to one per shard whose states are in
+    the swap files (a set beyond those has nothing to read ahead). See the module's notes for why the host tier
+    comes first.
+
+    Args:
+        tiers: each shard's tier (:func:`place_states`).
+        sizes: host bytes of each shard's states in host memory (:func:`state_bytes`), as ``tiers``.
+        budget: host bytes the states may take; ``None``: no bound was given, and no set is added.
+        set_bytes: host bytes of one buffer set (holding the largest shard in the swap files).
+        base_sets: the sets every run keeps.
+    """
+    on_disk = sum(1 for tier in tiers if tier == "ssd")
+    if budget is None or set_bytes <= 0 or on_disk <= base_sets:
+        return base_sets
+    left = budget - sum(size for size, tier in zip(sizes, tiers) if tier == "host")
+    return base_sets + max(0, min(left // set_bytes, on_disk - base_sets))
