@@ -53,18 +53,21 @@ def test_read_ahead_sets_take_what_the_host_tier_leaves():
     sizes = [10, 20, 40, 40, 40, 40]
     tiers = place_states(sizes, "auto", 40)
     assert tiers == ["host", "host", "ssd", "ssd", "ssd", "ssd"]
-    assert read_ahead_sets(tiers, sizes, 40, set_bytes=7, base_sets=3) == 4
+    assert read_ahead_sets(tiers, sizes, 40, set_bytes=7, base_sets=3) == 1
     # 3 sets beyond would fill forward's idle disk with more reads, but the 20-byte shard saves 20 bytes of traffic
     # each step for its 20 bytes: it stays in host memory.
-    assert read_ahead_sets(tiers, sizes, 30, set_bytes=7, base_sets=3) == 3
+    assert read_ahead_sets(tiers, sizes, 30, set_bytes=7, base_sets=3) == 0
     # All of the states in the swap files, a large budget: one set per shard there, no more.
     on_disk = place_states(sizes, "ssd", 1000)
-    assert read_ahead_sets(on_disk, sizes, 1000, set_bytes=7, base_sets=3) == 6
-    assert read_ahead_sets(on_disk, sizes, 3 * 7 + 6, set_bytes=7, base_sets=3) == 6
-    assert read_ahead_sets(on_disk, sizes, 2 * 7 + 6, set_bytes=7, base_sets=3) == 5
+    assert read_ahead_sets(on_disk, sizes, 1000, set_bytes=7, base_sets=3) == 3
+    assert read_ahead_sets(on_disk, sizes, 3 * 7 + 6, set_bytes=7, base_sets=3) == 3
+    assert read_ahead_sets(on_disk, sizes, 2 * 7 + 6, set_bytes=7, base_sets=3) == 2
+    # A rank of two on a node keeps half the pipeline's sets: together the ranks' sets still do not outnumber the
+    # shards on disk (3 of them each: 1.5 + 1 sets a rank).
+    assert read_ahead_sets(on_disk[:3], sizes[:3], 1000, set_bytes=7, base_sets=1.5) == 1
     # Nothing to read ahead beyond the pipeline's sets, or no budget given.
-    assert read_ahead_sets(["host"] * 3 + ["ssd"] * 3, sizes, 1000, set_bytes=7, base_sets=3) == 3
-    assert read_ahead_sets(on_disk, sizes, None, set_bytes=7, base_sets=3) == 3
+    assert read_ahead_sets(["host"] * 3 + ["ssd"] * 3, sizes, 1000, set_bytes=7, base_sets=3) == 0
+    assert read_ahead_sets(on_disk, sizes, None, set_bytes=7, base_sets=3) == 0
 
 
 # ------------------------------------------------------------------ the host store

@@ -321,9 +321,8 @@ def with_state_tiers(layout: Layout, requested: OptimizerStates, host_memory_lim
     shards = [dataclasses.replace(s, state_tier=tiers.get(s.index, "ssd")) for s in layout.shards]
     if read_ahead is None:
         # The pipeline's sets are already in ``held``; more come out of what the host tier left of the budget.
-        whole = max(1, int(base))
         mine_placed = [s for s in shards if owned is None or s.index in owned]
-        read_ahead = read_ahead_sets(placed, sizes, budget, _whole_set_bytes(mine_placed, layout), whole) - whole
+        read_ahead = read_ahead_sets(placed, sizes, budget, _whole_set_bytes(mine_placed, layout), base)
     if announce:
         extra = f"; {read_ahead} more optimizer buffer sets to read states ahead during forward" if read_ahead else ""
         rank_zero_info(f"RatelStrategy: {describe(sizes, placed)}{extra}.")

@@ -22,6 +22,7 @@ smaller than the next shard's states), as far as they can still read ahead a sha
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from lightning_ratel.errors import RatelConfigError
@@ -81,21 +82,21 @@ def describe(sizes: Sequence[int], tiers: Sequence[StateTier]) -> str:
 
 
 def read_ahead_sets(tiers: Sequence[StateTier], sizes: Sequence[int], budget: int | None, set_bytes: int,
-                    base_sets: int) -> int:
-    """The optimizer's buffer sets: the pipeline's ``base_sets`` (reading ahead, updating, writing back), and one more
-    for each ``set_bytes`` of the states' budget the host tier left unused, up to one per shard whose states are in
-    the swap files (a set beyond those has nothing to read ahead). See the module's notes for why the host tier
-    comes first.
+                    base_sets: float) -> int:
+    """The optimizer's buffer sets beyond the pipeline's ``base_sets`` (reading ahead, updating, writing back): one
+    for each ``set_bytes`` of the states' budget the host tier left unused, as long as the sets together do not
+    outnumber the shards whose states are in the swap files (a set beyond those has nothing to read ahead). See the
+    module's notes for why the host tier comes first.
 
     Args:
         tiers: each shard's tier (:func:`place_states`).
         sizes: host bytes of each shard's states in host memory (:func:`state_bytes`), as ``tiers``.
         budget: host bytes the states may take; ``None``: no bound was given, and no set is added.
         set_bytes: host bytes of one buffer set (holding the largest shard in the swap files).
-        base_sets: the sets every run keeps.
+        base_sets: the sets every run keeps (a rank of several on a node: its share of them).
     """
     on_disk = sum(1 for tier in tiers if tier == "ssd")
-    if budget is None or set_bytes <= 0 or on_disk <= base_sets:
-        return base_sets
+    if budget is None or set_bytes <= 0:
+        return 0
     left = budget - sum(size for size, tier in zip(sizes, tiers) if tier == "host")
-    return base_sets + max(0, min(left // set_bytes, on_disk - base_sets))
+    return max(0, min(left // set_bytes, math.floor(on_disk - base_sets)))
