@@ -211,8 +211,8 @@ def main() -> None:
                         help="host memory the plan may use, such as 4GiB (RatelStrategy's host_memory_limit); "
                              "a smaller model then still keeps part of its states in the swap files")
     parser.add_argument("--read-ahead-sets", type=int, default=None,
-                        help="CPU optimizer buffer sets beyond the pipeline's three, reading states ahead during "
-                             "forward (RatelStrategy's read_ahead_sets); default: planned")
+                        help="CPU optimizer buffer sets beyond the pipeline's three, reading states ahead of "
+                             "their updates (RatelStrategy's read_ahead_sets); default: planned")
     args = parser.parse_args()
     L.seed_everything(args.seed)
 

@@ -97,8 +97,8 @@ class RatelStrategy(ParallelStrategy):
             ``<Trainer default_root_dir>/ratel_swap`` (the working directory's ``ratel_swap`` by default).
         prefetch_depth: how many blocks ahead parameters (and swapped activations, in backward) are fetched.
         read_ahead_sets: buffer sets the CPU optimizer keeps beyond its pipeline's three, each reading one more
-            shard's optimizer states from the swap files ahead during forward. ``None``: planned with where the states
-            live, from the host memory keeping states there leaves unused.
+            shard's optimizer states from the swap files ahead of its update, while the drives would idle. ``None``:
+            planned with where the states live, from the host memory keeping states there leaves unused.
         keep_swap_files: keep the swap files after the run instead of deleting them.
         activation_policy: a fixed placement instead of a plan: ``"device"`` (alias ``"keep"``), ``"host"``,
             ``"ssd"`` or ``"recompute"`` for every block, or a mapping from ``fnmatch`` patterns over block names to

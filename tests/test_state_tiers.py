@@ -54,7 +54,7 @@ def test_read_ahead_sets_take_what_the_host_tier_leaves():
     tiers = place_states(sizes, "auto", 40)
     assert tiers == ["host", "host", "ssd", "ssd", "ssd", "ssd"]
     assert read_ahead_sets(tiers, sizes, 40, set_bytes=7, base_sets=3) == 1
-    # 3 sets beyond would fill forward's idle disk with more reads, but the 20-byte shard saves 20 bytes of traffic
+    # 3 sets beyond would fill the drives' idle time with more reads, but the 20-byte shard saves 20 bytes of traffic
     # each step for its 20 bytes: it stays in host memory.
     assert read_ahead_sets(tiers, sizes, 30, set_bytes=7, base_sets=3) == 0
     # All of the states in the swap files, a large budget: one set per shard there, no more.

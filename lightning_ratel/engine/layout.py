@@ -324,7 +324,7 @@ def with_state_tiers(layout: Layout, requested: OptimizerStates, host_memory_lim
         mine_placed = [s for s in shards if owned is None or s.index in owned]
         read_ahead = read_ahead_sets(placed, sizes, budget, _whole_set_bytes(mine_placed, layout), base)
     if announce:
-        extra = f"; {read_ahead} more optimizer buffer sets to read states ahead during forward" if read_ahead else ""
+        extra = f"; {read_ahead} more optimizer buffer sets to read states ahead of their updates" if read_ahead else ""
         rank_zero_info(f"RatelStrategy: {describe(sizes, placed)}{extra}.")
     return dataclasses.replace(layout, shards=shards, read_ahead_sets=read_ahead)
 

@@ -312,8 +312,9 @@ class CostSettings:
             as makes the iteration shortest). Reads are never deferred: the update they feed has to finish before
             the next forward uses its parameters.
         state_read_ahead_bytes_per_param: optimizer-state bytes read during forward instead of backward per trainable
-            parameter and step: the CPU optimizer's buffer sets fill during the boundary micro-batch's forward with
-            the states of the shards backward updates first (at most ``state_read_bytes_per_param``).
+            parameter and step (at most ``state_read_bytes_per_param``): where updates overlap backward, the CPU
+            optimizer's buffer sets fill during the boundary micro-batch's forward with the states of the shards
+            backward updates first.
         device_overhead: device memory beyond paging buffers and one block's working set (workspaces, logits,
             autocast cache, gradient temporaries, fragmentation); ``None``: nothing more.
         ranks_on_node: data-parallel ranks training on this node at once, each with its own device and the same

@@ -9,15 +9,17 @@ where a larger one did not).
 A shard kept in host memory holds both of its state slots there (the committed step and the one being written), so it
 takes twice its states' bytes. Pure arithmetic: the layout calls it with the shards' sizes and the budget.
 
-The CPU optimizer's buffer sets compete for the same budget (:func:`read_ahead_sets`). During the boundary
-micro-batch's forward the drives read only page-ins and the states of as many shards as there are free sets (those
-backward updates first); the rest of the forward they idle. A set of one shard's master and moments moves that many
-read bytes out of backward into the forward's idle time, so it saves at most its own bytes of disk time per step, and
-only while the forward has idle disk time left. A shard kept in host memory saves its master and moments read *and*
-written every step (twice one slot's bytes, the same as its two slots take), and more where its master is also the
-compute copy a page-in would read: per byte never less than a set, and whether the forward idles or not. So the host
-tier is filled first, and sets beyond the pipeline's few are bought with what the host tier cannot use (a remainder
-smaller than the next shard's states), as far as they can still read ahead a shard kept in the swap files.
+The CPU optimizer's buffer sets compete for the same budget (:func:`read_ahead_sets`). Between the start of the
+boundary micro-batch and the updates, the drives read page-ins and the states of as many shards as there are free sets
+(in the order last step's updates ran); the rest of that time they idle: the forward where updates overlap backward,
+the backward where they wait for its end (a CPU run's usual case, whose forward then runs the updates). A set moves
+one shard's reads into that idle time, and where the master is the compute copy a page-in reads (fp32 with compute
+copies on the store) the page-in copies it from the set instead of reading it again. A shard kept in host memory saves
+its master and moments read *and* written every step (as many bytes as its two slots take), and the page-ins of its
+master too, whether the drives idle or not: per byte at least what a set saves unless the set's master saves a
+page-in and the idle time takes all its reads. Without the idle time known (the layout plans before any step ran),
+the host tier is filled first, and sets beyond the pipeline's few are bought with what the host tier cannot use (a
+remainder smaller than the next shard's states), as far as they can still read ahead a shard kept in the swap files.
 """
 
 from __future__ import annotations

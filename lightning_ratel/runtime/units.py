@@ -277,8 +277,8 @@ class Layout:
         frozen_values: where the frozen shards' exact values are (filled in by materialization).
         generic: the update and state layout of an optimizer the fused AdamW kernel does not run; ``None`` for
             AdamW/Adam (moments ``exp_avg``/``exp_avg_sq``) and for evaluation.
-        read_ahead_sets: buffer sets the CPU optimizer keeps beyond the pipeline's, to read more states ahead during
-            forward (planned with the states' tiers, in host memory the host tier could not use).
+        read_ahead_sets: buffer sets the CPU optimizer keeps beyond the pipeline's, to read more states ahead of
+            their updates (planned with the states' tiers, in host memory the host tier could not use).
     """
 
     units: dict[int, Unit]
