@@ -210,6 +210,9 @@ def main() -> None:
     parser.add_argument("--host-memory-limit", default=None,
                         help="host memory the plan may use, such as 4GiB (RatelStrategy's host_memory_limit); "
                              "a smaller model then still keeps part of its states in the swap files")
+    parser.add_argument("--read-ahead-sets", type=int, default=None,
+                        help="CPU optimizer buffer sets beyond the pipeline's three, reading states ahead of "
+                             "their updates (RatelStrategy's read_ahead_sets); default: planned")
     args = parser.parse_args()
     L.seed_everything(args.seed)
 
@@ -238,6 +241,7 @@ def main() -> None:
         param_cache="ssd",
         optimizer_states=args.optimizer_states,
         host_memory_limit=args.host_memory_limit,
+        read_ahead_sets=args.read_ahead_sets,
         param_init_fn=module.model._init_weights,
     )
     report = StepReport()

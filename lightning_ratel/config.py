@@ -52,6 +52,7 @@ class RatelConfig:
 
     ssd_paths: list[str] | None = None
     prefetch_depth: int = 1
+    read_ahead_sets: int | None = None
     keep_swap_files: bool = False
     activation_policy: ActivationPolicy | None = None
     plan: str | Plan | None = "auto"
@@ -71,6 +72,9 @@ class RatelConfig:
         self.ssd_paths = _paths(self.ssd_paths)
         if isinstance(self.prefetch_depth, bool) or not isinstance(self.prefetch_depth, int) or self.prefetch_depth < 0:
             raise RatelConfigError(f"`prefetch_depth` must be an integer >= 0, got {self.prefetch_depth!r}")
+        sets = self.read_ahead_sets
+        if sets is not None and (isinstance(sets, bool) or not isinstance(sets, int) or sets < 0):
+            raise RatelConfigError(f"`read_ahead_sets` must be None or an integer >= 0, got {sets!r}")
         if not isinstance(self.keep_swap_files, bool):
             raise RatelConfigError(f"`keep_swap_files` must be True or False, got {self.keep_swap_files!r}")
         if self.activation_policy is not None:

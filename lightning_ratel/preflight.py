@@ -49,7 +49,7 @@ class Estimate:
         host_cache: the host cache of compute copies (``param_cache="host"``).
         host_states: the optimizer states kept in host memory (``optimizer_states``), both slots.
         optimizer_buffers: the CPU AdamW's buffer sets (master and moments of the largest shard whose states are in
-            the swap files, each set).
+            the swap files, each set): the pipeline's three and ``read_ahead_sets``.
         gradient_buffers: the gradients backward may hold in host memory before an update frees some (the largest
             shards' worth the gradient budget allows). Not counted: with gradient accumulation, or with updates after
             backward (a CPU run's choice while those gradients take at most a quarter of the host memory left), the
@@ -66,6 +66,8 @@ class Estimate:
             workspaces come on top and are known only once a step has run.
         checkpoint: one checkpoint in ``checkpoint_format`` (a sharded one: 12 bytes per trainable parameter, and the
             frozen parameters that did not come from ``pretrained``).
+        read_ahead_sets: buffer sets beyond the pipeline's, reading more states ahead during forward (planned with
+            the states' tiers, or as the strategy's ``read_ahead_sets`` fixed them).
     """
 
     parameters: int
@@ -81,6 +83,7 @@ class Estimate:
     checkpoint: int
     exchange_buffers: int = 0
     exchange: ExchangeChoice | None = None
+    read_ahead_sets: int = 0
 
     @property
     def host(self) -> int:
@@ -91,7 +94,9 @@ class Estimate:
     def _host_parts(self) -> str:
         return (f"compute copies {format_bytes(self.host_cache)}, optimizer states "
                 f"{format_bytes(self.host_states)}, CPU optimizer buffers "
-                f"{format_bytes(self.optimizer_buffers)}, gradients {format_bytes(self.gradient_buffers)}"
+                f"{format_bytes(self.optimizer_buffers)}"
+                + (f" ({self.read_ahead_sets} sets beyond the pipeline's, to read ahead)" if self.read_ahead_sets else "")
+                + f", gradients {format_bytes(self.gradient_buffers)}"
                 + (f", gradient exchange {format_bytes(self.exchange_buffers)}" if self.exchange_buffers else ""))
 
     def __str__(self) -> str:
@@ -155,7 +160,7 @@ def _estimate(module: nn.Module, optimizer: torch.optim.Optimizer, config: Ratel
               automatic: bool = True) -> Estimate:
     layout = build_layout(module, discover_blocks(module, config.blocks), optimizer, half_dtype, config.param_cache,
                           config.host_memory_limit, _meta_empty, announce=False,
-                          optimizer_states=config.states_request)
+                          optimizer_states=config.states_request, read_ahead=config.read_ahead_sets)
     on_store = layout.param_cache == "ssd"
     disk = sum(state_bytes(s.numel) for s in layout.shards if s.state_tier == "ssd")
     if on_store:
@@ -180,6 +185,7 @@ def _estimate(module: nn.Module, optimizer: torch.optim.Optimizer, config: Ratel
         gradient_buffers=GRAD_BUDGET_SHARDS * max((s.numel for s in layout.shards), default=0) * 4,
         device=(config.prefetch_depth + 1) * largest_unit,
         checkpoint=checkpoint,
+        read_ahead_sets=layout.read_ahead_sets,
     )
     if ranks < 2:
         return estimate
@@ -196,10 +202,10 @@ def _estimate(module: nn.Module, optimizer: torch.optim.Optimizer, config: Ratel
 
 def _buffer_sets_bytes(layout: Layout, compute_on_store: bool) -> int:
     """The CPU AdamW's buffer sets of one process (as :class:`~lightning_ratel.runtime.optimizer.CpuAdam` allocates
-    them)."""
+    them): the pipeline's and those planned to read ahead."""
     pooled = [s for s in layout.shards if not in_place(s, compute_on_store)]
     needs = [shard_need(s, compute_on_store, layout.generic) for s in pooled]
-    return sum(map(set_bytes, set_capacities(needs, BUFFER_SETS))) if needs else 0
+    return sum(map(set_bytes, set_capacities(needs, BUFFER_SETS + layout.read_ahead_sets))) if needs else 0
 
 
 def _buffer_bytes(module: nn.Module) -> int:

@@ -99,7 +99,21 @@ def show_plan(plan: Plan, planning_seconds: float | None = None) -> None:
     """Print the plan as a table, with the search time and the predicted step time (rank zero)."""
     Console().print(plan_table(plan))
     took = f" (search {planning_seconds * 1000:.0f} ms)" if planning_seconds is not None else ""
-    rank_zero_info(f"RatelStrategy: plan applied{took}; predicted {plan.predicted_iteration_time:.3f} s/step")
+    rank_zero_info(f"RatelStrategy: plan applied{took}; predicted {plan.predicted_iteration_time:.3f} s/step"
+                   + read_ahead_text(plan))
+
+
+def read_ahead_text(plan: Plan) -> str:
+    """``"; optimizer states read ahead during forward: <bytes>, the disk busy <s> of forward's <s>"``, or nothing
+    where the plan reads none ahead."""
+    settings = plan.settings
+    if settings is None or not settings.state_read_ahead_bytes_per_param:
+        return ""
+    numel = sum(layer.trainable_numel for layer in plan.layers) / settings.ranks_on_node
+    disk = plan.resource_times.get("forward", {}).get("ssd", 0.0)
+    ahead = int(numel * settings.state_read_ahead_bytes_per_param)
+    return (f"; optimizer states read ahead during forward: {format_bytes(ahead)}, the disk busy {disk:.3g} s of "
+            f"forward's {plan.predicted_forward_time:.3g} s")
 
 
 def curve_axis(plan: Plan) -> tuple[list[float], str, str, str]:

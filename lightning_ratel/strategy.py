@@ -105,6 +105,9 @@ class RatelStrategy(ParallelStrategy):
             created when a run starts if missing (an existing one must be a writable directory). ``None``:
             ``<Trainer default_root_dir>/ratel_swap`` (the working directory's ``ratel_swap`` by default).
         prefetch_depth: how many blocks ahead parameters (and swapped activations, in backward) are fetched.
+        read_ahead_sets: buffer sets the CPU optimizer keeps beyond its pipeline's three, each reading one more
+            shard's optimizer states from the swap files ahead of its update, while the drives would idle. ``None``:
+            planned with where the states live, from the host memory keeping states there leaves unused.
         keep_swap_files: keep the swap files after the run instead of deleting them.
         activation_policy: a fixed placement instead of a plan: ``"device"`` (alias ``"keep"``), ``"host"``,
             ``"ssd"`` or ``"recompute"`` for every block, or a mapping from ``fnmatch`` patterns over block names to
@@ -185,6 +188,7 @@ class RatelStrategy(ParallelStrategy):
         ssd_paths: list[str] | None = None,
         *,
         prefetch_depth: int = 1,
+        read_ahead_sets: int | None = None,
         keep_swap_files: bool = False,
         activation_policy: str | dict[str, str] | None = None,
         plan: str | Path | PlanLike | None = "auto",
@@ -217,6 +221,7 @@ class RatelStrategy(ParallelStrategy):
         self.config = RatelConfig(
             ssd_paths=ssd_paths,
             prefetch_depth=prefetch_depth,
+            read_ahead_sets=read_ahead_sets,
             keep_swap_files=keep_swap_files,
             activation_policy=activation_policy,
             plan=plan,

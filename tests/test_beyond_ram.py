@@ -110,9 +110,11 @@ def test_auto_reads_from_ssd_and_leaves_placeholders_when_memory_is_short(
 
 def test_auto_follows_host_memory_limit(tmp_path: Path) -> None:
     inspect = _Inspect()
-    # Room for the run's own buffers (a smaller budget is refused before the model is built), and less than twice
-    # the compute copies, which therefore stay in the swap files.
-    need = lightning_ratel.estimate(LM("llama16"), precision="32-true", param_cache="ssd", optimizer_states="ssd")
+    # Room for the run's own buffers (a smaller budget is refused before the model is built; no sets to read further
+    # ahead, which a run plans only where its budget has room), and less than twice the compute copies, which
+    # therefore stay in the swap files.
+    need = lightning_ratel.estimate(LM("llama16"), precision="32-true", param_cache="ssd", optimizer_states="ssd",
+                                    read_ahead_sets=0)
     limit = need.host + need.device
     assert lightning_ratel.estimate(LM("llama16"), precision="32-true", param_cache="host").host_cache > limit // 2
     strategy = RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy="host", host_memory_limit=limit,

@@ -61,10 +61,11 @@ def _step(adam: CpuAdam, shards: list[Shard], grads: list[torch.Tensor], order: 
     adam.barrier(include_writes=True)
 
 
-@pytest.mark.parametrize("depth", [1, 1.5, 2, 3])
+@pytest.mark.parametrize("depth", [1, 1.5, 2, 3, 5])
 def test_any_gradient_order_matches_torch(tmp_path: Path, depth: float) -> None:
     """Gradients arrive in a new order every step, so reads ahead guess wrong and must give their buffers up (1.5:
-    a set for the largest shard and a smaller one, as a rank of two on a node has)."""
+    a set for the largest shard and a smaller one, as a rank of two on a node has; 5: sets planned to read ahead
+    beyond the pipeline's three)."""
     adam, shards, params, store = _pipeline(tmp_path, depth)
     reference = [nn.Parameter(p.detach().clone()) for p in params]
     torch_adamw = torch.optim.AdamW(reference, lr=HYPER.lr, betas=(HYPER.beta1, HYPER.beta2), eps=HYPER.eps,
@@ -127,10 +128,11 @@ def test_each_shard_takes_the_smallest_set_that_holds_it(tmp_path: Path) -> None
         store.close()
 
 
-def test_states_are_read_ahead_in_last_steps_order(tmp_path: Path) -> None:
+@pytest.mark.parametrize("depth", [3, 5])
+def test_states_are_read_ahead_in_last_steps_order(tmp_path: Path, depth: int) -> None:
     """While the boundary micro-batch runs, the free buffer sets fill with the states of the shards whose updates ran
-    first last step, before any of their gradients arrive."""
-    adam, shards, _, store = _pipeline(tmp_path, depth=3)
+    first last step, before any of their gradients arrive: as many as there are sets."""
+    adam, shards, _, store = _pipeline(tmp_path, depth=depth)
     order = [5, 2, 0, 4, 1, 3]
     try:
         _step(adam, shards, [torch.ones(n) for n in SIZES], order)
@@ -139,7 +141,7 @@ def test_states_are_read_ahead_in_last_steps_order(tmp_path: Path) -> None:
         events = [name for name, _ in adam.timeline][before:]
         first_gradient_update = events.index(f"update_start:{order[0]}")
         ahead = [int(name.split(":")[1]) for name in events[:first_gradient_update] if name.startswith("read_ahead")]
-        assert ahead == order[:3]
+        assert ahead == order[:depth]
         # With backward's time between gradients, every update of the step found its states already read.
         assert sorted(int(n.split(":")[1]) for n in events if n.startswith("read_ahead")) == sorted(order)
     finally:

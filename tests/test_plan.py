@@ -449,6 +449,27 @@ def test_state_reads_never_spill():
     assert p.backward["ssd"] == pytest.approx(12.0) and p.iteration_time == pytest.approx(22.0)
 
 
+def test_states_read_ahead_fill_the_forwards_idle_disk_time():
+    """100 trainable parameters, 12 B of states read and 1 B written each at 100 B/s; forward computes 10 s with idle
+    SSDs. States read ahead during forward (the buffer sets') take their seconds out of backward: 5 B per parameter
+    read ahead is 5 s of forward's idle time, never more than the reads there are."""
+    def iteration(ahead: float) -> tuple[float, float, float]:
+        layer = LayerProfile("blk", 0, 10.0, 1.0, 0, 0, 100, [OpProfile("input", 0.0, 0.0, 0)])
+        hw = HardwareProfile(device_type="cuda", h2d_bandwidth=1e12, d2h_bandwidth=1e12, ssd_read_bandwidth=100,
+                             ssd_write_bandwidth=100, adam_params_per_s=1e12, host_memory_free=BIG,
+                             device_memory_free=BIG)
+        model = CostModel(hw, [layer], CostSettings(state_read_bytes_per_param=12, state_write_bytes_per_param=1,
+                                                    state_read_ahead_bytes_per_param=ahead))
+        p = model.evaluate([layer_cost(layer, {}) for layer in model.layers])
+        return p.forward["ssd"], p.backward["ssd"], p.iteration_time
+
+    assert iteration(0) == pytest.approx((0.0, 13.0, 23.0))
+    assert iteration(5) == pytest.approx((5.0, 8.0, 18.0))
+    # Past forward's idle time the reads bound forward instead: 12 s of it, 1 s of writes in backward.
+    assert iteration(12) == pytest.approx((12.0, 1.0, 13.0))
+    assert iteration(20) == iteration(12)
+
+
 def test_device_overhead_counts_workspaces_logits_temporaries_and_fragmentation():
     layers = [_hand_layer("b.0", 0), _hand_layer("b.1", 1)]
     overhead = DeviceOverhead(workspace_bytes=64, logits_bytes=100, autocast_cache_bytes=30, grad_temp_ratio=0.5,

@@ -17,7 +17,14 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning_ratel import Plan, RatelConfigError, RatelPlanError, RatelProfiler, RatelStrategy
 from lightning_ratel.engine.blocks import discover_blocks
 from lightning_ratel.engine.placement import plan_placements
-from lightning_ratel.engine.planner import node_profiles, plan_budgets, plan_settings, state_traffic, step_traffic
+from lightning_ratel.engine.planner import (
+    node_profiles,
+    plan_budgets,
+    plan_settings,
+    read_ahead_traffic,
+    state_traffic,
+    step_traffic,
+)
 from lightning_ratel.hardware import HardwareProfile
 from lightning_ratel.plan import LayerProfile, OpProfile
 from lightning_ratel.plan.cost import OPTIMIZER_MEMORY_BYTES_PER_PARAM, CostModel, recompute_ops
@@ -386,6 +393,20 @@ def test_step_traffic_adds_the_page_ins_a_backward_does_not_share():
     settings = plan_settings(trainable, trainable, "ssd", 1, prefetch_depth=1,  # type: ignore[arg-type]
                              host_static_bytes=0, device_overhead=None)
     assert settings.state_read_bytes_per_param == round((states["read"] - 100 * 4) / 170)
+
+
+def test_settings_count_the_states_read_ahead_during_forward():
+    """Three sets read ahead the states of the last three shards in forward order that are in the swap files (12 B
+    a parameter each; the one in host memory is read from there): 12 * (50 + 40 + 20) B of 1000 parameters."""
+    shards = [_shard(300), _shard(20), _shard(200, "host"), _shard(40), _shard(50), _shard(390, "host")]
+    settings = plan_settings(shards, shards, "host", 1, prefetch_depth=1, host_static_bytes=0,  # type: ignore[arg-type]
+                             device_overhead=None, read_ahead_sets=3)
+    assert read_ahead_traffic(shards, 3) == 12 * 110  # type: ignore[arg-type]
+    assert settings.state_read_ahead_bytes_per_param == pytest.approx(12 * 110 / 1000)
+    # As many sets as shards on disk read them all; none, nothing.
+    assert read_ahead_traffic(shards, 10) == 12 * 410  # type: ignore[arg-type]
+    assert plan_settings(shards, shards, "host", 1, prefetch_depth=1, host_static_bytes=0,  # type: ignore[arg-type]
+                         device_overhead=None).state_read_ahead_bytes_per_param == 0
 
 
 def test_settings_count_this_ranks_states_per_parameter_it_owns():

@@ -116,8 +116,9 @@ def test_several_ranks_count_their_gradient_exchange() -> None:
     budget; one rank holds none."""
     lm = LM("llama8", n_batches=2)
     optimizer = lm.configure_optimizers()["optimizer"]
-    # Where the states and the compute copies live chosen, so that a host budget does not move them.
-    placed = {"param_cache": "host", "optimizer_states": "ssd"}
+    # Where the states and the compute copies live, and the sets reading ahead, chosen, so that a host budget does not
+    # move them.
+    placed = {"param_cache": "host", "optimizer_states": "ssd", "read_ahead_sets": 0}
     one = lightning_ratel.estimate(lm, precision="32-true", optimizer=optimizer, **placed)
     two = lightning_ratel.estimate(lm, precision="32-true", optimizer=optimizer, ranks=2, **placed)
     assert one.exchange_buffers == 0 and "gradient exchange" not in str(one)
@@ -137,7 +138,7 @@ def test_a_host_budget_the_windows_exceed_reduces_each_micro_batch() -> None:
     shard's fp32 copies, and the same budget passes; asked for the window, it is refused, naming the way out."""
     lm = LM("llama8", n_batches=2)
     optimizer = lm.configure_optimizers()["optimizer"]
-    placed = {"param_cache": "host", "optimizer_states": "ssd"}
+    placed = {"param_cache": "host", "optimizer_states": "ssd", "read_ahead_sets": 0}
     window = lightning_ratel.estimate(lm, precision="32-true", optimizer=optimizer, ranks=2,
                                       accumulate_grad_batches=4, gradient_exchange="window", **placed)
     assert window.exchange is not None and window.exchange.mode == "window"

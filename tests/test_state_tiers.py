@@ -15,9 +15,10 @@ from lightning_ratel import RatelStrategy, estimate
 from lightning_ratel.engine import layout as layout_module
 from lightning_ratel.engine.coordinator import StoreIO, store_io
 from lightning_ratel.errors import RatelConfigError
-from lightning_ratel.plan.states import describe, place_states, state_bytes
+from lightning_ratel.plan.states import describe, place_states, read_ahead_sets, state_bytes
 from lightning_ratel.runtime.hoststore import HostStore, TieredStore
 from lightning_ratel.runtime.kept import KeptStore
+from lightning_ratel.runtime.state_buffers import BUFFER_SETS
 from lightning_ratel.runtime.storage import TensorStore
 from lightning_ratel.runtime.swapfile import HEADER_BYTES
 from tests.models import LM, compare_states, final_state, tiny_llama, trainer
@@ -44,6 +45,29 @@ def test_state_bytes_count_both_slots():
     assert state_bytes(100, record_bytes=40) == 2 * (400 + 40)
     line = describe([2400, 4800], ["host", "ssd"])
     assert "in host memory (1 shards" in line and "swap files (1 shards" in line
+
+
+def test_read_ahead_sets_take_what_the_host_tier_leaves():
+    """Sets of 7 bytes beyond 3: the host tier keeps the first two shards (30 of 40 bytes), the 10 bytes left buy
+    one set; never a shard moved out of host memory for sets, nor more sets than shards on disk to read ahead."""
+    sizes = [10, 20, 40, 40, 40, 40]
+    tiers = place_states(sizes, "auto", 40)
+    assert tiers == ["host", "host", "ssd", "ssd", "ssd", "ssd"]
+    assert read_ahead_sets(tiers, sizes, 40, set_bytes=7, base_sets=3) == 1
+    # 3 sets beyond would fill the drives' idle time with more reads, but the 20-byte shard saves 20 bytes of traffic
+    # each step for its 20 bytes: it stays in host memory.
+    assert read_ahead_sets(tiers, sizes, 30, set_bytes=7, base_sets=3) == 0
+    # All of the states in the swap files, a large budget: one set per shard there, no more.
+    on_disk = place_states(sizes, "ssd", 1000)
+    assert read_ahead_sets(on_disk, sizes, 1000, set_bytes=7, base_sets=3) == 3
+    assert read_ahead_sets(on_disk, sizes, 3 * 7 + 6, set_bytes=7, base_sets=3) == 3
+    assert read_ahead_sets(on_disk, sizes, 2 * 7 + 6, set_bytes=7, base_sets=3) == 2
+    # A rank of two on a node keeps half the pipeline's sets: together the ranks' sets still do not outnumber the
+    # shards on disk (3 of them each: 1.5 + 1 sets a rank).
+    assert read_ahead_sets(on_disk[:3], sizes[:3], 1000, set_bytes=7, base_sets=1.5) == 1
+    # Nothing to read ahead beyond the pipeline's sets, or no budget given.
+    assert read_ahead_sets(["host"] * 3 + ["ssd"] * 3, sizes, 1000, set_bytes=7, base_sets=3) == 0
+    assert read_ahead_sets(on_disk, sizes, None, set_bytes=7, base_sets=3) == 0
 
 
 # ------------------------------------------------------------------ the host store
@@ -145,11 +169,15 @@ class _Tiers:
     def __init__(self) -> None:
         self.tiers: list[str] = []
         self.reserved = 0
+        self.read_ahead_sets = 0
+        self.sets = 0
 
     def __call__(self, strategy: RatelStrategy) -> None:
         engine = strategy.engine
         self.tiers = [s.state_tier for s in engine.layout.shards]
         self.reserved = engine.store.disk.nbytes_reserved
+        self.read_ahead_sets = engine.layout.read_ahead_sets
+        self.sets = len(engine.adam.buffers.free)
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
@@ -178,6 +206,10 @@ def test_every_state_tier_matches_plain(tmp_path: Path, monkeypatch: pytest.Monk
     if states == "split":
         # The first blocks in forward order are the ones kept in host memory (a smaller later one may fit too).
         assert seen.tiers[0] == "host" and seen.tiers.index("ssd") > 0
+    if states == "ssd":
+        # The host memory the states do not take buys a set per shard to read ahead: the same numbers at that depth.
+        assert seen.read_ahead_sets == seen.tiers.count("ssd") - BUFFER_SETS > 0
+        assert seen.sets == BUFFER_SETS + seen.read_ahead_sets
     assert os.listdir(tmp_path) == []
 
 
@@ -278,6 +310,25 @@ def test_estimate_counts_states_where_they_live():
     assert in_host.disk == 0 and in_host.host_states >= 24 * numel
     assert in_host.optimizer_buffers == 0 < on_disk.optimizer_buffers
     assert "optimizer states" in str(in_host)
+
+
+def test_estimate_counts_the_sets_read_ahead():
+    """The sets planned to read ahead are in the estimate's host bytes, each as large as a pipeline set; fixing
+    ``read_ahead_sets`` replaces the planned count."""
+    model = tiny_llama()
+    planned = estimate(model, precision="32-true", optimizer_states="ssd")
+    none = estimate(model, precision="32-true", optimizer_states="ssd", read_ahead_sets=0)
+    one = estimate(model, precision="32-true", optimizer_states="ssd", read_ahead_sets=1)
+    assert none.read_ahead_sets == 0 and one.read_ahead_sets == 1 and planned.read_ahead_sets > 1
+    per_set = none.optimizer_buffers // BUFFER_SETS
+    assert one.optimizer_buffers == none.optimizer_buffers + per_set
+    assert planned.optimizer_buffers == none.optimizer_buffers + planned.read_ahead_sets * per_set
+    assert planned.host == none.host + planned.read_ahead_sets * per_set
+    assert f"{planned.read_ahead_sets} sets beyond the pipeline's" in str(planned)
+    # Within a host budget too small for more, none are planned.
+    assert estimate(model, precision="32-true", optimizer_states="ssd", host_memory_limit=4096).read_ahead_sets == 0
+    with pytest.raises(RatelConfigError, match="read_ahead_sets"):
+        RatelStrategy(read_ahead_sets=-1)
 
 
 def test_fp32_masters_shared_by_page_ins_and_updates_keep_plain_numbers(tmp_path: Path):

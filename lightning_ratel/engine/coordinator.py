@@ -296,7 +296,7 @@ class RatelEngine:
                           else functools.partial(self.device.shared_host_empty, node.memory))
             self.layout = build_layout(module, found, optimizer, half_dtype, config.param_cache,
                                        config.host_memory_limit, host_empty, announce=not parallel,
-                                       optimizer_states=config.states_request)
+                                       optimizer_states=config.states_request, read_ahead=config.read_ahead_sets)
             self.blocks = BlockMembership(found, self.layout.block_units)
             owners = _owners(self.layout, ranks) if parallel and ranks is not None else None
             # How the ranks' gradients reach their owners (the strategy's pre-flight plans it; window sums where it
@@ -312,7 +312,8 @@ class RatelEngine:
         if owned is not None:
             # Each rank places the states it owns, in its share of the node's memory.
             self.layout = with_state_tiers(self.layout, config.states_request, config.host_memory_limit, owned,
-                                           ranks.local_world, cache_shared=node is not None)
+                                           ranks.local_world, cache_shared=node is not None,
+                                           read_ahead=config.read_ahead_sets)
         writes = None if node is None or owners is None else node.written_here(owners, list(self.layout.units))
         materializer = Materializer(module, found, self.layout, self.device.device, config.param_init_fn,
                                     source, progress, owned, writes)
@@ -337,8 +338,9 @@ class RatelEngine:
                 threads = None if self.device.is_cuda and ranks is None else rank_threads(
                     self.device.is_cuda, local_world, _cores())[0]
 
-                # The ranks of a node split one process's buffer sets between them.
-                depth = buffer_sets(local_world)
+                # The ranks of a node split one process's pipeline sets between them; each keeps the sets planned
+                # to read ahead in its own budget.
+                depth = buffer_sets(local_world) + self.layout.read_ahead_sets
 
                 def cpu_adam(shards: list[Shard]) -> CpuAdam:
                     assert self.store is not None

@@ -30,11 +30,11 @@ from torch import nn
 
 from lightning_ratel.engine.blocks import Block
 from lightning_ratel.errors import RatelConfigError
-from lightning_ratel.plan.states import HOST_SHARE, describe, place_states, state_bytes
+from lightning_ratel.plan.states import HOST_SHARE, describe, place_states, read_ahead_sets, state_bytes
 from lightning_ratel.runtime.generic import GenericUpdate, OptimizerStateError, ParamStates, probe_states, rebuild
 from lightning_ratel.runtime.hostmem import ALIGNMENT
 from lightning_ratel.runtime.probe import available_host_memory
-from lightning_ratel.runtime.state_buffers import BUFFER_SETS
+from lightning_ratel.runtime.state_buffers import BUFFER_SETS, in_place, set_bytes, shard_need
 from lightning_ratel.runtime.units import Layout, ParamSlot, Shard, ShardParam, Unit
 from lightning_ratel.sizes import format_bytes, round_up
 from lightning_ratel.tiers import OptimizerStates, ParamCache
@@ -181,6 +181,7 @@ def build_layout(
     host_empty: HostAllocator,
     announce: bool = True,
     optimizer_states: OptimizerStates = "auto",
+    read_ahead: int | None = None,
 ) -> Layout:
     """Lay out ``module``'s parameters.
 
@@ -197,6 +198,8 @@ def build_layout(
             estimate).
         optimizer_states: where the shards' optimizer states live: ``"host"``, ``"ssd"``, or ``"auto"`` (host
             memory while :func:`states_budget` holds them, see :func:`~lightning_ratel.plan.states.place_states`).
+        read_ahead: the CPU optimizer's buffer sets beyond the pipeline's, as the user fixed them; ``None``: planned
+            (see :func:`with_state_tiers`).
 
     Raises:
         RatelConfigError: a parameter is not floating point, or the optimizer cannot be run (see
@@ -279,13 +282,16 @@ def build_layout(
     block_units = tuple(tuple(sorted({owner[id(p)] for p in block.uses})) for block in blocks)
     generic = generic_update(optimizer, shards) if optimizer is not None and not fused(optimizer) else None
     layout = Layout(units, block_units, shards, frozen, cache, orig_dtype, generic=generic)
-    return with_state_tiers(layout, optimizer_states, host_memory_limit, announce=announce)
+    return with_state_tiers(layout, optimizer_states, host_memory_limit, announce=announce,
+                            read_ahead=read_ahead)
 
 
 def with_state_tiers(layout: Layout, requested: OptimizerStates, host_memory_limit: int | None,
                      owned: set[int] | None = None, ranks_on_node: int = 1, announce: bool = True,
-                     cache_shared: bool = False) -> Layout:
-    """``layout`` with the optimizer states of its shards placed (:func:`~lightning_ratel.plan.states.place_states`).
+                     cache_shared: bool = False, read_ahead: int | None = None) -> Layout:
+    """``layout`` with the optimizer states of its shards placed (:func:`~lightning_ratel.plan.states.place_states`)
+    and the CPU optimizer's buffer sets beyond the pipeline's planned with them
+    (:func:`~lightning_ratel.plan.states.read_ahead_sets`).
 
     Args:
         layout: the layout.
@@ -296,6 +302,7 @@ def with_state_tiers(layout: Layout, requested: OptimizerStates, host_memory_lim
         ranks_on_node: processes sharing the node's memory (data parallel), each with its share of it.
         announce: say where they went.
         cache_shared: the node's processes share one host cache of compute copies, each holding its share of it.
+        read_ahead: buffer sets beyond the pipeline's, as the user fixed them; ``None``: planned.
     """
     mine = [s for s in layout.shards if owned is None or s.index in owned]
     if not mine:
@@ -305,14 +312,28 @@ def with_state_tiers(layout: Layout, requested: OptimizerStates, host_memory_lim
     compute = sum(u.nbytes for u in layout.units.values()) if layout.param_cache == "host" else 0
     if cache_shared:
         compute //= ranks_on_node
-    per_param = SET_BYTES_PER_PARAM * max(1.0, buffer_sets(ranks_on_node)) + GRADIENT_BYTES_PER_PARAM
+    base = buffer_sets(ranks_on_node)
+    per_param = SET_BYTES_PER_PARAM * max(1.0, base) + GRADIENT_BYTES_PER_PARAM
     held = compute + int(per_param * max(s.numel for s in mine))
-    tiers = dict(zip((s.index for s in mine), place_states(sizes, requested,
-                                                           states_budget(host_memory_limit, held, ranks_on_node))))
-    if announce:
-        rank_zero_info(f"RatelStrategy: {describe(sizes, list(tiers.values()))}.")
+    budget = states_budget(host_memory_limit, held, ranks_on_node)
+    placed = place_states(sizes, requested, budget)
+    tiers = dict(zip((s.index for s in mine), placed))
     shards = [dataclasses.replace(s, state_tier=tiers.get(s.index, "ssd")) for s in layout.shards]
-    return dataclasses.replace(layout, shards=shards)
+    if read_ahead is None:
+        # The pipeline's sets are already in ``held``; more come out of what the host tier left of the budget.
+        mine_placed = [s for s in shards if owned is None or s.index in owned]
+        read_ahead = read_ahead_sets(placed, sizes, budget, _whole_set_bytes(mine_placed, layout), base)
+    if announce:
+        extra = f"; {read_ahead} more optimizer buffer sets to read states ahead of their updates" if read_ahead else ""
+        rank_zero_info(f"RatelStrategy: {describe(sizes, placed)}{extra}.")
+    return dataclasses.replace(layout, shards=shards, read_ahead_sets=read_ahead)
+
+
+def _whole_set_bytes(shards: Sequence[Shard], layout: Layout) -> int:
+    """Host bytes of one CPU optimizer buffer set holding any of ``shards`` that updates outside host memory."""
+    on_store = layout.param_cache == "ssd"
+    needs = [shard_need(s, on_store, layout.generic) for s in shards if not in_place(s, on_store)]
+    return set_bytes(tuple(max(column) for column in zip(*needs))) if needs else 0  # type: ignore[arg-type]
 
 
 SET_BYTES_PER_PARAM = 16

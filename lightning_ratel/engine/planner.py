@@ -31,6 +31,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning_ratel.config import RatelConfig
 from lightning_ratel.engine.accounting import ByteAccount, StepBreakdown
 from lightning_ratel.engine.blocks import BlockMembership
+from lightning_ratel.engine.layout import buffer_sets
 from lightning_ratel.engine.placement import plan_placements, profiling_placements, resolve_policies
 from lightning_ratel.engine.schedule import BlockScheduler, BlockTimer
 from lightning_ratel.errors import RatelConfigError
@@ -308,7 +309,13 @@ class Planner:
         return plan_settings(
             self.layout.shards, self.owned_shards(), self.layout.param_cache, self.ranks_on_node,
             prefetch_depth=self.config.prefetch_depth, host_static_bytes=self.accounts.held()["host"],
-            device_overhead=self._device_overhead(layers) if self.device.is_cuda else None)
+            device_overhead=self._device_overhead(layers) if self.device.is_cuda else None,
+            read_ahead_sets=self._read_ahead_sets())
+
+    def _read_ahead_sets(self) -> int:
+        """This rank's whole buffer sets (each reads one shard's states ahead during forward): its share of the
+        pipeline's and those planned with the states' tiers."""
+        return int(buffer_sets(self.ranks_on_node)) + self.layout.read_ahead_sets
 
     def make_plan(self, nodes: Sequence[HardwareProfile], layers: list[LayerProfile],
                   host_room: int | None = None, settings: Sequence[CostSettings] | None = None) -> Plan:
@@ -429,9 +436,17 @@ def shared_master_reads(shards: Sequence[Shard]) -> int:
     return sum(s.numel * 4 for s in shards if s.dtype == torch.float32 and s.state_tier == "ssd")
 
 
+def read_ahead_traffic(shards: Sequence[Shard], sets: int) -> int:
+    """State bytes the CPU optimizer's ``sets`` buffer sets read from the swap files during forward: those of the
+    first shards backward updates (the last in forward order) whose states are there, one a set (masters the host
+    cache holds are not read)."""
+    on_disk = [s for s in reversed(shards) if s.state_tier == "ssd"][:max(0, sets)]
+    return sum(s.numel * 8 + (0 if s.master_in_host else s.numel * 4) for s in on_disk)
+
+
 def plan_settings(shards: Sequence[Shard], owned: Sequence[Shard], param_cache: str, ranks_on_node: int,
                   *, prefetch_depth: int, host_static_bytes: int,
-                  device_overhead: DeviceOverhead | None) -> CostSettings:
+                  device_overhead: DeviceOverhead | None, read_ahead_sets: int = 0) -> CostSettings:
     """The cost model's settings for one rank of ``ranks_on_node`` on its node.
 
     The cost model counts the optimizer's state bytes per parameter a rank owns, ``1 / ranks_on_node`` of the
@@ -446,6 +461,8 @@ def plan_settings(shards: Sequence[Shard], owned: Sequence[Shard], param_cache: 
         prefetch_depth: blocks paged in ahead of the one computing.
         host_static_bytes: host bytes the run holds apart from activations.
         device_overhead: device memory a step needs beyond its working set (``None``: none counted).
+        read_ahead_sets: this rank's whole buffer sets, each reading a shard's states ahead during forward (see
+            :func:`read_ahead_traffic`).
     """
     share = (sum(s.numel for s in shards) or 1) / ranks_on_node
     traffic = state_traffic(owned, param_cache)
@@ -461,6 +478,7 @@ def plan_settings(shards: Sequence[Shard], owned: Sequence[Shard], param_cache: 
         optimizer_memory_bytes_per_param=OPTIMIZER_MEMORY_BYTES_PER_PARAM + round(24 * in_host / share),
         state_read_bytes_per_param=round(traffic["read"] / share),
         state_write_bytes_per_param=round(traffic["written"] / share),
+        state_read_ahead_bytes_per_param=min(traffic["read"], read_ahead_traffic(owned, read_ahead_sets)) / share,
         param_cache=param_cache,
         # Write-backs are waited for only by the next update of the same shard.
         state_spill=True,

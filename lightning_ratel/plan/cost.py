@@ -311,6 +311,10 @@ class CostSettings:
         state_spill: optimizer-state writes that do not fit in backward are deferred into the next forward (as much
             as makes the iteration shortest). Reads are never deferred: the update they feed has to finish before
             the next forward uses its parameters.
+        state_read_ahead_bytes_per_param: optimizer-state bytes read during forward instead of backward per trainable
+            parameter and step (at most ``state_read_bytes_per_param``): where updates overlap backward, the CPU
+            optimizer's buffer sets fill during the boundary micro-batch's forward with the states of the shards
+            backward updates first.
         device_overhead: device memory beyond paging buffers and one block's working set (workspaces, logits,
             autocast cache, gradient temporaries, fragmentation); ``None``: nothing more.
         ranks_on_node: data-parallel ranks training on this node at once, each with its own device and the same
@@ -331,6 +335,7 @@ class CostSettings:
     state_spill: bool = False
     device_overhead: DeviceOverhead | None = None
     ranks_on_node: int = 1
+    state_read_ahead_bytes_per_param: float = 0.0
 
     @classmethod
     def from_dict(cls, data: Mapping[str, object]) -> CostSettings:
@@ -409,6 +414,8 @@ class CostModel:
         self._forward_h2d = _seconds(self._linked_params, hw.h2d_bandwidth)
         self._backward_d2h = _seconds(self._linked_grads, hw.d2h_bandwidth)
         self._state_read = math.ceil(numel * settings.state_read_bytes_per_param)
+        self._state_ahead = min(self._state_read, math.ceil(numel * settings.state_read_ahead_bytes_per_param))
+        self._state_ahead_ssd = _seconds(self._state_ahead, hw.ssd_read_bandwidth)
         self._state_write = math.ceil(numel * settings.state_write_bytes_per_param)
         self._state_ssd = (_seconds(self._state_read, hw.ssd_read_bandwidth)
                            + _seconds(self._state_write, hw.ssd_write_bandwidth))
@@ -512,19 +519,22 @@ class CostModel:
             "compute": self._forward_compute,
             "h2d": self._forward_h2d,
             "d2h": _seconds(swapped, hw.d2h_bandwidth),
-            "ssd": _seconds(per_tier["ssd"], hw.ssd_write_bandwidth) + self._param_ssd,
+            "ssd": _seconds(per_tier["ssd"], hw.ssd_write_bandwidth) + self._param_ssd + self._state_ahead_ssd,
         }
         backward = {
             "compute": self._backward_compute + recompute,
             "recompute": recompute,
             "h2d": _seconds(self._linked_params + swapped, hw.h2d_bandwidth),
             "d2h": self._backward_d2h,
-            "ssd": _seconds(per_tier["ssd"], hw.ssd_read_bandwidth) + self._state_ssd + self._param_ssd,
+            "ssd": (_seconds(per_tier["ssd"], hw.ssd_read_bandwidth) + self._state_ssd - self._state_ahead_ssd
+                    + self._param_ssd),
             "cpu_optimizer": self._cpu_optimizer,
         }
         # Host-side traffic: what reaches host memory (from the device or the SSDs) and what leaves it.
-        self._host_resources(forward, swapped + self._param_ssd_bytes, self._linked_params + per_tier["ssd"])
-        self._host_resources(backward, self._linked_grads + per_tier["ssd"] + self._state_read + self._param_ssd_bytes,
+        self._host_resources(forward, swapped + self._param_ssd_bytes + self._state_ahead,
+                             self._linked_params + per_tier["ssd"])
+        self._host_resources(backward, self._linked_grads + per_tier["ssd"] + self._state_read - self._state_ahead
+                             + self._param_ssd_bytes,
                              self._linked_params + swapped + self._state_write, self._optimizer_memory)
         spilled = self._best_spill(forward, backward) if self.state_spill and self._state_write else 0
         for name, rate in self._spill_rates().items() if spilled else ():
@@ -591,7 +601,8 @@ def node_settings(ranks: Sequence[CostSettings]) -> CostSettings:
 
     return replace(first, state_read_bytes_per_param=mean("state_read_bytes_per_param"),
                    state_write_bytes_per_param=mean("state_write_bytes_per_param"),
-                   optimizer_memory_bytes_per_param=mean("optimizer_memory_bytes_per_param"))
+                   optimizer_memory_bytes_per_param=mean("optimizer_memory_bytes_per_param"),
+                   state_read_ahead_bytes_per_param=sum(s.state_read_ahead_bytes_per_param for s in ranks) / len(ranks))
 
 
 def node_models(nodes: Sequence[HardwareProfile], layers: Sequence[LayerProfile],

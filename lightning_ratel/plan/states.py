@@ -8,10 +8,23 @@ where a larger one did not).
 
 A shard kept in host memory holds both of its state slots there (the committed step and the one being written), so it
 takes twice its states' bytes. Pure arithmetic: the layout calls it with the shards' sizes and the budget.
+
+The CPU optimizer's buffer sets compete for the same budget (:func:`read_ahead_sets`). Between the start of the
+boundary micro-batch and the updates, the drives read page-ins and the states of as many shards as there are free sets
+(in the order last step's updates ran); the rest of that time they idle: the forward where updates overlap backward,
+the backward where they wait for its end (a CPU run's usual case, whose forward then runs the updates). A set moves
+one shard's reads into that idle time, and where the master is the compute copy a page-in reads (fp32 with compute
+copies on the store) the page-in copies it from the set instead of reading it again. A shard kept in host memory saves
+its master and moments read *and* written every step (as many bytes as its two slots take), and the page-ins of its
+master too, whether the drives idle or not: per byte at least what a set saves unless the set's master saves a
+page-in and the idle time takes all its reads. Without the idle time known (the layout plans before any step ran),
+the host tier is filled first, and sets beyond the pipeline's few are bought with what the host tier cannot use (a
+remainder smaller than the next shard's states), as far as they can still read ahead a shard kept in the swap files.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from lightning_ratel.errors import RatelConfigError
@@ -68,3 +81,24 @@ def describe(sizes: Sequence[int], tiers: Sequence[StateTier]) -> str:
     if disk:
         parts.append(f"{format_bytes(disk)} per slot in the swap files ({tiers.count('ssd')} shards)")
     return "optimizer states: " + (", ".join(parts) if parts else "none")
+
+
+def read_ahead_sets(tiers: Sequence[StateTier], sizes: Sequence[int], budget: int | None, set_bytes: int,
+                    base_sets: float) -> int:
+    """The optimizer's buffer sets beyond the pipeline's ``base_sets`` (reading ahead, updating, writing back): one
+    for each ``set_bytes`` of the states' budget the host tier left unused, as long as the sets together do not
+    outnumber the shards whose states are in the swap files (a set beyond those has nothing to read ahead). See the
+    module's notes for why the host tier comes first.
+
+    Args:
+        tiers: each shard's tier (:func:`place_states`).
+        sizes: host bytes of each shard's states in host memory (:func:`state_bytes`), as ``tiers``.
+        budget: host bytes the states may take; ``None``: no bound was given, and no set is added.
+        set_bytes: host bytes of one buffer set (holding the largest shard in the swap files).
+        base_sets: the sets every run keeps (a rank of several on a node: its share of them).
+    """
+    on_disk = sum(1 for tier in tiers if tier == "ssd")
+    if budget is None or set_bytes <= 0:
+        return 0
+    left = budget - sum(size for size, tier in zip(sizes, tiers) if tier == "host")
+    return max(0, min(left // set_bytes, math.floor(on_disk - base_sets)))

@@ -41,7 +41,8 @@ from lightning_ratel.runtime.units import Shard
 from lightning_ratel.sizes import round_up
 
 BUFFER_SETS = 3
-"""State buffer sets kept by default: one reading ahead, one computing, one writing back."""
+"""The pipeline's state buffer sets: one reading ahead, one computing, one writing back. A run may keep more (the
+layout's ``read_ahead_sets``), each reading one more shard's states ahead."""
 
 Need = tuple[int, int, int, int]
 """What a shard's update takes of a buffer set: moment elements, master elements, compute copy bytes, state record

@@ -277,6 +277,8 @@ class Layout:
         frozen_values: where the frozen shards' exact values are (filled in by materialization).
         generic: the update and state layout of an optimizer the fused AdamW kernel does not run; ``None`` for
             AdamW/Adam (moments ``exp_avg``/``exp_avg_sq``) and for evaluation.
+        read_ahead_sets: buffer sets the CPU optimizer keeps beyond the pipeline's, to read more states ahead of
+            their updates (planned with the states' tiers, in host memory the host tier could not use).
     """
 
     units: dict[int, Unit]
@@ -287,6 +289,7 @@ class Layout:
     orig_dtype: dict[int, torch.dtype]
     frozen_values: FrozenValues = field(default_factory=FrozenValues)
     generic: GenericUpdate | None = None
+    read_ahead_sets: int = 0
 
     @property
     def all_shards(self) -> list[Shard]:
