@@ -288,8 +288,9 @@ def main() -> None:
               f"GiB (read {read / max(report.planned['read'], 1):.2f}x, written "
               f"{written / max(report.planned['written'], 1):.2f}x that): the model states read and written once "
               f"({report.states['read'] / GIB:.2f} GiB, {report.states['written'] / GIB:.2f} GiB) and the compute "
-              "copies read for forward and for backward, the fp32 masters' backward read shared with the optimizer's "
-              "(activations on the SSD come on top)")
+              "copies read for forward and for backward, the fp32 masters' backward read shared with the optimizer's, "
+              "and their forward read too where a buffer set read the states ahead (activations on the SSD come on "
+              "top)")
     if len(report.busy) > 1:
         busy = report.busy[1:]
         print(f"disk busy: {100 * sum(busy) / len(busy):.0f}% of each step's wall time on average after the first "

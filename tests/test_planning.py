@@ -389,6 +389,11 @@ def test_step_traffic_adds_the_page_ins_a_backward_does_not_share():
     assert step_traffic(trainable, [frozen], "ssd") == {  # type: ignore[arg-type]
         "read": states["read"] + pages, "written": states["written"]}
     assert step_traffic(trainable, [frozen], "host") == state_traffic(trainable, "host")  # type: ignore[arg-type]
+    # Buffer sets reading states ahead during forward (the last shards on disk first): the forward's page-in of an fp32
+    # master a set holds shares the set's read; the bf16 shard's compute copy is not its master, so one set saves none.
+    assert step_traffic(trainable, [frozen], "ssd", 1) == step_traffic(trainable, [frozen], "ssd")  # type: ignore
+    assert step_traffic(trainable, [frozen], "ssd", 2) == {  # type: ignore[arg-type]
+        "read": states["read"] + pages - 100 * 4, "written": states["written"]}
     # The cost model counts that backward page-in already: its state reads leave the shared master out.
     settings = plan_settings(trainable, trainable, "ssd", 1, prefetch_depth=1,  # type: ignore[arg-type]
                              host_static_bytes=0, device_overhead=None)

@@ -294,7 +294,8 @@ class Planner:
     def step_traffic(self) -> dict[str, int]:
         """Bytes each optimizer step of this rank must move through its swap files (see :func:`step_traffic`): its
         model states' traffic, and the page-ins of compute copies read from there."""
-        return step_traffic(self.owned_shards(), self.layout.frozen_shards, self.layout.param_cache)
+        return step_traffic(self.owned_shards(), self.layout.frozen_shards, self.layout.param_cache,
+                            self._read_ahead_sets())
 
     def host_room(self, nodes: Sequence[HardwareProfile]) -> int:
         """Host bytes this rank's budget leaves beyond what it holds now (see :func:`plan_budgets`), given every node's
@@ -404,17 +405,20 @@ def state_traffic(shards: Sequence[Shard], param_cache: str) -> dict[str, int]:
             "written": moments + sum(s.numel * 4 for s in on_disk) + copies}
 
 
-def step_traffic(shards: Sequence[Shard], frozen_shards: Sequence[Shard], param_cache: str) -> dict[str, int]:
+def step_traffic(shards: Sequence[Shard], frozen_shards: Sequence[Shard], param_cache: str,
+                 read_ahead_sets: int = 0) -> dict[str, int]:
     """The least a training step moves through the swap files: :func:`state_traffic` of ``shards``, and where the
     pager reads compute copies from the swap files (``param_cache="ssd"``), each unit's copies read for its forward
-    and again for its backward, except where the backward's page-in and the optimizer read the same bytes at the same
-    time (an fp32 shard whose master, its compute copy, is in the swap files: read once, shared by both). Activations
-    sent to the SSD come on top.
+    and again for its backward, except where a page-in and the optimizer read the same bytes (an fp32 shard whose
+    master, its compute copy, is in the swap files: the backward's page-in shares the update's read; the forward's
+    does too where a buffer set read the shard's states ahead during forward, see :func:`read_ahead_traffic`).
+    Activations sent to the SSD come on top.
 
     Args:
         shards: the trainable shards (those whose states this rank holds).
         frozen_shards: the shards outside the optimizer (their compute copies are paged in too).
         param_cache: where compute copies live between uses (``"host"`` or ``"ssd"``).
+        read_ahead_sets: this rank's whole buffer sets, each reading one shard's states ahead during forward.
 
     Returns:
         ``{"read": bytes, "written": bytes}``.
@@ -426,7 +430,8 @@ def step_traffic(shards: Sequence[Shard], frozen_shards: Sequence[Shard], param_
     on_disk = [s for s in [*shards, *frozen_shards]
                if not (s.dtype == torch.float32 and s.group >= 0 and s.state_tier == "host")]
     forward = sum(s.numel * s.dtype.itemsize for s in on_disk)
-    return {"read": traffic["read"] + 2 * forward - shared_master_reads(shards), "written": traffic["written"]}
+    shared = shared_master_reads(shards) + shared_master_reads(_read_ahead(shards, read_ahead_sets))
+    return {"read": traffic["read"] + 2 * forward - shared, "written": traffic["written"]}
 
 
 def shared_master_reads(shards: Sequence[Shard]) -> int:
@@ -440,8 +445,13 @@ def read_ahead_traffic(shards: Sequence[Shard], sets: int) -> int:
     """State bytes the CPU optimizer's ``sets`` buffer sets read from the swap files during forward: those of the
     first shards backward updates (the last in forward order) whose states are there, one a set (masters the host
     cache holds are not read)."""
-    on_disk = [s for s in reversed(shards) if s.state_tier == "ssd"][:max(0, sets)]
-    return sum(s.numel * 8 + (0 if s.master_in_host else s.numel * 4) for s in on_disk)
+    return sum(s.numel * 8 + (0 if s.master_in_host else s.numel * 4) for s in _read_ahead(shards, sets))
+
+
+def _read_ahead(shards: Sequence[Shard], sets: int) -> list[Shard]:
+    """The shards whose states ``sets`` buffer sets read ahead during forward: the first backward updates (the last in
+    forward order) of those in the swap files, one a set."""
+    return [s for s in reversed(shards) if s.state_tier == "ssd"][:max(0, sets)]
 
 
 def plan_settings(shards: Sequence[Shard], owned: Sequence[Shard], param_cache: str, ranks_on_node: int,
