@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -332,6 +335,135 @@ def test_a_shards_gradients_reach_the_worker_together(tmp_path: Path) -> None:
         for shard in shards:
             for sp in shard.params:
                 assert torch.equal(sp.view(shard.unit.host[torch.float32]), reference[sp.index].detach()), sp.name
+    finally:
+        adam.close()
+        store.close()
+
+
+class _HeldMasters:
+    """A store whose writes of masters land only once :attr:`gate` is set (while :attr:`holding`), and which records
+    whether each read ran in the urgent lane."""
+
+    def __init__(self, store: TensorStore) -> None:
+        self.store = store
+        self.gate = threading.Event()
+        self.holding = False
+        self.held = 0
+        self.reads: list[tuple[str, bool]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+    def read(self, key: str, out: torch.Tensor, *, urgent: bool = False, share: bool = False) -> Future:
+        self.reads.append((key, urgent))
+        return self.store.read(key, out, urgent=urgent, share=share)
+
+    def write(self, key: str, tensor: torch.Tensor, *, urgent: bool = False) -> Future:
+        written = self.store.write(key, tensor, urgent=urgent)
+        if not (self.holding and ".master" in key):
+            return written
+        self.held += 1
+        landed: Future = Future()
+
+        def land() -> None:
+            self.gate.wait()
+            error = written.exception()
+            if error is None:
+                landed.set_result(None)
+            else:
+                landed.set_exception(error)
+
+        threading.Thread(target=land, daemon=True).start()
+        return landed
+
+
+def _host_master_pipeline(tmp_path: Path, sizes: list[int], depth: float
+                          ) -> tuple[CpuAdam, list[Shard], list[nn.Parameter], _HeldMasters]:
+    """Shards whose masters are their units' host caches (the default on a CPU run), moments in the swap files."""
+    torch.manual_seed(0)
+    store = _HeldMasters(TensorStore([tmp_path]))
+    params, shards = [], []
+    for i, n in enumerate(sizes):
+        value = torch.randn(n)
+        param = nn.Parameter(value.clone())
+        unit = Unit(i, (), {torch.float32: n}, host={torch.float32: value.clone()})
+        shards.append(Shard(i, unit, 0, torch.float32, 0, (ShardParam(f"p{i}", param, i, 0, n, value.shape),), n,
+                            master_in_host=True))
+        params.append(param)
+    adam = CpuAdam(shards, store, depth=depth)  # type: ignore[arg-type]
+    return adam, shards, params, store
+
+
+def test_a_buffer_set_comes_back_before_the_host_master_is_written(tmp_path: Path) -> None:
+    """A master kept in the host cache does not hold the update's buffer set: with one set, the next update runs while
+    the last one's master is still being written, a barrier for writes still waits for that write, and the values
+    are torch's AdamW's."""
+    sizes = [1000, 4099]
+    adam, shards, params, store = _host_master_pipeline(tmp_path, sizes, depth=1)
+    reference = [nn.Parameter(p.detach().clone()) for p in params]
+    torch_adamw = torch.optim.AdamW(reference, lr=HYPER.lr, betas=(HYPER.beta1, HYPER.beta2), eps=HYPER.eps,
+                                    weight_decay=HYPER.weight_decay)
+    generator = torch.Generator().manual_seed(5)
+    plan = StepPlan([HYPER], overlap=False)
+    try:
+        for step in range(2):
+            grads = [torch.randn(n, generator=generator) for n in sizes]
+            for p, g in zip(reference, grads):
+                p.grad = g.clone()
+            torch_adamw.step()
+            store.holding, store.held = True, 0
+            store.gate.clear()
+            adam.begin(plan)
+            for shard, grad in zip(shards, grads):
+                adam.gradient(shard, 0, grad, _Landed())
+            adam.schedule(plan, shards)
+            # Both updates run through the single set although no master write has landed (bounded wait: before,
+            # the second update waited for the gate).
+            last = f"update_end:{shards[-1].index}"
+            deadline = time.monotonic() + 30
+            while [name for name, _ in adam.timeline].count(last) <= step and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert [name for name, _ in adam.timeline].count(last) == step + 1
+            assert store.held == len(shards)
+            writes = Future()
+            threading.Thread(target=lambda: writes.set_result(adam.barrier(include_writes=True)), daemon=True).start()
+            assert not writes.done()
+            store.holding = False
+            store.gate.set()
+            writes.result(timeout=60)
+            for shard, p in zip(shards, reference):
+                assert torch.equal(shard.host_master(), p.detach()), shard.index
+    finally:
+        store.gate.set()
+        adam.close()
+        store.close()
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_only_reads_for_a_finished_steps_updates_are_urgent(tmp_path: Path, overlap: bool) -> None:
+    """The reads of an update queued when its step was finished (the next forward waits for it) go before queued
+    write-backs; reads ahead and those of updates overlapped with backward do not."""
+    sizes = [1000, 37, 4099, 513]
+    adam, shards, _, store = _host_master_pipeline(tmp_path, sizes, depth=1)
+    plan = StepPlan([HYPER], overlap=overlap)
+    try:
+        # The first step writes the moments; from the second on, each update reads them.
+        for step in range(3):
+            store.reads.clear()
+            adam.begin(plan)
+            adam.barrier()
+            ahead = list(store.reads)
+            for shard in shards:
+                adam.gradient(shard, 0, torch.ones(shard.numel), _Landed())
+            adam.schedule(plan, shards)
+            adam.barrier(include_writes=True)
+            taken = store.reads[len(ahead):]
+            if step == 0:
+                continue
+            assert len(ahead) == 2 and not any(urgent for _, urgent in ahead)
+            # One set: every shard but the one read ahead is read when its update takes the set.
+            assert len(taken) == 2 * (len(shards) - 1)
+            assert all(urgent != overlap for _, urgent in taken)
     finally:
         adam.close()
         store.close()

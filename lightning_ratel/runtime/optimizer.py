@@ -50,6 +50,7 @@ threads use, under its own lock.
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 from collections import Counter, deque
@@ -228,6 +229,11 @@ class _Written:
 
 
 @dataclass(frozen=True)
+class _WriteLanded:
+    """A write-back that a barrier waits for landed after its buffer set had come back."""
+
+
+@dataclass(frozen=True)
 class _Barrier:
     future: Future
     include_writes: bool
@@ -238,17 +244,20 @@ class _Stop:
     pass
 
 
-_Job = _Gradients | _Begin | _Schedule | _Discard | _Gather | _Undo | _Abort | _Assign | _Written | _Barrier | _Stop
+_Job = (_Gradients | _Begin | _Schedule | _Discard | _Gather | _Undo | _Abort | _Assign | _Written | _WriteLanded
+        | _Barrier | _Stop)
 
 
 @dataclass(frozen=True)
 class _Queued:
-    """An update waiting for a buffer set (``loaded`` is ``None``) or for its reads and its turn."""
+    """An update waiting for a buffer set (``loaded`` is ``None``) or for its reads and its turn; ``urgent``: queued
+    when its step was finished, so the next forward waits for it and its reads go before queued write-backs."""
 
     shard: Shard
     plan: StepPlan
     step: int
     loaded: Loaded | None = None
+    urgent: bool = False
 
 
 class CpuAdam:
@@ -300,6 +309,8 @@ class CpuAdam:
         # Shards whose update of this window is queued (or found nothing to do).
         self._scheduled: set[int] = set()
         self._barriers: list[_Barrier] = []
+        # The write-back a barrier waiting for writes has asked to be woken for, once its buffer set came back.
+        self._awaited: Future | None = None
         self._error: BaseException | None = None
         self._plan: StepPlan | None = None
         # Shards that received a gradient since the last finish or discard: added on autograd's thread, taken on the
@@ -686,6 +697,8 @@ class CpuAdam:
                 job.future.set_result(None)
         elif isinstance(job, _Written):
             self.buffers.written(job.buffers)
+        elif isinstance(job, _WriteLanded):
+            self._awaited = None
         elif isinstance(job, _Barrier):
             self._barriers.append(job)
 
@@ -717,7 +730,7 @@ class CpuAdam:
         self._scheduled.add(shard.index)
         if self.accumulator.holds(shard):
             step = self.ledger.queue(shard)
-            self._ready.append(_Queued(shard, plan, step))
+            self._ready.append(_Queued(shard, plan, step, urgent=kind == "deferred"))
             self.buffers.queued(shard)
             self.budget.updates_queued(1)
             self.counts[kind] += 1
@@ -849,11 +862,11 @@ class CpuAdam:
     def _advance(self) -> None:
         while True:
             while self._ready and self._error is None:
-                loaded = self.buffers.take(self._ready[0].shard)
+                loaded = self.buffers.take(self._ready[0].shard, urgent=self._ready[0].urgent)
                 if loaded is None:
                     break
                 item = self._ready.popleft()
-                self._inflight.append(_Queued(item.shard, item.plan, item.step, loaded))
+                self._inflight.append(_Queued(item.shard, item.plan, item.step, loaded, item.urgent))
             if self._error is None:
                 self.buffers.read_ahead(
                     skip=lambda shard: shard.index in self._scheduled or self.ledger.pending(shard))
@@ -902,10 +915,12 @@ class CpuAdam:
             self.accumulator.clear(shard)
         self.timeline.record(f"update_end:{shard.index}")
         writes = [self.store.write(shard.key(what, slot), flat) for what, flat in states.items() if flat.numel()]
-        writes.append(self.store.write(shard.key("master", slot), master))
         if out is not None and self.compute_on_store:
             writes.append(self.store.write(shard.compute_key, out))
-        done = self._joined(writes, b)
+        writes.append(self.store.write(shard.key("master", slot), master))
+        # A master in the host cache (written last) does not hold the buffer set: the set goes back without waiting
+        # for it, so the next update's reads need not queue behind it.
+        done = self._joined(writes, b, len(writes) - 1 if shard.master_in_host else len(writes))
         self.buffers.writing(shard, done)
         # Only now, with the write-back recorded: a pager reading compute copies from the store waits for that write
         # (an fp32 shard's compute copy is its master, in the new slot).
@@ -936,26 +951,32 @@ class CpuAdam:
             self._adamw(master[sl], grad[sl], exp_avg[sl], exp_avg_sq[sl], out[sl] if out is not None else None,
                         hyper, steps[i] + 1)
 
-    def _joined(self, writes: list[Future], buffers: StateBufferSet | SlotViews) -> Future:
-        """A future that completes when every write has (with the first error), handing ``buffers`` back then."""
+    def _joined(self, writes: list[Future], buffers: StateBufferSet | SlotViews, holding: int) -> Future:
+        """A future that completes when every write has (with the first error). The first ``holding`` writes read
+        ``buffers`` (all of them for a state slot in host memory): ``buffers`` is handed back once those have ended,
+        while the others (from the host cache) may still run."""
+        if isinstance(buffers, SlotViews) or not holding:
+            holding = len(writes)
         done: Future = Future()
-        remaining = [len(writes)]
+        remaining = [holding, len(writes)]
         lock = threading.Lock()
 
-        def finished(f: Future) -> None:
+        def finished(index: int, f: Future) -> None:
             with lock:
-                remaining[0] -= 1
-                last = remaining[0] == 0
+                if index < holding:
+                    remaining[0] -= 1
+                remaining[1] -= 1
+                released = index < holding and remaining[0] == 0
+                last = remaining[1] == 0
             if f.exception() is not None and not done.done():
                 done.set_exception(f.exception())
-                self._jobs.put(_Written(buffers))
-                return
-            if last and not done.done():
+            elif last and not done.done():
                 done.set_result(None)
+            if released:
                 self._jobs.put(_Written(buffers))
 
-        for w in writes:
-            w.add_done_callback(finished)
+        for index, w in enumerate(writes):
+            w.add_done_callback(functools.partial(finished, index))
         return done
 
     def _compute_out(self, shard: Shard, b: StateBufferSet | SlotViews) -> torch.Tensor | None:
@@ -974,6 +995,17 @@ class CpuAdam:
                out: torch.Tensor | None, h: GroupHyper, step: int) -> None:
         adamw_step()(master, grad, exp_avg, exp_avg_sq, out, h, step=step, num_threads=self.threads)
 
+    def _writing(self) -> bool:
+        """Whether a write-back is still running; one whose buffer set came back already wakes the worker when it
+        lands (nothing else would)."""
+        if self.buffers.writes_pending:
+            return True
+        landing = self.buffers.landing()
+        if landing and self._awaited is None:
+            self._awaited = landing[0]
+            landing[0].add_done_callback(lambda _: self._jobs.put(_WriteLanded()))
+        return bool(landing)
+
     def _resolve_barriers(self) -> None:
         if not self._barriers:
             return
@@ -982,7 +1014,7 @@ class CpuAdam:
         for barrier in self._barriers:
             if self._error is not None:
                 barrier.future.set_exception(self._error)
-            elif busy or not self._jobs.empty() or (barrier.include_writes and self.buffers.writes_pending):
+            elif busy or not self._jobs.empty() or (barrier.include_writes and self._writing()):
                 keep.append(barrier)
             else:
                 err = self.buffers.write_error()

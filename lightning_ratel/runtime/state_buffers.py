@@ -222,37 +222,40 @@ class StateBuffers:
         state_bytes = self.generic.nbytes(shard) if self.generic is not None else 0
         return SlotViews(self.store, shard, 1 - self.ledger.latest(shard).slot, state_bytes)
 
-    def take(self, shard: Shard) -> Loaded | None:
-        """A buffer set holding (or being filled with) ``shard``'s latest state, or ``None`` while none is free."""
+    def take(self, shard: Shard, urgent: bool = False) -> Loaded | None:
+        """A buffer set holding (or being filled with) ``shard``'s latest state, or ``None`` while none is free;
+        ``urgent``: the reads it starts go before queued write-backs (see :meth:`read`)."""
         loaded = self.ahead.pop(shard.index, None)
         if loaded is not None:
             return loaded
         if self._in_place(shard):
             views = self._views(shard)
-            return views, self.read(shard, views)
+            return views, self.read(shard, views, urgent)
         buffers = self._free_set(shard)
         if buffers is None and self._evict_ahead(shard):
             buffers = self._free_set(shard)
         if buffers is None:
             return None
-        return buffers, self.read(shard, buffers)
+        return buffers, self.read(shard, buffers, urgent)
 
-    def read(self, shard: Shard, buffers: StateBufferSet | SlotViews) -> list[Future]:
-        """Start reading ``shard``'s latest state into ``buffers`` (after its last write-back has landed)."""
+    def read(self, shard: Shard, buffers: StateBufferSet | SlotViews, urgent: bool = False) -> list[Future]:
+        """Start reading ``shard``'s latest state into ``buffers`` (after its last write-back has landed);
+        ``urgent`` reads run in the store's urgent lane, ahead of the write-backs queued."""
         self.wait_written(shard)
         n = shard.numel
         version = self.ledger.latest(shard)
         # The master is offered to the pager's page-in of the same key until the update changes it (see unshare):
         # for an fp32 shard whose compute copy is on the store, it is the same bytes.
         reads = [] if shard.master_in_host else [
-            self.store.read(shard.key("master", version.slot), buffers.master[:n], share=True)]
+            self.store.read(shard.key("master", version.slot), buffers.master[:n], urgent=urgent, share=True)]
         if version.moments and self.generic is not None:
             nbytes = self.generic.nbytes(shard)
             if nbytes:
-                reads.append(self.store.read(shard.key("state", version.slot), buffers.state[:nbytes]))
+                reads.append(self.store.read(shard.key("state", version.slot), buffers.state[:nbytes], urgent=urgent))
         elif version.moments:
-            reads.append(self.store.read(shard.key("exp_avg", version.slot), buffers.exp_avg[:n]))
-            reads.append(self.store.read(shard.key("exp_avg_sq", version.slot), buffers.exp_avg_sq[:n]))
+            reads.append(self.store.read(shard.key("exp_avg", version.slot), buffers.exp_avg[:n], urgent=urgent))
+            reads.append(self.store.read(shard.key("exp_avg_sq", version.slot), buffers.exp_avg_sq[:n],
+                                         urgent=urgent))
         return reads
 
     def read_ahead(self, skip: Callable[[Shard], bool]) -> None:
@@ -306,7 +309,8 @@ class StateBuffers:
                 copy.exception()
 
     def writing(self, shard: Shard, done: Future) -> None:
-        """A write-back of ``shard`` from a buffer set started; :meth:`written` hands the set back."""
+        """A write-back of ``shard`` from a buffer set started (``done``: all its writes); :meth:`written` hands the
+        set back, which may come before ``done`` (a master written from the host cache does not hold the set)."""
         self.writes_pending += 1
         self._last_write[shard.index] = done
 
@@ -321,6 +325,10 @@ class StateBuffers:
         last = self._last_write.get(shard.index)
         if last is not None:
             last.result()
+
+    def landing(self) -> list[Future]:
+        """The write-backs still landing (their buffer sets may have come back already)."""
+        return [last for last in self._last_write.values() if not last.done()]
 
     def settle(self, shard: Shard) -> None:
         """Wait until ``shard``'s last write-back has ended, whatever its outcome."""
