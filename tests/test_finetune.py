@@ -369,13 +369,14 @@ def test_sharded_checkpoint_converts_to_the_ordinary_one(tmp_path: Path) -> None
 
 def test_checkpoint_format_follows_size(tmp_path: Path) -> None:
     # Room for the run's own buffers (a smaller budget is refused before the model is built), and less than twice
-    # what a gathered checkpoint takes.
+    # what a gathered checkpoint takes. No read-ahead sets: planned without a limit they would take the available
+    # memory's share, not this budget's.
     need = lightning_ratel.estimate(LM("llama"), precision="32-true", param_cache="host", checkpoint_format="full",
-                                    optimizer_states="ssd")
+                                    optimizer_states="ssd", read_ahead_sets=0)
     limit = need.host + need.device
     assert need.checkpoint > limit // 2
     sharded_by_size = RatelStrategy(ssd_paths=[swap(tmp_path, "a")], host_memory_limit=limit,
-                                    activation_policy="host", optimizer_states="ssd")
+                                    activation_policy="host", optimizer_states="ssd", read_ahead_sets=0)
     for strategy, name, expect_dir in [
         (RatelStrategy(ssd_paths=[swap(tmp_path, "b")], activation_policy="host"), "small", False),
         (sharded_by_size, "large", True),
