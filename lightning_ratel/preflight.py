@@ -20,7 +20,7 @@ from torch import nn
 from lightning_ratel.config import RatelConfig
 from lightning_ratel.engine.blocks import discover_blocks
 from lightning_ratel.engine.coordinator import GRAD_BUDGET_SHARDS
-from lightning_ratel.engine.layout import build_layout
+from lightning_ratel.engine.layout import build_layout, set_needs
 from lightning_ratel.errors import RatelConfigError, RatelPlanError
 from lightning_ratel.io.checkpoint import choose_checkpoint_format, gathered_checkpoint_bytes
 from lightning_ratel.plan.exchange import ExchangeChoice, choose_exchange
@@ -28,7 +28,7 @@ from lightning_ratel.plan.states import state_bytes
 from lightning_ratel.precision import RatelPrecision
 from lightning_ratel.runtime.collectives import exchange_micro_batch_nbytes, exchange_window_nbytes
 from lightning_ratel.runtime.probe import available_host_memory
-from lightning_ratel.runtime.state_buffers import BUFFER_SETS, in_place, set_bytes, set_capacities, shard_need
+from lightning_ratel.runtime.state_buffers import BUFFER_SETS, set_bytes, set_capacities
 from lightning_ratel.runtime.units import Layout
 from lightning_ratel.sizes import format_bytes
 
@@ -181,7 +181,7 @@ def _estimate(module: nn.Module, optimizer: torch.optim.Optimizer, config: Ratel
         disk=disk,
         host_cache=sum(u.host_nbytes for u in layout.units.values()),
         host_states=sum(state_bytes(s.numel) for s in layout.shards if s.state_tier == "host"),
-        optimizer_buffers=_buffer_sets_bytes(layout, on_store),
+        optimizer_buffers=_buffer_sets_bytes(layout),
         gradient_buffers=GRAD_BUDGET_SHARDS * max((s.numel for s in layout.shards), default=0) * 4,
         device=(config.prefetch_depth + 1) * largest_unit,
         checkpoint=checkpoint,
@@ -200,11 +200,10 @@ def _estimate(module: nn.Module, optimizer: torch.optim.Optimizer, config: Ratel
     return replace(estimate, exchange_buffers=nbytes, exchange=choice)
 
 
-def _buffer_sets_bytes(layout: Layout, compute_on_store: bool) -> int:
+def _buffer_sets_bytes(layout: Layout) -> int:
     """The CPU AdamW's buffer sets of one process (as :class:`~lightning_ratel.runtime.optimizer.CpuAdam` allocates
     them): the pipeline's and those planned to read ahead."""
-    pooled = [s for s in layout.shards if not in_place(s, compute_on_store)]
-    needs = [shard_need(s, compute_on_store, layout.generic) for s in pooled]
+    needs = set_needs(layout.shards, layout)
     return sum(map(set_bytes, set_capacities(needs, BUFFER_SETS + layout.read_ahead_sets))) if needs else 0
 
 

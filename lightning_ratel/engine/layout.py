@@ -34,7 +34,7 @@ from lightning_ratel.plan.states import HOST_SHARE, describe, place_states, read
 from lightning_ratel.runtime.generic import GenericUpdate, OptimizerStateError, ParamStates, probe_states, rebuild
 from lightning_ratel.runtime.hostmem import ALIGNMENT
 from lightning_ratel.runtime.probe import available_host_memory
-from lightning_ratel.runtime.state_buffers import BUFFER_SETS, in_place, set_bytes, shard_need
+from lightning_ratel.runtime.state_buffers import BUFFER_SETS, Need, in_place, set_bytes, set_capacities, shard_need
 from lightning_ratel.runtime.units import Layout, ParamSlot, Shard, ShardParam, Unit
 from lightning_ratel.sizes import format_bytes, round_up
 from lightning_ratel.tiers import OptimizerStates, ParamCache
@@ -329,11 +329,17 @@ def with_state_tiers(layout: Layout, requested: OptimizerStates, host_memory_lim
     return dataclasses.replace(layout, shards=shards, read_ahead_sets=read_ahead)
 
 
+def set_needs(shards: Sequence[Shard], layout: Layout) -> list[Need]:
+    """What the update of each of ``shards`` that runs outside host memory takes of a CPU optimizer buffer set (see
+    :func:`~lightning_ratel.runtime.state_buffers.shard_need`)."""
+    on_store = layout.param_cache == "ssd"
+    return [shard_need(s, on_store, layout.generic) for s in shards if not in_place(s, on_store)]
+
+
 def _whole_set_bytes(shards: Sequence[Shard], layout: Layout) -> int:
     """Host bytes of one CPU optimizer buffer set holding any of ``shards`` that updates outside host memory."""
-    on_store = layout.param_cache == "ssd"
-    needs = [shard_need(s, on_store, layout.generic) for s in shards if not in_place(s, on_store)]
-    return set_bytes(tuple(max(column) for column in zip(*needs))) if needs else 0  # type: ignore[arg-type]
+    needs = set_needs(shards, layout)
+    return set_bytes(set_capacities(needs, 1)[0]) if needs else 0
 
 
 SET_BYTES_PER_PARAM = 16
