@@ -155,9 +155,9 @@ class RatelStrategy(ParallelStrategy):
             every rank holds 4 bytes per trainable parameter for its sums), ``"micro_batch"`` (each micro-batch's
             gradients are reduced at once and the owner sums them: no rank holds sums it does not own, at the cost of
             ``accumulate_grad_batches`` reduces per step; the sums' order differs from ``ddp``'s within fp32
-            rounding) or ``"auto"`` (the planner's choice from the host budget and the node's bytes held once:
-            :func:`~lightning_ratel.plan.exchange.choose_exchange`; manual optimization keeps ``"window"``). Without
-            accumulation the two are one.
+            rounding) or ``"auto"`` (the planner's choice: the window while it fits the host budget, each
+            micro-batch where it does not, :func:`~lightning_ratel.plan.exchange.choose_exchange`; manual optimization
+            keeps ``"window"``). Without accumulation the two are one.
         log_metrics: send the plugin's figures of every training step (time per part, disk bytes and throughput,
             overlap, bytes per tier; ``ratel/...`` keys) to the Trainer's loggers, at the rate of ``self.log``
             (``log_every_n_steps``).
