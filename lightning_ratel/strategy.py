@@ -480,11 +480,15 @@ class RatelStrategy(ParallelStrategy):
     @override
     def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
         """Every rank's ``tensor``, stacked. A tensor in host memory, or a small one on a GPU (through host memory),
-        without ``sync_grads`` goes through the run's watched collectives; otherwise Lightning's all-gather on the
-        default group (autograd's, NCCL on a GPU), whose wait does not watch for a failed rank."""
+        goes through the run's watched collectives, with ``sync_grads`` as an autograd op whose backward is a watched
+        collective too; a larger one on a GPU, or one over a ``group`` of the caller's, through Lightning's all-gather
+        on the default group (NCCL on a GPU), whose wait does not watch for a failed rank."""
         world = self._collectives()
-        if world is None or group is not None or sync_grads or not _watchable(tensor):
+        if world is None or group is not None or not _watchable(tensor):
             return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+        if sync_grads:
+            # .to() is differentiable, so the gradient of a GPU tensor comes back to the GPU.
+            return world.all_gather_with_grads(tensor.to("cpu")).to(tensor.device)
         return world.all_gather(tensor.cpu()).to(tensor.device)
 
     @property  # type: ignore[override]

@@ -310,6 +310,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--fail-in", default="backward", choices=["backward", "forward", "barrier"],
                         help="--fail raises there (see _Raise)")
     parser.add_argument("--sync-dist", action="store_true", help="the losses are logged with sync_dist=True")
+    parser.add_argument("--gather-loss", action="store_true",
+                        help="the loss adds a term over every rank's logits, gathered with sync_grads=True")
     parser.add_argument("--on-exception", default=None,
                         help="Lightning's OnExceptionCheckpoint writes <this>/on_exception.ckpt when training fails")
     parser.add_argument("--timeout", type=float, default=60, help="RatelStrategy's timeout of a collective, seconds")
@@ -389,6 +391,7 @@ def main(argv: list[str]) -> None:
         rank, step = (int(x) for x in args.overflow.split(":"))
         _overflow_on(module, rank, step)
     module.sync_dist = args.sync_dist
+    module.gather_loss = args.gather_loss
     if args.no_speculate:
         RatelEngine.speculate = False
     # As the tests' conftest does in their own process: the GPU's path unless asked otherwise.

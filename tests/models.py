@@ -123,6 +123,9 @@ class LM(L.LightningModule):
 
     sync_dist = False
     """Whether the losses are logged with ``sync_dist=True`` (reduced over the ranks as they are logged)."""
+    gather_loss = False
+    """Whether the loss adds a term over every rank's logits, gathered with ``self.all_gather(..., sync_grads=True)``
+    (as a contrastive loss gathers embeddings), so that backward runs a collective."""
 
     def __init__(self, model: str = "llama", lr: float = 1e-2, n_batches: int = 12, batch_size: int = 2) -> None:
         super().__init__()
@@ -133,7 +136,11 @@ class LM(L.LightningModule):
         self.batch_size = batch_size
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        loss = self.model(input_ids=batch, labels=batch).loss
+        output = self.model(input_ids=batch, labels=batch)
+        loss = output.loss
+        if self.gather_loss:
+            gathered = self.all_gather(output.logits.float().mean(dim=(1, 2)), sync_grads=True)
+            loss = loss + gathered.square().mean()
         self.log("train_loss", loss, prog_bar=True, sync_dist=self.sync_dist)
         return loss
 

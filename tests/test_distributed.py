@@ -398,6 +398,15 @@ def test_parameters_unused_on_some_ranks_equal_ddp_finding_unused_parameters(tmp
         assert _load(tmp_path / "micro", rank)["exchange_bytes"] > 0
 
 
+def test_a_loss_over_every_ranks_outputs_equals_ddp(tmp_path: Path) -> None:
+    """A loss over every rank's outputs (``self.all_gather(..., sync_grads=True)``, whose backward is a collective
+    too, on the strategy's watched collectives) trains as under ``ddp``."""
+    _ok(_run(tmp_path / "ddp", "--strategy", "ddp", "--gather-loss", *ACCUMULATE_CLIP))
+    _ok(_run(tmp_path / "ratel", "--gather-loss", *ACCUMULATE_CLIP))
+    for rank in (0, 1):
+        _assert_same(_load(tmp_path / "ddp"), _load(tmp_path / "ratel", rank))
+
+
 def test_encoder_decoder_equals_ddp(tmp_path: Path) -> None:
     _ok(_run(tmp_path / "ddp", "--strategy", "ddp", "--model", "t5", "--clip", "0.3"))
     _ok(_run(tmp_path / "ratel", "--model", "t5", "--clip", "0.3"))

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
 import torch.multiprocessing as mp
 
 from lightning_ratel.errors import RatelRankFailed
@@ -38,6 +39,17 @@ def _healthy(world: WorldCollectives, rank: int) -> None:
     assert torch.equal(world.reduce(torch.tensor(3 + rank), "mean"), torch.tensor(3))
     assert torch.equal(world.all_gather(torch.full((3, 2), float(rank)).t()),
                        torch.stack([torch.zeros(2, 3), torch.ones(2, 3)]))
+    # With gradients: those of torch's own differentiable all-gather, each rank weighing the slices differently.
+    weights = torch.arange(12.0).reshape(2, 2, 3) * (rank + 1)
+    grads = []
+    for gather in (world.all_gather_with_grads, lambda x: torch.stack(dist_nn.all_gather(x))):
+        leaf = torch.full((2, 3), 1.0 + rank, requires_grad=True)
+        gathered = gather(leaf)
+        assert torch.equal(gathered.detach(), torch.stack([torch.ones(2, 3), torch.full((2, 3), 2.0)]))
+        (gathered * weights).sum().backward()
+        grads.append(leaf.grad)
+    assert torch.equal(grads[0], grads[1])
+    assert torch.equal(grads[0], torch.arange(12.0).reshape(2, 2, 3)[rank] * 3)
 
 
 def _worker(rank: int, init: str, scenario: str) -> None:

@@ -420,6 +420,12 @@ class WorldCollectives:
         """Collective: every rank's ``tensor`` (host memory, one shape on every rank), stacked in rank order."""
         return torch.stack(self.faults.all_gather(tensor, self._group))
 
+    def all_gather_with_grads(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Collective: :meth:`all_gather` of ``tensor`` (host memory) as an autograd op, as
+        ``torch.distributed.nn.functional.all_gather``: its backward is a collective too (every rank's gradient of
+        this rank's slice, summed), watched alike, so every rank must run it (as under ``ddp``)."""
+        return _GatheredWithGrads.apply(tensor, self)
+
     def report(self, error: BaseException) -> None:
         """Tell the other ranks that ``error`` stopped this rank (see :meth:`Faults.report`)."""
         self.faults.report(error)
@@ -443,6 +449,24 @@ class WorldCollectives:
         groups, self._groups = self._groups, []
         for group in groups:
             dist.destroy_process_group(group)
+
+
+class _GatheredWithGrads(torch.autograd.Function):
+    """Every rank's tensor stacked (:meth:`WorldCollectives.all_gather_with_grads`); backward sums over the ranks
+    what each computed for this rank's slice, with one all-reduce of the whole stacked gradient: the tensors that
+    Lightning's callers gather with gradients (embeddings of a contrastive loss) are small, and gloo has no
+    reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, world: WorldCollectives) -> torch.Tensor:
+        ctx.world = world
+        return world.all_gather(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        world: WorldCollectives = ctx.world
+        summed = world.reduce(grad.contiguous().clone(), "sum")
+        return summed[world.ranks.rank], None
 
 
 class SharedCacheUnavailable(Exception):
