@@ -444,7 +444,8 @@ def test_without_room_or_checkpoint_every_rank_keeps_its_swap_files(tmp_path: Pa
 def test_reducing_each_micro_batch_equals_ddp_and_repeats_exactly(tmp_path: Path, ddp_reference: dict) -> None:
     """``gradient_exchange="micro_batch"`` with accumulation and clipping by norm: ddp's numbers up to the order of the
     sums, the very same bits on a second run, the first step speculated and redone as with the window; the exchange
-    held no window (here only 16-bit or missing gradients need fp32 copies: none), within what ``estimate`` counts."""
+    held no window, only its two bucket buffers (within what ``estimate`` counts), and reduced each micro-batch in
+    one collective per bucket, fewer than the parameters."""
     args = ("--exchange", "micro_batch", *ACCUMULATE_CLIP, "--sync-dist")
     _ok(_run(tmp_path / "a", *args))
     _ok(_run(tmp_path / "b", *args))
@@ -458,7 +459,11 @@ def test_reducing_each_micro_batch_equals_ddp_and_repeats_exactly(tmp_path: Path
         _assert_same(ddp_reference, got, tol=ROUNDING)
         _assert_same(got, _load(tmp_path / "b", rank), tol=0.0)
         assert got["exchange"] == "micro_batch"
-        assert 0 <= got["exchange_bytes"] <= estimate.exchange_buffers
+        assert 0 < got["exchange_bytes"] <= estimate.exchange_buffers
+        counts = got["exchange_counts"]
+        assert 2 <= counts["collectives"] < len(got["params"])
+        # Three steps of two micro-batches.
+        assert counts["reduces"] == 3 * 2 * counts["collectives"]
         assert got["counts"].get("redone", 0) > 0 and got["counts"].get("deferred", 0) > 0, got["counts"]
 
 
@@ -494,8 +499,8 @@ def test_each_state_once_per_node(tmp_path: Path, states: str, ddp_reference: di
 def test_host_cache_once_per_node(tmp_path: Path) -> None:
     """Two ranks on one node page from one host cache of the compute copies: the node's engine host bytes, every
     buffer included (each rank counts the units whose cache it writes, the optimizer states it owns in host memory,
-    and its gradient exchange, which reduces each gradient in the tensor it came in: ``gradient_exchange=
-    "micro_batch"``, asked for without accumulation), are within 1.1x of one rank's, and the cache's pages are
+    and its gradient exchange's two bucket buffers: ``gradient_exchange="micro_batch"``, asked for without
+    accumulation), are within 1.1x of one rank's, and the cache's pages are
     resident once (the two ranks' proportional shares of them add up to what each maps). Nothing of it is left in
     /dev/shm."""
     before = _shared_caches()
