@@ -518,16 +518,19 @@ def test_host_cache_once_per_node(tmp_path: Path) -> None:
     assert _shared_caches() <= before
 
 
-def test_a_killed_rank_stops_the_others(tmp_path: Path) -> None:
+@pytest.mark.parametrize("exchange", ["auto", "micro_batch"])
+def test_a_killed_rank_stops_the_others(tmp_path: Path, exchange: str) -> None:
     before = _shared_caches()
-    result = _run(tmp_path, "--fail", "1:1", env=_env(RATEL_TEST_KILL="1"), timeout=180)
+    result = _run(tmp_path, "--fail", "1:1", "--exchange", exchange, "--accumulate", "2",
+                  env=_env(RATEL_TEST_KILL="1"), timeout=180)
     assert result.returncode != 0
     assert not (tmp_path / "rank0.pt").exists()
     assert _shared_caches() <= before
 
 
-def test_a_raising_rank_stops_the_others(tmp_path: Path) -> None:
-    result = _run(tmp_path, "--fail", "1:1", timeout=180)
+@pytest.mark.parametrize("exchange", ["auto", "micro_batch"])
+def test_a_raising_rank_stops_the_others(tmp_path: Path, exchange: str) -> None:
+    result = _run(tmp_path, "--fail", "1:1", "--exchange", exchange, "--accumulate", "2", timeout=180)
     assert result.returncode != 0
     assert "rank 1 fails at step 1" in result.stderr
     assert not (tmp_path / "rank0.pt").exists()
