@@ -386,7 +386,7 @@ def test_parameters_unused_on_some_ranks_equal_ddp_finding_unused_parameters(tmp
     args = ["--model", "branch", *ACCUMULATE_CLIP]
     _ok(_run(tmp_path / "ddp", "--strategy", "ddp_find_unused_parameters_true", *args))
     _ok(_run(tmp_path / "ratel", *args))
-    # Reducing each micro-batch, a rank without a parameter's gradient reduces zeros (fp32 copies the exchange counts)
+    # Reducing each micro-batch, a rank without a parameter's gradient reduces zeros in its bucket (flagged as none)
     # once the ranks agreed that another rank has one; one that no rank has is reduced by none.
     _ok(_run(tmp_path / "micro", "--exchange", "micro_batch", *args))
     for rank in (0, 1):
