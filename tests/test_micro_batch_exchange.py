@@ -1,8 +1,9 @@
 """The gradient exchange that reduces each micro-batch onto the owners (``gradient_exchange="micro_batch"``), on two
 spawned gloo processes with a hand-made layout: each bucket of one owner's parameters goes in one collective, the
 sums the owner receives are bit for bit those of reducing each parameter's gradient by itself (16-bit, missing and
-non-contiguous gradients included), the bucket buffers are allocated once for every micro-batch, a buffer the owner's
-optimizer has not taken in yet is never reused, and a rank that fails is named instead of hanging the other."""
+non-contiguous gradients included; over three or more ranks gloo orders the sums otherwise), the bucket buffers are
+allocated once for every micro-batch, a buffer the owner's optimizer has not taken in yet is never reused, and a rank
+that fails is named instead of hanging the other."""
 
 from __future__ import annotations
 

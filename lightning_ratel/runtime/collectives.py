@@ -862,11 +862,13 @@ class _MicroBatchExchange(_GradientExchange):
     (:func:`_buckets`: consecutive parameters of one owner, up to a cap, the same on every rank), zeros where this rank
     has none, with a flag per parameter after them; a full bucket is multiplied by ``1 / world_size`` and reduced onto
     its owner in one collective, which then hands each parameter that any rank flagged to its optimizer, as a view of
-    the bucket. The elementwise sums are those of reducing each parameter's gradient by itself. A bucket's memory comes
-    from a pool of ``MICRO_BATCH_BUCKETS`` buffers of the largest bucket, taken once and reused: a buffer is taken
-    again once its reduce landed and, on the owner, once the optimizer took in the views. The next micro-batch's start
-    (or the step's flush) reduces what is left, and only then starts the local optimizer's micro-batch, so that its
-    count of a shard's gradients per micro-batch stays right.
+    the bucket. On two ranks the sums are bit for bit those of reducing each parameter's gradient by itself; over three
+    or more, gloo's reduce orders an element's sum over the ranks by the element's place in the buffer, so the bits
+    may differ there (within rounding, as either order may). A bucket's memory comes from a pool of
+    ``MICRO_BATCH_BUCKETS`` buffers of the largest bucket, taken once and reused: a buffer is taken again once its
+    reduce landed and, on the owner, once the optimizer took in the views. The next micro-batch's start (or the step's
+    flush) reduces what is left, and only then starts the local optimizer's micro-batch, so that its count of a
+    shard's gradients per micro-batch stays right.
 
     Args:
         shards, owner, ranks, group, faults: as for :class:`_GradientExchange`.
