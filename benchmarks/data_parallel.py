@@ -8,6 +8,10 @@ machine's cores, so the figure says what the machinery costs more than what more
 runs the same on a GPU machine (NCCL for Lightning's own collectives).
 
     python benchmarks/data_parallel.py --devices 2 --layers 4 --hidden 256 --steps 5
+
+``--exchanges window,micro_batch --accumulate 2`` runs RatelStrategy on N processes once per gradient exchange (and
+neither one rank nor ``ddp``): seconds per optimizer step, and rank 0's engine host bytes and those of its gradient
+exchange at the end of fit.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ class _Clock(L.Callback):
         self.warmup = warmup
         self.start: float | None = None
         self.seconds = 0.0
+        self.held: dict[str, int] = {}
 
     def _sync(self, trainer: L.Trainer) -> None:
         getattr(trainer.strategy, "synchronize", lambda: None)()
@@ -71,21 +76,38 @@ class _Clock(L.Callback):
         self._sync(trainer)
         if self.start is not None:
             self.seconds = time.perf_counter() - self.start
+        self.held = _held(trainer)
+
+
+def _held(trainer: L.Trainer) -> dict[str, int]:
+    """The engine's host bytes and, with several ranks, its gradient exchange's (empty for ``ddp``)."""
+    engine = getattr(trainer.strategy, "engine", None)
+    if engine is None or engine.adam is None:
+        return {}
+    held = {"host": trainer.strategy.byte_placement()["host"]}
+    local = getattr(engine.adam, "local", None)
+    if local is not None:
+        held["exchange"] = engine.adam.host_buffer_bytes - local.host_buffer_bytes
+    return held
 
 
 def _worker(args: argparse.Namespace) -> None:
     swap = Path(args.out) / "swap"
-    strategy: Any = (RatelStrategy(ssd_paths=[str(swap)], param_cache="host", checkpoint_format="full")
+    exchange = {"gradient_exchange": args.exchange} if args.exchange else {}
+    strategy: Any = (RatelStrategy(ssd_paths=[str(swap)], param_cache="host", checkpoint_format="full", **exchange)
                      if args.strategy == "ratel" else "ddp")
     clock = _Clock(args.warmup)
     trainer = L.Trainer(accelerator=args.accelerator, devices=args.devices, strategy=strategy,
                         precision="bf16-mixed" if args.accelerator == "gpu" else "32-true",
                         max_steps=args.warmup + args.steps, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[clock])
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[clock],
+                        accumulate_grad_batches=args.accumulate)
     trainer.fit(_LM(args))
     if trainer.global_rank == 0:
-        tokens = args.steps * args.batch_size * args.devices * args.seq
-        (Path(args.out) / "result.json").write_text(json.dumps({"tokens_per_s": tokens / clock.seconds}))
+        tokens = args.steps * args.accumulate * args.batch_size * args.devices * args.seq
+        result = {"tokens_per_s": tokens / clock.seconds, "s_per_step": clock.seconds / args.steps}
+        result.update({f"{k}_bytes": v for k, v in clock.held.items()})
+        (Path(args.out) / "result.json").write_text(json.dumps(result))
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -99,20 +121,30 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--batch-size", type=int, default=2, help="micro-batch of each rank")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches")
+    parser.add_argument("--exchanges", default="",
+                        help="comma-separated gradient exchanges to run RatelStrategy on N ranks with, alone")
+    parser.add_argument("--exchange", default="", help=argparse.SUPPRESS)
     parser.add_argument("--worker", nargs=2, metavar=("STRATEGY", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         args.strategy, args.out = args.worker
         _worker(args)
         return
-    for strategy, devices in (("ratel", 1), ("ratel", args.devices), ("ddp", args.devices)):
+    runs = ([("ratel", args.devices, exchange) for exchange in args.exchanges.split(",")] if args.exchanges else
+            [("ratel", 1, ""), ("ratel", args.devices, ""), ("ddp", args.devices, "")])
+    for strategy, devices, exchange in runs:
         with tempfile.TemporaryDirectory() as out:
-            command = [sys.executable, __file__, "--worker", strategy, out, "--devices", str(devices)]
+            command = [sys.executable, __file__, "--worker", strategy, out, "--devices", str(devices),
+                       f"--exchange={exchange}"]
             command += [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                        if k not in ("devices", "worker")]
+                        if k not in ("devices", "worker", "exchange", "exchanges")]
             subprocess.run(command, check=True)
             result = json.loads((Path(out) / "result.json").read_text())
-        print(f"{strategy:>5} x{devices}: {result['tokens_per_s']:10.1f} tokens/s", flush=True)
+        held = "".join(f", {k.removesuffix('_bytes')} {v / 2**20:.1f} MiB" for k, v in result.items()
+                       if k.endswith("_bytes"))
+        print(f"{strategy:>5} x{devices}{' ' + exchange if exchange else ''}: {result['tokens_per_s']:10.1f} "
+              f"tokens/s, {result['s_per_step']:.3f} s/step{held}", flush=True)
 
 
 if __name__ == "__main__":

@@ -57,8 +57,10 @@ class Estimate:
         exchange_buffers: with several ranks, each rank's gradient exchange. Under ``exchange="window"`` the window's
             fp32 sum of every trainable shard (4 bytes per trainable parameter) until it is reduced onto its owner; at
             most all of them at once (between the boundary micro-batches of gradient accumulation). Under
-            ``"micro_batch"`` the fp32 copies of gradients in flight (16-bit gradients, zeros for a parameter only
-            another rank has a gradient of): at most the largest shard's. 0 on one rank.
+            ``"micro_batch"`` two buckets of gradients in flight, each one owner's fp32 gradients of consecutive
+            parameters and a flag per parameter, up to 25 MiB or half the largest shard, whichever is less, unless one
+            parameter takes more (:func:`~lightning_ratel.runtime.collectives.exchange_micro_batch_nbytes`). 0 on one
+            rank.
         exchange: with several ranks, the gradient exchange the planner chooses
             (:func:`~lightning_ratel.plan.exchange.choose_exchange`) from the host budget (``host_memory_limit``, else
             a rank's part of the memory available now) and the other host bytes; ``None`` on one rank.

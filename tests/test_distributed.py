@@ -386,7 +386,7 @@ def test_parameters_unused_on_some_ranks_equal_ddp_finding_unused_parameters(tmp
     args = ["--model", "branch", *ACCUMULATE_CLIP]
     _ok(_run(tmp_path / "ddp", "--strategy", "ddp_find_unused_parameters_true", *args))
     _ok(_run(tmp_path / "ratel", *args))
-    # Reducing each micro-batch, a rank without a parameter's gradient reduces zeros (fp32 copies the exchange counts)
+    # Reducing each micro-batch, a rank without a parameter's gradient reduces zeros in its bucket (flagged as none)
     # once the ranks agreed that another rank has one; one that no rank has is reduced by none.
     _ok(_run(tmp_path / "micro", "--exchange", "micro_batch", *args))
     for rank in (0, 1):
@@ -453,7 +453,8 @@ def test_without_room_or_checkpoint_every_rank_keeps_its_swap_files(tmp_path: Pa
 def test_reducing_each_micro_batch_equals_ddp_and_repeats_exactly(tmp_path: Path, ddp_reference: dict) -> None:
     """``gradient_exchange="micro_batch"`` with accumulation and clipping by norm: ddp's numbers up to the order of the
     sums, the very same bits on a second run, the first step speculated and redone as with the window; the exchange
-    held no window (here only 16-bit or missing gradients need fp32 copies: none), within what ``estimate`` counts."""
+    held no window, only its two bucket buffers (within what ``estimate`` counts), and reduced each micro-batch in
+    one collective per bucket, fewer than the parameters."""
     args = ("--exchange", "micro_batch", *ACCUMULATE_CLIP, "--sync-dist")
     _ok(_run(tmp_path / "a", *args))
     _ok(_run(tmp_path / "b", *args))
@@ -467,7 +468,11 @@ def test_reducing_each_micro_batch_equals_ddp_and_repeats_exactly(tmp_path: Path
         _assert_same(ddp_reference, got, tol=ROUNDING)
         _assert_same(got, _load(tmp_path / "b", rank), tol=0.0)
         assert got["exchange"] == "micro_batch"
-        assert 0 <= got["exchange_bytes"] <= estimate.exchange_buffers
+        assert 0 < got["exchange_bytes"] <= estimate.exchange_buffers
+        counts = got["exchange_counts"]
+        assert 2 <= counts["collectives"] < len(got["params"])
+        # Three steps of two micro-batches.
+        assert counts["reduces"] == 3 * 2 * counts["collectives"]
         assert got["counts"].get("redone", 0) > 0 and got["counts"].get("deferred", 0) > 0, got["counts"]
 
 
@@ -503,8 +508,8 @@ def test_each_state_once_per_node(tmp_path: Path, states: str, ddp_reference: di
 def test_host_cache_once_per_node(tmp_path: Path) -> None:
     """Two ranks on one node page from one host cache of the compute copies: the node's engine host bytes, every
     buffer included (each rank counts the units whose cache it writes, the optimizer states it owns in host memory,
-    and its gradient exchange, which reduces each gradient in the tensor it came in: ``gradient_exchange=
-    "micro_batch"``, asked for without accumulation), are within 1.1x of one rank's, and the cache's pages are
+    and its gradient exchange's two bucket buffers: ``gradient_exchange="micro_batch"``, asked for without
+    accumulation), are within 1.1x of one rank's, and the cache's pages are
     resident once (the two ranks' proportional shares of them add up to what each maps). Nothing of it is left in
     /dev/shm."""
     before = _shared_caches()
@@ -522,16 +527,19 @@ def test_host_cache_once_per_node(tmp_path: Path) -> None:
     assert _shared_caches() <= before
 
 
-def test_a_killed_rank_stops_the_others(tmp_path: Path) -> None:
+@pytest.mark.parametrize("exchange", ["auto", "micro_batch"])
+def test_a_killed_rank_stops_the_others(tmp_path: Path, exchange: str) -> None:
     before = _shared_caches()
-    result = _run(tmp_path, "--fail", "1:1", env=_env(RATEL_TEST_KILL="1"), timeout=180)
+    result = _run(tmp_path, "--fail", "1:1", "--exchange", exchange, "--accumulate", "2",
+                  env=_env(RATEL_TEST_KILL="1"), timeout=180)
     assert result.returncode != 0
     assert not (tmp_path / "rank0.pt").exists()
     assert _shared_caches() <= before
 
 
-def test_a_raising_rank_stops_the_others(tmp_path: Path) -> None:
-    result = _run(tmp_path, "--fail", "1:1", timeout=180)
+@pytest.mark.parametrize("exchange", ["auto", "micro_batch"])
+def test_a_raising_rank_stops_the_others(tmp_path: Path, exchange: str) -> None:
+    result = _run(tmp_path, "--fail", "1:1", "--exchange", exchange, "--accumulate", "2", timeout=180)
     assert result.returncode != 0
     assert "rank 1 fails at step 1" in result.stderr
     assert not (tmp_path / "rank0.pt").exists()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -176,6 +177,27 @@ def test_release_memory_drops_states_read_ahead(tmp_path: Path) -> None:
         assert adam.buffers.ahead
         adam.release_memory()
         assert not adam.buffers.ahead and not adam.buffers.free
+    finally:
+        adam.close()
+        store.close()
+
+
+def test_take_in_returns_once_the_gradients_handed_over_are_folded_in_and_dropped(tmp_path: Path) -> None:
+    """``take_in`` (the micro-batch exchange's wait before it reuses a bucket buffer it delivered): every gradient
+    handed over is in the window and no longer referenced."""
+    adam, shards, _, store = _pipeline(tmp_path, depth=3)
+    try:
+        adam.begin(StepPlan([HYPER], overlap=False))
+        grads = [torch.full((n,), 0.5 * (i + 1)) for i, n in enumerate(SIZES[:2])]
+        alive = [weakref.ref(g) for g in grads]
+        for i, grad in enumerate(grads):
+            adam.gradient(shards[i], 0, grad, _Landed())
+        del grads, grad
+        assert all(ref() is not None for ref in alive)
+        adam.take_in()
+        assert all(ref() is None for ref in alive)
+        for i in range(2):
+            assert torch.equal(adam.accumulator.grad(shards[i]), torch.full((SIZES[i],), 0.5 * (i + 1)))
     finally:
         adam.close()
         store.close()

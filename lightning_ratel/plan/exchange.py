@@ -11,7 +11,8 @@ Two ways, the same numbers within fp32 rounding (the sum over ranks and micro-ba
   node holds each gradient sum once; the price is ``accumulate - 1`` more reduces of the gradients per step.
 
 Without accumulation both reduce each gradient once, with the same sums; ``"micro_batch"`` then only saves the window
-buffers (it reduces each gradient in the tensor it came in), and runs only where asked for. :func:`choose_exchange`
+buffers (it holds two buckets of gradients in flight: up to 25 MiB or half the largest shard, whichever is less, or
+one parameter larger than that), and runs only where asked for. :func:`choose_exchange`
 keeps the window (``ddp``'s very sums) while its buffers fit the host budget, and reduces each micro-batch where they do
 not. Host memory the windows take is not weighed against what it would hold of the states (nor the extra reduces'
 time): ``gradient_exchange="micro_batch"`` asks for the node's bytes held once where the windows fit too.

@@ -16,9 +16,10 @@ swap store and their update on its CPU optimizer. :class:`DataParallelAdam` stan
    per parameter (1: this rank has its gradient), so the owner knows which parameters got a gradient on any rank.
    That is ``gradient_exchange="window"``: every rank holds a window buffer of every shard. With ``"micro_batch"``
    (:class:`_MicroBatchExchange`, the planner's choice where host memory needs it) each micro-batch's gradients are
-   reduced onto the owner in the same order, parameter by parameter in the tensors they came in, and the owner's
-   ``CpuAdam`` sums the window as on one rank: no rank holds a window for shards it does not own, for one reduce per
-   micro-batch instead of one per step (the sum over ranks and micro-batches is taken in another order than ``ddp``'s).
+   reduced onto the owner in the same order, in buckets of one owner's parameters (one collective each, from a pool of
+   two buffers reused every micro-batch), and the owner's ``CpuAdam`` sums the window as on one rank: no rank holds a
+   window for shards it does not own, for one reduce per micro-batch instead of one per step (the sum over ranks and
+   micro-batches is taken in another order than ``ddp``'s).
 2. The owner hands the reduced gradients to its ``CpuAdam``, which updates the shard as on one rank (overlapped with
    backward where the step allows it, speculatively under clipping by norm or fp16 loss scaling; clipping by norm and
    fp16 overflow checks use the norm and the overflow of all ranks, :meth:`DataParallelAdam.clip_`,
@@ -581,6 +582,14 @@ class NodeCache:
             dist.destroy_process_group(group)
 
 
+MICRO_BATCH_BUCKET_BYTES = 25 * 2**20
+"""The most fp32 gradient bytes :class:`_MicroBatchExchange` reduces in one collective (``DistributedDataParallel``'s
+default bucket), unless one parameter alone takes more."""
+
+MICRO_BATCH_BUCKETS = 2
+"""Buckets :class:`_MicroBatchExchange` holds at once: one filled while the other's reduce runs."""
+
+
 def _wire(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor``'s bytes as a dtype every backend sends (a 16-bit float goes as bytes, bit for bit: gloo sends
     neither bfloat16 nor int16)."""
@@ -635,13 +644,6 @@ def exchange_window_nbytes(shards: Sequence[Shard]) -> int:
     return sum(round_up((s.numel + len(s.params)) * 4, ALIGNMENT) for s in shards)
 
 
-def exchange_micro_batch_nbytes(shards: Sequence[Shard]) -> int:
-    """The most host memory a rank's gradient exchange holds when it reduces each micro-batch's gradients
-    (:class:`_MicroBatchExchange`): fp32 copies of gradients in flight (a 16-bit gradient, or zeros for a parameter
-    another rank has a gradient of), at most the largest of ``shards`` at once."""
-    return max((s.numel for s in shards), default=0) * 4
-
-
 class _GradientExchange:
     """The exchange thread: sums a rank's gradients of the window and reduces each shard onto its owner.
 
@@ -673,6 +675,8 @@ class _GradientExchange:
         self._seen: dict[int, set[int]] = {}
         self._complete: set[int] = set()
         self._reducing: deque[_Reducing] = deque()
+        # Reduces issued so far (read by the training thread for a run's figures).
+        self.reduces = 0
         self._jobs: queue.SimpleQueue[_Gradient | _Begin | _Flush | _Drop | _Stop] = queue.SimpleQueue()
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="ratel-grad-reduce", daemon=True)
@@ -682,6 +686,11 @@ class _GradientExchange:
     def nbytes(self) -> int:
         """Host bytes of the window's buffers, in use or free for the next window."""
         return self.pool.nbytes
+
+    @property
+    def collectives(self) -> int:
+        """Reduces of one window (one per trainable shard)."""
+        return len(self._order)
 
     def put(self, job: _Gradient | _Begin | _Flush | _Drop | _Stop) -> None:
         self._jobs.put(job)
@@ -771,6 +780,7 @@ class _GradientExchange:
         buffer[: shard.numel].mul_(1.0 / self._ranks.world)
         work = dist.reduce(buffer, dst=self._owner[shard.index], op=dist.ReduceOp.SUM, group=self._group,
                            async_op=True)
+        self.reduces += 1
         self._reducing.append(_Reducing(shard, buffer, work))
 
     def _zeros(self, shard: Shard) -> torch.Tensor:
@@ -798,13 +808,73 @@ class _GradientExchange:
         self._cursor = 0
 
 
+@dataclass(frozen=True)
+class _Bucket:
+    """Gradients of one owner reduced in one collective: the parameters' fp32 gradients end to end, then one flag
+    per parameter (1 where this rank has its gradient, summed over the ranks by the reduce).
+
+    Attributes:
+        owner: the rank the bucket is reduced onto.
+        items: each parameter's shard, position in it and first element in the bucket.
+        numel: elements of the gradients (the flags follow).
+    """
+
+    owner: int
+    items: tuple[tuple[Shard, int, int], ...]
+    numel: int
+
+    @property
+    def size(self) -> int:
+        """Elements the reduce sends: the gradients and the flags."""
+        return self.numel + len(self.items)
+
+
 @dataclass
-class _ParamReducing:
-    shard: Shard
-    position: int
-    tensor: torch.Tensor
+class _BucketReducing:
+    bucket: _Bucket
+    buffer: torch.Tensor
     work: Any
-    scratch: int
+
+
+def _bucket_cap(params: Sequence[Sequence[int]]) -> int:
+    """Elements a bucket holds at most, unless one parameter alone takes more (``params``: each trainable shard's
+    parameter sizes): ``MICRO_BATCH_BUCKET_BYTES`` of fp32, or half the largest shard, so that the two buckets in
+    flight hold no more than the largest shard's gradients where parameters are smaller than half a shard."""
+    largest = max((sum(numels) + len(numels) for numels in params), default=0)
+    return max(1, min(MICRO_BATCH_BUCKET_BYTES // 4, -(-largest // 2)))
+
+
+def _buckets(order: Sequence[Shard], positions: dict[int, list[int]], owner: dict[int, int]) -> list[_Bucket]:
+    """The buckets of one micro-batch: the parameters in ``order`` (each shard's ``positions``), cut where the owner
+    changes or where the next parameter would take a bucket over :func:`_bucket_cap` (a larger parameter goes
+    alone). Every rank cuts the same buckets."""
+    cap = _bucket_cap([[s.params[p].numel for p in positions[s.index]] for s in order])
+    buckets: list[_Bucket] = []
+    items: list[tuple[Shard, int, int]] = []
+    numel = 0
+    for shard in order:
+        for position in positions[shard.index]:
+            size = shard.params[position].numel
+            if items and (owner[items[0][0].index] != owner[shard.index] or numel + size + len(items) + 1 > cap):
+                buckets.append(_Bucket(owner[items[0][0].index], tuple(items), numel))
+                items, numel = [], 0
+            items.append((shard, position, numel))
+            numel += size
+    if items:
+        buckets.append(_Bucket(owner[items[0][0].index], tuple(items), numel))
+    return buckets
+
+
+def exchange_micro_batch_nbytes(shards: Sequence[Shard]) -> int:
+    """The most host memory a rank's gradient exchange holds when it reduces each micro-batch's gradients
+    (:class:`_MicroBatchExchange`): ``MICRO_BATCH_BUCKETS`` buffers of its largest bucket, at most the cap of
+    :func:`_bucket_cap` or the largest parameter, and at most every gradient of ``shards`` (the trainable ones)."""
+    sizes = [[sp.numel for sp in s.params] for s in shards]
+    items = [numel + 1 for numels in sizes for numel in numels]
+    if not items:
+        return 0
+    largest = min(max(_bucket_cap(sizes), max(items)), sum(items))
+    return MICRO_BATCH_BUCKETS * round_up(largest * 4, ALIGNMENT)
 
 
 class _MicroBatchExchange(_GradientExchange):
@@ -812,38 +882,52 @@ class _MicroBatchExchange(_GradientExchange):
     "micro_batch"``): no rank holds a window, the owner's optimizer sums the micro-batches as on one rank.
 
     Within a micro-batch, shards go in the fixed order of :class:`_GradientExchange`, each as soon as backward
-    completed it here (the ones before it first). For each shard the ranks first agree which of its parameters got a
-    gradient on any rank (a small all-reduce); then each such parameter's gradient, multiplied by ``1 / world_size``, is
-    reduced onto the owner in place, in the tensor it came in (an fp32 copy for a 16-bit one, zeros where this rank has
-    none: at most :func:`exchange_micro_batch_nbytes` of those at once, older reduces waited for to make room), and
-    the owner hands it to its optimizer. The next micro-batch's start (or the step's flush) reduces what is left, and
-    only then starts the local optimizer's micro-batch, so that its count of a shard's gradients per micro-batch stays
-    right.
+    completed it here (the ones before it first). Their parameters' gradients are copied, as fp32, into buckets
+    (:func:`_buckets`: consecutive parameters of one owner, up to a cap, the same on every rank), zeros where this rank
+    has none, with a flag per parameter after them; a full bucket is multiplied by ``1 / world_size`` and reduced onto
+    its owner in one collective, which then hands each parameter that any rank flagged to its optimizer, as a view of
+    the bucket. On two ranks the sums are bit for bit those of reducing each parameter's gradient by itself; over three
+    or more, gloo's reduce orders an element's sum over the ranks by the element's place in the buffer, so the bits
+    may differ there (within rounding, as either order may). A bucket's memory comes from a pool of
+    ``MICRO_BATCH_BUCKETS`` buffers of the largest bucket, taken once and reused: a buffer is taken again once its
+    reduce landed and, on the owner, once the optimizer took in the views. The next micro-batch's start (or the step's
+    flush) reduces what is left, and only then starts the local optimizer's micro-batch, so that its count of a
+    shard's gradients per micro-batch stays right.
 
     Args:
         shards, owner, ranks, group, faults: as for :class:`_GradientExchange`.
         deliver: called on the owner with a shard, a parameter's position and its reduced gradient.
         begin: starts a micro-batch on the local optimizer (``CpuAdam.begin``), given the step's plan on its boundary.
+        take_in: waits until the local optimizer took in the gradients delivered so far (``CpuAdam.take_in``).
     """
 
     def __init__(self, shards: Sequence[Shard], owner: dict[int, int], ranks: Ranks, group: Any,
                  deliver: Callable[[Shard, int, torch.Tensor], None], faults: Faults,
-                 begin: Callable[[StepPlan | None], None]) -> None:
+                 begin: Callable[[StepPlan | None], None], take_in: Callable[[], None]) -> None:
         self._deliver_param = deliver
         self._begin_local = begin
-        self._limit = exchange_micro_batch_nbytes(shards)
+        self._take_in = take_in
         self._held: dict[int, dict[int, torch.Tensor]] = {}
         self._issued: set[int] = set()
         self._open = False
-        self._scratch = 0
-        self._peak = 0
-        self._param_reducing: deque[_ParamReducing] = deque()
+        self._filling: tuple[int, torch.Tensor] | None = None
+        self._delivered: list[torch.Tensor] = []
+        self._bucket_reducing: deque[_BucketReducing] = deque()
         super().__init__(shards, owner, ranks, group, lambda shard, buffer: None, faults)
+        positions = {s.index: sorted(self._expected[s.index]) for s in self._order}
+        self._buckets = _buckets(self._order, positions, owner)
+        # Each shard's parameters: (bucket, item) in the order they are packed.
+        self._places: dict[int, list[tuple[int, int]]] = {}
+        for b, bucket in enumerate(self._buckets):
+            for i, (shard, _, _) in enumerate(bucket.items):
+                self._places.setdefault(shard.index, []).append((b, i))
+        self._buffer_numel = max((b.size for b in self._buckets), default=0)
+        self._limit = MICRO_BATCH_BUCKETS * round_up(self._buffer_numel * 4, ALIGNMENT)
 
     @property
-    def nbytes(self) -> int:
-        """The most host bytes of fp32 copies the exchange held at once."""
-        return self._peak
+    def collectives(self) -> int:
+        """Reduces of one micro-batch."""
+        return len(self._buckets)
 
     def _handle(self, job: _Gradient | _Begin | _Flush | _Drop) -> None:
         if isinstance(job, _Gradient):
@@ -863,6 +947,8 @@ class _MicroBatchExchange(_GradientExchange):
             job.future.set_result(None)
         elif isinstance(job, _Drop):
             self._forget()
+            # The buffers the local optimizer may still hold come back to the pool once it dropped them.
+            self._delivered.clear()
             # Every rank drops at the same point (``discard`` flushed first); gradients may still come before the next
             # micro-batch's start (a ``zero_grad`` before backward), which then reduces them.
             self._open = True
@@ -893,44 +979,76 @@ class _MicroBatchExchange(_GradientExchange):
         self._forget()
 
     def _issue(self, shard: Shard) -> None:
+        """Pack the shard's gradients into their buckets, reducing each bucket it fills."""
         self._cursor += 1
         self._issued.add(shard.index)
         held = self._held.pop(shard.index, {})
-        flags = torch.zeros(len(shard.params), dtype=torch.int32)
-        flags[list(held)] = 1
-        self._faults.all_reduce(flags, dist.ReduceOp.MAX, self._group)
-        for position in flags.nonzero().flatten().tolist():
+        for b, i in self._places.get(shard.index, ()):
+            bucket = self._buckets[b]
+            buffer = self._bucket_buffer(b)
+            _, position, offset = bucket.items[i]
             sp = shard.params[position]
-            tensor = held.pop(position, None)
-            scratch = 0
-            if tensor is None or tensor.dtype != torch.float32 or not tensor.is_contiguous():
-                scratch = sp.numel * 4
-                self._make_room(scratch)
-                copy = torch.empty(sp.shape, dtype=torch.float32)
-                tensor = copy.zero_() if tensor is None else copy.copy_(tensor)
-            # DistributedDataParallel's arithmetic: each rank's gradient multiplied by 1/world, summed over the ranks.
-            tensor.mul_(1.0 / self._ranks.world)
-            work = dist.reduce(tensor, dst=self._owner[shard.index], op=dist.ReduceOp.SUM, group=self._group,
-                               async_op=True)
-            self._param_reducing.append(_ParamReducing(shard, position, tensor, work, scratch))
+            target = buffer[offset : offset + sp.numel]
+            grad = held.pop(position, None)
+            if grad is None:
+                target.zero_()
+            else:
+                target.view(sp.shape).copy_(grad)
+            buffer[bucket.numel + i] = 0.0 if grad is None else 1.0
+            if i == len(bucket.items) - 1:
+                self._reduce(bucket, buffer)
 
-    def _make_room(self, nbytes: int) -> None:
-        """Wait for the oldest reduces until ``nbytes`` more fp32 copies stay within the limit."""
-        while self._param_reducing and self._scratch + nbytes > self._limit:
-            self._collect_oldest()
-        self._scratch += nbytes
-        self._peak = max(self._peak, self._scratch)
+    def _bucket_buffer(self, b: int) -> torch.Tensor:
+        if self._filling is not None and self._filling[0] == b:
+            return self._filling[1]
+        self._make_room()
+        buffer = self.pool.take(self._buffer_numel, torch.float32)
+        self._filling = (b, buffer)
+        return buffer
+
+    def _reduce(self, bucket: _Bucket, buffer: torch.Tensor) -> None:
+        self._filling = None
+        # DistributedDataParallel's arithmetic: each rank's gradient multiplied by 1/world, summed over the ranks.
+        buffer[: bucket.numel].mul_(1.0 / self._ranks.world)
+        work = dist.reduce(buffer[: bucket.size], dst=bucket.owner, op=dist.ReduceOp.SUM, group=self._group,
+                           async_op=True)
+        self.reduces += 1
+        self._bucket_reducing.append(_BucketReducing(bucket, buffer, work))
+
+    def _make_room(self) -> None:
+        """Wait until a buffer of the pool is free or another one stays within its limit: for the oldest reduces,
+        then for the local optimizer to take in the views of the buffers delivered to it. A buffer goes back to the
+        pool explicitly once nothing uses it (gloo may hold a reference for a moment after its collective ended)."""
+        need = round_up(self._buffer_numel * 4, ALIGNMENT)
+        while self.pool.nbytes_in_use + need > self._limit:
+            if self._bucket_reducing:
+                self._collect_oldest()
+            elif self._delivered:
+                self._take_in()
+                for buffer in self._delivered:
+                    self.pool.give(buffer)
+                self._delivered.clear()
+            else:
+                raise RuntimeError("the gradient exchange's bucket buffers are still in use with no reduce pending")
 
     def _collect_oldest(self) -> None:
-        item = self._param_reducing.popleft()
+        item = self._bucket_reducing.popleft()
         self._faults.wait(item.work)
-        self._scratch -= item.scratch
-        if self._owner[item.shard.index] == self._ranks.rank:
-            self._deliver_param(item.shard, item.position, item.tensor)
+        bucket = item.bucket
+        if bucket.owner != self._ranks.rank:
+            self.pool.give(item.buffer)
+            return
+        flags = item.buffer[bucket.numel : bucket.size].tolist()
+        for (shard, position, offset), flag in zip(bucket.items, flags):
+            if flag > 0:
+                sp = shard.params[position]
+                self._deliver_param(shard, position, item.buffer[offset : offset + sp.numel].view(sp.shape))
+        # Given back once the local optimizer took the views in (it holds them until their shard is complete).
+        self._delivered.append(item.buffer)
 
     def _collect(self, block: bool, everything: bool = False) -> None:
-        while self._param_reducing:
-            if not self._param_reducing[0].work.is_completed() and not block:
+        while self._bucket_reducing:
+            if not self._bucket_reducing[0].work.is_completed() and not block:
                 return
             self._collect_oldest()
             block = block and everything
@@ -939,8 +1057,8 @@ class _MicroBatchExchange(_GradientExchange):
         super()._forget()
         self._held = {}
         self._issued = set()
-        self._param_reducing.clear()
-        self._scratch = 0
+        self._filling = None
+        self._bucket_reducing.clear()
         self._open = False
 
 
@@ -1093,7 +1211,7 @@ class DataParallelAdam:
         self._window: set[int] = set()
         self.exchange = exchange
         self._exchange = (_MicroBatchExchange(self.shards, self._owner, ranks, groups[0], self._deliver_param,
-                                              self._faults, self.local.begin)
+                                              self._faults, self.local.begin, self.local.take_in)
                           if exchange == "micro_batch" else
                           _GradientExchange(self.shards, self._owner, ranks, groups[0], self._deliver, self._faults))
         self._node = node
@@ -1118,6 +1236,12 @@ class DataParallelAdam:
     def host_buffer_bytes(self) -> int:
         """Host bytes of the local optimizer's buffers and of the gradient exchange's window."""
         return self.local.host_buffer_bytes + self._exchange.nbytes
+
+    @property
+    def exchange_counts(self) -> dict[str, int]:
+        """How the gradient exchange ran: ``"reduces"`` issued so far, ``"collectives"`` per exchange (one per
+        micro-batch reducing each, else per window)."""
+        return {"reduces": self._exchange.reduces, "collectives": self._exchange.collectives}
 
     def _mine(self, shards: Sequence[Shard]) -> list[Shard]:
         return [s for s in shards if self.owns(s)]

@@ -240,12 +240,19 @@ class _Barrier:
 
 
 @dataclass(frozen=True)
+class _TakenIn:
+    """Resolved once the worker has handled every job before it (see :meth:`CpuAdam.take_in`)."""
+
+    future: Future
+
+
+@dataclass(frozen=True)
 class _Stop:
     pass
 
 
 _Job = (_Gradients | _Begin | _Schedule | _Discard | _Gather | _Undo | _Abort | _Assign | _Written | _WriteLanded
-        | _Barrier | _Stop)
+        | _Barrier | _TakenIn | _Stop)
 
 
 @dataclass(frozen=True)
@@ -532,6 +539,14 @@ class CpuAdam:
         self.barrier()
         return self.accumulator.views(shards)
 
+    def take_in(self) -> None:
+        """Wait until the worker has taken in every gradient handed over so far (those held for an incomplete shard
+        too), and dropped them: it folded them into its window. Unlike :meth:`barrier` it waits for no update beyond
+        the one the worker may be running. Any thread but the worker's."""
+        future: Future = Future()
+        self._put(_TakenIn(future))
+        self._wait(future)
+
     def barrier(self, include_writes: bool = False) -> None:
         """Wait until all work handed over so far is done (and, optionally, written back); re-raise its error."""
         future: Future = Future()
@@ -701,6 +716,8 @@ class CpuAdam:
             self._awaited = None
         elif isinstance(job, _Barrier):
             self._barriers.append(job)
+        elif isinstance(job, _TakenIn):
+            job.future.set_result(None)
 
     def _take_gradient(self, job: _Gradient) -> None:
         shard, position, grad = job.shard, job.position, job.grad

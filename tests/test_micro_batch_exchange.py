@@ -1,0 +1,169 @@
+"""The gradient exchange that reduces each micro-batch onto the owners (``gradient_exchange="micro_batch"``), on two
+spawned gloo processes with a hand-made layout: each bucket of one owner's parameters goes in one collective, the
+sums the owner receives are bit for bit those of reducing each parameter's gradient by itself (16-bit, missing and
+non-contiguous gradients included; over three or more ranks gloo orders the sums otherwise), the bucket buffers are
+allocated once for every micro-batch, a buffer the owner's optimizer has not taken in yet is never reused, and a rank
+that fails is named instead of hanging the other."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from lightning_ratel.errors import RatelRankFailed
+from lightning_ratel.runtime.collectives import (
+    MICRO_BATCH_BUCKETS,
+    Faults,
+    Ranks,
+    _Begin,
+    _Flush,
+    _Gradient,
+    _MicroBatchExchange,
+    exchange_micro_batch_nbytes,
+)
+from lightning_ratel.runtime.device import DONE
+from lightning_ratel.runtime.hostmem import ALIGNMENT
+from lightning_ratel.runtime.units import Shard, ShardParam, Unit
+from lightning_ratel.sizes import round_up
+
+TIMEOUT = timedelta(minutes=10)
+# Each shard's parameter sizes: the largest shard (550 elements and 3 flags) caps a bucket at 277 elements.
+SIZES = [[300, 200, 50], [40, 30], [500], [10, 10, 10]]
+# Units 0 and 1 belong to rank 0, units 2 and 3 to rank 1.
+OWNERS = {0: 0, 1: 0, 2: 1, 3: 1}
+# Backward's order (last shard first), one owner's consecutive parameters up to the cap, a larger one alone:
+# [s3: 10 10 10] [s2: 500] | [s1: 40 30] [s0: 300] [s0: 200 50].
+BUCKETS = 5
+LARGEST_BUCKET = 501
+MICRO_BATCHES = 3
+
+
+def _shards() -> list[Shard]:
+    shards = []
+    for index, sizes in enumerate(SIZES):
+        params, offset = [], 0
+        for position, numel in enumerate(sizes):
+            shape = torch.Size([numel // 10, 10] if numel % 10 == 0 else [numel])
+            param = nn.Parameter(torch.zeros(shape))
+            params.append(ShardParam(f"s{index}.p{position}", param, 0, offset, numel, shape))
+            offset += numel
+        shards.append(Shard(index, Unit(index, (), {}), 0, torch.float32, 0, tuple(params), offset))
+    return shards
+
+
+def _gradient(shard: Shard, position: int, rank: int, micro_batch: int) -> torch.Tensor | None:
+    """This rank's gradient of a parameter in a micro-batch: ``None`` where it has none."""
+    if (shard.index, position) == (0, 2):
+        return None  # no rank has one: never reduced, never delivered
+    if (shard.index, position) == (1, 1) and rank == 1:
+        return None  # only rank 0 has one: rank 1 reduces zeros
+    sp = shard.params[position]
+    generator = torch.Generator().manual_seed(1000 * rank + 100 * micro_batch + 10 * shard.index + position)
+    grad = torch.randn(sp.shape, generator=generator) * 10 ** (shard.index - 2)
+    if (shard.index, position) == (2, 0):
+        return grad.to(torch.bfloat16)
+    if (shard.index, position) == (0, 0):
+        return grad.t().contiguous().t()  # a non-contiguous gradient
+    return grad
+
+
+def _per_parameter(shards: list[Shard], rank: int, micro_batch: int, group: object
+                   ) -> dict[tuple[int, int], torch.Tensor]:
+    """What the owners receive reducing each parameter by itself (the exchange before buckets)."""
+    received = {}
+    for shard in reversed(shards):
+        for position, sp in enumerate(shard.params):
+            grad = _gradient(shard, position, rank, micro_batch)
+            flag = torch.tensor([0 if grad is None else 1], dtype=torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+            if not flag.item():
+                continue
+            tensor = torch.zeros(sp.shape) if grad is None else grad.to(torch.float32).clone()
+            tensor.mul_(0.5)
+            dist.reduce(tensor, dst=OWNERS[shard.index], op=dist.ReduceOp.SUM, group=group)
+            if OWNERS[shard.index] == rank:
+                received[(shard.index, position)] = tensor
+    return received
+
+
+class _Optimizer:
+    """The owner's optimizer as the exchange sees it: views delivered are held until taken in, then copied."""
+
+    def __init__(self) -> None:
+        self.held: list[tuple[Shard, int, torch.Tensor]] = []
+        self.taken: dict[tuple[int, int], torch.Tensor] = {}
+        self.take_ins = 0
+
+    def deliver(self, shard: Shard, position: int, grad: torch.Tensor) -> None:
+        self.held.append((shard, position, grad))
+
+    def begin(self, plan: object) -> None:
+        pass
+
+    def take_in(self) -> None:
+        self.take_ins += 1
+        for shard, position, grad in self.held:
+            self.taken[(shard.index, position)] = grad.clone()
+        self.held.clear()
+
+
+def _worker(rank: int, init: str, scenario: str) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=TIMEOUT)
+    ranks = Ranks(rank=rank, world=2, timeout=TIMEOUT, fault_timeout=timedelta(seconds=60))
+    faults = Faults(ranks, "test-exchange")
+    reference_group = dist.new_group(backend="gloo")
+    group = dist.new_group(backend="gloo")
+    shards = _shards()
+    owner = {s.index: OWNERS[s.unit.index] for s in shards}
+    optimizer = _Optimizer()
+    exchange = _MicroBatchExchange(shards, owner, ranks, group, optimizer.deliver, faults, optimizer.begin,
+                                   optimizer.take_in)
+    try:
+        if scenario == "fails":
+            exchange.put(_Begin(False))
+            if rank == 1:
+                faults.report(RuntimeError("rank 1 fails"))
+                return
+            for shard in reversed(shards):
+                for position in range(len(shard.params)):
+                    grad = _gradient(shard, position, rank, 0)
+                    if grad is not None:
+                        exchange.put(_Gradient(shard, position, grad, DONE))
+            with pytest.raises(RatelRankFailed, match=r"rank 1 failed \(RuntimeError: rank 1 fails\)"):
+                exchange.wait(_Flush)
+            return
+        assert exchange.collectives == BUCKETS
+        for micro_batch in range(MICRO_BATCHES):
+            exchange.put(_Begin(micro_batch == MICRO_BATCHES - 1))
+            for shard in reversed(shards):
+                for position in range(len(shard.params)):
+                    grad = _gradient(shard, position, rank, micro_batch)
+                    if grad is not None:
+                        exchange.put(_Gradient(shard, position, grad, DONE))
+            exchange.wait(_Flush)
+            optimizer.take_in()
+            expected = _per_parameter(shards, rank, micro_batch, reference_group)
+            assert optimizer.taken.keys() == expected.keys()
+            for key, tensor in expected.items():
+                assert torch.equal(optimizer.taken[key], tensor), (micro_batch, key)
+            optimizer.taken.clear()
+        assert exchange.reduces == MICRO_BATCHES * BUCKETS
+        buffer = round_up(LARGEST_BUCKET * 4, ALIGNMENT)
+        # Two buffers for every bucket of every micro-batch: allocated once, within the estimate.
+        assert exchange.nbytes == MICRO_BATCH_BUCKETS * buffer <= exchange_micro_batch_nbytes(shards)
+        # Each owner delivers more buckets than the pool holds: it waited for its optimizer to take them in.
+        assert optimizer.take_ins > MICRO_BATCHES
+    finally:
+        exchange.stop()
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("scenario", ["healthy", "fails"])
+def test_micro_batch_exchange_of_two_ranks(tmp_path: Path, scenario: str) -> None:
+    mp.spawn(_worker, args=(f"file://{tmp_path}/init", scenario), nprocs=2, join=True)
