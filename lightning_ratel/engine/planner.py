@@ -409,10 +409,10 @@ def step_traffic(shards: Sequence[Shard], frozen_shards: Sequence[Shard], param_
                  read_ahead_sets: int = 0) -> dict[str, int]:
     """The least a training step moves through the swap files: :func:`state_traffic` of ``shards``, and where the
     pager reads compute copies from the swap files (``param_cache="ssd"``), each unit's copies read for its forward
-    and again for its backward, except where a page-in and the optimizer read the same bytes (an fp32 shard whose
-    master, its compute copy, is in the swap files: the backward's page-in shares the update's read; the forward's
-    does too where a buffer set read the shard's states ahead during forward, see :func:`read_ahead_traffic`).
-    Activations sent to the SSD come on top.
+    and again for its backward, except where a page-in and the optimizer use the same bytes (an fp32 shard whose
+    master, its compute copy, is in the swap files: one of its page-ins shares the update's, see
+    :func:`shared_master_reads`; the other one does too where a buffer set read the shard's states ahead during
+    forward, see :func:`read_ahead_traffic`). Activations sent to the SSD come on top.
 
     Args:
         shards: the trainable shards (those whose states this rank holds).
@@ -435,9 +435,12 @@ def step_traffic(shards: Sequence[Shard], frozen_shards: Sequence[Shard], param_
 
 
 def shared_master_reads(shards: Sequence[Shard]) -> int:
-    """Bytes of the reads the backward's page-ins and the optimizer share with compute copies in the swap files
+    """Bytes of the reads a page-in and the optimizer share with compute copies in the swap files
     (``param_cache="ssd"``): the fp32 masters of ``shards`` (trainable) whose states are there, each its own compute
-    copy, read once for both."""
+    copy, read from the drive once for its update and one page-in: where updates overlap backward, the backward's
+    page-in and the update's read share one read; where they run after backward, the next forward's page-in copies
+    the master the update has just written from its buffer set (see
+    :class:`~lightning_ratel.runtime.state_buffers.StateBuffers`)."""
     return sum(s.numel * 4 for s in shards if s.dtype == torch.float32 and s.state_tier == "ssd")
 
 
@@ -477,8 +480,8 @@ def plan_settings(shards: Sequence[Shard], owned: Sequence[Shard], param_cache: 
     share = (sum(s.numel for s in shards) or 1) / ranks_on_node
     traffic = state_traffic(owned, param_cache)
     if param_cache == "ssd":
-        # The cost model counts every compute copy's backward page-in; an fp32 master in the swap files is that
-        # copy, and the optimizer's read of it shares the page-in's (see step_traffic).
+        # The cost model counts every compute copy's page-ins; an fp32 master in the swap files is that copy, and
+        # the optimizer's read of it shares one page-in's bytes (see shared_master_reads).
         traffic["read"] -= shared_master_reads(owned)
     # States in host memory cost a copy of the committed slot into the other (12 bytes read, 12 written) besides the
     # update's own traffic.
