@@ -395,6 +395,9 @@ def test_step_traffic_adds_the_page_ins_an_update_does_not_share():
     assert step_traffic(trainable, [frozen], "ssd", 1) == step_traffic(trainable, [frozen], "ssd")  # type: ignore
     assert step_traffic(trainable, [frozen], "ssd", 2) == {  # type: ignore[arg-type]
         "read": states["read"] + pages - 100 * 4, "written": states["written"]}
+    # Updates after backward run in forward order: one set reads the first shard on disk ahead, the fp32 one.
+    assert step_traffic(trainable, [frozen], "ssd", 1, after_backward=True) == {  # type: ignore[arg-type]
+        "read": states["read"] + pages - 100 * 4, "written": states["written"]}
     # The cost model counts both page-ins already: its state reads leave the shared master out.
     settings = plan_settings(trainable, trainable, "ssd", 1, prefetch_depth=1,  # type: ignore[arg-type]
                              host_static_bytes=0, device_overhead=None)

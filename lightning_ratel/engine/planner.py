@@ -291,11 +291,12 @@ class Planner:
         :func:`state_traffic`): over the shards it owns; the other ranks' states are in theirs."""
         return state_traffic(self.owned_shards(), self.layout.param_cache)
 
-    def step_traffic(self) -> dict[str, int]:
+    def step_traffic(self, after_backward: bool = False) -> dict[str, int]:
         """Bytes each optimizer step of this rank must move through its swap files (see :func:`step_traffic`): its
-        model states' traffic, and the page-ins of compute copies read from there."""
+        model states' traffic, and the page-ins of compute copies read from there; ``after_backward``: the updates
+        run after backward (which shards the buffer sets read ahead)."""
         return step_traffic(self.owned_shards(), self.layout.frozen_shards, self.layout.param_cache,
-                            self._read_ahead_sets())
+                            self._read_ahead_sets(), after_backward)
 
     def host_room(self, nodes: Sequence[HardwareProfile]) -> int:
         """Host bytes this rank's budget leaves beyond what it holds now (see :func:`plan_budgets`), given every node's
@@ -406,7 +407,7 @@ def state_traffic(shards: Sequence[Shard], param_cache: str) -> dict[str, int]:
 
 
 def step_traffic(shards: Sequence[Shard], frozen_shards: Sequence[Shard], param_cache: str,
-                 read_ahead_sets: int = 0) -> dict[str, int]:
+                 read_ahead_sets: int = 0, after_backward: bool = False) -> dict[str, int]:
     """The least a training step moves through the swap files: :func:`state_traffic` of ``shards``, and where the
     pager reads compute copies from the swap files (``param_cache="ssd"``), each unit's copies read for its forward
     and again for its backward, except where a page-in and the optimizer use the same bytes (an fp32 shard whose
@@ -419,6 +420,8 @@ def step_traffic(shards: Sequence[Shard], frozen_shards: Sequence[Shard], param_
         frozen_shards: the shards outside the optimizer (their compute copies are paged in too).
         param_cache: where compute copies live between uses (``"host"`` or ``"ssd"``).
         read_ahead_sets: this rank's whole buffer sets, each reading one shard's states ahead during forward.
+        after_backward: the updates run after backward, in forward order, so the sets read the first shards ahead
+            (``False``: they overlap backward, which updates the last shards first).
 
     Returns:
         ``{"read": bytes, "written": bytes}``.
@@ -430,7 +433,7 @@ def step_traffic(shards: Sequence[Shard], frozen_shards: Sequence[Shard], param_
     on_disk = [s for s in [*shards, *frozen_shards]
                if not (s.dtype == torch.float32 and s.group >= 0 and s.state_tier == "host")]
     forward = sum(s.numel * s.dtype.itemsize for s in on_disk)
-    shared = shared_master_reads(shards) + shared_master_reads(_read_ahead(shards, read_ahead_sets))
+    shared = shared_master_reads(shards) + shared_master_reads(_read_ahead(shards, read_ahead_sets, after_backward))
     return {"read": traffic["read"] + 2 * forward - shared, "written": traffic["written"]}
 
 
@@ -451,10 +454,12 @@ def read_ahead_traffic(shards: Sequence[Shard], sets: int) -> int:
     return sum(s.numel * 8 + (0 if s.master_in_host else s.numel * 4) for s in _read_ahead(shards, sets))
 
 
-def _read_ahead(shards: Sequence[Shard], sets: int) -> list[Shard]:
-    """The shards whose states ``sets`` buffer sets read ahead during forward: the first backward updates (the last in
-    forward order) of those in the swap files, one a set."""
-    return [s for s in reversed(shards) if s.state_tier == "ssd"][:max(0, sets)]
+def _read_ahead(shards: Sequence[Shard], sets: int, after_backward: bool = False) -> list[Shard]:
+    """The shards whose states ``sets`` buffer sets read ahead during forward: of those in the swap files, one a set,
+    the first updated: the last in forward order where updates overlap backward, the first where they run after it
+    (``after_backward``)."""
+    order = shards if after_backward else list(reversed(shards))
+    return [s for s in order if s.state_tier == "ssd"][:max(0, sets)]
 
 
 def plan_settings(shards: Sequence[Shard], owned: Sequence[Shard], param_cache: str, ranks_on_node: int,
