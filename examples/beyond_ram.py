@@ -7,15 +7,17 @@ gradient). The default model here has 3.37B parameters, 53.9 GB of model states,
   one block at a time (`param_init_fn`, here the model's own Llama initialization) and writes each block's fp32
   masters straight to the swap files;
 - `param_cache="ssd"`: the compute copies are read from the swap files whenever a block runs, instead of being
-  cached in host memory (in fp32 training the fp32 master is the compute copy: the backward's page-in and the CPU
-  AdamW's read of it share one read of the disk);
+  cached in host memory (in fp32 training the fp32 master is the compute copy: one page-in and the CPU AdamW share
+  its bytes, the backward's read where updates overlap backward, and on a CPU, where they run after it, the next
+  forward's page-in copies the master the update has just written);
 - gradients go into a few pooled shard buffers that the CPU AdamW gives back after each block's update, while
   backward still runs;
 - the optimizer states (fp32 master and moments, in two slots) of the first blocks stay in host memory as far as
   three quarters of the available memory hold them besides the run's buffers (`optimizer_states="auto"`), the rest in
   the swap files (`--optimizer-states ssd`, or a `--host-memory-limit`, keeps a smaller model's states there too); the
   summary compares each step's swap-file traffic with the least the plan needs (the states read and written once,
-  the compute copies read for forward and for backward unless shared) and says how busy the disk was;
+  the compute copies read for forward and for backward unless shared) and says how busy the disk was, in backward
+  and in the rest of the step;
 - `activation_policy="recompute"`: only each block's input is kept between forward and backward;
 - no checkpoint is written (it would gather 12 bytes per parameter in host memory), and the trained parameters are
   not copied back into the module at the end (RatelStrategy warns and leaves NaN placeholders).
@@ -43,11 +45,11 @@ from typing import Any
 
 import lightning as L
 import torch
+from text_data import TextDataModule
 from torch.utils.data import DataLoader
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from lightning_ratel import RatelProfiler, RatelStrategy
-from text_data import TextDataModule
 
 GIB = 2**30
 DEFAULT_SWAP = Path("outputs") / "beyond-ram-swap"
@@ -115,6 +117,8 @@ class StepReport(L.Callback):
         # during the next one, so a step is measured from its start to the next one's.
         self.marks: list[tuple[int, int, int]] = []
         self.busy: list[float] = []
+        # Per step: the disk's busy share of backward, and of the rest of the step.
+        self.busy_backward: list[tuple[float, float]] = []
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.planned = trainer.strategy.step_traffic()
@@ -148,6 +152,9 @@ class StepReport(L.Callback):
         profiler = next((c for c in trainer.callbacks if isinstance(c, RatelProfiler)), None)
         if profiler is not None:
             self.busy = [s["ssd"] / s["wall"] for s in profiler.steps if s.get("wall")]
+            self.busy_backward = [
+                (s["ssd_backward"] / s["backward"], (s["ssd"] - s["ssd_backward"]) / (s["wall"] - s["backward"]))
+                for s in profiler.steps if 0 < s.get("backward", 0.0) < s.get("wall", 0.0)]
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -288,13 +295,16 @@ def main() -> None:
               f"GiB (read {read / max(report.planned['read'], 1):.2f}x, written "
               f"{written / max(report.planned['written'], 1):.2f}x that): the model states read and written once "
               f"({report.states['read'] / GIB:.2f} GiB, {report.states['written'] / GIB:.2f} GiB) and the compute "
-              "copies read for forward and for backward, the fp32 masters' backward read shared with the optimizer's, "
-              "and their forward read too where a buffer set read the states ahead (activations on the SSD come on "
-              "top)")
+              "copies read for forward and for backward, each fp32 master's update sharing one page-in's bytes, and the "
+              "other page-in's too where a buffer set read the states ahead (activations on the SSD come on top)")
     if len(report.busy) > 1:
         busy = report.busy[1:]
         print(f"disk busy: {100 * sum(busy) / len(busy):.0f}% of each step's wall time on average after the first "
               f"(min {100 * min(busy):.0f}%, max {100 * max(busy):.0f}%)")
+    if len(report.busy_backward) > 1:
+        in_backward, outside = (sum(column) / len(column) for column in zip(*report.busy_backward[1:]))
+        print(f"disk busy by phase after the first step: {100 * in_backward:.0f}% of backward, {100 * outside:.0f}% of "
+              "the rest (the forward, and the updates after backward that it overlaps)")
     print(f"disk: {report.disk_bytes:,} bytes in swap files during training; swap files left: "
           f"{sorted(os.listdir(args.swap_dir)) if args.swap_dir.exists() else 'none (directory removed)'}")
 

@@ -744,10 +744,13 @@ class RatelStrategy(ParallelStrategy):
     def step_traffic(self) -> dict[str, int]:
         """The least each optimizer step must read (``"read"``) and write (``"written"``) in the swap files: the model
         states' traffic (:meth:`state_traffic`) and the page-ins of compute copies read from there, once for forward
-        and once for backward unless the optimizer's read of the same fp32 master serves the backward's. Compare with
-        :meth:`io_bytes` per step. Empty outside a fit."""
+        and once for backward unless an update shares one's bytes (an fp32 master is its shard's compute copy: the
+        backward's page-in shares the update's read, or after an update run after backward the next forward's copies
+        what it wrote). Compare with :meth:`io_bytes` per step. Empty outside a fit."""
         planner = self.planner
-        return planner.step_traffic() if planner is not None and self._engine.adam is not None else {}
+        if planner is None or self._engine.adam is None:
+            return {}
+        return planner.step_traffic(after_backward=not self._engine.updates_overlap)
 
     def state_placement(self) -> dict[str, int]:
         """Bytes of the optimizer states this process holds (fp32 masters and moments, both slots) by tier: ``"host"``

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from lightning_ratel.runtime.accumulation import GradientBudget
+from lightning_ratel.runtime.hostmem import aligned_empty
 from lightning_ratel.runtime.optimizer import CpuAdam, GroupHyper, StepPlan
 from lightning_ratel.runtime.state_buffers import Need, set_bytes, set_capacities
 from lightning_ratel.runtime.storage import TensorStore
@@ -380,8 +381,8 @@ class _HeldMasters:
         self.reads.append((key, urgent))
         return self.store.read(key, out, urgent=urgent, share=share)
 
-    def write(self, key: str, tensor: torch.Tensor, *, urgent: bool = False) -> Future:
-        written = self.store.write(key, tensor, urgent=urgent)
+    def write(self, key: str, tensor: torch.Tensor, *, urgent: bool = False, share: bool = False) -> Future:
+        written = self.store.write(key, tensor, urgent=urgent, share=share)
         if not (self.holding and ".master" in key):
             return written
         self.held += 1
@@ -457,6 +458,80 @@ def test_a_buffer_set_comes_back_before_the_host_master_is_written(tmp_path: Pat
                 assert torch.equal(shard.host_master(), p.detach()), shard.index
     finally:
         store.gate.set()
+        adam.close()
+        store.close()
+
+
+def test_a_page_in_copies_the_compute_copy_an_update_has_just_written(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp32 shards whose compute copies (their masters) are read from the store: after an update, the unit is ready
+    before the write of its new master has landed, and a page-in's read of it then waits for that write and copies
+    the buffer set, verified, instead of reading the drive; once the set is read into for another update, the next
+    read goes to the drive. The values are torch's AdamW's either way."""
+    sizes = [1000, 4099]
+    torch.manual_seed(0)
+    store = TensorStore([tmp_path], io_threads_per_path=1)
+    params, shards = [], []
+    for i, n in enumerate(sizes):
+        value = torch.randn(n)
+        params.append(nn.Parameter(value.clone()))
+        unit = Unit(i, (), {torch.float32: n})
+        shards.append(Shard(i, unit, 0, torch.float32, 0, (ShardParam(f"p{i}", params[-1], i, 0, n, value.shape),),
+                            n))
+        store.reserve(shards[-1].key("master"), n * 4)
+        store.write(shards[-1].key("master"), value).result()
+    adam = CpuAdam(shards, store, depth=1, compute_on_store=True)
+    reference = [nn.Parameter(p.detach().clone()) for p in params]
+    torch_adamw = torch.optim.AdamW(reference, lr=HYPER.lr, betas=(HYPER.beta1, HYPER.beta2), eps=HYPER.eps,
+                                    weight_decay=HYPER.weight_decay)
+    gate = threading.Event()
+    real = TensorStore._transfer_chunk
+
+    def held(self: TensorStore, request: Any, chunk: Any) -> Any:
+        if request.is_write and request.key.startswith("shard0.master"):
+            gate.wait(30)
+        return real(self, request, chunk)
+
+    plan = StepPlan([HYPER], overlap=False)
+    grads = [torch.randn(n) for n in sizes]
+    for p, g in zip(reference, grads):
+        p.grad = g.clone()
+    torch_adamw.step()
+    first, second = shards
+    try:
+        monkeypatch.setattr(TensorStore, "_transfer_chunk", held)
+        adam.begin(plan)
+        for shard, grad in zip(shards, grads):
+            adam.gradient(shard, 0, grad, _Landed())
+        adam.schedule(plan, shards)
+        deadline = time.monotonic() + 30
+        while not first.unit.ready.is_set() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # Ready although its master's write is held back (the second update waits for the only set meanwhile).
+        assert first.unit.ready.is_set() and not second.unit.ready.is_set()
+        key = first.unit.ready.compute_key(first)
+        assert key == first.key("master", 1)
+        page_in = aligned_empty(first.numel, torch.float32)
+        read = store.read(key, page_in, urgent=True, share=True)
+        time.sleep(0.05)
+        assert not read.done()
+        gate.set()
+        read.result(timeout=30)
+        assert torch.equal(page_in, reference[0].detach())
+        assert store.bytes_shared == first.numel * 4
+        assert store.unshare(page_in) == []
+        adam.barrier(include_writes=True)
+        # The second update read into the only set: the first shard's master comes from the drive now, the second's
+        # from the set, which still offers it.
+        read_before = store.bytes_read
+        store.read(key, page_in).result()
+        assert torch.equal(page_in, reference[0].detach()) and store.bytes_read == read_before + first.numel * 4
+        out = aligned_empty(second.numel, torch.float32)
+        store.read(second.unit.ready.compute_key(second), out).result()
+        assert torch.equal(out, reference[1].detach())
+        assert store.bytes_shared == (first.numel + second.numel) * 4
+    finally:
+        gate.set()
         adam.close()
         store.close()
 

@@ -375,16 +375,17 @@ def test_state_traffic_counts_the_shards_given():
     assert state_traffic(shards, "ssd")["written"] == 150 * 12 + 20 * 2  # type: ignore[arg-type]
 
 
-def test_step_traffic_adds_the_page_ins_a_backward_does_not_share():
+def test_step_traffic_adds_the_page_ins_an_update_does_not_share():
     """With the compute copies in the swap files a step also reads each for forward and again for backward, except
-    an fp32 master there: the optimizer reads it anyway, and the backward's page-in shares that read."""
+    an fp32 master there: its update reads and writes it anyway, and one page-in shares those bytes (the backward's
+    the update's read, or after a deferred update the next forward's the master it wrote)."""
     trainable = [_shard(100), _shard(50, "host"), _shard(20, dtype=torch.bfloat16)]
     for shard in trainable:
         shard.group = 0
     frozen = SimpleNamespace(numel=10, dtype=torch.float32, state_tier="ssd", master_in_host=False, group=-1)
     states = state_traffic(trainable, "ssd")  # type: ignore[arg-type]
-    # Forward: the masters on disk (100 x 4 B), the 16-bit copy (20 x 2 B), the frozen shard (10 x 4 B); backward
-    # the same but the master the update reads. The master in host memory is paged in from there.
+    # One pass: the masters on disk (100 x 4 B), the 16-bit copy (20 x 2 B), the frozen shard (10 x 4 B); the other
+    # the same but the master its update shares. The master in host memory is paged in from there.
     pages = (100 * 4 + 20 * 2 + 10 * 4) + (20 * 2 + 10 * 4)
     assert step_traffic(trainable, [frozen], "ssd") == {  # type: ignore[arg-type]
         "read": states["read"] + pages, "written": states["written"]}
@@ -394,7 +395,10 @@ def test_step_traffic_adds_the_page_ins_a_backward_does_not_share():
     assert step_traffic(trainable, [frozen], "ssd", 1) == step_traffic(trainable, [frozen], "ssd")  # type: ignore
     assert step_traffic(trainable, [frozen], "ssd", 2) == {  # type: ignore[arg-type]
         "read": states["read"] + pages - 100 * 4, "written": states["written"]}
-    # The cost model counts that backward page-in already: its state reads leave the shared master out.
+    # Updates after backward run in forward order: one set reads the first shard on disk ahead, the fp32 one.
+    assert step_traffic(trainable, [frozen], "ssd", 1, after_backward=True) == {  # type: ignore[arg-type]
+        "read": states["read"] + pages - 100 * 4, "written": states["written"]}
+    # The cost model counts both page-ins already: its state reads leave the shared master out.
     settings = plan_settings(trainable, trainable, "ssd", 1, prefetch_depth=1,  # type: ignore[arg-type]
                              host_static_bytes=0, device_overhead=None)
     assert settings.state_read_bytes_per_param == round((states["read"] - 100 * 4) / 170)

@@ -764,6 +764,59 @@ def test_a_read_waits_for_the_shared_read_in_flight_and_urgent_moves_it_ahead(
     assert store.bytes_shared == 1024 * 4
 
 
+def test_a_shared_write_serves_reads_of_the_key_from_memory_once_it_lands(
+        ssd: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write with ``share`` offers its tensor to reads of its key: a read started while the write is still in
+    flight (which a plain write would refuse) waits for it and copies, verified, and an urgent one moves the write to
+    the urgent lane; ``unshare`` hands back the copies still running, and from then on (or after another write of the
+    key) reads go to the drive."""
+    landing, land = threading.Event(), threading.Event()
+    real = TensorStore._transfer_chunk
+
+    def held(self: TensorStore, request: storage.Request, chunk: storage.Chunk) -> Any:
+        if request.is_write and request.key == "k":
+            landing.set()
+            land.wait(10)
+        return real(self, request, chunk)
+
+    old, new = _random(3 * STRIPE // 4, torch.float32, seed=1), _random(3 * STRIPE // 4, torch.float32, seed=2)
+    with TensorStore([ssd], stripe_bytes=STRIPE, io_threads_per_path=1) as store:
+        store.write("k", old).result()
+        assert not store.shares("k")
+        monkeypatch.setattr(TensorStore, "_transfer_chunk", held)
+        holder = new.clone()
+        written = store.write("k", holder, share=True)
+        assert landing.wait(10) and store.shares("k")
+        out = aligned_empty(new.numel(), torch.float32)
+        copy = store.read("k", out, urgent=True)
+        assert not copy.done()
+        land.set()
+        written.result()
+        copy.result()
+        nbytes = new.numel() * 4
+        assert torch.equal(out, new) and store.bytes_shared == nbytes and store.bytes_read == 0
+        assert store.unshare(holder) == [] and not store.shares("k")
+        store.read("k", out).result()
+        assert torch.equal(out, new) and store.bytes_read == nbytes and store.bytes_shared == nbytes
+        # A later write of the key makes the offered tensor stale.
+        store.write("k", holder, share=True).result()
+        store.write("k", old).result()
+        assert not store.shares("k")
+        store.read("k", out).result()
+        assert torch.equal(out, old) and store.bytes_shared == nbytes
+
+
+def test_a_changed_tensor_a_write_shares_fails_the_checksum(ssd: Path) -> None:
+    """Bytes copied from a tensor a write offered are checked against what the write stored."""
+    data = _random(2048, torch.float32)
+    with TensorStore([ssd], stripe_bytes=STRIPE) as store:
+        holder = data.clone()
+        store.write("k", holder, share=True).result()
+        holder[7] += 1.0
+        with pytest.raises(RatelStoreError, match="checksum mismatch"):
+            store.read("k", aligned_empty(2048, torch.float32)).result()
+
+
 def test_a_failed_shared_read_leaves_the_others_to_the_drive(ssd: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     data = _random(1024, torch.float32)
     real = storage._pread

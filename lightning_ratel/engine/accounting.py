@@ -113,12 +113,15 @@ class StepBreakdown:
         ``cpu_optimizer`` the time any AdamW update ran; ``idle`` the training thread's stalls (waiting for a page-in
         or a swapped activation). Resources overlap, so the parts do not add up to the wall time.
         ``ssd_read_bytes``/``ssd_write_bytes``: what the swap files transferred since the previous call.
+        ``backward``: the time backward ran, and ``ssd_backward`` the part of it any swap-file transfer ran (where the
+        disk idles: in backward, or in the rest of the step, the forward and the updates run after backward).
         """
         copies = self.device.take_copy_seconds()
         busy = self.cache.take_busy_intervals()
         if self.store is not None:
             busy.extend(self.store.take_busy_intervals())
         updates: list[tuple[float, float]] = []
+        backward: list[tuple[float, float]] = []
         opened: dict[str, float] = {}
         events, self._cursor = self.timeline.since(self._cursor)
         for name, t in events:
@@ -127,6 +130,11 @@ class StepBreakdown:
                 opened[shard] = t
             elif kind == "update_end" and shard in opened:
                 updates.append((opened.pop(shard), t))
+            elif kind == "backward_start":
+                opened[kind] = t
+            elif kind == "backward_end" and "backward_start" in opened:
+                backward.append((max(start, opened.pop("backward_start")), min(end, t)))
+        backward = [(a, b) for a, b in backward if b > a]
         stall = self.pager.take_stall_seconds() + self.cache.take_stall_seconds()
         read, written = self._take_transferred_bytes()
         wall = end - start
@@ -142,6 +150,8 @@ class StepBreakdown:
             "idle": stall,
             "ssd_read_bytes": float(read),
             "ssd_write_bytes": float(written),
+            "backward": sum(b - a for a, b in backward),
+            "ssd_backward": sum(_union(busy, a, b) for a, b in backward),
         }
 
     def begin(self) -> None:

@@ -414,6 +414,11 @@ class RatelEngine:
         # Whether the last training pass's loss was finite, on its way to host memory (flag, copy's event).
         self._last_loss: tuple[torch.Tensor, Any] | None = None
 
+    @property
+    def updates_overlap(self) -> bool:
+        """Whether this run's updates may run during backward (otherwise every step runs them after it)."""
+        return self._overlap_pays
+
     def _decide_overlap(self, local_world: int) -> bool:
         """Whether updates may run during backward (:attr:`overlap_updates`, or else the cost model's
         :func:`~lightning_ratel.plan.cost.updates_overlap`), from what the run holds once set up."""

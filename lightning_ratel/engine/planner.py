@@ -291,11 +291,12 @@ class Planner:
         :func:`state_traffic`): over the shards it owns; the other ranks' states are in theirs."""
         return state_traffic(self.owned_shards(), self.layout.param_cache)
 
-    def step_traffic(self) -> dict[str, int]:
+    def step_traffic(self, after_backward: bool = False) -> dict[str, int]:
         """Bytes each optimizer step of this rank must move through its swap files (see :func:`step_traffic`): its
-        model states' traffic, and the page-ins of compute copies read from there."""
+        model states' traffic, and the page-ins of compute copies read from there; ``after_backward``: the updates
+        run after backward (which shards the buffer sets read ahead)."""
         return step_traffic(self.owned_shards(), self.layout.frozen_shards, self.layout.param_cache,
-                            self._read_ahead_sets())
+                            self._read_ahead_sets(), after_backward)
 
     def host_room(self, nodes: Sequence[HardwareProfile]) -> int:
         """Host bytes this rank's budget leaves beyond what it holds now (see :func:`plan_budgets`), given every node's
@@ -406,19 +407,21 @@ def state_traffic(shards: Sequence[Shard], param_cache: str) -> dict[str, int]:
 
 
 def step_traffic(shards: Sequence[Shard], frozen_shards: Sequence[Shard], param_cache: str,
-                 read_ahead_sets: int = 0) -> dict[str, int]:
+                 read_ahead_sets: int = 0, after_backward: bool = False) -> dict[str, int]:
     """The least a training step moves through the swap files: :func:`state_traffic` of ``shards``, and where the
     pager reads compute copies from the swap files (``param_cache="ssd"``), each unit's copies read for its forward
-    and again for its backward, except where a page-in and the optimizer read the same bytes (an fp32 shard whose
-    master, its compute copy, is in the swap files: the backward's page-in shares the update's read; the forward's
-    does too where a buffer set read the shard's states ahead during forward, see :func:`read_ahead_traffic`).
-    Activations sent to the SSD come on top.
+    and again for its backward, except where a page-in and the optimizer use the same bytes (an fp32 shard whose
+    master, its compute copy, is in the swap files: one of its page-ins shares the update's, see
+    :func:`shared_master_reads`; the other one does too where a buffer set read the shard's states ahead during
+    forward, see :func:`read_ahead_traffic`). Activations sent to the SSD come on top.
 
     Args:
         shards: the trainable shards (those whose states this rank holds).
         frozen_shards: the shards outside the optimizer (their compute copies are paged in too).
         param_cache: where compute copies live between uses (``"host"`` or ``"ssd"``).
         read_ahead_sets: this rank's whole buffer sets, each reading one shard's states ahead during forward.
+        after_backward: the updates run after backward, in forward order, so the sets read the first shards ahead
+            (``False``: they overlap backward, which updates the last shards first).
 
     Returns:
         ``{"read": bytes, "written": bytes}``.
@@ -430,14 +433,17 @@ def step_traffic(shards: Sequence[Shard], frozen_shards: Sequence[Shard], param_
     on_disk = [s for s in [*shards, *frozen_shards]
                if not (s.dtype == torch.float32 and s.group >= 0 and s.state_tier == "host")]
     forward = sum(s.numel * s.dtype.itemsize for s in on_disk)
-    shared = shared_master_reads(shards) + shared_master_reads(_read_ahead(shards, read_ahead_sets))
+    shared = shared_master_reads(shards) + shared_master_reads(_read_ahead(shards, read_ahead_sets, after_backward))
     return {"read": traffic["read"] + 2 * forward - shared, "written": traffic["written"]}
 
 
 def shared_master_reads(shards: Sequence[Shard]) -> int:
-    """Bytes of the reads the backward's page-ins and the optimizer share with compute copies in the swap files
+    """Bytes of the reads a page-in and the optimizer share with compute copies in the swap files
     (``param_cache="ssd"``): the fp32 masters of ``shards`` (trainable) whose states are there, each its own compute
-    copy, read once for both."""
+    copy, read from the drive once for its update and one page-in: where updates overlap backward, the backward's
+    page-in and the update's read share one read; where they run after backward, the next forward's page-in copies
+    the master the update has just written from its buffer set (see
+    :class:`~lightning_ratel.runtime.state_buffers.StateBuffers`)."""
     return sum(s.numel * 4 for s in shards if s.dtype == torch.float32 and s.state_tier == "ssd")
 
 
@@ -448,10 +454,12 @@ def read_ahead_traffic(shards: Sequence[Shard], sets: int) -> int:
     return sum(s.numel * 8 + (0 if s.master_in_host else s.numel * 4) for s in _read_ahead(shards, sets))
 
 
-def _read_ahead(shards: Sequence[Shard], sets: int) -> list[Shard]:
-    """The shards whose states ``sets`` buffer sets read ahead during forward: the first backward updates (the last in
-    forward order) of those in the swap files, one a set."""
-    return [s for s in reversed(shards) if s.state_tier == "ssd"][:max(0, sets)]
+def _read_ahead(shards: Sequence[Shard], sets: int, after_backward: bool = False) -> list[Shard]:
+    """The shards whose states ``sets`` buffer sets read ahead during forward: of those in the swap files, one a set,
+    the first updated: the last in forward order where updates overlap backward, the first where they run after it
+    (``after_backward``)."""
+    order = shards if after_backward else list(reversed(shards))
+    return [s for s in order if s.state_tier == "ssd"][:max(0, sets)]
 
 
 def plan_settings(shards: Sequence[Shard], owned: Sequence[Shard], param_cache: str, ranks_on_node: int,
@@ -477,8 +485,8 @@ def plan_settings(shards: Sequence[Shard], owned: Sequence[Shard], param_cache: 
     share = (sum(s.numel for s in shards) or 1) / ranks_on_node
     traffic = state_traffic(owned, param_cache)
     if param_cache == "ssd":
-        # The cost model counts every compute copy's backward page-in; an fp32 master in the swap files is that
-        # copy, and the optimizer's read of it shares the page-in's (see step_traffic).
+        # The cost model counts every compute copy's page-ins; an fp32 master in the swap files is that copy, and
+        # the optimizer's read of it shares one page-in's bytes (see shared_master_reads).
         traffic["read"] -= shared_master_reads(owned)
     # States in host memory cost a copy of the committed slot into the other (12 bytes read, 12 written) besides the
     # update's own traffic.

@@ -262,8 +262,18 @@ class TieredStore:
         self.host.preallocate()
         self.disk.preallocate()
 
-    def write(self, key: str, tensor: torch.Tensor, *, urgent: bool = False) -> concurrent.futures.Future[None]:
-        return self._route(key).write(key, tensor, urgent=urgent)
+    def write(self, key: str, tensor: torch.Tensor, *, urgent: bool = False, share: bool = False
+              ) -> concurrent.futures.Future[None]:
+        """Write ``key`` where it lives; ``share`` applies to the swap files' keys (see :meth:`TensorStore.write
+        <lightning_ratel.runtime.storage.TensorStore.write>`): a read of a key in host memory is a copy anyway."""
+        if key in self.host_keys:
+            return self.host.write(key, tensor, urgent=urgent)
+        return self.disk.write(key, tensor, urgent=urgent, share=share)
+
+    def shares(self, key: str) -> bool:
+        """See :meth:`TensorStore.shares <lightning_ratel.runtime.storage.TensorStore.shares>` (never for a key in
+        host memory)."""
+        return key not in self.host_keys and self.disk.shares(key)
 
     def read(self, key: str, out: torch.Tensor, *, urgent: bool = False, share: bool = False
              ) -> concurrent.futures.Future[torch.Tensor]:

@@ -932,17 +932,23 @@ class CpuAdam:
             self.accumulator.clear(shard)
         self.timeline.record(f"update_end:{shard.index}")
         writes = [self.store.write(shard.key(what, slot), flat) for what, flat in states.items() if flat.numel()]
+        # The new compute copy and master stay offered from the buffer set until it is reused (StateBuffers.read):
+        # the next forward's page-in of the unit, which follows right behind updates run after backward, copies them
+        # instead of reading back what was just written.
         if out is not None and self.compute_on_store:
-            writes.append(self.store.write(shard.compute_key, out))
-        writes.append(self.store.write(shard.key("master", slot), master))
+            writes.append(self.store.write(shard.compute_key, out, share=True))
+        writes.append(self.store.write(shard.key("master", slot), master, share=not shard.master_in_host))
         # A master in the host cache (written last) does not hold the buffer set: the set goes back without waiting
         # for it, so the next update's reads need not queue behind it.
         done = self._joined(writes, b, len(writes) - 1 if shard.master_in_host else len(writes))
         self.buffers.writing(shard, done)
         # Only now, with the write-back recorded: a pager reading compute copies from the store waits for that write
-        # (an fp32 shard's compute copy is its master, in the new slot).
-        moved = shard.key("master", slot) if self.compute_on_store and shard.dtype == torch.float32 else None
-        shard.unit.ready.complete(done if self.compute_on_store else None, shard, moved)
+        # (an fp32 shard's compute copy is its master, in the new slot), unless the store offers the copy: a read
+        # then waits for the write itself, and the set offering it returns to the pool only once its writes landed.
+        compute_key = shard.key("master", slot) if shard.dtype == torch.float32 else shard.compute_key
+        moved = compute_key if self.compute_on_store and shard.dtype == torch.float32 else None
+        offered = self.compute_on_store and self.store.shares(compute_key)
+        shard.unit.ready.complete(done if self.compute_on_store and not offered else None, shard, moved)
         self.budget.updates_queued(-1)
 
     def _adamw_shard(self, shard: Shard, plan: StepPlan, master: torch.Tensor, grad: torch.Tensor,

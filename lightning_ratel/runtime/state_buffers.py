@@ -13,7 +13,9 @@ whole set, so every shard's update can run.
 
 A master read into a set is offered to other reads of its key (the store's ``share``) until the update changes it:
 with compute copies on the store, an fp32 master is also the compute copy the pager reads for that block's backward
-(and forward), which then copies it instead of reading the drive again, or the other way round.
+(and forward), which then copies it instead of reading the drive again, or the other way round. The new master and
+compute copy an update writes back from a set are offered in turn until the set is read into again: updates that run
+after backward run just ahead of the next forward, whose page-ins then copy them rather than read them back.
 
 Reads ahead happen only between the start of a boundary micro-batch and the step's schedule, so nothing else writes
 those states meanwhile; a shard whose previous write-back is still landing is read only once it has landed. Worker
@@ -242,6 +244,8 @@ class StateBuffers:
         """Start reading ``shard``'s latest state into ``buffers`` (after its last write-back has landed);
         ``urgent`` reads run in the store's urgent lane, ahead of the write-backs queued."""
         self.wait_written(shard)
+        # What the set's last update wrote is offered until now (see CpuAdam's write-back).
+        self.unshare(buffers)
         n = shard.numel
         version = self.ledger.latest(shard)
         # The master is offered to the pager's page-in of the same key until the update changes it (see unshare):
@@ -302,10 +306,11 @@ class StateBuffers:
             self.free.append(buffers)
 
     def unshare(self, buffers: StateBufferSet | SlotViews) -> None:
-        """Stop offering the master ``buffers`` hold to other reads (see :meth:`read`), once those copying it are
-        done: it is about to change."""
+        """Stop offering the master and compute copy ``buffers`` hold to other reads (see :meth:`read`), once those
+        copying them are done: they are about to change."""
         if isinstance(buffers, StateBufferSet):
-            for copy in self.store.unshare(buffers.master):
+            offered = [buffers.master] if buffers.compute is None else [buffers.master, buffers.compute]
+            for copy in [c for tensor in offered for c in self.store.unshare(tensor)]:
                 copy.exception()
 
     def writing(self, shard: Shard, done: Future) -> None:

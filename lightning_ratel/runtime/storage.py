@@ -125,8 +125,8 @@ class Request:
         urgent: its chunks run in the urgent lane.
         source: the address of host memory holding the key's bytes, which a read copies instead of reading the drive
             (see :meth:`TensorStore.read`'s ``share``); ``None`` reads the drive.
-        claimed: the chunks a transfer has taken, for a request whose chunks may be queued twice (a shared read moved
-            to the urgent lane, :meth:`TensorStore._promote`); ``None``: each chunk is queued once.
+        claimed: the chunks a transfer has taken, for a request whose chunks may be queued twice (a shared read or
+            write moved to the urgent lane, :meth:`TensorStore._promote`); ``None``: each chunk is queued once.
         queued: its chunks are queued (a read copying another's is queued once that one has landed).
     """
 
@@ -169,12 +169,13 @@ class _HostRequest(Request):
 @dataclass(eq=False)
 class _Share:
     """A caller's tensor that holds (or a read in flight is filling with) a key's bytes, which other reads of the key
-    copy instead of reading the drive (see :meth:`TensorStore.read`).
+    copy instead of reading the drive (see :meth:`TensorStore.read`), or that a write of the key stores (see
+    :meth:`TensorStore.write`).
 
     Attributes:
         tensor: the caller's tensor.
-        request: the read filling it.
-        gather: that read's chunk count and future.
+        request: the read filling it, or the write storing it.
+        gather: that request's chunk count and future.
         extent: the key's extent when the read started.
         upstream: the share that read copies from once that one has landed, if it is served from memory too.
         copies: reads copying from it that may still run (the holder waits for them before reusing its memory).
@@ -604,7 +605,8 @@ class TensorStore:
                         exc.errno, f"preallocate of {size} bytes failed for {swap.path}: {exc.strerror}", str(swap.path)
                     ) from exc
 
-    def write(self, key: str, tensor: torch.Tensor, *, urgent: bool = False) -> concurrent.futures.Future[None]:
+    def write(self, key: str, tensor: torch.Tensor, *, urgent: bool = False, share: bool = False
+              ) -> concurrent.futures.Future[None]:
         """Start writing ``tensor`` as ``key``; an unknown key is reserved with the tensor's size.
 
         Keep ``tensor`` alive and unchanged until the returned future is done.
@@ -613,6 +615,11 @@ class TensorStore:
             key: Name of the tensor.
             tensor: A contiguous CPU tensor whose size in bytes matches the key's.
             urgent: Run before every request that is not (something will soon wait for it).
+            share: Let reads of ``key`` copy from ``tensor`` (once this write has landed, verified as a read from
+                the drive is) until :meth:`unshare` or the next write of ``key``, as :meth:`read`'s ``share`` does. A
+                read of ``key`` may then start before this write has landed: while the tensor is offered, it waits
+                for the write and copies. The caller must not change ``tensor`` until it unshares it, and must wait
+                for the futures :meth:`unshare` returns before reusing its memory.
 
         Returns:
             A future that resolves to ``None`` once every byte is written, or raises :class:`RatelStoreError`.
@@ -622,7 +629,7 @@ class TensorStore:
             RuntimeError: If the store is closed.
             RatelStoreError: If the store is read-only (``EROFS``).
         """
-        return self._submit(key, tensor, is_write=True, urgent=urgent)
+        return self._submit(key, tensor, is_write=True, urgent=urgent, share=share)
 
     def read(self, key: str, out: torch.Tensor, *, urgent: bool = False, share: bool = False
              ) -> concurrent.futures.Future[torch.Tensor]:
@@ -634,7 +641,8 @@ class TensorStore:
         copies them from there instead of reading the drive, once that read has landed, and verifies every chunk's
         checksum as a read from the drive does; an urgent read moves the read it waits for to the urgent lane. Two
         parts of a step that need the same bytes at the same time (a page-in and the optimizer's read of an fp32
-        master) then read them from the drive once.
+        master) then read them from the drive once. The same holds for a tensor a write with ``share`` stores (a
+        page-in of the compute copy an update has just written copies the update's memory).
 
         Args:
             key: Name of a reserved tensor.
@@ -718,7 +726,8 @@ class TensorStore:
             self._queue_locked(request, gather, extent, request.urgent)
 
     def _promote(self, share: _Share) -> None:
-        """Move the read filling ``share`` (and any it waits for) to the urgent lane: an urgent read waits for it.
+        """Move the request filling or storing ``share`` (and any it waits for) to the urgent lane: an urgent read
+        waits for it.
         Its chunks not taken yet are queued again as urgent; whichever copy of a chunk runs first transfers it. Under
         ``_lock``."""
         request = share.request
@@ -819,7 +828,7 @@ class TensorStore:
         subclass's requests carry besides)."""
         return _HostRequest(key, is_write, tensor, nbytes)
 
-    def _submit(self, key: str, tensor: torch.Tensor, *, is_write: bool, urgent: bool = False,
+    def _submit(self, key: str, tensor: torch.Tensor, *, is_write: bool, urgent: bool = False, share: bool = False,
                 **extra: Any) -> concurrent.futures.Future:
         self._check_tensor(key, tensor)
         nbytes = tensor.numel() * tensor.element_size()
@@ -834,8 +843,18 @@ class TensorStore:
                 extent = self._read_extent_locked(key, nbytes)
             gather = Gather(len(extent.chunks), None if is_write else tensor)
             request = self._request(key, is_write, tensor, nbytes, **extra)
+            request.urgent = urgent
+            if share:
+                # A read waiting for this write may move it to the urgent lane (see _promote).
+                request.claimed = set()
+                self._shares.setdefault(key, []).append(_Share(tensor, request, gather, extent))
             self._queue_locked(request, gather, extent, urgent)
         return gather.future
+
+    def shares(self, key: str) -> bool:
+        """Whether a read of ``key`` started now would copy from a tensor a read or write with ``share`` offered."""
+        with self._lock:
+            return any(entry.usable() for entry in self._shares.get(key, ()))
 
     def _read_extent_locked(self, key: str, nbytes: int) -> Extent:
         """The extent a read of ``nbytes`` from ``key`` transfers. Under ``_lock``."""
