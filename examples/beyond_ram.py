@@ -299,8 +299,9 @@ def main() -> None:
               "other page-in's too where a buffer set read the states ahead (activations on the SSD come on top)")
     if len(report.busy) > 1:
         busy = report.busy[1:]
+        # Each step's too: the first steps after the first still touch buffers the run allocated (slow on fresh pages).
         print(f"disk busy: {100 * sum(busy) / len(busy):.0f}% of each step's wall time on average after the first "
-              f"(min {100 * min(busy):.0f}%, max {100 * max(busy):.0f}%)")
+              f"(steps 2-{len(report.busy)}: {', '.join(f'{100 * b:.0f}%' for b in busy)})")
     if len(report.busy_backward) > 1:
         in_backward, outside = (sum(column) / len(column) for column in zip(*report.busy_backward[1:]))
         print(f"disk busy by phase after the first step: {100 * in_backward:.0f}% of backward, {100 * outside:.0f}% of "
