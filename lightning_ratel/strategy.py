@@ -643,10 +643,11 @@ class RatelStrategy(ParallelStrategy):
             self._engine.planner.apply_plan(config.plan)
             show_plan(config.plan)
         self.setup_precision_plugin()
-        if optimizer is not None and not module.automatic_optimization:
-            # Parameters never hold gradients under RatelStrategy, the CPU optimizer does: manual optimization's
-            # zero_grad must drop those (on the optimizer and on the LightningOptimizer self.optimizers() returns,
-            # which connecting the precision plugin made anew).
+        if optimizer is not None:
+            # Parameters never hold gradients under RatelStrategy, the CPU optimizer does: zero_grad must drop those
+            # (on the optimizer and on the LightningOptimizer self.optimizers() returns, which connecting the
+            # precision plugin made anew). Automatic optimization calls it too: a backward whose step an
+            # `optimizer_step` override skipped must not add its gradients to the next step's.
             for opt in (optimizer, *self._lightning_optimizers):
                 opt.zero_grad = self._engine.zero_grad  # type: ignore[method-assign]
         # From here on, code between the engine's passes (hooks, callbacks) reads the parameters' real values.

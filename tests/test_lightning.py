@@ -600,6 +600,31 @@ def test_training_step_returning_none_skips_step(tmp_path: Path) -> None:
     assert_opt_state_close(ref_opt, opt, 1e-5)
 
 
+
+class SkippingOptimizerStepLM(LM):
+    """An ``optimizer_step`` that runs the closure every batch but steps only on even ones (Lightning's docs show such
+    overrides): the odd batches' gradients are dropped by the next closure's ``zero_grad``, not added to a step."""
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        optimizer_closure()
+        if batch_idx % 2 == 0:
+            optimizer.step()
+
+
+def test_optimizer_step_override_skipping_steps_matches_plain(tmp_path: Path) -> None:
+    outcome = {}
+    for name in ("auto", "ratel"):
+        lm = SkippingOptimizerStepLM(n_batches=5)
+        t = trainer(ratel(swap(tmp_path)) if name == "ratel" else "auto", max_steps=-1, max_epochs=1)
+        t.fit(lm)
+        outcome[name] = final_state(lm, t)
+    ref_params, ref_opt = outcome["auto"]
+    params, opt = outcome["ratel"]
+    assert {float(s["step"]) for s in ref_opt["state"].values()} == {3.0}
+    assert max_rel_err(ref_params, params) <= 1e-5
+    assert_opt_state_close(ref_opt, opt, 1e-5)
+
+
 # ---------------------------------------------------------------------------------------------------- config errors
 
 
