@@ -302,6 +302,45 @@ def test_resume_equals_uninterrupted(tmp_path: Path, case: str) -> None:
 # ---------------------------------------------------------------------------------------------------- checkpoint format
 
 
+class DirectLayerLM(L.LightningModule):
+    """A training_step that calls its layer itself (as many of Lightning's own tests do): the layer's parameters are
+    used outside the root's forward, so the first pass makes the layer a block of its own, after the run started."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = torch.nn.Linear(4, 2)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.layer(batch).square().mean()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> Any:
+        return torch.utils.data.DataLoader(torch.randn(8, 4, generator=torch.Generator().manual_seed(0)), batch_size=2)
+
+
+def test_resume_with_a_plan_made_after_a_block_formed(tmp_path: Path) -> None:
+    """The checkpoint's plan names the block the first pass formed, which the resumed run does not have yet: it
+    profiles again instead of refusing the plan, and ends where the uninterrupted run does."""
+    ckpt_dir = tmp_path / "ckpt"
+    first = DirectLayerLM()
+    ckpt_trainer(ratel(swap(tmp_path)), ckpt_dir, max_steps=4).fit(first)
+    ckpt = step_ckpt(ckpt_dir, 4)
+    saved = torch.load(ckpt, weights_only=False)
+    plan = next(state["plan"] for key, state in saved["callbacks"].items() if "RatelProfiler" in key)
+    assert set(json.loads(plan)["blocks"]) == {"", "layer"}
+    resumed = DirectLayerLM()
+    t = trainer(ratel(swap(tmp_path)), max_steps=6)
+    t.fit(resumed, ckpt_path=str(ckpt))
+    uninterrupted = DirectLayerLM()
+    trainer(ratel(swap(tmp_path)), max_steps=6).fit(uninterrupted)
+    assert t.global_step == 6
+    for name, value in uninterrupted.state_dict().items():
+        assert torch.equal(resumed.state_dict()[name], value), name
+
+
 def test_checkpoint_loadable_without_plugin(tmp_path: Path) -> None:
     ckpt_dir = tmp_path / "ckpt"
     lm = LM(n_batches=2)
