@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import sys
+import unittest.mock
 import warnings
 from pathlib import Path
 from typing import Any
@@ -300,6 +301,19 @@ def test_resume_equals_uninterrupted(tmp_path: Path, case: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- checkpoint format
+
+
+
+def test_zero_grad_reaches_the_optimizers_own(tmp_path: Path) -> None:
+    """The zero_grad RatelStrategy puts on the optimizer still calls the optimizer class's own, once per call: code
+    that counts or extends it (Lightning's tests patch it) sees what plain Lightning gives it."""
+    counts = {}
+    for name in ("auto", "ratel"):
+        with unittest.mock.patch("torch.optim.AdamW.zero_grad") as zero_grad:
+            trainer(ratel(swap(tmp_path)) if name == "ratel" else "auto", max_steps=-1, max_epochs=1,
+                    accumulate_grad_batches=2).fit(LM(n_batches=6))
+        counts[name] = zero_grad.call_count
+    assert counts["ratel"] == counts["auto"] == 3
 
 
 class DirectLayerLM(L.LightningModule):
