@@ -1004,6 +1004,11 @@ class RatelStrategy(ParallelStrategy):
         if self._engine is None or self._engine.optimizer is None:
             super().load_optimizer_state_dict(checkpoint)
             return
+        if not checkpoint.get("optimizer_states"):
+            # As plain Lightning, which loads nothing then (a checkpoint written for the weights alone); said, since
+            # the moments start from zero.
+            rank_zero_warn("RatelStrategy: the checkpoint holds no optimizer state; the optimizer starts afresh")
+            return
         if self._resume is not None:
             load_moments(self._engine.state, self._resume, checkpoint["optimizer_states"][0]["param_groups"])
             # The last thing resuming reads from the checkpoint: its files need not stay open (and mapped) any more.

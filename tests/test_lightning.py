@@ -316,6 +316,30 @@ def test_zero_grad_reaches_the_optimizers_own(tmp_path: Path) -> None:
     assert counts["ratel"] == counts["auto"] == 3
 
 
+
+def test_resume_from_a_checkpoint_without_optimizer_state(tmp_path: Path) -> None:
+    """A checkpoint without optimizer states (written for the weights alone) resumes as under plain Lightning: the
+    optimizer starts afresh from the checkpoint's weights, with a warning."""
+    ckpt_trainer(ratel(swap(tmp_path)), tmp_path / "ckpt", max_steps=2).fit(LM())
+    saved = torch.load(step_ckpt(tmp_path / "ckpt", 2), weights_only=False)
+    saved["optimizer_states"] = []
+    stripped = tmp_path / "stripped.ckpt"
+    torch.save(saved, stripped)
+    outcome = {}
+    for name in ("auto", "ratel"):
+        lm = LM()
+        t = trainer(ratel(swap(tmp_path)) if name == "ratel" else "auto", max_steps=4)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            t.fit(lm, ckpt_path=str(stripped))
+        outcome[name] = final_state(lm, t), [str(w.message) for w in caught]
+    (ref, _), (got, said) = outcome["auto"], outcome["ratel"]
+    assert any("no optimizer state" in message for message in said)
+    assert {float(s["step"]) for s in got[1]["state"].values()} == {2.0}
+    assert max_rel_err(ref[0], got[0]) <= 1e-5
+    assert_opt_state_close(ref[1], got[1], 1e-5)
+
+
 class DirectLayerLM(L.LightningModule):
     """A training_step that calls its layer itself (as many of Lightning's own tests do): the layer's parameters are
     used outside the root's forward, so the first pass makes the layer a block of its own, after the run started."""
