@@ -41,7 +41,12 @@ class _RichBar:
         self._progress.advance(self._task, n)
 
     def close(self) -> None:
+        # rich's stop only tells its refresh thread to end: join it, so that no thread of the bar outlives the pass
+        # (Lightning's own bar does the same; test suites such as Lightning's fail a test that leaves one running).
+        thread = getattr(self._progress.live, "_refresh_thread", None)
         self._progress.stop()
+        if thread is not None:
+            thread.join()
 
 
 def progress_bar(total_bytes: int, description: str, enabled: bool) -> Any:

@@ -8,6 +8,7 @@ Lightning's events to it. It never moves data itself.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 import shutil
@@ -643,12 +644,13 @@ class RatelStrategy(ParallelStrategy):
             self._engine.planner.apply_plan(config.plan)
             show_plan(config.plan)
         self.setup_precision_plugin()
-        if optimizer is not None and not module.automatic_optimization:
-            # Parameters never hold gradients under RatelStrategy, the CPU optimizer does: manual optimization's
-            # zero_grad must drop those (on the optimizer and on the LightningOptimizer self.optimizers() returns,
-            # which connecting the precision plugin made anew).
+        if optimizer is not None:
+            # Parameters never hold gradients under RatelStrategy, the CPU optimizer does: zero_grad must drop those
+            # (on the optimizer and on the LightningOptimizer self.optimizers() returns, which connecting the
+            # precision plugin made anew). Automatic optimization calls it too: a backward whose step an
+            # `optimizer_step` override skipped must not add its gradients to the next step's.
             for opt in (optimizer, *self._lightning_optimizers):
-                opt.zero_grad = self._engine.zero_grad  # type: ignore[method-assign]
+                opt.zero_grad = functools.partial(self._zero_grad, opt)  # type: ignore[method-assign]
         # From here on, code between the engine's passes (hooks, callbacks) reads the parameters' real values.
         self._engine.reads.open()
         placement = self._engine.byte_placement()
@@ -682,6 +684,13 @@ class RatelStrategy(ParallelStrategy):
         torch.cuda.set_per_process_memory_fraction(limit / total, self.root_device)
         if self._replaced_memory_fraction is None:
             self._replaced_memory_fraction = (self.root_device, previous)
+
+    def _zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+        """``optimizer.zero_grad()`` during a fit: the engine drops the gradients it holds, then the optimizer's own
+        ``zero_grad`` runs as the user's code expects (the parameters hold none; a subclass may do more)."""
+        assert self._engine is not None
+        self._engine.zero_grad(set_to_none)
+        type(optimizer).zero_grad(optimizer, set_to_none)
 
     def _restore_device_memory(self) -> None:
         """Undo :meth:`_limit_device_memory`."""
@@ -998,6 +1007,11 @@ class RatelStrategy(ParallelStrategy):
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         if self._engine is None or self._engine.optimizer is None:
             super().load_optimizer_state_dict(checkpoint)
+            return
+        if not checkpoint.get("optimizer_states"):
+            # As plain Lightning, which loads nothing then (a checkpoint written for the weights alone); said, since
+            # the moments start from zero.
+            rank_zero_warn("RatelStrategy: the checkpoint holds no optimizer state; the optimizer starts afresh")
             return
         if self._resume is not None:
             load_moments(self._engine.state, self._resume, checkpoint["optimizer_states"][0]["param_groups"])

@@ -22,6 +22,8 @@ Make = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
 
 OPTIMIZERS: dict[str, Make] = {
     "sgd": lambda g: torch.optim.SGD(g, lr=0.05, momentum=0.9, nesterov=True),
+    # No state at all: its shards have no record in either slot.
+    "stateless_sgd": lambda g: torch.optim.SGD(g, lr=0.05),
     "adagrad": lambda g: torch.optim.Adagrad(g, lr=0.05, lr_decay=0.01, initial_accumulator_value=0.1),
     "rmsprop": lambda g: torch.optim.RMSprop(g, lr=1e-3, momentum=0.9, centered=True),
     "nadam": lambda g: torch.optim.NAdam(g, lr=1e-2, decoupled_weight_decay=True),
@@ -88,6 +90,7 @@ def _ratel(tmp_path: Path, **kwargs: Any) -> RatelStrategy:
 # placement, and the planned path.
 @pytest.mark.parametrize(("optimizer", "param_cache", "policy", "precision"), [
     ("sgd", "ssd", MIXED_POLICY, "32-true"),
+    ("stateless_sgd", "host", "keep", "32-true"),
     ("adagrad", "host", "recompute", "32-true"),
     ("rmsprop", "ssd", "host", "bf16-mixed"),
     ("nadam", "host", "ssd", "32-true"),

@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import sys
+import unittest.mock
 import warnings
 from pathlib import Path
 from typing import Any
@@ -300,6 +301,82 @@ def test_resume_equals_uninterrupted(tmp_path: Path, case: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- checkpoint format
+
+
+
+def test_zero_grad_reaches_the_optimizers_own(tmp_path: Path) -> None:
+    """The zero_grad RatelStrategy puts on the optimizer still calls the optimizer class's own, once per call: code
+    that counts or extends it (Lightning's tests patch it) sees what plain Lightning gives it."""
+    counts = {}
+    for name in ("auto", "ratel"):
+        with unittest.mock.patch("torch.optim.AdamW.zero_grad") as zero_grad:
+            trainer(ratel(swap(tmp_path)) if name == "ratel" else "auto", max_steps=-1, max_epochs=1,
+                    accumulate_grad_batches=2).fit(LM(n_batches=6))
+        counts[name] = zero_grad.call_count
+    assert counts["ratel"] == counts["auto"] == 3
+
+
+
+def test_resume_from_a_checkpoint_without_optimizer_state(tmp_path: Path) -> None:
+    """A checkpoint without optimizer states (written for the weights alone) resumes as under plain Lightning: the
+    optimizer starts afresh from the checkpoint's weights, with a warning."""
+    ckpt_trainer(ratel(swap(tmp_path)), tmp_path / "ckpt", max_steps=2).fit(LM())
+    saved = torch.load(step_ckpt(tmp_path / "ckpt", 2), weights_only=False)
+    saved["optimizer_states"] = []
+    stripped = tmp_path / "stripped.ckpt"
+    torch.save(saved, stripped)
+    outcome = {}
+    for name in ("auto", "ratel"):
+        lm = LM()
+        t = trainer(ratel(swap(tmp_path)) if name == "ratel" else "auto", max_steps=4)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            t.fit(lm, ckpt_path=str(stripped))
+        outcome[name] = final_state(lm, t), [str(w.message) for w in caught]
+    (ref, _), (got, said) = outcome["auto"], outcome["ratel"]
+    assert any("no optimizer state" in message for message in said)
+    assert {float(s["step"]) for s in got[1]["state"].values()} == {2.0}
+    assert max_rel_err(ref[0], got[0]) <= 1e-5
+    assert_opt_state_close(ref[1], got[1], 1e-5)
+
+
+class DirectLayerLM(L.LightningModule):
+    """A training_step that calls its layer itself (as many of Lightning's own tests do): the layer's parameters are
+    used outside the root's forward, so the first pass makes the layer a block of its own, after the run started."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = torch.nn.Linear(4, 2)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.layer(batch).square().mean()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> Any:
+        return torch.utils.data.DataLoader(torch.randn(8, 4, generator=torch.Generator().manual_seed(0)), batch_size=2)
+
+
+def test_resume_with_a_plan_made_after_a_block_formed(tmp_path: Path) -> None:
+    """The checkpoint's plan names the block the first pass formed, which the resumed run does not have yet: it
+    profiles again instead of refusing the plan, and ends where the uninterrupted run does."""
+    ckpt_dir = tmp_path / "ckpt"
+    first = DirectLayerLM()
+    ckpt_trainer(ratel(swap(tmp_path)), ckpt_dir, max_steps=4).fit(first)
+    ckpt = step_ckpt(ckpt_dir, 4)
+    saved = torch.load(ckpt, weights_only=False)
+    plan = next(state["plan"] for key, state in saved["callbacks"].items() if "RatelProfiler" in key)
+    assert set(json.loads(plan)["blocks"]) == {"", "layer"}
+    resumed = DirectLayerLM()
+    t = trainer(ratel(swap(tmp_path)), max_steps=6)
+    t.fit(resumed, ckpt_path=str(ckpt))
+    uninterrupted = DirectLayerLM()
+    trainer(ratel(swap(tmp_path)), max_steps=6).fit(uninterrupted)
+    assert t.global_step == 6
+    for name, value in uninterrupted.state_dict().items():
+        assert torch.equal(resumed.state_dict()[name], value), name
 
 
 def test_checkpoint_loadable_without_plugin(tmp_path: Path) -> None:
@@ -590,6 +667,31 @@ def test_training_step_returning_none_skips_step(tmp_path: Path) -> None:
     outcome = {}
     for name in ("auto", "ratel"):
         lm = SkipLM(n_batches=4)
+        t = trainer(ratel(swap(tmp_path)) if name == "ratel" else "auto", max_steps=-1, max_epochs=1)
+        t.fit(lm)
+        outcome[name] = final_state(lm, t)
+    ref_params, ref_opt = outcome["auto"]
+    params, opt = outcome["ratel"]
+    assert {float(s["step"]) for s in ref_opt["state"].values()} == {3.0}
+    assert max_rel_err(ref_params, params) <= 1e-5
+    assert_opt_state_close(ref_opt, opt, 1e-5)
+
+
+
+class SkippingOptimizerStepLM(LM):
+    """An ``optimizer_step`` that runs the closure every batch but steps only on even ones (Lightning's docs show such
+    overrides): the odd batches' gradients are dropped by the next closure's ``zero_grad``, not added to a step."""
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        optimizer_closure()
+        if batch_idx % 2 == 0:
+            optimizer.step()
+
+
+def test_optimizer_step_override_skipping_steps_matches_plain(tmp_path: Path) -> None:
+    outcome = {}
+    for name in ("auto", "ratel"):
+        lm = SkippingOptimizerStepLM(n_batches=5)
         t = trainer(ratel(swap(tmp_path)) if name == "ratel" else "auto", max_steps=-1, max_epochs=1)
         t.fit(lm)
         outcome[name] = final_state(lm, t)

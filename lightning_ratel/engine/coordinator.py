@@ -407,6 +407,9 @@ class RatelEngine:
         # The predictor of speculation: whether the last step clipped by norm or overflowed (a speculative update would
         # have been redone or dropped).
         self._missed = False
+        # Whether a backward ran since the last step: its gradients are held until a step takes them or zero_grad
+        # drops them (every rank runs the same passes and steps, so each decides alike without a collective).
+        self._backward_since_step = False
         # ``id`` of every module whose forward ran in a watched pass (empty before the first pass).
         self._ran_watched: set[int] = set()
         # Whether block forwards ran unwatched in the last pass, and that (training) pass's loss if they did.
@@ -601,9 +604,14 @@ class RatelEngine:
         self.adam.begin(self._step_plan)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Manual optimization's ``optimizer.zero_grad()``: drop the gradients accumulated since the last step."""
+        """``optimizer.zero_grad()``: drop the gradients accumulated since the last step. Lightning's automatic
+        optimization calls it at the start of each accumulation window, where a step normally took them all already;
+        it drops some only when a backward was not followed by a step (an ``optimizer_step`` that skips
+        ``optimizer.step()``), as plain training forgets them there."""
         assert self.adam is not None
-        self.adam.discard_window()
+        if self._backward_since_step:
+            self.adam.discard_window()
+            self._backward_since_step = False
 
     @staticmethod
     def _refuse_new_group(param_group: dict) -> None:
@@ -629,6 +637,7 @@ class RatelEngine:
         self.planner.record_pass()
         self.cache.end_pass()
         self.reads.resume()
+        self._backward_since_step = True
 
     def backward_stopped(self) -> None:
         """Backward raised: the user's hooks (``on_exception``, ``OnExceptionCheckpoint``'s) read the committed values
@@ -653,6 +662,10 @@ class RatelEngine:
         if plan.overlap and not plan.speculative and by_norm:
             raise RatelModelError("gradient clipping by norm was requested after updates had started")
         finished = self.adam.finish(plan, self.scheduler.order, loss_scale, clip)
+        self._backward_since_step = False
+        # An `optimizer_step` that ran the closure before `optimizer.step()` left the plan unused: the next
+        # micro-batch is not this step's boundary.
+        self._pending_plan = None
         self._missed = finished.missed
         return finished.taken
 

@@ -112,9 +112,14 @@ class Planner:
         if not self.config.plans_automatically:
             return
         if restored is not None and not reprofile:
-            self.apply_plan(restored)
-            rank_zero_info("RatelProfiler: using the plan from the checkpoint (reprofile=True to measure again)")
-            return
+            if self._fits(restored):
+                self.apply_plan(restored)
+                rank_zero_info("RatelProfiler: using the plan from the checkpoint (reprofile=True to measure again)")
+                return
+            # The run that saved it had more blocks by then: those it formed around parameters used outside their
+            # block (see Blocks.add) form again only as this run's passes find the same uses.
+            rank_zero_info("RatelProfiler: the checkpoint's plan names other blocks than the model has now; "
+                           "profiling again")
         start = time.perf_counter()
         self._nodes = self.measure_hardware(fresh=reprofile)
         self.begin_profile()
@@ -358,19 +363,22 @@ class Planner:
         Raises:
             RatelConfigError: the plan was made for a model with other blocks.
         """
-        names = {block.name for block in self.blocks}
-        if plan.blocks:
-            mismatch = set(plan.blocks) != names
-        else:
-            # A hand-written plan may name only some blocks, but at least one of this model's.
-            mismatch = not {key.rpartition("/")[0] for key in plan.activation_placement} & names
-        if mismatch:
+        if not self._fits(plan):
+            names = {block.name for block in self.blocks}
             planned = sorted(plan.blocks or {key.rpartition("/")[0] for key in plan.activation_placement})
             raise RatelConfigError(
                 f"the plan was made for a model with other blocks ({', '.join(planned[:4])}, ...) than this one "
                 f"({', '.join(sorted(names)[:4])}, ...). Make a plan for this model (plan='auto').")
         self.plan = plan
         self.cache.set_placements(plan_placements(self.blocks, plan.activation_placement))
+
+    def _fits(self, plan: Plan) -> bool:
+        """Whether ``plan`` was made for this model's blocks (a hand-written one, naming no blocks, for at least one
+        of them: it may place only some)."""
+        names = {block.name for block in self.blocks}
+        if plan.blocks:
+            return set(plan.blocks) == names
+        return bool({key.rpartition("/")[0] for key in plan.activation_placement} & names)
 
 
 def device_overhead(logits_bytes: int, logits_elements: int, peaks_measured: bool) -> DeviceOverhead:

@@ -131,19 +131,22 @@ class SlotViews:
         store: the run's tiered store (the views are of its host memory).
         shard: the shard.
         slot: the state slot the shard's next update writes.
-        state_bytes: bytes of its state record (an optimizer other than AdamW/Adam), 0 otherwise.
+        state_bytes: bytes of its state record under an optimizer other than AdamW/Adam (0 for one that keeps no
+            state, such as SGD without momentum); ``None`` for AdamW/Adam, whose moments it views instead.
     """
 
     compute = None
     nbytes = 0
 
-    def __init__(self, store: TieredStore, shard: Shard, slot: int, state_bytes: int) -> None:
+    def __init__(self, store: TieredStore, shard: Shard, slot: int, state_bytes: int | None) -> None:
         host = store.host
         self.slot = slot
         self.master = (torch.empty(0) if shard.master_in_host
                        else host.view(shard.key("master", slot), torch.float32))
-        if state_bytes:
-            self.state = host.view(shard.key("state", slot), torch.uint8)
+        if state_bytes is not None:
+            # A stateless optimizer's shard has no record in the store (the optimizer reserves none).
+            self.state = (host.view(shard.key("state", slot), torch.uint8) if state_bytes
+                          else torch.empty(0, dtype=torch.uint8))
             self.exp_avg = self.exp_avg_sq = torch.empty(0)
         else:
             self.state = torch.empty(0, dtype=torch.uint8)
@@ -221,7 +224,7 @@ class StateBuffers:
 
     def _views(self, shard: Shard) -> SlotViews:
         assert isinstance(self.store, TieredStore)
-        state_bytes = self.generic.nbytes(shard) if self.generic is not None else 0
+        state_bytes = self.generic.nbytes(shard) if self.generic is not None else None
         return SlotViews(self.store, shard, 1 - self.ledger.latest(shard).slot, state_bytes)
 
     def take(self, shard: Shard, urgent: bool = False) -> Loaded | None:
