@@ -142,6 +142,7 @@ class RatelProfiler(Callback):
             self._trace.__enter__()
         planner.breakdown.begin()
         self._step_start = time.perf_counter()
+        planner.step_started()
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,

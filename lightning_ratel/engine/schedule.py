@@ -73,14 +73,24 @@ class BlockTimer:
         block_times: per block: ``forward`` and ``backward`` seconds (summed over the passes timed), ``backward_peak``
             bytes, and the bytes and elements of its output (for the last block the logits, whose loss and gradient
             cost device memory outside any block).
+        step_started: when the micro-batch now timed started (:meth:`step_start`), ``None`` before.
+        backward_began: when its backward started, ``None`` before.
     """
 
     def __init__(self, device: Device) -> None:
         self.device = device
         self.block_times: dict[int, dict[str, float]] = {}
+        self.step_started: float | None = None
+        self.backward_began: float | None = None
         self._current: int | None = None
         self._entered = 0.0
         self._allocated = 0
+
+    def step_start(self) -> None:
+        """A micro-batch starts: its forward, blocks and what runs around them, is timed from here."""
+        self.device.synchronize()
+        self.step_started = time.perf_counter()
+        self.backward_began = None
 
     def forward_started(self, b: int) -> None:
         self.device.synchronize()
@@ -95,8 +105,9 @@ class BlockTimer:
         times["output_elements"] = float(sum(t.numel() for t in tensors))
 
     def backward_started(self) -> None:
+        self.device.synchronize()
         self._current = None
-        self._entered = time.perf_counter()
+        self._entered = self.backward_began = time.perf_counter()
         self._allocated = self.device.allocated_bytes()
         self.device.reset_peak()
 
