@@ -106,6 +106,23 @@ def test_updates_overlapping_backward_are_not_measured_as_if_alone(tmp_path, mon
     assert "cpu_optimizer" in plan.resource_times["backward"]
 
 
+def test_waits_for_parameters_are_not_work_between_the_blocks():
+    """The cost model charges page-ins to the link and the disks: the profile's forward outside the blocks leaves out
+    what it waited for them, and only in forward."""
+    from lightning_ratel.engine.schedule import BlockTimer
+    from lightning_ratel.runtime.device import Device
+
+    timer = BlockTimer(Device(torch.device("cpu")))
+    timer.step_start()
+    timer.paged_in(0.5)
+    timer.paged_in(0.25)
+    timer.backward_started()
+    timer.paged_in(1.0)
+    assert timer.forward_waits == 0.75
+    timer.step_start()
+    assert timer.forward_waits == 0.0
+
+
 @pytest.mark.parametrize(("samples", "expected"), [([], 0.0), ([7.0], 7.0), ([100.0, 1.0], 1.0),
                                                     ([100.0, 1.0, 3.0], 2.0), ([0.5, 4.0, 1.0, 2.0], 2.0)])
 def test_a_profiled_quantity_settles_to_the_median_after_the_first_pass(samples, expected):

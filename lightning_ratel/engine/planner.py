@@ -271,8 +271,9 @@ class Planner:
             forward += times.get("forward", 0.0)
             backward += times.get("backward", 0.0)
         if timer.step_started is not None and timer.backward_began is not None:
-            # Forward's wall time from the batch's start, less its blocks': the code around them.
-            self._outside.append({"forward": timer.backward_began - timer.step_started - forward,
+            # Forward's wall time from the batch's start, less its blocks' and the waits for their parameters: the
+            # code around them.
+            self._outside.append({"forward": timer.backward_began - timer.step_started - forward - timer.forward_waits,
                                   "backward_from": timer.backward_began, "backward_blocks": backward})
 
     def end_profile(self) -> list[LayerProfile]:
