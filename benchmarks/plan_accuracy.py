@@ -66,8 +66,9 @@ from lightning_ratel.tiers import TIERS
 MIB = 1 << 20
 VARIANTS = {"tiered": ("device", "host", "ssd"), "ssd": ("ssd",)}
 """Sweep name -> the tiers a stored op may take, tried in order."""
-PROFILE_STEPS = 2
-"""Steps the ``plan="auto"`` runs profile before planning (the profiler's default)."""
+PROFILE_STEPS = 3
+"""Steps the ``plan="auto"`` runs profile before planning: one more than the profiler's default, so that each measured
+time is the least of two passes after the first and one pass another process slowed does not set the prediction."""
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -26,6 +26,7 @@ from lightning_ratel.engine.planner import (
     settled,
     state_traffic,
     step_traffic,
+    update_rate,
 )
 from lightning_ratel.hardware import HardwareProfile
 from lightning_ratel.plan import LayerProfile, OpProfile
@@ -124,9 +125,18 @@ def test_waits_for_parameters_are_not_work_between_the_blocks():
 
 
 @pytest.mark.parametrize(("samples", "expected"), [([], 0.0), ([7.0], 7.0), ([100.0, 1.0], 1.0),
-                                                    ([100.0, 1.0, 3.0], 2.0), ([0.5, 4.0, 1.0, 2.0], 2.0)])
-def test_a_profiled_quantity_settles_to_the_median_after_the_first_pass(samples, expected):
+                                                    ([100.0, 1.0, 3.0], 1.0), ([0.5, 4.0, 10.0, 2.0], 2.0)])
+def test_a_profiled_quantity_settles_to_the_least_after_the_first_pass(samples, expected):
     assert settled(samples) == expected
+
+
+def test_the_update_rate_is_the_fastest_profiled_update_after_the_first():
+    """A step another process slowed tenfold does not set the rate; nor does the first, which pays one-off costs."""
+    assert update_rate([(1.0, 100), (0.5, 100), (5.0, 100)]) == pytest.approx(200.0)
+    assert update_rate([(0.1, 100), (2.0, 200), (0.5, 50)]) == pytest.approx(100.0)
+    assert update_rate([(0.5, 100)]) == pytest.approx(200.0)
+    assert update_rate([]) == 0.0
+    assert update_rate([(1.0, 100), (0.0, 100)]) == pytest.approx(100.0)
 
 
 class _RngAtFirstBatch(L.Callback):

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import statistics
 import time
 from collections.abc import Mapping, Sequence
 
@@ -121,7 +120,7 @@ class Planner:
         profile the next ``profile_steps`` micro-batches.
 
         Args:
-            profile_steps: micro-batches run under the safe default while profiling; each measured time is the median
+            profile_steps: micro-batches run under the safe default while profiling; each measured time is the least
                 over them after the first (see :func:`settled`).
             restored: the plan of the run this one resumes.
             reprofile: profile again even when a plan was restored.
@@ -287,7 +286,7 @@ class Planner:
         self._measured = {
             "forward_overhead": max(0.0, settled([o["forward"] for o in self._outside])),
             "backward_overhead": max(0.0, settled([o["backward"] for o in self._outside if "backward" in o])),
-            "update_params_per_s": settled([numel / seconds for seconds, numel in self._updates if seconds > 0]),
+            "update_params_per_s": update_rate(self._updates),
         }
         layers = []
         for pos, b in enumerate(self.scheduler.order):
@@ -436,14 +435,22 @@ class Planner:
 
 
 def settled(samples: Sequence[float]) -> float:
-    """What a profiled quantity settles to: the median of ``samples`` (one per profiled pass, in order) after the
+    """What a profiled quantity settles to: the least of ``samples`` (one per profiled pass, in order) after the
     first, which also pays a run's one-off costs (first touch of fresh memory, lazy initialisation, the first pass's
     watch for parameters used outside their block); the first alone where it is the only one, 0 where there is none.
-    A median rather than the least: the steps the plan is for pay the machine's usual load too, and one lucky or
-    unlucky pass moves it little."""
+    The least rather than a median: what other processes take of the cores and the memory bus only ever adds time,
+    and with two or three passes a median still follows one pass they slowed (one optimizer step's update slowed
+    tenfold on a loaded machine made the plan's predicted step 66% too long)."""
     if not samples:
         return 0.0
-    return statistics.median(samples[1:] or samples)
+    return min(samples[1:] or samples)
+
+
+def update_rate(updates: Sequence[tuple[float, int]]) -> float:
+    """Parameters per second of the profiled optimizer steps that ran alone, ``(seconds, parameters)`` each in order:
+    the one of :func:`settled` seconds per parameter (so the fastest after the first); 0 where none was timed."""
+    per_param = settled([seconds / numel for seconds, numel in updates if seconds > 0 and numel > 0])
+    return 1 / per_param if per_param > 0 else 0.0
 
 
 def device_overhead(logits_bytes: int, logits_elements: int, peaks_measured: bool) -> DeviceOverhead:
