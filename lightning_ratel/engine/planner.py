@@ -439,8 +439,8 @@ def settled(samples: Sequence[float]) -> float:
     first, which also pays a run's one-off costs (first touch of fresh memory, lazy initialisation, the first pass's
     watch for parameters used outside their block); the first alone where it is the only one, 0 where there is none.
     The least rather than a median: what other processes take of the cores and the memory bus only ever adds time,
-    and with two or three passes a median still follows one pass they slowed (one optimizer step's update slowed
-    tenfold on a loaded machine made the plan's predicted step 66% too long)."""
+    and with two or three passes a median still follows one pass they slowed (one profiled update's rate was seen to
+    vary tenfold on a loaded machine)."""
     if not samples:
         return 0.0
     return min(samples[1:] or samples)
