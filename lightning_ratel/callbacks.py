@@ -92,8 +92,8 @@ class RatelProfiler(Callback):
         trace_step: also write a Chrome trace (``torch.profiler``) of this training step (global step number).
         reprofile: profile and plan again even when the plan came from a checkpoint.
         profile_steps: training micro-batches run under the safe default while profiling; each measured time is
-            the least over them, because the first step of a run also pays one-off costs. The plan applies from the
-            next micro-batch.
+            the least over them after the first, which also pays a run's one-off costs: from three on, one step that
+            other processes slowed does not set the plan's rates. The plan applies from the next micro-batch.
     """
 
     def __init__(
@@ -142,6 +142,7 @@ class RatelProfiler(Callback):
             self._trace.__enter__()
         planner.breakdown.begin()
         self._step_start = time.perf_counter()
+        planner.step_started()
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,

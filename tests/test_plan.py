@@ -181,6 +181,58 @@ def test_updates_overlap_backward_only_where_the_optimizer_has_cores_of_its_own(
     assert updates_overlap(unified=gpu, gradient_bytes=1001, host_room=4000)
 
 
+def test_work_measured_outside_the_blocks_adds_to_compute():
+    base = _hand_predict("cpu")
+    p = _hand_predict("cpu", forward_overhead=0.5, backward_overhead=0.25)
+    # The blocks' 0.08 s of forward and 0.16 s of backward (with 0.032 s of recompute) plus what ran around them.
+    assert p.forward["compute"] == pytest.approx(0.08 + 0.5)
+    assert p.backward["compute"] == pytest.approx(0.192 + 0.25)
+    assert p.iteration_time == pytest.approx(base.iteration_time + 0.75)
+    gpu = _hand_predict("cuda", forward_overhead=0.5)
+    assert gpu.forward["compute"] == pytest.approx(0.58)
+    # On a GPU it is one lane among others: the 2 s of page-ins still set the forward's time.
+    assert gpu.forward_time == pytest.approx(2.0)
+
+
+def test_a_measured_update_rate_replaces_the_kernels():
+    # 20 parameters at the kernel's 1000/s, or at the 4/s the whole update was measured at.
+    assert _hand_predict("cpu").backward["cpu_optimizer"] == pytest.approx(20 / 1000)
+    measured = _hand_predict("cpu", update_params_per_s=4)
+    assert measured.backward["cpu_optimizer"] == pytest.approx(20 / 4)
+    assert measured.backward_time == pytest.approx(0.192 + 20 / 4 + measured.backward["ssd"])
+    # Two ranks on a node: the kernel's rate is shared between them (10 parameters at 500/s), the measured one was
+    # measured with both updating and is not shared again (10 parameters at 4/s).
+    assert _hand_predict("cpu", ranks_on_node=2).backward["cpu_optimizer"] == pytest.approx(10 / 500)
+    assert _hand_predict("cpu", ranks_on_node=2, update_params_per_s=4).backward["cpu_optimizer"] == pytest.approx(2.5)
+
+
+def test_updates_after_backward_are_charged_to_the_next_forward():
+    overlapped = _hand_predict("cpu", update_params_per_s=4)
+    after = _hand_predict("cpu", update_params_per_s=4, updates_after_backward=True)
+    assert "cpu_optimizer" not in after.backward and "cpu_optimizer" not in overlapped.forward
+    assert after.forward["cpu_optimizer"] == pytest.approx(20 / 4)
+    # On the CPU's cores the step takes the same time in either order; the phases split it differently.
+    assert after.forward_time == pytest.approx(overlapped.forward_time + 5)
+    assert after.backward_time == pytest.approx(overlapped.backward_time - 5)
+    assert after.iteration_time == pytest.approx(overlapped.iteration_time)
+    # On a GPU the updates have lanes of their own: 5 s of them, after a forward of 2 s of page-ins and a backward
+    # of 2.6 s, lengthen the forward to 5 s and shorten nothing.
+    gpu = _hand_predict("cuda", update_params_per_s=4, updates_after_backward=True)
+    assert gpu.forward_time == pytest.approx(5.0)
+    assert gpu.backward_time == pytest.approx(2.6)
+    # Their DRAM traffic (20 updates of 28 B) goes with them.
+    dram = _hand_predict("cuda", dram=1000, updates_after_backward=True)
+    in_backward = _hand_predict("cuda", dram=1000)
+    assert dram.forward["dram"] == pytest.approx(in_backward.forward["dram"] + 20 * 28 / 1000)
+    assert dram.backward["dram"] == pytest.approx(in_backward.backward["dram"] - 20 * 28 / 1000)
+
+
+def test_measured_settings_cannot_be_negative():
+    for name in ("forward_overhead", "backward_overhead", "update_params_per_s"):
+        with pytest.raises(RatelConfigError, match=name):
+            CostSettings(**{name: -1.0})
+
+
 def test_predict_missing_ops_count_as_device():
     layers = [_hand_layer("b.0", 0)]
     assert predict(_hw(), layers, {}).bytes == {"device": 600, "host": 0, "ssd": 0, "recompute": 0}
@@ -637,5 +689,18 @@ def test_a_nodes_settings_are_the_mean_traffic_of_its_ranks():
     assert node_settings([in_host]) == in_host
     with pytest.raises(RatelConfigError, match="different param_cache"):
         node_settings([on_disk, dataclasses.replace(in_host, param_cache="ssd")])
+    with pytest.raises(RatelConfigError, match="different updates_after_backward"):
+        node_settings([on_disk, dataclasses.replace(in_host, updates_after_backward=True)])
     with pytest.raises(RatelConfigError, match="at least one"):
         node_settings([])
+
+
+def test_a_nodes_measured_work_is_its_slowest_ranks():
+    """The ranks of a node wait for each other: the most seconds outside the blocks, the least update rate of the
+    ranks that measured one."""
+    first = CostSettings(forward_overhead=0.1, backward_overhead=0.4, update_params_per_s=300.0, ranks_on_node=3)
+    second = dataclasses.replace(first, forward_overhead=0.2, backward_overhead=0.3, update_params_per_s=200.0)
+    unmeasured = dataclasses.replace(first, update_params_per_s=0.0)
+    node = node_settings([first, second, unmeasured])
+    assert (node.forward_overhead, node.backward_overhead, node.update_params_per_s) == (0.2, 0.4, 200.0)
+    assert node_settings([unmeasured]).update_params_per_s == 0.0

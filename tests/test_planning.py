@@ -16,14 +16,17 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lightning_ratel import Plan, RatelConfigError, RatelPlanError, RatelProfiler, RatelStrategy
 from lightning_ratel.engine.blocks import discover_blocks
+from lightning_ratel.engine.coordinator import RatelEngine
 from lightning_ratel.engine.placement import plan_placements
 from lightning_ratel.engine.planner import (
     node_profiles,
     plan_budgets,
     plan_settings,
     read_ahead_traffic,
+    settled,
     state_traffic,
     step_traffic,
+    update_rate,
 )
 from lightning_ratel.hardware import HardwareProfile
 from lightning_ratel.plan import LayerProfile, OpProfile
@@ -76,6 +79,64 @@ def test_auto_plan_matches_plain_training(auto_run):
         assert op in names, op
     assert any(n.startswith("input_layernorm:") for n in names)
     assert any("scaled_dot_product" in n for n in names)
+
+
+def test_profiling_measures_the_work_around_the_blocks_and_the_whole_update(auto_run):
+    """On the CPU the updates run after backward: the profiled steps wait for them, so the planner measures them
+    whole, and the cost model charges them to the next forward."""
+    t, _ = auto_run
+    plan = _profiler(t).plan
+    assert plan is not None and plan.settings is not None
+    assert plan.settings.updates_after_backward
+    assert plan.settings.update_params_per_s > 0
+    # The loss, the rotary embedding and the causal mask run outside every block.
+    assert plan.settings.forward_overhead > 0
+    assert "cpu_optimizer" in plan.resource_times["forward"] and "cpu_optimizer" not in plan.resource_times["backward"]
+
+
+def test_updates_overlapping_backward_are_not_measured_as_if_alone(tmp_path, monkeypatch):
+    """Where the updates overlap backward (a GPU's path, taken here on the CPU) the profiled steps do not wait for
+    them: their rate is not measured, and the cost model charges them to backward at the kernel's probed rate."""
+    monkeypatch.setattr(RatelEngine, "overlap_updates", True)
+    t = trainer(RatelStrategy(ssd_paths=[str(tmp_path)]), max_steps=3)
+    t.fit(LM("llama"))
+    plan = _profiler(t).plan
+    assert plan is not None and plan.settings is not None
+    assert not plan.settings.updates_after_backward
+    assert plan.settings.update_params_per_s == 0
+    assert "cpu_optimizer" in plan.resource_times["backward"]
+
+
+def test_waits_for_parameters_are_not_work_between_the_blocks():
+    """The cost model charges page-ins to the link and the disks: the profile's forward outside the blocks leaves out
+    what it waited for them, and only in forward."""
+    from lightning_ratel.engine.schedule import BlockTimer
+    from lightning_ratel.runtime.device import Device
+
+    timer = BlockTimer(Device(torch.device("cpu")))
+    timer.step_start()
+    timer.paged_in(0.5)
+    timer.paged_in(0.25)
+    timer.backward_started()
+    timer.paged_in(1.0)
+    assert timer.forward_waits == 0.75
+    timer.step_start()
+    assert timer.forward_waits == 0.0
+
+
+@pytest.mark.parametrize(("samples", "expected"), [([], 0.0), ([7.0], 7.0), ([100.0, 1.0], 1.0),
+                                                    ([100.0, 1.0, 3.0], 1.0), ([0.5, 4.0, 10.0, 2.0], 2.0)])
+def test_a_profiled_quantity_settles_to_the_least_after_the_first_pass(samples, expected):
+    assert settled(samples) == expected
+
+
+def test_the_update_rate_is_the_fastest_profiled_update_after_the_first():
+    """A step another process slowed tenfold does not set the rate; nor does the first, which pays one-off costs."""
+    assert update_rate([(1.0, 100), (0.5, 100), (5.0, 100)]) == pytest.approx(200.0)
+    assert update_rate([(0.1, 100), (2.0, 200), (0.5, 50)]) == pytest.approx(100.0)
+    assert update_rate([(0.5, 100)]) == pytest.approx(200.0)
+    assert update_rate([]) == 0.0
+    assert update_rate([(1.0, 100), (0.0, 100)]) == pytest.approx(100.0)
 
 
 class _RngAtFirstBatch(L.Callback):
@@ -353,6 +414,26 @@ def test_hardware_speeds_are_kept_per_machine_and_filesystem(tmp_path, monkeypat
     assert probes == [1]
     measure(second, fresh=True)
     assert probes == [1, 1]
+    # A run whose stores move their chunks otherwise is probed the way it moves them.
+    options = {"stripe_bytes": 4 << 20, "io_threads_per_path": 1}
+    measure(second, store_options=options)
+    measure(second, store_options=options)
+    assert probes == [1, 1, 1]
+
+
+def test_a_probe_counts_the_median_of_its_calls_after_an_untimed_one(monkeypatch):
+    from lightning_ratel.runtime import probe
+
+    # Each call of the probed function takes the next of these seconds on a clock of the test's own.
+    durations = iter([9.0, 1.0, 2.0, 50.0, 3.0, 4.0])
+    clock = [0.0]
+
+    def run() -> None:
+        clock[0] += next(durations)
+
+    monkeypatch.setattr(probe.time, "perf_counter", lambda: clock[0])
+    # The first call (9 s) is dropped; of the other five the median counts, not the lucky or the unlucky one.
+    assert probe.median_time(run, 5) == 3.0
 
 
 def _shard(numel: int, state_tier: str = "ssd", master_in_host: bool = False,

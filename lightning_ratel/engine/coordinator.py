@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -389,9 +390,12 @@ class RatelEngine:
                           if self.adam is not None else None)
         self.accounts = ByteAccount(self.device, self.layout, self.pager, self.cache, self.state, self.adam,
                                     self.store, writes)
+        self._overlap_pays = self._decide_overlap(local_world)
         self.planner = Planner(config, self.device, self.blocks, self.layout, self.cache, self.scheduler,
                                self.accounts, StepBreakdown(self.device, self.timeline, self.pager, self.cache,
-                                                            self.store), self.adam)
+                                                            self.store), self.adam, updates_overlap=self._overlap_pays,
+                               store_options={"stripe_bytes": io.stripe_bytes,
+                                              "io_threads_per_path": io.threads_per_path})
         # A block found late gets an activation placement (the default) and forward hooks of its own.
         self.blocks.on_add(lambda block: self.cache.add_block())
         self.blocks.on_add(self.scheduler.add_block)
@@ -402,7 +406,6 @@ class RatelEngine:
             optimizer.add_param_group = self._refuse_new_group  # type: ignore[method-assign]
         self._step_plan = StepPlan([], overlap=False)
         self._pending_plan: StepPlan | None = None
-        self._overlap_pays = self._decide_overlap(local_world)
         self._clip: tuple[float, str] | None = None
         # The predictor of speculation: whether the last step clipped by norm or overflowed (a speculative update would
         # have been redone or dropped).
@@ -661,12 +664,19 @@ class RatelEngine:
         by_norm = clip is not None and clip[1] == "norm"
         if plan.overlap and not plan.speculative and by_norm:
             raise RatelModelError("gradient clipping by norm was requested after updates had started")
+        start = time.perf_counter()
         finished = self.adam.finish(plan, self.scheduler.order, loss_scale, clip)
         self._backward_since_step = False
         # An `optimizer_step` that ran the closure before `optimizer.step()` left the plan unused: the next
         # micro-batch is not this step's boundary.
         self._pending_plan = None
         self._missed = finished.missed
+        if self.planner.profiling and not plan.overlap and finished.taken:
+            # A profiled step waits for its updates, which then run alone: the planner measures them whole (reads
+            # of the states, kernel, compute copies, write-back copies), and the next profiled forward runs alone.
+            self.adam.barrier()
+            numel = sum(s.numel for s in self.planner.owned_shards())
+            self.planner.record_updates(time.perf_counter() - start, numel)
         return finished.taken
 
     def abort_step(self) -> None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info
@@ -65,11 +65,16 @@ class Planner:
         adam: the CPU optimizer (its thread count is what the AdamW probe measures with); with several ranks the
             :class:`~lightning_ratel.runtime.collectives.DataParallelAdam` whose ranks share the profile and the plan;
             ``None`` for evaluation.
+        updates_overlap: the run's updates overlap backward (:func:`~lightning_ratel.plan.cost.updates_overlap`);
+            otherwise they run after it, and the cost model charges them to the next forward.
+        store_options: how the run's swap stores move their chunks (:class:`~lightning_ratel.runtime.storage.
+            TensorStore`'s ``stripe_bytes`` and ``io_threads_per_path``), for the disk probes.
     """
 
     def __init__(self, config: RatelConfig, device: Device, blocks: BlockMembership, layout: Layout,
                  cache: ActivationCache, scheduler: BlockScheduler, accounts: ByteAccount, breakdown: StepBreakdown,
-                 adam: CpuAdam | DataParallelAdam | None) -> None:
+                 adam: CpuAdam | DataParallelAdam | None, updates_overlap: bool = True,
+                 store_options: Mapping[str, int] | None = None) -> None:
         self.config = config
         self.device = device
         self.blocks = blocks
@@ -79,6 +84,8 @@ class Planner:
         self.accounts = accounts
         self.breakdown = breakdown
         self.adam = adam
+        self.updates_overlap = updates_overlap
+        self.store_options = dict(store_options or {})
         # The ranks planning together, and their control collectives; None on one rank.
         self._parallel = adam if isinstance(adam, DataParallelAdam) else None
         self.plan: Plan | None = None
@@ -88,8 +95,17 @@ class Planner:
         self._profiled_steps = 0
         # Times the blocks while profiling (the scheduler's observer then), else None.
         self._timer: BlockTimer | None = None
-        self._profiled: dict[int, list] = {}
+        # Per block, per profiled pass: the cache's records of the block, and what the timer measured.
+        self._profiled: dict[int, list[list]] = {}
         self._profiled_times: dict[int, list[dict[str, float]]] = {}
+        # Per profiled micro-batch: seconds outside the blocks in forward and in backward (see micro_batch_done).
+        self._outside: list[dict[str, float]] = []
+        # Per profiled optimizer step run alone after backward: (seconds, parameters updated).
+        self._updates: list[tuple[float, int]] = []
+        # This micro-batch's updates' seconds, which its backward's wall time holds but its blocks do not.
+        self._step_updates = 0.0
+        # What profiling measured outside the blocks, for the cost model's settings (see end_profile).
+        self._measured: dict[str, float] = {}
         # Bytes and elements of each block's output in the profiled passes (the last block's are the logits).
         self._outputs: dict[int, tuple[float, float]] = {}
         cache.set_placements(resolve_policies(blocks, config.activation_policy or "host"))
@@ -105,7 +121,7 @@ class Planner:
 
         Args:
             profile_steps: micro-batches run under the safe default while profiling; each measured time is the least
-                over them, because the first step of a run also pays one-off costs.
+                over them after the first (see :func:`settled`).
             restored: the plan of the run this one resumes.
             reprofile: profile again even when a plan was restored.
         """
@@ -129,10 +145,31 @@ class Planner:
             f"RatelProfiler: hardware measured in {time.perf_counter() - start:.2f} s; profiling the first step"
         )
 
+    def step_started(self) -> None:
+        """A training micro-batch starts (Lightning's batch start): while profiling, its forward is timed from here."""
+        if self._timer is not None:
+            self._timer.step_start()
+            self._step_updates = 0.0
+
+    def record_updates(self, seconds: float, numel: int) -> None:
+        """A profiled optimizer step's updates ran alone after backward (the engine waited for them): ``seconds`` for
+        ``numel`` parameters, this rank's."""
+        if self._timer is not None:
+            self._step_updates += seconds
+            if numel:
+                self._updates.append((seconds, numel))
+
     def micro_batch_done(self) -> Plan | None:
         """A training micro-batch ended; after the last profiled one, plan and apply. Returns the new plan then."""
         if not self.profiling:
             return None
+        assert self._timer is not None
+        self.device.synchronize()
+        if self._outside and "backward_from" in self._outside[-1]:
+            # The backward's wall time ends here (finishing the step included), less its blocks' and the updates'.
+            last = self._outside[-1]
+            last["backward"] = (time.perf_counter() - last.pop("backward_from") - last.pop("backward_blocks")
+                                - self._step_updates)
         self._profiled_steps += 1
         if self._profiled_steps < self._profile_steps:
             return None
@@ -182,7 +219,7 @@ class Planner:
         # Named after the run's store: the nodes of a cluster may probe directories of one shared file system at once.
         return measure_hardware(self.device, self.config.ssd_paths,
                                 functools.partial(adamw_step(), num_threads=threads), threads=threads, fresh=fresh,
-                                name=f"{self.config.name}-probe")
+                                name=f"{self.config.name}-probe", store_options=self.store_options)
 
     def _agreed_plan(self, nodes: list[HardwareProfile], layers: list[LayerProfile]) -> Plan:
         """The plan of this run: this rank's own on one rank; with several, rank 0's, received by every rank. Rank 0
@@ -221,31 +258,52 @@ class Planner:
         self.scheduler.observer = self._timer
         self._profiled.clear()
         self._profiled_times.clear()
+        self._outside.clear()
+        self._updates.clear()
         self.cache.set_placements(profiling_placements(self.blocks))
 
     def record_pass(self) -> None:
         """A profiled pass's backward ended: keep what it measured (the cache forgets its records next)."""
-        if self._timer is None:
+        timer = self._timer
+        if timer is None:
             return
+        forward = backward = 0.0
         for b in range(len(self.blocks)):
-            self._profiled.setdefault(b, []).extend(self.cache.records(b))
-            self._profiled_times.setdefault(b, []).append(self._timer.block_times.pop(b, {}))
+            self._profiled.setdefault(b, []).append(list(self.cache.records(b)))
+            times = timer.block_times.pop(b, {})
+            self._profiled_times.setdefault(b, []).append(times)
+            forward += times.get("forward", 0.0)
+            backward += times.get("backward", 0.0)
+        if timer.step_started is not None and timer.backward_began is not None:
+            # Forward's wall time from the batch's start, less its blocks' and the waits for their parameters: the
+            # code around them.
+            self._outside.append({"forward": timer.backward_began - timer.step_started - forward - timer.forward_waits,
+                                  "backward_from": timer.backward_began, "backward_blocks": backward})
 
     def end_profile(self) -> list[LayerProfile]:
         """Stop profiling and return one :class:`LayerProfile` per block, in execution order.
 
-        Each time is the least seen over the profiled passes: the first pass of a run also pays one-off costs
-        (first touch of fresh memory, lazy initialisation) that later steps do not.
+        Each block's times are :func:`settled` over the profiled passes: the first pass of a run also pays one-off
+        costs (first touch of fresh memory, lazy initialisation) that later steps do not. So are what the passes ran
+        outside the blocks and the rate of the optimizer steps that ran alone (kept for :meth:`cost_settings`).
         """
         self.scheduler.observer = self._timer = None
+        self._measured = {
+            "forward_overhead": max(0.0, settled([o["forward"] for o in self._outside])),
+            "backward_overhead": max(0.0, settled([o["backward"] for o in self._outside if "backward" in o])),
+            "update_params_per_s": update_rate(self._updates),
+        }
         layers = []
         for pos, b in enumerate(self.scheduler.order):
             block = self.blocks[b]
             passes = self._profiled_times.get(b) or [{}]
-            records = self._profiled.get(b, [])
-            forward = min(t.get("forward", 0.0) for t in passes)
-            replays = [r.replay_time for r in records] or [0.0]
-            backward = min(t.get("backward", 0.0) for t in passes) - min(replays)
+            per_pass = self._profiled.get(b, [])
+            records = [r for pass_records in per_pass for r in pass_records]
+            forward = settled([t.get("forward", 0.0) for t in passes])
+            # Backward less the replays of recomputed ops, which the cost model charges per op.
+            replays = [sum(r.replay_time for r in pass_records) for pass_records in per_pass]
+            replays += [0.0] * (len(passes) - len(replays))
+            backward = settled([t.get("backward", 0.0) - replay for t, replay in zip(passes, replays)])
             backward = backward if backward > 0 else 2.0 * forward
             owned = [s for s in self.layout.shards if s.unit.index == b]
             if records and not block.direct_only:
@@ -284,6 +342,8 @@ class Planner:
                                 max(t.get("output_elements", 0.0) for t in passes))
         self._profiled.clear()
         self._profiled_times.clear()
+        self._outside.clear()
+        self._updates.clear()
         return layers
 
     def owned_shards(self) -> list[Shard]:
@@ -313,11 +373,12 @@ class Planner:
     def cost_settings(self, layers: Sequence[LayerProfile]) -> CostSettings:
         """The cost model's settings of this rank (see :func:`plan_settings`): the states it owns and where they
         are, the host bytes it holds now, and on a GPU what a step needs on the device beyond its working set."""
-        return plan_settings(
+        settings = plan_settings(
             self.layout.shards, self.owned_shards(), self.layout.param_cache, self.ranks_on_node,
             prefetch_depth=self.config.prefetch_depth, host_static_bytes=self.accounts.held()["host"],
             device_overhead=self._device_overhead(layers) if self.device.is_cuda else None,
             read_ahead_sets=self._read_ahead_sets())
+        return dataclasses.replace(settings, updates_after_backward=not self.updates_overlap, **self._measured)
 
     def _read_ahead_sets(self) -> int:
         """This rank's whole buffer sets (each reads one shard's states ahead during forward): its share of the
@@ -379,6 +440,25 @@ class Planner:
         if plan.blocks:
             return set(plan.blocks) == names
         return bool({key.rpartition("/")[0] for key in plan.activation_placement} & names)
+
+
+def settled(samples: Sequence[float]) -> float:
+    """What a profiled quantity settles to: the least of ``samples`` (one per profiled pass, in order) after the
+    first, which also pays a run's one-off costs (first touch of fresh memory, lazy initialisation, the first pass's
+    watch for parameters used outside their block); the first alone where it is the only one, 0 where there is none.
+    The least rather than a median: what other processes take of the cores and the memory bus only ever adds time,
+    and with two or three passes a median still follows one pass they slowed (one profiled update's rate was seen to
+    vary tenfold on a loaded machine)."""
+    if not samples:
+        return 0.0
+    return min(samples[1:] or samples)
+
+
+def update_rate(updates: Sequence[tuple[float, int]]) -> float:
+    """Parameters per second of the profiled optimizer steps that ran alone, ``(seconds, parameters)`` each in order:
+    the one of :func:`settled` seconds per parameter (so the fastest after the first); 0 where none was timed."""
+    per_param = settled([seconds / numel for seconds, numel in updates if seconds > 0 and numel > 0])
+    return 1 / per_param if per_param > 0 else 0.0
 
 
 def device_overhead(logits_bytes: int, logits_elements: int, peaks_measured: bool) -> DeviceOverhead:

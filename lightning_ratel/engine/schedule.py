@@ -52,6 +52,9 @@ class BlockObserver(Protocol):
     """Told, from the scheduler's hooks, where each block's forward and backward start and end (see
     :class:`BlockTimer`)."""
 
+    def paged_in(self, seconds: float) -> None:
+        """A block's forward waited ``seconds`` for its parameters before it started."""
+
     def forward_started(self, b: int) -> None: ...
 
     def forward_ended(self, b: int, output: Any) -> None: ...
@@ -73,18 +76,40 @@ class BlockTimer:
         block_times: per block: ``forward`` and ``backward`` seconds (summed over the passes timed), ``backward_peak``
             bytes, and the bytes and elements of its output (for the last block the logits, whose loss and gradient
             cost device memory outside any block).
+        step_started: when the micro-batch now timed started (:meth:`step_start`), ``None`` before.
+        backward_began: when its backward started, ``None`` before.
+        forward_waits: seconds its forward waited for parameters before blocks started (the pager's waits, and on a
+            device the page-ins' copies still queued when a block starts): the cost model charges those to the link
+            and the disks, not to the work between the blocks.
     """
 
     def __init__(self, device: Device) -> None:
         self.device = device
         self.block_times: dict[int, dict[str, float]] = {}
+        self.step_started: float | None = None
+        self.backward_began: float | None = None
+        self.forward_waits = 0.0
         self._current: int | None = None
         self._entered = 0.0
         self._allocated = 0
 
-    def forward_started(self, b: int) -> None:
+    def step_start(self) -> None:
+        """A micro-batch starts: its forward, blocks and what runs around them, is timed from here."""
         self.device.synchronize()
-        self.block_times.setdefault(b, {})["forward_start"] = time.perf_counter()
+        self.step_started = time.perf_counter()
+        self.backward_began = None
+        self.forward_waits = 0.0
+
+    def paged_in(self, seconds: float) -> None:
+        if self.backward_began is None:
+            self.forward_waits += seconds
+
+    def forward_started(self, b: int) -> None:
+        queued = time.perf_counter()
+        self.device.synchronize()
+        now = time.perf_counter()
+        self.paged_in(now - queued)
+        self.block_times.setdefault(b, {})["forward_start"] = now
 
     def forward_ended(self, b: int, output: Any) -> None:
         self.device.synchronize()
@@ -95,8 +120,9 @@ class BlockTimer:
         times["output_elements"] = float(sum(t.numel() for t in tensors))
 
     def backward_started(self) -> None:
+        self.device.synchronize()
         self._current = None
-        self._entered = time.perf_counter()
+        self._entered = self.backward_began = time.perf_counter()
         self._allocated = self.device.allocated_bytes()
         self.device.reset_peak()
 
@@ -194,7 +220,10 @@ class BlockScheduler:
 
     def _pre_forward(self, b: int, module: nn.Module, args: Any, kwargs: Any) -> None:
         self._check()
+        waiting = time.perf_counter()
         self.pager.acquire(b)
+        if self.observer is not None:
+            self.observer.paged_in(time.perf_counter() - waiting)
         # A forward run again inside backward (the user's own torch.utils.checkpoint) neither prefetches the blocks
         # after it (backward goes the other way) nor changes the pass's order.
         if self.state is not TrainingState.BACKWARD:

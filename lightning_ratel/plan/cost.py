@@ -2,11 +2,14 @@
 
 Each phase takes as long as its busiest resource: GPU compute, host->device and device->host PCIe (duplex, so two
 resources) and the SSDs (simplex, so reads and writes add up). The CPU AdamW and the optimizer states' SSD traffic
-overlap backward. Where the "device" is the CPU itself (unified memory) nothing is copied between "device" and host:
+overlap backward, or, where the updates wait for the end of backward, the CPU AdamW delays the next forward. Where the "device" is the CPU itself (unified memory) nothing is copied between "device" and host:
 compute copies, gradients and host-tier activations are used where they are, SSD-tier activations are written from
 and read into their own memory; the optimizer runs on the compute cores, so it adds to compute instead of overlapping
 it, and so does the SSD traffic: its staging copies and checksums run on the same cores (measured on the 2-core CPU
 box: each step's forward grew by the bytes written at about the probed write rate, and its CPU seconds with it).
+
+What profiling measures beyond the blocks refines the compute (:class:`CostSettings`): the forward's and the
+backward's work outside any block, and the rate of the whole optimizer step (not only its kernel's).
 
 Optional inputs refine this where a machine needs it, each leaving the model as above when not given: compute copies
 read from the SSDs on every use (``param_cache="ssd"``), a host side whose PCIe (``host_io_bandwidth``) or DRAM
@@ -38,9 +41,10 @@ class Prediction:
     """Predicted times, peak memory and activation volumes of one micro-batch.
 
     Attributes:
-        forward: resource -> busy seconds in forward: ``"compute"``, ``"h2d"``, ``"d2h"``, ``"ssd"``.
+        forward: resource -> busy seconds in forward: ``"compute"``, ``"h2d"``, ``"d2h"``, ``"ssd"``, and
+            ``"cpu_optimizer"`` where the updates run after backward (:attr:`CostSettings.updates_after_backward`).
         backward: resource -> busy seconds in backward: ``"compute"`` (recompute included), ``"recompute"``,
-            ``"h2d"``, ``"d2h"``, ``"ssd"``, ``"cpu_optimizer"``.
+            ``"h2d"``, ``"d2h"``, ``"ssd"``, and ``"cpu_optimizer"`` where the updates overlap backward.
         forward_time: predicted seconds of forward.
         backward_time: predicted seconds of backward.
         iteration_time: ``forward_time + backward_time``.
@@ -317,6 +321,19 @@ class CostSettings:
             backward updates first.
         device_overhead: device memory beyond paging buffers and one block's working set (workspaces, logits,
             autocast cache, gradient temporaries, fragmentation); ``None``: nothing more.
+        forward_overhead: seconds of a micro-batch's forward outside its blocks' own forwards (the model's code
+            between and around them: embeddings without parameters, masks, the loss; the engine's hooks and waits),
+            measured while profiling; charged to compute.
+        backward_overhead: the same for backward: what it runs outside its blocks' backwards (the loss's backward,
+            the gradients' hand-over outside a block), measured while profiling; charged to compute.
+        update_params_per_s: parameters per second this rank's whole optimizer step runs at, measured while profiling
+            with the updates run alone after backward (reading the states, the kernel, the new compute copies, the
+            write-back copies and checksums on the optimizer's thread); 0: not measured, the hardware's AdamW kernel
+            rate (``adam_params_per_s``, which counts the kernel alone) instead. Measured with the node's other ranks
+            updating at the same time, so it is not divided among them again.
+        updates_after_backward: the optimizer's updates wait for the end of backward and run while the next forward
+            starts (that forward pages each unit in only once its update ran): their time is charged to forward. Where
+            ``False`` they overlap backward, each as its shard's gradients complete.
         ranks_on_node: data-parallel ranks training on this node at once, each with its own device and the same
             work. They share the node's SSDs, host-side PCIe, DRAM and CPU cores, so each rank sees ``1 /
             ranks_on_node`` of those rates; each owns ``1 / ranks_on_node`` of the optimizer states and updates
@@ -334,8 +351,18 @@ class CostSettings:
     optimizer_memory_bytes_per_param: int = OPTIMIZER_MEMORY_BYTES_PER_PARAM
     state_spill: bool = False
     device_overhead: DeviceOverhead | None = None
+    forward_overhead: float = 0.0
+    backward_overhead: float = 0.0
+    update_params_per_s: float = 0.0
+    updates_after_backward: bool = False
     ranks_on_node: int = 1
     state_read_ahead_bytes_per_param: float = 0.0
+
+    def __post_init__(self) -> None:
+        if min(self.forward_overhead, self.backward_overhead, self.update_params_per_s) < 0:
+            raise RatelConfigError(f"measured overheads and rates cannot be negative, got forward_overhead="
+                                   f"{self.forward_overhead}, backward_overhead={self.backward_overhead}, "
+                                   f"update_params_per_s={self.update_params_per_s}")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, object]) -> CostSettings:
@@ -404,8 +431,8 @@ class CostModel:
         param_bytes = sum(layer.param_bytes for layer in self.layers)
         # The states, their updates and the compute copies' SSD reads of the units this rank owns.
         numel = sum(layer.trainable_numel for layer in self.layers) / ranks
-        self._forward_compute = sum(layer.forward_time for layer in self.layers)
-        self._backward_compute = sum(layer.backward_time for layer in self.layers)
+        self._forward_compute = sum(layer.forward_time for layer in self.layers) + settings.forward_overhead
+        self._backward_compute = sum(layer.backward_time for layer in self.layers) + settings.backward_overhead
         self._param_bytes = param_bytes
         self._grad_bytes = sum(layer.grad_bytes for layer in self.layers)
         # What crosses the device's link: nothing on unified memory (see the module docstring).
@@ -419,7 +446,9 @@ class CostModel:
         self._state_write = math.ceil(numel * settings.state_write_bytes_per_param)
         self._state_ssd = (_seconds(self._state_read, hw.ssd_read_bandwidth)
                            + _seconds(self._state_write, hw.ssd_write_bandwidth))
-        self._cpu_optimizer = _seconds(numel, hw.adam_params_per_s)
+        # The whole update as measured, else the kernel's probed rate (rank_share divided that one among the ranks).
+        self._cpu_optimizer = _seconds(numel, settings.update_params_per_s or hw.adam_params_per_s)
+        self._updates_after_backward = settings.updates_after_backward
         # The owners read each peer's copy of their share of the gradients once more to add them up.
         self._optimizer_memory = math.ceil(numel * settings.optimizer_memory_bytes_per_param
                                            + self._grad_bytes * (ranks - 1) / ranks)
@@ -528,14 +557,17 @@ class CostModel:
             "d2h": self._backward_d2h,
             "ssd": (_seconds(per_tier["ssd"], hw.ssd_read_bandwidth) + self._state_ssd - self._state_ahead_ssd
                     + self._param_ssd),
-            "cpu_optimizer": self._cpu_optimizer,
         }
+        # The updates run in the phase that waits for them: backward where they overlap it, else the next forward.
+        updating = forward if self._updates_after_backward else backward
+        updating["cpu_optimizer"] = self._cpu_optimizer
         # Host-side traffic: what reaches host memory (from the device or the SSDs) and what leaves it.
+        after = self._optimizer_memory if self._updates_after_backward else 0
         self._host_resources(forward, swapped + self._param_ssd_bytes + self._state_ahead,
-                             self._linked_params + per_tier["ssd"])
+                             self._linked_params + per_tier["ssd"], after)
         self._host_resources(backward, self._linked_grads + per_tier["ssd"] + self._state_read - self._state_ahead
                              + self._param_ssd_bytes,
-                             self._linked_params + swapped + self._state_write, self._optimizer_memory)
+                             self._linked_params + swapped + self._state_write, self._optimizer_memory - after)
         spilled = self._best_spill(forward, backward) if self.state_spill and self._state_write else 0
         for name, rate in self._spill_rates().items() if spilled else ():
             forward[name] += spilled * rate
@@ -581,17 +613,19 @@ def node_settings(ranks: Sequence[CostSettings]) -> CostSettings:
 
     The node's SSDs, host-side PCIe and DRAM carry every one of its ranks' optimizer-state traffic, so per parameter a
     rank owns the node moves the mean of its ranks' bytes: a rank with all its states in the swap files and one with
-    none load the drives as two ranks with half of them each. What is not traffic comes from the first rank
-    (``host_static_bytes``, ``device_overhead``: the memory a plan is checked against is the planning rank's).
+    none load the drives as two ranks with half of them each. What each rank measured of its own work counts at the
+    slowest rank, which the others wait for: the most seconds outside the blocks, the least measured update rate (of
+    those that measured one). What is neither comes from the first rank (``host_static_bytes``, ``device_overhead``:
+    the memory a plan is checked against is the planning rank's).
 
     Raises:
         RatelConfigError: no ranks, or ranks that disagree on how their node runs (``prefetch_depth``,
-            ``param_cache``, ``state_spill``, ``ranks_on_node``).
+            ``param_cache``, ``state_spill``, ``updates_after_backward``, ``ranks_on_node``).
     """
     if not ranks:
         raise RatelConfigError("a node's settings need the settings of at least one of its ranks")
     first = ranks[0]
-    for name in ("prefetch_depth", "param_cache", "state_spill", "ranks_on_node"):
+    for name in ("prefetch_depth", "param_cache", "state_spill", "updates_after_backward", "ranks_on_node"):
         values = [getattr(settings, name) for settings in ranks]
         if len(set(values)) > 1:
             raise RatelConfigError(f"the ranks of a node plan with different {name} ({values}); they must agree")
@@ -599,10 +633,14 @@ def node_settings(ranks: Sequence[CostSettings]) -> CostSettings:
     def mean(name: str) -> int:
         return round(sum(getattr(settings, name) for settings in ranks) / len(ranks))
 
+    rates = [settings.update_params_per_s for settings in ranks if settings.update_params_per_s > 0]
     return replace(first, state_read_bytes_per_param=mean("state_read_bytes_per_param"),
                    state_write_bytes_per_param=mean("state_write_bytes_per_param"),
                    optimizer_memory_bytes_per_param=mean("optimizer_memory_bytes_per_param"),
-                   state_read_ahead_bytes_per_param=sum(s.state_read_ahead_bytes_per_param for s in ranks) / len(ranks))
+                   state_read_ahead_bytes_per_param=sum(s.state_read_ahead_bytes_per_param for s in ranks) / len(ranks),
+                   forward_overhead=max(settings.forward_overhead for settings in ranks),
+                   backward_overhead=max(settings.backward_overhead for settings in ranks),
+                   update_params_per_s=min(rates, default=0.0))
 
 
 def node_models(nodes: Sequence[HardwareProfile], layers: Sequence[LayerProfile],

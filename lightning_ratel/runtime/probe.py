@@ -1,8 +1,9 @@
 """Measure the machine the plan is made for: link and disk bandwidths, CPU AdamW speed, free memory.
 
 Nothing here is assumed from a datasheet: each figure comes from a short transfer or kernel run on the actual device,
-the actual ``ssd_paths`` and the AdamW step the optimizer uses. The probes are small (tens of MiB), so together they
-cost well under a second on ordinary hardware; still, a short fit (a test, a tuner's trial, a quick experiment) would
+the actual ``ssd_paths`` (through a store that moves its chunks as the run's do) and the AdamW step the optimizer
+uses; each figure is the median of several calls after an untimed one (:func:`median_time`). The probes are small
+(tens of MiB), so together they cost well under a second on ordinary hardware; still, a short fit (a test, a tuner's trial, a quick experiment) would
 spend much of its time on them. The speeds measured are kept per machine, device and filesystem of the swap
 directories for :data:`CACHE_SECONDS` (in this process, and in :func:`cache_file` for the next), and free capacities
 are always read afresh.
@@ -14,8 +15,9 @@ import json
 import os
 import shutil
 import socket
+import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,12 @@ from lightning_ratel.runtime.storage import TensorStore
 
 CACHE_SECONDS = 24 * 3600
 """How long measured speeds are reused: long enough for a day's runs, short enough to follow a changed machine."""
+
+PROBE_REPEATS = 5
+"""Timed calls of each probe (after one untimed), of which the median counts (see :func:`median_time`)."""
+
+PROBE_METHOD = 2
+"""How the speeds are measured; part of what they are kept under, so speeds measured another way are not reused."""
 
 CACHE_ENV = "RATEL_HARDWARE_CACHE"
 """The file measured speeds are kept in across processes; empty: only within the process."""
@@ -66,6 +74,22 @@ def best_time(run: Callable[[], object], repeats: int) -> float:
     return best
 
 
+def median_time(run: Callable[[], object], repeats: int = PROBE_REPEATS) -> float:
+    """The median wall time of ``repeats`` calls of ``run``, after one more whose time is dropped (first touch of its
+    memory, lazy initialisation, cold caches).
+
+    A median, not the least: a speed the plan relies on should be what the machine gives most of the time, under the
+    load it usually carries, and one lucky or unlucky call (a burst of other work) moves it little.
+    """
+    run()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def link_bandwidth(device: Device, nbytes: int = 64 << 20, repeats: int = 3) -> tuple[float, float]:
     """Host->device and device->host bytes/s (pinned host memory on CUDA, a memory copy on CPU)."""
     host = device.host_empty(nbytes, torch.uint8).fill_(1)
@@ -85,30 +109,32 @@ def link_bandwidth(device: Device, nbytes: int = 64 << 20, repeats: int = 3) -> 
             # memory), so on CPU this over-prices those tiers; the cost model still charges it.
             aligned_empty(nbytes, torch.uint8).copy_(target)
 
-    return nbytes / best_time(h2d, repeats), nbytes / best_time(d2h, repeats)
+    return nbytes / median_time(h2d, repeats), nbytes / median_time(d2h, repeats)
 
 
-def host_memory_bandwidth(nbytes: int = 256 << 20, repeats: int = 2) -> float:
+def host_memory_bandwidth(nbytes: int = 256 << 20, repeats: int = 3) -> float:
     """Bytes/s of host DRAM traffic in a large host-to-host copy (each byte read once and written once)."""
     source = aligned_empty(nbytes, torch.uint8).fill_(1)
     target = aligned_empty(nbytes, torch.uint8).fill_(0)
-    return 2 * nbytes / best_time(lambda: target.copy_(source), repeats)
+    return 2 * nbytes / median_time(lambda: target.copy_(source), repeats)
 
 
-def disk_bandwidth(paths: Sequence[str], nbytes: int = 64 << 20, name: str = "ratel-probe") -> tuple[float, float]:
-    """Read and write bytes/s of a :class:`TensorStore` striped over ``paths`` (direct I/O where supported)."""
+def disk_bandwidth(paths: Sequence[str], nbytes: int = 64 << 20, name: str = "ratel-probe",
+                   store_options: Mapping[str, int] | None = None, repeats: int = 3) -> tuple[float, float]:
+    """Read and write bytes/s of a :class:`TensorStore` striped over ``paths`` (direct I/O where supported), made
+    with ``store_options`` (its ``stripe_bytes`` and ``io_threads_per_path``: the run's, which set how many requests
+    each drive sees and how often a thread wakes)."""
     # Huge pages like the buffers the store moves in training (they change direct I/O speed a lot).
     buf = aligned_empty(nbytes // 4, torch.float32, huge=True).fill_(1.0)
-    with TensorStore(paths, name=name, keep_files=False) as store:
+    with TensorStore(paths, name=name, keep_files=False, **(store_options or {})) as store:
         store.reserve("probe", nbytes)
         store.preallocate()
-        store.write("probe", buf).result()
-        write = best_time(lambda: store.write("probe", buf).result(), 2)
-        read = best_time(lambda: store.read("probe", buf).result(), 2)
+        write = median_time(lambda: store.write("probe", buf).result(), repeats)
+        read = median_time(lambda: store.read("probe", buf).result(), repeats)
     return nbytes / read, nbytes / write
 
 
-def adam_throughput(step: Callable[..., None], numel: int = 1 << 22, repeats: int = 3) -> float:
+def adam_throughput(step: Callable[..., None], numel: int = 1 << 22, repeats: int = PROBE_REPEATS) -> float:
     """Parameters per second of ``step`` (an AdamW step with the optimizer's signature) on fp32 states."""
     # A generator of its own: drawing from the global one would change the user's data order and dropout masks.
     generator = torch.Generator().manual_seed(0)
@@ -121,8 +147,7 @@ def adam_throughput(step: Callable[..., None], numel: int = 1 << 22, repeats: in
     def run() -> None:
         step(master, grad, m, v, None, hyper, step=1)
 
-    run()
-    return numel / best_time(run, repeats)
+    return numel / median_time(run, repeats)
 
 
 def measure_hardware(
@@ -135,6 +160,7 @@ def measure_hardware(
     threads: int | None = None,
     fresh: bool = False,
     name: str = "ratel-probe",
+    store_options: Mapping[str, int] | None = None,
 ) -> HardwareProfile:
     """Profile the device link, the swap directories (together and, if several, each), the CPU AdamW and memory.
 
@@ -150,11 +176,14 @@ def measure_hardware(
         threads: the threads ``adam_step`` runs with (part of what the speeds are kept under).
         fresh: measure again even where speeds are kept.
         name: the probe's swap files' name (processes probing the same directories at once each need their own).
+        store_options: how the run's swap stores move their chunks (``stripe_bytes``, ``io_threads_per_path`` of
+            :class:`TensorStore`); the disk probes use the same.
     """
-    key = _cache_key(device, ssd_paths, probe_bytes, per_path, threads)
+    options = dict(store_options or {})
+    key = _cache_key(device, ssd_paths, probe_bytes, per_path, threads, options)
     speeds = None if fresh else _cached(key)
     if speeds is None:
-        speeds = _measure_speeds(device, ssd_paths, adam_step, probe_bytes, per_path, name)
+        speeds = _measure_speeds(device, ssd_paths, adam_step, probe_bytes, per_path, name, options)
         _remember(key, speeds)
     speeds = dict(speeds)
     # Kept by position: the same filesystems under other directory names.
@@ -176,11 +205,12 @@ def cache_file() -> Path | None:
 
 
 def _cache_key(device: Device, ssd_paths: Sequence[str], probe_bytes: int, per_path: bool,
-               threads: int | None) -> str:
+               threads: int | None, store_options: Mapping[str, int]) -> str:
     name = torch.cuda.get_device_name(device.device) if device.is_cuda else "cpu"
     # Separate memory tells a CPU that simulates CUDA's streams (tests) from one that does not.
     return json.dumps([socket.gethostname(), str(device.device), name, device.separate_memory,
-                       [os.stat(p).st_dev for p in ssd_paths], probe_bytes, per_path, threads, torch.__version__])
+                       [os.stat(p).st_dev for p in ssd_paths], probe_bytes, per_path, threads, torch.__version__,
+                       sorted(store_options.items()), PROBE_METHOD])
 
 
 def _cached(key: str) -> dict[str, Any] | None:
@@ -223,15 +253,16 @@ def _remember(key: str, speeds: dict[str, Any]) -> None:
 
 
 def _measure_speeds(device: Device, ssd_paths: Sequence[str], adam_step: Callable[..., None], probe_bytes: int,
-                    per_path: bool, name: str = "ratel-probe") -> dict[str, Any]:
+                    per_path: bool, name: str = "ratel-probe",
+                    store_options: Mapping[str, int] | None = None) -> dict[str, Any]:
     """The fields of a :class:`HardwareProfile` that describe the machine's speeds (``per_path`` as a list in the
     order of ``ssd_paths``)."""
     h2d, d2h = link_bandwidth(device, probe_bytes)
-    read, write = disk_bandwidth(ssd_paths, probe_bytes, name)
+    read, write = disk_bandwidth(ssd_paths, probe_bytes, name, store_options)
     paths = []
     if per_path and len(ssd_paths) > 1:
         for path in ssd_paths:
-            r, w = disk_bandwidth([path], probe_bytes, name)
+            r, w = disk_bandwidth([path], probe_bytes, name, store_options)
             paths.append({"read": r, "write": w})
     return {
         # Where the CPU is the device its compute already stands for DRAM traffic; on a GPU machine the optimizer and
