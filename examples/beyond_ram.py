@@ -295,8 +295,8 @@ def main() -> None:
               f"GiB (read {read / max(report.planned['read'], 1):.2f}x, written "
               f"{written / max(report.planned['written'], 1):.2f}x that): the model states read and written once "
               f"({report.states['read'] / GIB:.2f} GiB, {report.states['written'] / GIB:.2f} GiB) and the compute "
-              "copies read for forward and for backward, each fp32 master's update sharing one page-in's bytes, and the "
-              "other page-in's too where a buffer set read the states ahead (activations on the SSD come on top)")
+              "copies read for forward and for backward, each fp32 master's update sharing one page-in's bytes, and "
+              "the other page-in's too where a buffer set read the states ahead (activations on the SSD come on top)")
     if len(report.busy) > 1:
         busy = report.busy[1:]
         # Each step's too: the first steps after the first still touch buffers the run allocated (slow on fresh pages).

@@ -2,11 +2,12 @@
 
 Each phase takes as long as its busiest resource: GPU compute, host->device and device->host PCIe (duplex, so two
 resources) and the SSDs (simplex, so reads and writes add up). The CPU AdamW and the optimizer states' SSD traffic
-overlap backward, or, where the updates wait for the end of backward, the CPU AdamW delays the next forward. Where the "device" is the CPU itself (unified memory) nothing is copied between "device" and host:
-compute copies, gradients and host-tier activations are used where they are, SSD-tier activations are written from
-and read into their own memory; the optimizer runs on the compute cores, so it adds to compute instead of overlapping
-it, and so does the SSD traffic: its staging copies and checksums run on the same cores (measured on the 2-core CPU
-box: each step's forward grew by the bytes written at about the probed write rate, and its CPU seconds with it).
+overlap backward, or, where the updates wait for the end of backward, the CPU AdamW delays the next forward. Where the
+"device" is the CPU itself (unified memory) nothing is copied between "device" and host: compute copies, gradients and
+host-tier activations are used where they are, SSD-tier activations are written from and read into their own memory; the
+optimizer runs on the compute cores, so it adds to compute instead of overlapping it, and so does the SSD traffic: its
+staging copies and checksums run on the same cores (measured on the 2-core CPU box: each step's forward grew by the
+bytes written at about the probed write rate, and its CPU seconds with it).
 
 What profiling measures beyond the blocks refines the compute (:class:`CostSettings`): the forward's and the
 backward's work outside any block, and the rate of the whole optimizer step (not only its kernel's).

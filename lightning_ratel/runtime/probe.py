@@ -1,12 +1,12 @@
 """Measure the machine the plan is made for: link and disk bandwidths, CPU AdamW speed, free memory.
 
 Nothing here is assumed from a datasheet: each figure comes from a short transfer or kernel run on the actual device,
-the actual ``ssd_paths`` (through a store that moves its chunks as the run's do) and the AdamW step the optimizer
-uses; each figure is the median of several calls after an untimed one (:func:`median_time`). The probes are small
-(tens of MiB), so together they cost well under a second on ordinary hardware; still, a short fit (a test, a tuner's trial, a quick experiment) would
-spend much of its time on them. The speeds measured are kept per machine, device and filesystem of the swap
-directories for :data:`CACHE_SECONDS` (in this process, and in :func:`cache_file` for the next), and free capacities
-are always read afresh.
+the actual ``ssd_paths`` (through a store that moves its chunks as the run's do) and the AdamW step the optimizer uses;
+each figure is the median of several calls after an untimed one (:func:`median_time`). The probes are small (tens of
+MiB), so together they cost well under a second on ordinary hardware; still, a short fit (a test, a tuner's trial, a
+quick experiment) would spend much of its time on them. The speeds measured are kept per machine, device and filesystem
+of the swap directories for :data:`CACHE_SECONDS` (in this process, and in :func:`cache_file` for the next), and free
+capacities are always read afresh.
 """
 
 from __future__ import annotations
