@@ -663,21 +663,6 @@ class SkipLM(LM):
         return None if batch_idx == 1 else loss
 
 
-def test_training_step_returning_none_skips_step(tmp_path: Path) -> None:
-    outcome = {}
-    for name in ("auto", "ratel"):
-        lm = SkipLM(n_batches=4)
-        t = trainer(ratel(swap(tmp_path)) if name == "ratel" else "auto", max_steps=-1, max_epochs=1)
-        t.fit(lm)
-        outcome[name] = final_state(lm, t)
-    ref_params, ref_opt = outcome["auto"]
-    params, opt = outcome["ratel"]
-    assert {float(s["step"]) for s in ref_opt["state"].values()} == {3.0}
-    assert max_rel_err(ref_params, params) <= 1e-5
-    assert_opt_state_close(ref_opt, opt, 1e-5)
-
-
-
 class SkippingOptimizerStepLM(LM):
     """An ``optimizer_step`` that runs the closure every batch but steps only on even ones (Lightning's docs show such
     overrides): the odd batches' gradients are dropped by the next closure's ``zero_grad``, not added to a step."""
@@ -688,10 +673,14 @@ class SkippingOptimizerStepLM(LM):
             optimizer.step()
 
 
-def test_optimizer_step_override_skipping_steps_matches_plain(tmp_path: Path) -> None:
+@pytest.mark.parametrize("module, n_batches", [(SkipLM, 4), (SkippingOptimizerStepLM, 5)],
+                         ids=["training_step_returning_none", "optimizer_step_override"])
+def test_skipped_steps_match_plain(tmp_path: Path, module: type[LM], n_batches: int) -> None:
+    """A batch whose step is skipped (``training_step`` returning ``None``, an ``optimizer_step`` that does not call
+    ``optimizer.step()``) trains as under plain Lightning: 3 steps taken, the same parameters and moments."""
     outcome = {}
     for name in ("auto", "ratel"):
-        lm = SkippingOptimizerStepLM(n_batches=5)
+        lm = module(n_batches=n_batches)
         t = trainer(ratel(swap(tmp_path)) if name == "ratel" else "auto", max_steps=-1, max_epochs=1)
         t.fit(lm)
         outcome[name] = final_state(lm, t)
