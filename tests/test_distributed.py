@@ -323,7 +323,7 @@ def test_two_nodes_of_one_device_equal_ddp(tmp_path: Path, ddp_reference: dict) 
 
 
 def test_plan_auto_on_two_nodes_holds_on_the_slower_node(tmp_path: Path) -> None:
-    """Two nodes of one rank, the second reporting a quarter of the first's speeds: rank 0 plans with both nodes'
+    """Two nodes of one rank, the second reporting a tenth of the first's speeds: rank 0 plans with both nodes'
     profiles, so the plan both ranks apply predicts the step time of the slower node, not of rank 0's own."""
     _run_two_nodes(tmp_path, 1, "--plan-auto", "--states", "ssd", "--slow-node", "1", timeout=240)
     got = [_load(tmp_path, rank)["plan"] for rank in (0, 1)]
