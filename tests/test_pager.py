@@ -140,10 +140,24 @@ def test_page_in_waits_for_the_units_pending_update() -> None:
     pager.prefetch(layer)
     assert pager.resident_bytes == 0
     new = torch.full_like(unit.host[torch.float32], 7.0)
+    # The update lands only once the page-in waits for it, however late the training thread gets there.
+    waiting = threading.Event()
+    wait = unit.ready.wait
+
+    def signalled_wait() -> None:
+        waiting.set()
+        wait()
+
+    unit.ready.wait = signalled_wait  # type: ignore[method-assign]
+    held: list[float] = []
 
     def update() -> None:
-        time.sleep(0.2)
+        if not waiting.wait(10):
+            return
+        start = time.perf_counter()
+        time.sleep(0.01)
         unit.host[torch.float32].copy_(new)
+        held.append(time.perf_counter() - start)
         unit.ready.complete()
 
     worker = threading.Thread(target=update)
@@ -152,7 +166,8 @@ def test_page_in_waits_for_the_units_pending_update() -> None:
     worker.join()
     # The forward saw the updated compute copy, never the old one.
     assert torch.equal(module.layers[2].weight, torch.full((8, 8), 7.0))
-    assert pager.take_stall_seconds() >= 0.1
+    # The stall spans the whole time the update held the unit (measured inside it).
+    assert held and pager.take_stall_seconds() >= held[0]
     pager.release(layer)
 
 

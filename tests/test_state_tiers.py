@@ -116,7 +116,8 @@ def test_host_store_without_threads_copies_on_the_callers_thread():
     out = torch.empty_like(values)
     read = store.read("x", out)
     assert read.done() and read.result() is out and torch.equal(out, values)
-    assert {t.name for t in threading.enumerate()} == before
+    # No thread started (one of an earlier test's may have ended meanwhile).
+    assert {t.name for t in threading.enumerate()} <= before
     assert not any(t.name.startswith("ratel-copy") for t in threading.enumerate())
     assert store.bytes_copied == 2 * values.numel() * 4
     store.close()

@@ -18,26 +18,48 @@ import torch
 from lightning.pytorch.callbacks import OnExceptionCheckpoint
 
 from lightning_ratel import RatelStrategy
+from lightning_ratel.runtime.timeline import Timeline
 from tests.models import LM, cache_off, final_state, max_rel_err, trainer
 
 STEPS = 4
 FAIL_AT = 2  # global_step when the fault fires: two steps are committed, the third is being taken
 N_BATCHES = 2
 ROOT = Path(__file__).resolve().parents[1]
+UPDATE_WAIT_SECONDS = 10.0
+"""The longest a fault in backward waits for an update to start: far beyond a thread's scheduling delay on a busy
+machine."""
+
+
+def _an_update_started(timeline: Timeline) -> bool:
+    """Wait until the optimizer has started an update since the last backward began (by the events of the engine's
+    ``timeline``), at most :data:`UPDATE_WAIT_SECONDS`; whether one did. Polled: the timeline signals nothing."""
+    deadline = time.monotonic() + UPDATE_WAIT_SECONDS
+    while True:
+        names = [name for name, _ in timeline]
+        began = len(names) - names[::-1].index("backward_start")
+        if any(name.startswith("update_start") for name in names[began:]):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.001)
 
 
 class _Fault(torch.autograd.Function):
-    """Identity in forward; in backward waits for the optimizer to update the blocks backward has left, then fails."""
+    """Identity in forward; in backward, where updates overlap it (``timeline``: the engine's, else ``None``), waits
+    for the optimizer to start updating the blocks backward has left, then fails."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, action: str) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, action: str, timeline: Timeline | None) -> torch.Tensor:
         ctx.action = action
+        ctx.timeline = timeline
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        # Backward has passed every later block: their updates run on the CPU optimizer meanwhile.
-        time.sleep(0.3)
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        # Backward has passed every later block: their updates run on the CPU optimizer meanwhile, and the fault must
+        # find at least one to undo, however late the optimizer's thread is scheduled.
+        if ctx.timeline is not None:
+            assert _an_update_started(ctx.timeline), "no update started during backward"
         if ctx.action == "sigint":
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(5)
@@ -60,9 +82,11 @@ class FaultyLM(LM):
     def _inject(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
         if not self._armed(("backward", "sigint")):
             return output
+        engine = self.trainer.strategy.engine
+        timeline = engine.timeline if engine.updates_overlap else None
         if isinstance(output, tuple):
-            return (_Fault.apply(output[0], self.where), *output[1:])
-        return _Fault.apply(output, self.where)
+            return (_Fault.apply(output[0], self.where, timeline), *output[1:])
+        return _Fault.apply(output, self.where, timeline)
 
     def on_after_backward(self) -> None:
         if self._armed(("after_backward",)):
