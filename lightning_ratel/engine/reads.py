@@ -84,6 +84,8 @@ class ParameterReads(TorchDispatchMode):
         self._entered = False
         self._popped = False
         self._passing = False
+        # Engine passes under way: a backward runs inside a manual training step's watched forward.
+        self._pauses = 0
         self._bypass = 0
 
     # ------------------------------------------------------------------ where it applies
@@ -104,9 +106,12 @@ class ParameterReads(TorchDispatchMode):
 
     def pause(self) -> None:
         """An engine pass starts: step off the stack (its blocks page their parameters in themselves), and forget the
-        values read so far (the pass's update changes them). Under a mode entered later it stays, passing ops on."""
+        values read so far (the pass's update changes them). Under a mode entered later it stays, passing ops on.
+        Passes nest (a manual training step's backward runs inside its forward): each :meth:`resume` undoes one
+        pause, and the last one puts this mode back, after the modes the passes entered above it have left."""
         self.flush()
         self.invalidate()
+        self._pauses += 1
         if not self._entered or self._popped or self._passing:
             return
         if _get_current_dispatch_mode() is self:
@@ -117,7 +122,10 @@ class ParameterReads(TorchDispatchMode):
             self._bypass += 1
 
     def resume(self) -> None:
-        """The engine pass ended: back on the stack."""
+        """The engine pass ended: back on the stack once no pass is left."""
+        self._pauses -= 1
+        if self._pauses:
+            return
         if self._popped:
             TorchDispatchMode.__enter__(self)
             self._popped = False
@@ -139,6 +147,15 @@ class ParameterReads(TorchDispatchMode):
         self._cache.clear()
         self._storages.clear()
         self._dirty.clear()
+        self._settled = False
+
+    def step_finished(self) -> None:
+        """A step's updates are about to be scheduled: forget the values read so far, which are the last step's (code
+        after the backward pass reads them: ``on_before_optimizer_step``, a ``LightningModule.backward`` override).
+        Units written since the last flush keep theirs until the next pass gives them to the engine."""
+        for unit in [u for u in self._cache if u not in self._dirty]:
+            for value in self._cache.pop(unit).values():
+                self._storages.pop(value.untyped_storage().data_ptr(), None)
         self._settled = False
 
     def flush(self) -> None:
