@@ -694,7 +694,18 @@ class RatelEngine:
         by_norm = clip is not None and clip[1] == "norm"
         if plan.overlap and not plan.speculative and by_norm:
             raise RatelModelError("gradient clipping by norm was requested after updates had started")
-        self.reads.step_finished()
+        if self.reads.written():
+            if plan.overlap:
+                raise RatelModelError(
+                    "a parameter was written after the backward pass began updating the parameters (in "
+                    "`on_after_backward`, `on_before_optimizer_step`, or a `backward` override after "
+                    "`super().backward()`): this step's update ran from the value before the write. Write parameters "
+                    "between steps instead (`on_train_batch_end`, or after `optimizer.step()` in `optimizer_step`).")
+            # Written after backward and before the step: the step updates the written values, as plain training's
+            # `optimizer.step()` does.
+            self.reads.flush()
+        # The values read so far are the last step's.
+        self.reads.invalidate()
         start = time.perf_counter()
         finished = self.adam.finish(plan, self.scheduler.order, loss_scale, clip)
         self._backward_since_step = False

@@ -149,23 +149,23 @@ class ParameterReads(TorchDispatchMode):
         self._dirty.clear()
         self._settled = False
 
-    def step_finished(self) -> None:
-        """A step's updates are about to be scheduled: forget the values read so far, which are the last step's (code
-        after the backward pass reads them: ``on_before_optimizer_step``, a ``LightningModule.backward`` override).
-        Units written since the last flush keep theirs until the next pass gives them to the engine."""
-        for unit in [u for u in self._cache if u not in self._dirty]:
-            for value in self._cache.pop(unit).values():
-                self._storages.pop(value.untyped_storage().data_ptr(), None)
-        self._settled = False
+    def written(self) -> bool:
+        """Whether values were written since the last flush (what :meth:`flush` would give the engine)."""
+        return bool(self._dirty) or any(self._rebound(unit.index, slot) for unit in self.pager.units.values()
+                                        for slot in unit.slots)
+
+    def _rebound(self, unit: int, slot: Any) -> bool:
+        """Whether ``slot``'s parameter was given another tensor: neither its placeholder nor resident."""
+        return not self.pager.holds_placeholder(slot.param) and self.pager.device_flat(unit, slot.dtype) is None
 
     def flush(self) -> None:
         """Give the engine every value written since the last flush: in-place writes into the values held here, and
         parameters given another tensor (``param.data = ...``), which get their placeholder back."""
         for unit in self.pager.units.values():
             for slot in unit.slots:
-                param = slot.param
-                if self.pager.holds_placeholder(param) or self.pager.device_flat(unit.index, slot.dtype) is not None:
+                if not self._rebound(unit.index, slot):
                     continue
+                param = slot.param
                 value = param.data
                 self.pager.unbind(slot)
                 if value.shape != slot.shape:
