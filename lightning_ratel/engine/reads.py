@@ -12,8 +12,10 @@ read from the swap files unit by unit (:data:`CACHED_UNITS` kept).
 Writes go the same way: an in-place op on a parameter (``copy_``, ``mul_``, ``load_state_dict``) changes the unit's
 values held here, and a parameter given another tensor (``param.data = ...``, as pruning's lottery ticket reset does)
 is found before the next pass. A changed unit is written back as a committed step would leave it (its fp32 master and
-compute copy; the optimizer's moments stay, as under plain training) before the next engine pass, before the engine's
-own whole-model work (checkpoints) and at the end of the run (:meth:`ParameterReads.flush`).
+compute copy; the optimizer's moments stay, as under plain training) before the next engine pass, before a step's
+updates that run after backward (a write made after backward where they ran during it is refused: see the engine's
+``finish_step``), before the engine's own whole-model work (checkpoints) and at the end of the run
+(:meth:`ParameterReads.flush`). Values read are forgotten when a pass starts and when a step's updates are scheduled.
 
 A view taken between steps (``p.detach()``) is the unit's value held here: a write through it reaches the parameter
 while the unit is held (until the next pass, or until :data:`CACHED_UNITS` others were read since).
@@ -34,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_ratel.runtime.pager import ParameterPager
+from lightning_ratel.runtime.units import ParamSlot
 
 CACHED_UNITS = 2
 """Units whose values stay in host memory between reads: code walking the parameters in order reads each unit once,
@@ -154,7 +157,7 @@ class ParameterReads(TorchDispatchMode):
         return bool(self._dirty) or any(self._rebound(unit.index, slot) for unit in self.pager.units.values()
                                         for slot in unit.slots)
 
-    def _rebound(self, unit: int, slot: Any) -> bool:
+    def _rebound(self, unit: int, slot: ParamSlot) -> bool:
         """Whether ``slot``'s parameter was given another tensor: neither its placeholder nor resident."""
         return not self.pager.holds_placeholder(slot.param) and self.pager.device_flat(unit, slot.dtype) is None
 
