@@ -35,6 +35,7 @@ from torch import nn
 
 from lightning_ratel.config import RatelConfig
 from lightning_ratel.engine.accounting import ByteAccount, StepBreakdown
+from lightning_ratel.engine.backward import BackwardCalls
 from lightning_ratel.engine.blocks import BlockMembership, discover_blocks
 from lightning_ratel.engine.layout import buffer_sets, build_layout, with_state_tiers
 from lightning_ratel.engine.materialize import Materializer
@@ -388,6 +389,8 @@ class RatelEngine:
                                         self.timeline, check=self.adam.check if self.adam is not None else lambda: None)
         self.gradients = (GradientOffload(self.device, self.adam, self.layout.shards, self.layout.frozen_shards)
                           if self.adam is not None else None)
+        # Autograd's backward, where the training thread calls it, is the engine's backward pass.
+        self.backward_calls = BackwardCalls(self._begin_backward, self._end_backward, self._backward_raised)
         self.accounts = ByteAccount(self.device, self.layout, self.pager, self.cache, self.state, self.adam,
                                     self.store, writes)
         self._overlap_pays = self._decide_overlap(local_world)
@@ -470,7 +473,12 @@ class RatelEngine:
         # whose forward never runs just before another module reads its parameters, and hide that use.
         self.scheduler.prefetching = bool(self._ran_watched)
         self.cache.unwatched = {b.index for b in self.blocks if id(b.module) in {id(m) for m in unwatched}}
+        # Under manual optimization the step runs its backward passes itself, `loss.backward()` as well as
+        # `self.manual_backward(loss)`.
+        manual = training and not getattr(self.module, "automatic_optimization", True)
         self.reads.pause()
+        if manual:
+            self.backward_calls.open()
         try:
             with detector:
                 try:
@@ -488,6 +496,8 @@ class RatelEngine:
                 "the modules using it: RatelStrategy(blocks=[...]) naming a module that holds both."
             ) from err
         finally:
+            if manual:
+                self.backward_calls.close()
             self.scheduler.prefetching = True
             self.cache.unwatched = set()
             self.reads.resume()
@@ -630,21 +640,41 @@ class RatelEngine:
         self._clip = (float(clip_val), algorithm)
 
     def pre_backward(self) -> None:
-        """Backward of a micro-batch is about to run."""
-        self.reads.pause()
-        self.scheduler.begin_backward()
+        """Lightning's backward hook (``LightningModule.backward``, which the user may override) is about to run: the
+        autograd backward it starts is the engine's backward pass (:class:`~lightning_ratel.engine.backward.
+        BackwardCalls`); the code around that call reads the parameters as code between steps does."""
+        self.backward_calls.open()
 
     def post_backward(self) -> None:
-        """Backward finished: release what it held and forget the pass's activations."""
+        """Lightning's backward hook returned."""
+        self.backward_calls.close()
+
+    def backward_stopped(self) -> None:
+        """Lightning's backward hook raised."""
+        self.backward_calls.close()
+
+    def _begin_backward(self) -> None:
+        """Autograd's backward of a micro-batch is about to run (training thread)."""
+        self.reads.pause()
+        self.scheduler.begin_backward()
+        if self.gradients is not None:
+            self.gradients.open = True
+
+    def _end_backward(self) -> None:
+        """Autograd's backward finished: release what it held and forget the pass's activations."""
+        if self.gradients is not None:
+            self.gradients.open = False
         self.scheduler.end_backward()
         self.planner.record_pass()
         self.cache.end_pass()
         self.reads.resume()
         self._backward_since_step = True
 
-    def backward_stopped(self) -> None:
-        """Backward raised: the user's hooks (``on_exception``, ``OnExceptionCheckpoint``'s) read the committed values
-        again. (A forward that raises resumes them itself, see :meth:`watch_forward`.)"""
+    def _backward_raised(self) -> None:
+        """Autograd's backward raised: the user's hooks (``on_exception``, ``OnExceptionCheckpoint``'s) read the
+        committed values again. (A forward that raises resumes them itself, see :meth:`watch_forward`.)"""
+        if self.gradients is not None:
+            self.gradients.open = False
         self.reads.resume()
 
     def finish_step(self, loss_scale: torch.Tensor | None = None) -> bool:
@@ -664,6 +694,18 @@ class RatelEngine:
         by_norm = clip is not None and clip[1] == "norm"
         if plan.overlap and not plan.speculative and by_norm:
             raise RatelModelError("gradient clipping by norm was requested after updates had started")
+        if self.reads.written():
+            if plan.overlap:
+                raise RatelModelError(
+                    "a parameter was written after the backward pass began updating the parameters (in "
+                    "`on_after_backward`, `on_before_optimizer_step`, or a `backward` override after "
+                    "`super().backward()`): this step's update ran from the value before the write. Write parameters "
+                    "between steps instead (`on_train_batch_end`, or after `optimizer.step()` in `optimizer_step`).")
+            # Written after backward and before the step: the step updates the written values, as plain training's
+            # `optimizer.step()` does.
+            self.reads.flush()
+        # The values read so far are the last step's.
+        self.reads.invalidate()
         start = time.perf_counter()
         finished = self.adam.finish(plan, self.scheduler.order, loss_scale, clip)
         self._backward_since_step = False

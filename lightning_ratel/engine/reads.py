@@ -12,8 +12,10 @@ read from the swap files unit by unit (:data:`CACHED_UNITS` kept).
 Writes go the same way: an in-place op on a parameter (``copy_``, ``mul_``, ``load_state_dict``) changes the unit's
 values held here, and a parameter given another tensor (``param.data = ...``, as pruning's lottery ticket reset does)
 is found before the next pass. A changed unit is written back as a committed step would leave it (its fp32 master and
-compute copy; the optimizer's moments stay, as under plain training) before the next engine pass, before the engine's
-own whole-model work (checkpoints) and at the end of the run (:meth:`ParameterReads.flush`).
+compute copy; the optimizer's moments stay, as under plain training) before the next engine pass, before a step's
+updates that run after backward (a write made after backward where they ran during it is refused: see the engine's
+``finish_step``), before the engine's own whole-model work (checkpoints) and at the end of the run
+(:meth:`ParameterReads.flush`). Values read are forgotten when a pass starts and when a step's updates are scheduled.
 
 A view taken between steps (``p.detach()``) is the unit's value held here: a write through it reaches the parameter
 while the unit is held (until the next pass, or until :data:`CACHED_UNITS` others were read since).
@@ -34,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_ratel.runtime.pager import ParameterPager
+from lightning_ratel.runtime.units import ParamSlot
 
 CACHED_UNITS = 2
 """Units whose values stay in host memory between reads: code walking the parameters in order reads each unit once,
@@ -84,6 +87,8 @@ class ParameterReads(TorchDispatchMode):
         self._entered = False
         self._popped = False
         self._passing = False
+        # Engine passes under way: a backward runs inside a manual training step's watched forward.
+        self._pauses = 0
         self._bypass = 0
 
     # ------------------------------------------------------------------ where it applies
@@ -104,9 +109,12 @@ class ParameterReads(TorchDispatchMode):
 
     def pause(self) -> None:
         """An engine pass starts: step off the stack (its blocks page their parameters in themselves), and forget the
-        values read so far (the pass's update changes them). Under a mode entered later it stays, passing ops on."""
+        values read so far (the pass's update changes them). Under a mode entered later it stays, passing ops on.
+        Passes nest (a manual training step's backward runs inside its forward): each :meth:`resume` undoes one
+        pause, and the last one puts this mode back, after the modes the passes entered above it have left."""
         self.flush()
         self.invalidate()
+        self._pauses += 1
         if not self._entered or self._popped or self._passing:
             return
         if _get_current_dispatch_mode() is self:
@@ -117,7 +125,10 @@ class ParameterReads(TorchDispatchMode):
             self._bypass += 1
 
     def resume(self) -> None:
-        """The engine pass ended: back on the stack."""
+        """The engine pass ended: back on the stack once no pass is left."""
+        self._pauses -= 1
+        if self._pauses:
+            return
         if self._popped:
             TorchDispatchMode.__enter__(self)
             self._popped = False
@@ -141,14 +152,23 @@ class ParameterReads(TorchDispatchMode):
         self._dirty.clear()
         self._settled = False
 
+    def written(self) -> bool:
+        """Whether values were written since the last flush (what :meth:`flush` would give the engine)."""
+        return bool(self._dirty) or any(self._rebound(unit.index, slot) for unit in self.pager.units.values()
+                                        for slot in unit.slots)
+
+    def _rebound(self, unit: int, slot: ParamSlot) -> bool:
+        """Whether ``slot``'s parameter was given another tensor: neither its placeholder nor resident."""
+        return not self.pager.holds_placeholder(slot.param) and self.pager.device_flat(unit, slot.dtype) is None
+
     def flush(self) -> None:
         """Give the engine every value written since the last flush: in-place writes into the values held here, and
         parameters given another tensor (``param.data = ...``), which get their placeholder back."""
         for unit in self.pager.units.values():
             for slot in unit.slots:
-                param = slot.param
-                if self.pager.holds_placeholder(param) or self.pager.device_flat(unit.index, slot.dtype) is not None:
+                if not self._rebound(unit.index, slot):
                     continue
+                param = slot.param
                 value = param.data
                 self.pager.unbind(slot)
                 if value.shape != slot.shape:

@@ -8,7 +8,12 @@ takes it back once the worker has dropped it: the pinned staging is bounded by t
 optimizer's gradient budget bounds, and those the optimizer holds until one of them completes its shard. Parameters
 outside the optimizer have no consumer for their gradient: it is dropped.
 
-Threads: the hooks run on autograd's thread.
+A gradient arrives only while the engine's backward pass is open (:attr:`GradientOffload.open`): one computed by a
+backward the engine did not start would be added to a step it knows nothing about, and raises instead, before the
+optimizer has it.
+
+Threads: the hooks run on autograd's thread; :attr:`GradientOffload.open` is set on the training thread before a
+backward starts and after it returns.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any
 
 from torch import nn
 
+from lightning_ratel.errors import RatelModelError
 from lightning_ratel.runtime.device import Device
 from lightning_ratel.runtime.optimizer import CpuAdam
 from lightning_ratel.runtime.timeline import span
@@ -38,6 +44,8 @@ class GradientOffload:
     def __init__(self, device: Device, optimizer: CpuAdam, shards: Sequence[Shard], frozen: Sequence[Shard]) -> None:
         self.device = device
         self.optimizer = optimizer
+        # Whether the engine's backward pass runs: gradients are its.
+        self.open = False
         self._handles: list[Any] = []
         for shard in shards:
             for position, sp in enumerate(shard.params):
@@ -53,6 +61,13 @@ class GradientOffload:
     def _offload(self, shard: Shard, position: int, param: nn.Parameter) -> None:
         grad = param.grad
         param.grad = None
+        if not self.open:
+            raise RatelModelError(
+                f"RatelStrategy: the gradient of {shard.params[position].name} comes from a backward pass it did not "
+                "see start (`torch.autograd.backward(...)`, or `loss.backward()` outside `training_step` and "
+                "`LightningModule.backward`), which it cannot add to a step. Under manual optimization call "
+                "`self.manual_backward(loss)` in `training_step`; under automatic optimization return the loss from "
+                "`training_step` and Lightning runs its backward.")
         host, event = self.device.to_host(grad)
         self.optimizer.gradient(shard, position, host, event)
 
