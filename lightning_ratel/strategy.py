@@ -129,7 +129,9 @@ class RatelStrategy(ParallelStrategy):
             when the cache would take more than half of ``host_memory_limit``, or of the available host memory).
             Fitting only; evaluation runs keep them in host memory.
         optimizer_states: where each shard's fp32 master and optimizer moments live (both the committed step's and
-            the one being written, 24 bytes per parameter for AdamW): ``"host"`` (host memory), ``"ssd"`` (the swap
+            the one being written, 24 bytes per parameter for AdamW): ``"device"`` (the accelerator's memory, updated
+            there once the step is decided, with every compute copy resident: for a job that fits the device; one
+            rank, AdamW/Adam), ``"host"`` (host memory), ``"ssd"`` (the swap
             files: 12 bytes per parameter read and 12 written each step) or ``"auto"`` (host memory for the first
             blocks in forward order while they fit in three quarters of ``host_memory_limit``, or of the available
             host memory, less the parameter cache; the swap files for the rest). ``keep_swap_files=True`` keeps them in

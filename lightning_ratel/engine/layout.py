@@ -182,6 +182,7 @@ def build_layout(
     announce: bool = True,
     optimizer_states: OptimizerStates = "auto",
     read_ahead: int | None = None,
+    device_empty: HostAllocator | None = None,
 ) -> Layout:
     """Lay out ``module``'s parameters.
 
@@ -200,10 +201,13 @@ def build_layout(
             memory while :func:`states_budget` holds them, see :func:`~lightning_ratel.plan.states.place_states`).
         read_ahead: the CPU optimizer's buffer sets beyond the pipeline's, as the user fixed them; ``None``: planned
             (see :func:`with_state_tiers`).
+        device_empty: allocates device memory, for the compute copies of units whose states are on the device
+            tier; ``None``: the host cache's allocator.
 
     Raises:
-        RatelConfigError: a parameter is not floating point, or the optimizer cannot be run (see
-            :func:`optimizer_groups`, :func:`generic_update`).
+        RatelConfigError: a parameter is not floating point, the optimizer cannot be run (see
+            :func:`optimizer_groups`, :func:`generic_update`), or ``optimizer_states="device"`` was asked of an
+            optimizer the device tier does not run.
     """
     groups = optimizer_groups(module, optimizer)
     names = {id(p): n for n, p in module.named_parameters()}
@@ -256,7 +260,15 @@ def build_layout(
         unit_slots[b] = (slots, offsets)
 
     compute_bytes = sum(n * d.itemsize for _, numels in unit_slots.values() for d, n in numels.items())
-    cache = resolve_param_cache(param_cache, optimizer is not None, compute_bytes, host_memory_limit, announce)
+    on_device = optimizer is not None and optimizer_states == "device"
+    if on_device and not fused(optimizer):
+        raise RatelConfigError(
+            f"optimizer_states='device' updates on the device with torch's AdamW, so it runs torch.optim.AdamW or "
+            f"Adam (without amsgrad, maximize...) only, not {type(optimizer).__name__}: give optimizer_states='auto', "
+            "'host' or 'ssd'")
+    # Every compute copy is resident on the device: none is read from the swap files.
+    cache = "host" if on_device else resolve_param_cache(param_cache, optimizer is not None, compute_bytes,
+                                                         host_memory_limit, announce)
     units = {
         b: Unit(b, tuple(slots), numels,
                 host={d: host_empty(n, d) for d, n in numels.items()} if cache == "host" else {})
@@ -282,8 +294,34 @@ def build_layout(
     block_units = tuple(tuple(sorted({owner[id(p)] for p in block.uses})) for block in blocks)
     generic = generic_update(optimizer, shards) if optimizer is not None and not fused(optimizer) else None
     layout = Layout(units, block_units, shards, frozen, cache, orig_dtype, generic=generic)
-    return with_state_tiers(layout, optimizer_states, host_memory_limit, announce=announce,
-                            read_ahead=read_ahead)
+    layout = with_state_tiers(layout, optimizer_states, host_memory_limit, announce=announce, read_ahead=read_ahead)
+    return resident_units(layout, device_empty or host_empty, every_unit=on_device)
+
+
+def resident_units(layout: Layout, device_empty: HostAllocator, every_unit: bool = False) -> Layout:
+    """``layout`` with the compute copies of each unit whose trainable shards are all on the device tier (and of
+    every unit, with ``every_unit``) moved to device memory, where the pager binds them without a copy; a device-tier
+    shard's master is never its compute copy (its states have slots of their own on the device)."""
+    tiers: dict[int, set[str]] = {}
+    for shard in layout.shards:
+        tiers.setdefault(shard.unit.index, set()).add(shard.state_tier)
+    resident = {b for b, found in tiers.items() if found == {"device"}}
+    if every_unit:
+        resident = set(layout.units)
+    if not resident:
+        return layout
+    units = {
+        b: dataclasses.replace(unit, host={d: device_empty(n, d) for d, n in unit.numels.items()}, resident=True)
+        if b in resident else unit
+        for b, unit in layout.units.items()
+    }
+
+    def moved(shard: Shard) -> Shard:
+        return dataclasses.replace(shard, unit=units[shard.unit.index],
+                                   master_in_host=shard.master_in_host and shard.state_tier != "device")
+
+    return dataclasses.replace(layout, units=units, shards=[moved(s) for s in layout.shards],
+                               frozen_shards=[moved(s) for s in layout.frozen_shards])
 
 
 def with_state_tiers(layout: Layout, requested: OptimizerStates, host_memory_limit: int | None,

@@ -50,7 +50,8 @@ def place_states(sizes: Sequence[int], requested: str, budget: int | None) -> li
 
     Args:
         sizes: host bytes of each shard's states (:func:`state_bytes`), in forward order.
-        requested: ``"host"``, ``"ssd"`` or ``"auto"`` (host memory while ``budget`` holds them, in forward order).
+        requested: ``"device"``, ``"host"``, ``"ssd"`` or ``"auto"`` (host memory while ``budget`` holds them, in
+            forward order).
         budget: host bytes the states may take in ``"auto"``; ``None``: unlimited.
 
     Raises:
@@ -73,9 +74,13 @@ def place_states(sizes: Sequence[int], requested: str, budget: int | None) -> li
 
 def describe(sizes: Sequence[int], tiers: Sequence[StateTier]) -> str:
     """One line on where the states went, for the run's log."""
+    device = sum(s for s, t in zip(sizes, tiers) if t == "device")
     host = sum(s for s, t in zip(sizes, tiers) if t == "host")
     disk = sum(s for s, t in zip(sizes, tiers) if t == "ssd") // STATE_SLOTS
     parts = []
+    if device:
+        parts.append(f"{format_bytes(device)} on the device ({tiers.count('device')} shards, both slots, updated "
+                     "there)")
     if host:
         parts.append(f"{format_bytes(host)} in host memory ({tiers.count('host')} shards, both slots)")
     if disk:

@@ -230,6 +230,21 @@ def torch_adamw_(
     _torch_step(param, grad, exp_avg, exp_avg_sq, param_out, hyper, step, 1.0 / grad_scale)
 
 
+def device_adamw_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    param_out: torch.Tensor | None,
+    hyper: GroupHyper,
+    *,
+    step: int,
+) -> None:
+    """The step of :func:`torch_adamw_` on tensors of any one device (the device tier's update, on the training
+    thread): torch's own single-tensor Adam(W), so on the CPU the same bits as the CPU optimizer's step."""
+    _torch_step(param, grad, exp_avg, exp_avg_sq, param_out, hyper, step, 1.0)
+
+
 def adamw_step() -> Callable[..., None]:
     """The AdamW step the CPU optimizer runs: the native kernel where it reproduces torch exactly, else torch's.
 

@@ -1,0 +1,137 @@
+"""The device tier of the optimizer states: states on the device, updated there after the step's decision, compute
+copies resident. On this CPU-only machine the device is the CPU (the same code as on a GPU, see
+``runtime/device_adam.py``); the numbers equal plain Lightning's and the host tier's bit for bit, since the update is
+torch's own single-tensor AdamW, which the CPU optimizer's kernel reproduces exactly."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_ratel import RatelStrategy
+from lightning_ratel.errors import RatelConfigError
+from lightning_ratel.plan.states import describe, place_states
+from lightning_ratel.precision import RatelPrecision
+from tests.models import LM, compare_states, final_state, trainer
+
+
+def test_forced_device_places_every_shard():
+    assert place_states([10, 20], "device", 0) == ["device", "device"]
+    assert "on the device (2 shards" in describe([10, 20], ["device", "device"])
+
+
+def test_forced_device_refuses_what_it_cannot_run(tmp_path: Path):
+    with pytest.raises(RatelConfigError, match="keep_swap_files"):
+        RatelStrategy(ssd_paths=[str(tmp_path)], optimizer_states="device", keep_swap_files=True)
+    with pytest.raises(RatelConfigError, match="param_cache"):
+        RatelStrategy(ssd_paths=[str(tmp_path)], optimizer_states="device", param_cache="ssd")
+
+
+class _Seen:
+    def __init__(self) -> None:
+        self.tiers: list[str] = []
+        self.resident: list[bool] = []
+        self.cpu_shards = -1
+
+    def __call__(self, strategy: RatelStrategy) -> None:
+        engine = strategy.engine
+        self.tiers = [s.state_tier for s in engine.layout.shards]
+        self.resident = [u.resident for u in engine.layout.units.values()]
+        self.cpu_shards = len(engine.adam.cpu.shards)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_device_tier_matches_plain_and_host(tmp_path: Path, precision: str):
+    """Accumulation and clipping by norm (which clips here): the device tier ends on plain Lightning's numbers and on
+    the host tier's, bit for bit."""
+    kwargs = dict(precision=precision, accumulate_grad_batches=2, gradient_clip_val=0.05, max_steps=3)
+    ref = LM("llama")
+    t = trainer("auto", **kwargs)
+    t.fit(ref)
+    host = LM("llama")
+    th = trainer(RatelStrategy(ssd_paths=[str(tmp_path / "h")], activation_policy="host", optimizer_states="host"),
+                 **kwargs)
+    th.fit(host)
+    seen = _Seen()
+    lm = LM("llama")
+    strategy = RatelStrategy(ssd_paths=[str(tmp_path / "d")], activation_policy="host", optimizer_states="device")
+    lm.on_train_start = lambda: seen(strategy)  # type: ignore[method-assign]
+    got = trainer(strategy, **kwargs)
+    got.fit(lm)
+    assert set(seen.tiers) == {"device"} and all(seen.resident) and seen.cpu_shards == 0
+    compare_states(final_state(ref, t), final_state(lm, got), 0.0)
+    compare_states(final_state(host, th), final_state(lm, got), 0.0)
+
+
+class _SkipLM(LM):
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor | None:
+        loss = super().training_step(batch, batch_idx)
+        return None if batch_idx == 1 else loss
+
+
+def test_a_skipped_step_matches_plain(tmp_path: Path):
+    """``training_step`` returning ``None`` skips that batch's step: 3 steps taken of 4 batches, plain's numbers."""
+    ref = _SkipLM("llama", n_batches=4)
+    t = trainer("auto", max_steps=-1, max_epochs=1)
+    t.fit(ref)
+    lm = _SkipLM("llama", n_batches=4)
+    got = trainer(RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy="host", optimizer_states="device"),
+                  max_steps=-1, max_epochs=1)
+    got.fit(lm)
+    state = final_state(lm, got)
+    assert {float(s["step"]) for s in state[1]["state"].values()} == {3.0}
+    compare_states(final_state(ref, t), state, 0.0)
+
+
+def test_fp16_overflow_skips_the_step_on_the_device_tier_as_on_the_host_tier(tmp_path: Path):
+    """An fp16 overflow skips the whole step (the device tier's gradients are unscaled and checked with the CPU
+    optimizer's); the run ends on the host tier's numbers bit for bit."""
+
+    class Overflowing(LM):
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            loss = super().training_step(batch, batch_idx)
+            return loss * 1e30 if batch_idx == 2 else loss
+
+    outcome = {}
+    for states in ("host", "device"):
+        lm = Overflowing("mlp")
+        precision = RatelPrecision("16-mixed", device="cpu")
+        t = L.Trainer(accelerator="cpu", plugins=[precision], max_steps=4, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False,
+                      strategy=RatelStrategy(ssd_paths=[str(tmp_path / states)], optimizer_states=states))
+        t.fit(lm)
+        assert precision.steps_skipped == 1
+        outcome[states] = final_state(lm, t)
+    compare_states(outcome["host"], outcome["device"], 0.0)
+
+
+@pytest.mark.parametrize("checkpoint_format", ["full", "sharded"])
+def test_resume_equals_never_stopping(tmp_path: Path, checkpoint_format: str):
+    """Saved at step 2 and resumed on the device tier, the run ends where the uninterrupted one does (bit for bit),
+    with accumulation and clipping; the step-2 checkpoint also resumes on the host tier to the same numbers."""
+    kwargs = dict(precision="bf16-mixed", accumulate_grad_batches=2, gradient_clip_val=0.05)
+
+    def strategy(name: str, states: str = "device") -> RatelStrategy:
+        return RatelStrategy(ssd_paths=[str(tmp_path / name)], activation_policy="host", optimizer_states=states,
+                             checkpoint_format=checkpoint_format)
+
+    straight = LM("llama", n_batches=4)
+    t = trainer(strategy("s1"), max_steps=4, **kwargs)
+    t.fit(straight)
+    first = LM("llama", n_batches=4)
+    saves = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=2, save_top_k=-1)
+    trainer(strategy("s2"), max_steps=2, enable_checkpointing=True, callbacks=[saves], **kwargs).fit(first)
+    (saved,) = [p for p in (tmp_path / "ckpt").iterdir() if "step=2" in p.name]
+    for states in ("device", "host"):
+        resumed = LM("llama", n_batches=4)
+        r = trainer(strategy(f"s3-{states}", states), max_steps=4, **kwargs)
+        r.fit(resumed, ckpt_path=str(saved))
+        assert r.global_step == 4
+        compare_states(final_state(straight, t), final_state(resumed, r), 0.0)
+    # Nothing of the device tier's states is left in the swap directories.
+    assert not any((tmp_path / name).exists() and os.listdir(tmp_path / name) for name in ("s1", "s2", "s3-device"))
