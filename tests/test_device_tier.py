@@ -135,3 +135,52 @@ def test_resume_equals_never_stopping(tmp_path: Path, checkpoint_format: str):
         compare_states(final_state(straight, t), final_state(resumed, r), 0.0)
     # Nothing of the device tier's states is left in the swap directories.
     assert not any((tmp_path / name).exists() and os.listdir(tmp_path / name) for name in ("s1", "s2", "s3-device"))
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+@pytest.mark.parametrize("limit", ["256KiB", "1MiB"])
+def test_auto_puts_the_cheapest_shards_on_the_device_under_its_budget(tmp_path: Path, precision: str, limit: str):
+    """``"auto"`` with a device budget: the smallest shards go to the device tier first (a unit whose trainable shards
+    all went is resident), the rest to host memory; with clipping by norm over both tiers' gradients together, and
+    accumulation, the numbers are plain Lightning's bit for bit."""
+    kwargs = dict(precision=precision, accumulate_grad_batches=2, gradient_clip_val=0.05, max_steps=3)
+    ref = LM("llama")
+    t = trainer("auto", **kwargs)
+    t.fit(ref)
+    shards: list[tuple[str, int, bool]] = []
+    lm = LM("llama")
+    strategy = RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy="host", device_memory_limit=limit)
+
+    def seen() -> None:
+        shards.extend((s.state_tier, s.numel, s.unit.resident) for s in strategy.engine.layout.shards)
+
+    lm.on_train_start = seen  # type: ignore[method-assign]
+    got = trainer(strategy, **kwargs)
+    got.fit(lm)
+    compare_states(final_state(ref, t), final_state(lm, got), 0.0)
+    tiers = {tier for tier, _, _ in shards}
+    assert tiers == {"device", "host"}
+    # Cheapest first: every shard on the device is smaller than every shard left in host memory.
+    assert max(n for tier, n, _ in shards if tier == "device") <= min(n for tier, n, _ in shards if tier == "host")
+    assert any(resident for tier, _, resident in shards if tier == "device")
+    assert not any(resident for tier, _, resident in shards if tier == "host")
+
+
+def test_auto_keeps_cpu_runs_without_a_device_budget_off_the_device_tier(tmp_path: Path):
+    """On the CPU without ``device_memory_limit`` the host memory is the device's: ``"auto"`` keeps the host tier."""
+    strategy = RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy="host")
+    lm = LM("llama")
+    tiers: list[str] = []
+    lm.on_train_start = lambda: tiers.extend(s.state_tier for s in strategy.engine.layout.shards)  # type: ignore
+    trainer(strategy, max_steps=1).fit(lm)
+    assert tiers and set(tiers) == {"host"}
+
+
+def test_forced_device_that_cannot_fit_fails_before_training(tmp_path: Path):
+    lm = LM("llama")
+    steps: list[int] = []
+    lm.on_train_batch_start = lambda *args: steps.append(1)  # type: ignore[method-assign]
+    strategy = RatelStrategy(ssd_paths=[str(tmp_path)], optimizer_states="device", device_memory_limit="64KiB")
+    with pytest.raises(RatelConfigError, match="device_memory_limit"):
+        trainer(strategy, max_steps=1).fit(lm)
+    assert steps == []

@@ -63,7 +63,7 @@ from lightning_ratel.runtime.hostmem import ALIGNMENT
 from lightning_ratel.runtime.hoststore import HostStore, TieredStore
 from lightning_ratel.runtime.optimizer import CpuAdam, StepPlan
 from lightning_ratel.runtime.pager import ParameterPager
-from lightning_ratel.runtime.probe import available_host_memory
+from lightning_ratel.runtime.probe import available_host_memory, free_device_memory
 from lightning_ratel.runtime.storage import TensorStore
 from lightning_ratel.runtime.timeline import Timeline
 from lightning_ratel.runtime.units import Layout, Shard
@@ -155,6 +155,15 @@ def _state_store(device: Device, config: RatelConfig, shards: list[Shard], local
     device_keys = [key for shard in shards if shard.state_tier == "device" for key in shard.state_keys()]
     return TieredStore(disk, HostStore(f"{config.name}-states", threads=threads), host_keys,
                        DeviceStates(device) if device_keys else None, device_keys)
+
+
+def _device_memory(device: Device, config: RatelConfig) -> int | None:
+    """Device bytes the run may use, for the device tier of the optimizer states: ``device_memory_limit``, or a
+    GPU's free memory; ``None`` on the CPU without a limit (the host memory is the device's, and the host tier already
+    keeps states there)."""
+    if config.device_memory_limit is not None:
+        return config.device_memory_limit
+    return free_device_memory(device) if device.is_cuda else None
 
 
 def _node_cache(module: nn.Module, ranks: Ranks, faults: Faults | None) -> NodeCache | None:
@@ -305,7 +314,9 @@ class RatelEngine:
             self.layout = build_layout(module, found, optimizer, half_dtype, config.param_cache,
                                        config.host_memory_limit, host_empty, announce=not parallel,
                                        optimizer_states=config.states_request, read_ahead=config.read_ahead_sets,
-                                       device_empty=self.device.device_empty)
+                                       device_empty=self.device.device_empty,
+                                       device_memory=None if parallel else _device_memory(self.device, config),
+                                       prefetch_depth=config.prefetch_depth)
             self.blocks = BlockMembership(found, self.layout.block_units)
             owners = _owners(self.layout, ranks) if parallel and ranks is not None else None
             # How the ranks' gradients reach their owners (the strategy's pre-flight plans it; window sums where it

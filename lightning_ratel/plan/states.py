@@ -45,14 +45,59 @@ def state_bytes(numel: int, record_bytes: int | None = None) -> int:
     return STATE_SLOTS * per_slot
 
 
-def place_states(sizes: Sequence[int], requested: str, budget: int | None) -> list[StateTier]:
+DEVICE_SHARE = 0.5
+"""Of the device memory a run may use, the share ``"auto"`` may give the device tier: the layout is made before the
+first step, so the activations the plan keeps on the device, the blocks in flight and the allocator's fragmentation
+are not known yet; the rest is theirs."""
+
+
+def device_states_budget(device_memory: int | None, in_flight: int) -> int:
+    """Device bytes ``"auto"`` may give the device tier: :data:`DEVICE_SHARE` of ``device_memory`` (the run's
+    device budget, ``None``: none known, so nothing) less ``in_flight`` (the pager's blocks in flight)."""
+    if device_memory is None:
+        return 0
+    return max(0, int(device_memory * DEVICE_SHARE) - in_flight)
+
+
+def device_bytes(numel: int) -> int:
+    """Device bytes one shard takes on the device tier: both slots of its master and moments, and the fp32 sum of
+    its gradients kept there."""
+    return state_bytes(numel) + 4 * numel
+
+
+def on_device(device_sizes: Sequence[int], budget: int) -> list[bool]:
+    """Which shards ``"auto"`` puts on the device tier: the cheapest first (fewest device bytes), while ``budget``
+    holds them.
+
+    Per byte the small shards (norms, biases, the embeddings of small models) save the most: each shard on the CPU
+    pays a fixed cost per step whatever its size (a job for the optimizer's worker, its gradient's copy to host memory,
+    a write-back, the wait of the next forward for its update), which the device tier replaces by a few kernels on
+    the training thread.
+
+    Args:
+        device_sizes: device bytes of each shard (:func:`device_bytes`).
+        budget: device bytes the states may take.
+    """
+    chosen = [False] * len(device_sizes)
+    left = budget
+    for i in sorted(range(len(device_sizes)), key=lambda i: (device_sizes[i], i)):
+        if device_sizes[i] > left:
+            break
+        chosen[i] = True
+        left -= device_sizes[i]
+    return chosen
+
+
+def place_states(sizes: Sequence[int], requested: str, budget: int | None,
+                 device: Sequence[bool] | None = None) -> list[StateTier]:
     """The tier of each shard's states.
 
     Args:
         sizes: host bytes of each shard's states (:func:`state_bytes`), in forward order.
-        requested: ``"device"``, ``"host"``, ``"ssd"`` or ``"auto"`` (host memory while ``budget`` holds them, in
-            forward order).
+        requested: ``"device"``, ``"host"``, ``"ssd"`` or ``"auto"`` (the device for the shards ``device`` names,
+            then host memory while ``budget`` holds them, in forward order).
         budget: host bytes the states may take in ``"auto"``; ``None``: unlimited.
+        device: with ``"auto"``, the shards placed on the device (:func:`on_device`); ``None``: none.
 
     Raises:
         RatelConfigError: ``requested`` is not one of :data:`~lightning_ratel.tiers.OPTIMIZER_STATES`.
@@ -61,15 +106,37 @@ def place_states(sizes: Sequence[int], requested: str, budget: int | None) -> li
         raise RatelConfigError(f"`optimizer_states` must be one of {OPTIMIZER_STATES}, got {requested!r}")
     if requested != "auto":
         return [requested] * len(sizes)  # type: ignore[list-item]
+    chosen = device if device is not None else [False] * len(sizes)
     left = budget if budget is not None else sum(sizes)
     tiers: list[StateTier] = []
-    for size in sizes:
-        if size <= left:
+    for size, here in zip(sizes, chosen):
+        if here:
+            tiers.append("device")
+        elif size <= left:
             tiers.append("host")
             left -= size
         else:
             tiers.append("ssd")
     return tiers
+
+
+def check_device_fit(needed: int, budget: int | None) -> None:
+    """Refuse ``optimizer_states="device"`` where the device budget cannot hold what it keeps there.
+
+    Args:
+        needed: device bytes of every shard's states and gradient sum and every unit's compute copy.
+        budget: device bytes the run may use (``device_memory_limit``, or the device's free memory), less what the
+            pager and activations need; ``None``: unknown (the CPU without a limit: the host memory is the device's).
+
+    Raises:
+        RatelConfigError: it does not fit, with the figures and what to change.
+    """
+    if budget is not None and needed > budget:
+        raise RatelConfigError(
+            f"optimizer_states='device' keeps {format_bytes(needed)} on the device (optimizer states in both slots, "
+            f"fp32 gradient sums and every compute copy), more than the {format_bytes(max(0, budget))} its budget "
+            "leaves after the blocks in flight and activations: give optimizer_states='auto' (the device tier for "
+            "what fits, the host memory or the swap files for the rest), or raise device_memory_limit")
 
 
 def describe(sizes: Sequence[int], tiers: Sequence[StateTier]) -> str:

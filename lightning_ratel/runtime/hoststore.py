@@ -240,6 +240,9 @@ class DeviceKeys(Protocol):
 
     def written(self, key: str) -> bool: ...
 
+    @property
+    def nbytes_allocated(self) -> int: ...
+
     def close(self) -> None: ...
 
 
