@@ -7,17 +7,20 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
 
 from lightning_ratel import RatelStrategy
 from lightning_ratel.errors import RatelConfigError
 from lightning_ratel.plan.states import describe, place_states
 from lightning_ratel.precision import RatelPrecision
-from tests.models import LM, compare_states, final_state, trainer
+from lightning_ratel.runtime import device_adam
+from tests.models import LM, MODELS, VOCAB, compare_states, final_state, trainer
 
 
 def test_forced_device_places_every_shard():
@@ -184,3 +187,62 @@ def test_forced_device_that_cannot_fit_fails_before_training(tmp_path: Path):
     with pytest.raises(RatelConfigError, match="device_memory_limit"):
         trainer(strategy, max_steps=1).fit(lm)
     assert steps == []
+
+
+class _SometimesLayer(nn.Module):
+    """A residual layer whose second linear runs only when told: its parameters share a shard with the first's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(32, 32)
+        self.second = nn.Linear(32, 32)
+
+    def forward(self, h: torch.Tensor, both: bool) -> torch.Tensor:
+        h = h + self.first(h)
+        return h + self.second(h) if both else h
+
+
+class _Sometimes(nn.Module):
+    """The second linear of each layer runs on every other forward: some steps give part of a shard no gradient, and
+    later its parameters' step counts differ from the others'."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 32)
+        self.layers = nn.ModuleList(_SometimesLayer() for _ in range(2))
+        self.head = nn.Linear(32, VOCAB)
+        self.calls = 0
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Any:
+        both = self.calls % 3 == 0
+        self.calls += 1
+        h = self.embed(input_ids)
+        for layer in self.layers:
+            h = layer(h, both)
+        loss = nn.functional.cross_entropy(self.head(h).float().view(-1, VOCAB), labels.view(-1))
+        return type("Out", (), {"loss": loss})()
+
+
+def test_parameters_without_a_gradient_take_no_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A parameter the forward skipped takes no step on the device tier, as plain AdamW skips it: a shard holding
+    parameters with and without a gradient (or with different step counts) steps parameter by parameter."""
+    monkeypatch.setitem(MODELS, "sometimes", _Sometimes)
+    ref = LM("sometimes")
+    t = trainer("auto", max_steps=4)
+    t.fit(ref)
+    calls: list[tuple[int, int]] = []
+    step = device_adam.device_adamw_
+
+    def counting(params: list[torch.Tensor], *args: Any, **kwargs: Any) -> None:
+        calls.append((len(params), params[0].numel()))
+        step(params, *args, **kwargs)
+
+    monkeypatch.setattr(device_adam, "device_adamw_", counting)
+    lm = LM("sometimes")
+    got = trainer(RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy="host", optimizer_states="device"),
+                  max_steps=4)
+    got.fit(lm)
+    compare_states(final_state(ref, t), final_state(lm, got), 0.0)
+    # A layer's weights are one shard of 2 x 32 x 32: one weight alone is stepped where the two differ; shards whose
+    # parameters agree are stepped together.
+    assert (1, 32 * 32) in calls and max(n for n, _ in calls) > 1

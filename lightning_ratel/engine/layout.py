@@ -285,9 +285,12 @@ def build_layout(
     # Every compute copy is resident on the device: none is read from the swap files.
     cache = "host" if on_device else resolve_param_cache(param_cache, optimizer is not None, compute_bytes,
                                                          host_memory_limit, announce)
+    # With every state on the device, every compute copy is resident there from the start.
+    cache_empty = (device_empty or host_empty) if on_device else host_empty
     units = {
         b: Unit(b, tuple(slots), numels,
-                host={d: host_empty(n, d) for d, n in numels.items()} if cache == "host" else {})
+                host={d: cache_empty(n, d) for d, n in numels.items()} if cache == "host" else {},
+                resident=on_device)
         for b, (slots, numels) in unit_slots.items()
     }
     shards: list[Shard] = []
@@ -336,7 +339,7 @@ def resident_units(layout: Layout, device_empty: HostAllocator, every_unit: bool
         return layout
     units = {
         b: dataclasses.replace(unit, host={d: device_empty(n, d) for d, n in unit.numels.items()}, resident=True)
-        if b in resident else unit
+        if b in resident and not unit.resident else unit
         for b, unit in layout.units.items()
     }
 

@@ -254,50 +254,63 @@ class DeviceAdam:
     @span("ratel/device_update")
     def update(self, plan: StepPlan, shards: Sequence[Shard], step: int) -> None:
         """Update ``shards`` from their committed states into the other slot, their compute copies in place; the
-        updates commit with the CPU optimizer's ``step`` (:meth:`settle`). The last step's must have committed."""
+        updates commit with the CPU optimizer's ``step`` (:meth:`settle`). The last step's must have committed.
+
+        Shards whose parameters all have a gradient and one step count are stepped together, one call per parameter
+        group and step count (on a GPU, torch's foreach AdamW over them); the others parameter by parameter."""
         assert self._awaiting is None
         own = self.ledger.open_step()
-        for shard in shards:
-            if not any(self._has[shard.index]):
-                continue
+        todo = [s for s in shards if any(self._has[s.index])]
+        together: dict[tuple[int, int], list[tuple[torch.Tensor, ...]]] = {}
+        for shard in todo:
             self.ledger.queue(shard)
-            steps = self._update(plan, shard)
-            self.ledger.ran(shard, own, steps)
+            version = self.ledger.latest(shard)
+            flats = self._start(shard, version.slot, version.moments)
+            grad = self._grads[shard.index][: shard.numel]
+            if plan.clip_value is not None:
+                grad.clamp_(min=-plan.clip_value, max=plan.clip_value)
+            steps = version.steps
+            with_grad = [i for i, has in enumerate(self._has[shard.index]) if has]
+            if len(with_grad) == len(shard.params) and len(set(steps)) == 1:
+                together.setdefault((shard.group, steps[0]), []).append((flats[0], grad, *flats[1:]))
+                continue
+            for i in with_grad:
+                sl = slice(shard.params[i].offset, shard.params[i].offset + shard.params[i].numel)
+                device_adamw_([flats[0][sl]], [grad[sl]], [flats[1][sl]], [flats[2][sl]], self._hyper(plan, shard),
+                              step=steps[i] + 1)
+        for (group, count), items in together.items():
+            master, grad, exp_avg, exp_avg_sq = (list(column) for column in zip(*items))
+            device_adamw_(master, grad, exp_avg, exp_avg_sq, self._hyper(plan, group), step=count + 1)
+        for shard in todo:
+            version = self.ledger.latest(shard)
+            steps = [n + 1 if has else n for n, has in zip(version.steps, self._has[shard.index])]
+            written = self.ledger.ran(shard, own, steps)
+            for what in STATES:
+                self.states.mark_written(shard.key(what, written.slot))
+            shard.compute_view(shard.unit.host[shard.dtype]).copy_(self._state(shard, "master", written.slot))
             self._has[shard.index] = [False] * len(shard.params)
         self._awaiting = step
 
-    def _update(self, plan: StepPlan, shard: Shard) -> list[int]:
-        version = self.ledger.latest(shard)
-        src, dst = version.slot, 1 - version.slot
-        n = shard.numel
+    @staticmethod
+    def _hyper(plan: StepPlan, shard_or_group: Shard | int) -> GroupHyper:
+        hyper = plan.hyper[shard_or_group if isinstance(shard_or_group, int) else shard_or_group.group]
+        assert isinstance(hyper, GroupHyper)
+        return hyper
+
+    def _start(self, shard: Shard, src: int, moments: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The master and moments of the slot an update of ``shard`` writes, holding the committed ones of ``src``
+        (zero moments where none were written yet)."""
+        dst = 1 - src
         master = self._state(shard, "master", dst)
         master.copy_(self._state(shard, "master", src))
         exp_avg, exp_avg_sq = self._state(shard, "exp_avg", dst), self._state(shard, "exp_avg_sq", dst)
-        if version.moments:
+        if moments:
             exp_avg.copy_(self._state(shard, "exp_avg", src))
             exp_avg_sq.copy_(self._state(shard, "exp_avg_sq", src))
         else:
             exp_avg.zero_()
             exp_avg_sq.zero_()
-        grad = self._grads[shard.index][:n]
-        if plan.clip_value is not None:
-            grad.clamp_(min=-plan.clip_value, max=plan.clip_value)
-        hyper = plan.hyper[shard.group]
-        assert isinstance(hyper, GroupHyper)
-        steps = list(version.steps)
-        with_grad = [i for i, has in enumerate(self._has[shard.index]) if has]
-        if len(with_grad) == len(shard.params) and len(set(steps)) == 1:
-            device_adamw_(master, grad, exp_avg, exp_avg_sq, None, hyper, step=steps[0] + 1)
-        else:
-            for i in with_grad:
-                sl = slice(shard.params[i].offset, shard.params[i].offset + shard.params[i].numel)
-                device_adamw_(master[sl], grad[sl], exp_avg[sl], exp_avg_sq[sl], None, hyper, step=steps[i] + 1)
-        for what in STATES:
-            self.states.mark_written(shard.key(what, dst))
-        shard.compute_view(shard.unit.host[shard.dtype]).copy_(master)
-        for i in with_grad:
-            steps[i] += 1
-        return steps
+        return master, exp_avg, exp_avg_sq
 
     def _state(self, shard: Shard, what: str, slot: int) -> torch.Tensor:
         return self.states.view(shard.key(what, slot), torch.float32)[: shard.numel]
