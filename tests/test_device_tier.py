@@ -20,7 +20,7 @@ from lightning_ratel.errors import RatelConfigError
 from lightning_ratel.plan.states import describe, place_states
 from lightning_ratel.precision import RatelPrecision
 from lightning_ratel.runtime import device_adam
-from tests.models import LM, MODELS, VOCAB, compare_states, final_state, trainer
+from tests.models import LM, MODELS, VOCAB, compare_states, final_state, max_rel_err, trainer
 
 
 def test_forced_device_places_every_shard():
@@ -246,3 +246,42 @@ def test_parameters_without_a_gradient_take_no_step(tmp_path: Path, monkeypatch:
     # A layer's weights are one shard of 2 x 32 x 32: one weight alone is stepped where the two differ; shards whose
     # parameters agree are stepped together.
     assert (1, 32 * 32) in calls and max(n for n, _ in calls) > 1
+
+
+@pytest.mark.parametrize("states", ["device", "auto"])
+def test_a_failed_device_update_leaves_the_last_committed_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              states: str):
+    """An update on the device that fails halfway through a step (after some shards' updates ran, before the CPU
+    optimizer's step is closed) leaves every tier at the last committed step: the module holds plain training's
+    values after the steps taken, and the on-exception checkpoint resumes to plain training's end."""
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+    from tests.test_step_commit import FAIL_AT, STEPS, FaultyLM, plain
+
+    lm = FaultyLM()
+    step = device_adam.device_adamw_
+    calls = []
+
+    def failing(params: list[torch.Tensor], *args: Any, **kwargs: Any) -> None:
+        step(params, *args, **kwargs)
+        calls.append(1)
+        if lm.trainer.global_step == FAIL_AT and len(calls) > 1:
+            raise RuntimeError("injected fault in a device update")
+
+    monkeypatch.setattr(device_adam, "device_adamw_", failing)
+    tiers: list[str] = []
+    strategy = RatelStrategy(ssd_paths=[str(tmp_path / "swap")], optimizer_states=states,
+                             device_memory_limit="512KiB" if states == "auto" else None)
+    lm.on_train_start = lambda: tiers.extend(s.state_tier for s in strategy.engine.layout.shards)  # type: ignore
+    t = trainer(strategy, max_steps=STEPS, enable_checkpointing=True,
+                callbacks=[OnExceptionCheckpoint(str(tmp_path / "ckpt"))])
+    with pytest.raises(RuntimeError, match="injected fault"):
+        t.fit(lm)
+    assert t.global_step == FAIL_AT
+    assert set(tiers) == ({"device"} if states == "device" else {"device", "host"})
+    assert max_rel_err(plain(FAIL_AT)[0], lm.state_dict()) <= 1e-5
+    monkeypatch.setattr(device_adam, "device_adamw_", step)
+    resumed = FaultyLM()
+    r = trainer(RatelStrategy(ssd_paths=[str(tmp_path / "resumed")], optimizer_states=states), max_steps=STEPS)
+    r.fit(resumed, ckpt_path=str(tmp_path / "ckpt" / "on_exception.ckpt"))
+    assert max_rel_err(plain(STEPS)[0], final_state(resumed, r)[0]) <= 1e-5

@@ -257,60 +257,74 @@ class DeviceAdam:
         updates commit with the CPU optimizer's ``step`` (:meth:`settle`). The last step's must have committed.
 
         Shards whose parameters all have a gradient and one step count are stepped together, one call per parameter
-        group and step count (on a GPU, torch's foreach AdamW over them); the others parameter by parameter."""
+        group and step count (on a GPU, torch's foreach AdamW over them); the others parameter by parameter. The
+        copies around the steps go in one foreach call each, so a GPU launches a few kernels per step, not per
+        shard."""
         assert self._awaiting is None
         own = self.ledger.open_step()
         todo = [s for s in shards if any(self._has[s.index])]
-        together: dict[tuple[int, int], list[tuple[torch.Tensor, ...]]] = {}
+        versions = {s.index: self.ledger.latest(s) for s in todo}
         for shard in todo:
             self.ledger.queue(shard)
-            version = self.ledger.latest(shard)
-            flats = self._start(shard, version.slot, version.moments)
+        # The slot each update writes starts as the committed one (zero moments where none were written yet).
+        sources, targets, zeros = [], [], []
+        for shard in todo:
+            version = versions[shard.index]
+            for what in STATES:
+                target = self._state(shard, what, 1 - version.slot)
+                if what == "master" or version.moments:
+                    sources.append(self._state(shard, what, version.slot))
+                    targets.append(target)
+                else:
+                    zeros.append(target)
+        if targets:
+            torch._foreach_copy_(targets, sources)
+        if zeros:
+            torch._foreach_zero_(zeros)
+        together: dict[tuple[int, int], list[tuple[torch.Tensor, ...]]] = {}
+        for shard in todo:
+            version = versions[shard.index]
+            master, exp_avg, exp_avg_sq = (self._state(shard, what, 1 - version.slot) for what in STATES)
             grad = self._grads[shard.index][: shard.numel]
             if plan.clip_value is not None:
                 grad.clamp_(min=-plan.clip_value, max=plan.clip_value)
             steps = version.steps
             with_grad = [i for i, has in enumerate(self._has[shard.index]) if has]
             if len(with_grad) == len(shard.params) and len(set(steps)) == 1:
-                together.setdefault((shard.group, steps[0]), []).append((flats[0], grad, *flats[1:]))
+                together.setdefault((shard.group, steps[0]), []).append((master, grad, exp_avg, exp_avg_sq))
                 continue
             for i in with_grad:
                 sl = slice(shard.params[i].offset, shard.params[i].offset + shard.params[i].numel)
-                device_adamw_([flats[0][sl]], [grad[sl]], [flats[1][sl]], [flats[2][sl]], self._hyper(plan, shard),
+                device_adamw_([master[sl]], [grad[sl]], [exp_avg[sl]], [exp_avg_sq[sl]], self._hyper(plan, shard.group),
                               step=steps[i] + 1)
         for (group, count), items in together.items():
-            master, grad, exp_avg, exp_avg_sq = (list(column) for column in zip(*items))
-            device_adamw_(master, grad, exp_avg, exp_avg_sq, self._hyper(plan, group), step=count + 1)
+            masters, grads, exp_avgs, exp_avg_sqs = (list(column) for column in zip(*items))
+            device_adamw_(masters, grads, exp_avgs, exp_avg_sqs, self._hyper(plan, group), step=count + 1)
+        # New compute copies: in place where the unit is resident (one call), into the host cache otherwise.
+        copies, masters = [], []
         for shard in todo:
-            version = self.ledger.latest(shard)
+            version = versions[shard.index]
             steps = [n + 1 if has else n for n, has in zip(version.steps, self._has[shard.index])]
             written = self.ledger.ran(shard, own, steps)
             for what in STATES:
                 self.states.mark_written(shard.key(what, written.slot))
-            shard.compute_view(shard.unit.host[shard.dtype]).copy_(self._state(shard, "master", written.slot))
+            compute = shard.compute_view(shard.unit.host[shard.dtype])
+            master = self._state(shard, "master", written.slot)
+            if shard.unit.resident:
+                copies.append(compute)
+                masters.append(master)
+            else:
+                compute.copy_(master)
             self._has[shard.index] = [False] * len(shard.params)
+        if copies:
+            torch._foreach_copy_(copies, masters)
         self._awaiting = step
 
     @staticmethod
-    def _hyper(plan: StepPlan, shard_or_group: Shard | int) -> GroupHyper:
-        hyper = plan.hyper[shard_or_group if isinstance(shard_or_group, int) else shard_or_group.group]
+    def _hyper(plan: StepPlan, group: int) -> GroupHyper:
+        hyper = plan.hyper[group]
         assert isinstance(hyper, GroupHyper)
         return hyper
-
-    def _start(self, shard: Shard, src: int, moments: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The master and moments of the slot an update of ``shard`` writes, holding the committed ones of ``src``
-        (zero moments where none were written yet)."""
-        dst = 1 - src
-        master = self._state(shard, "master", dst)
-        master.copy_(self._state(shard, "master", src))
-        exp_avg, exp_avg_sq = self._state(shard, "exp_avg", dst), self._state(shard, "exp_avg_sq", dst)
-        if moments:
-            exp_avg.copy_(self._state(shard, "exp_avg", src))
-            exp_avg_sq.copy_(self._state(shard, "exp_avg_sq", src))
-        else:
-            exp_avg.zero_()
-            exp_avg_sq.zero_()
-        return master, exp_avg, exp_avg_sq
 
     def _state(self, shard: Shard, what: str, slot: int) -> torch.Tensor:
         return self.states.view(shard.key(what, slot), torch.float32)[: shard.numel]
@@ -330,7 +344,7 @@ class DeviceAdam:
         self._revert()
 
     def _revert(self) -> None:
-        _, reverted = self.ledger.abort(())
+        _, reverted = self.ledger.abort(self.shards)
         for shard in reverted:
             self._restore_compute(shard)
 
