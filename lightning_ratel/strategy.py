@@ -767,7 +767,8 @@ class RatelStrategy(ParallelStrategy):
 
     def state_placement(self) -> dict[str, int]:
         """Bytes of the optimizer states this process holds (fp32 masters and moments, both slots) by tier: ``"host"``
-        for those kept in host memory, ``"ssd"`` for those in the swap files. Empty outside a fit."""
+        for those kept in host memory, ``"ssd"`` for those in the swap files, and ``"device"`` for those on the device
+        tier, where there are any. Empty outside a fit."""
         engine = self._engine
         if engine is None or engine.store is None:
             return {}
@@ -776,7 +777,9 @@ class RatelStrategy(ParallelStrategy):
         placed = {"host": 0, "ssd": 0}
         for shard in engine.layout.shards:
             for key in shard.state_keys():
-                if key in store.host:
+                if store.device is not None and key in store.device:
+                    placed["device"] = placed.get("device", 0) + store.device.nbytes(key)
+                elif key in store.host:
                     placed["host"] += store.host.nbytes(key)
                 elif key in on_disk:
                     placed["ssd"] += store.disk.nbytes(key)

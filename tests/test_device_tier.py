@@ -40,12 +40,14 @@ class _Seen:
         self.tiers: list[str] = []
         self.resident: list[bool] = []
         self.cpu_shards = -1
+        self.placement: dict[str, int] = {}
 
     def __call__(self, strategy: RatelStrategy) -> None:
         engine = strategy.engine
         self.tiers = [s.state_tier for s in engine.layout.shards]
         self.resident = [u.resident for u in engine.layout.units.values()]
         self.cpu_shards = len(engine.adam.cpu.shards)
+        self.placement = strategy.state_placement()
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
@@ -67,6 +69,9 @@ def test_device_tier_matches_plain_and_host(tmp_path: Path, precision: str):
     got = trainer(strategy, **kwargs)
     got.fit(lm)
     assert set(seen.tiers) == {"device"} and all(seen.resident) and seen.cpu_shards == 0
+    # Both slots of every master and moment, on the device; nothing in host memory or the swap files.
+    numel = sum(p.numel() for p in lm.parameters())
+    assert seen.placement == {"device": 2 * 12 * numel, "host": 0, "ssd": 0}
     compare_states(final_state(ref, t), final_state(lm, got), 0.0)
     compare_states(final_state(host, th), final_state(lm, got), 0.0)
 
