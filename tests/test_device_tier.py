@@ -17,7 +17,7 @@ from torch import nn
 
 from lightning_ratel import RatelStrategy
 from lightning_ratel.errors import RatelConfigError
-from lightning_ratel.plan.states import describe, place_states
+from lightning_ratel.plan.states import check_device_fit, describe, device_states_budget, on_device, place_states
 from lightning_ratel.precision import RatelPrecision
 from lightning_ratel.runtime import device_adam
 from tests.models import LM, MODELS, VOCAB, compare_states, final_state, max_rel_err, trainer
@@ -26,6 +26,22 @@ from tests.models import LM, MODELS, VOCAB, compare_states, final_state, max_rel
 def test_forced_device_places_every_shard():
     assert place_states([10, 20], "device", 0) == ["device", "device"]
     assert "on the device (2 shards" in describe([10, 20], ["device", "device"])
+
+
+def test_auto_chooses_whole_units_cheapest_first_within_the_budget():
+    # Units 0 (10 + 2 + 8 bytes), 1 (5 + 1) and 2 (40 + 0): 1 then 0 fit in 30 bytes, 2 does not.
+    shard_bytes, units, unit_bytes = [10, 2, 5, 40], [0, 0, 1, 2], {0: 8, 1: 1, 2: 0}
+    assert on_device(shard_bytes, units, unit_bytes, 30) == [True, True, True, False]
+    assert on_device(shard_bytes, units, unit_bytes, 19) == [False, False, True, False]
+    assert place_states([1, 1, 1, 1], "auto", 1, [True, True, True, False]) == ["device"] * 3 + ["host"]
+    # Half the device budget, less the pager's blocks in flight; nothing without a known budget.
+    assert device_states_budget(1000, 100) == 400
+    assert device_states_budget(100, 400) == 0
+    assert device_states_budget(None, 0) == 0
+    check_device_fit(100, None)
+    check_device_fit(100, 100)
+    with pytest.raises(RatelConfigError, match="optimizer_states='auto'"):
+        check_device_fit(101, 100)
 
 
 def test_forced_device_refuses_what_it_cannot_run(tmp_path: Path):
@@ -147,31 +163,34 @@ def test_resume_equals_never_stopping(tmp_path: Path, checkpoint_format: str):
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 @pytest.mark.parametrize("limit", ["256KiB", "1MiB"])
-def test_auto_puts_the_cheapest_shards_on_the_device_under_its_budget(tmp_path: Path, precision: str, limit: str):
-    """``"auto"`` with a device budget: the smallest shards go to the device tier first (a unit whose trainable shards
-    all went is resident), the rest to host memory; with clipping by norm over both tiers' gradients together, and
-    accumulation, the numbers are plain Lightning's bit for bit."""
+def test_auto_puts_the_cheapest_units_on_the_device_under_its_budget(tmp_path: Path, precision: str, limit: str):
+    """``"auto"`` with a device budget: whole units go to the device tier (their compute copies resident there), the
+    smallest first, the rest to host memory; with clipping by norm over both tiers' gradients together (the CPU
+    optimizer's speculative updates settled by it), and accumulation, the numbers are plain Lightning's bit for bit."""
     kwargs = dict(precision=precision, accumulate_grad_batches=2, gradient_clip_val=0.05, max_steps=3)
     ref = LM("llama")
     t = trainer("auto", **kwargs)
     t.fit(ref)
-    shards: list[tuple[str, int, bool]] = []
+    shards: list[tuple[str, int, int, bool]] = []
     lm = LM("llama")
     strategy = RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy="host", device_memory_limit=limit)
 
     def seen() -> None:
-        shards.extend((s.state_tier, s.numel, s.unit.resident) for s in strategy.engine.layout.shards)
+        shards.extend((s.state_tier, s.unit.index, s.numel, s.unit.resident) for s in strategy.engine.layout.shards)
 
     lm.on_train_start = seen  # type: ignore[method-assign]
     got = trainer(strategy, **kwargs)
     got.fit(lm)
     compare_states(final_state(ref, t), final_state(lm, got), 0.0)
-    tiers = {tier for tier, _, _ in shards}
-    assert tiers == {"device", "host"}
-    # Cheapest first: every shard on the device is smaller than every shard left in host memory.
-    assert max(n for tier, n, _ in shards if tier == "device") <= min(n for tier, n, _ in shards if tier == "host")
-    assert any(resident for tier, _, resident in shards if tier == "device")
-    assert not any(resident for tier, _, resident in shards if tier == "host")
+    assert {tier for tier, _, _, _ in shards} == {"device", "host"}
+    # A unit is on the device whole, and resident there; the others are not.
+    assert all(resident == (tier == "device") for tier, _, _, resident in shards)
+    sizes: dict[tuple[str, int], int] = {}
+    for tier, unit, numel, _ in shards:
+        sizes[tier, unit] = sizes.get((tier, unit), 0) + numel
+    # Cheapest first: no unit left in host memory is smaller than one on the device.
+    assert max(n for (tier, _), n in sizes.items() if tier == "device") <= min(
+        n for (tier, _), n in sizes.items() if tier == "host")
 
 
 def test_auto_keeps_cpu_runs_without_a_device_budget_off_the_device_tier(tmp_path: Path):

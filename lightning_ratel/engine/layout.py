@@ -326,17 +326,16 @@ def build_layout(
 
 
 def resident_units(layout: Layout, device_empty: HostAllocator, every_unit: bool = False) -> Layout:
-    """``layout`` with the compute copies of each unit whose trainable shards are all on the device tier (and of
-    every unit, with ``every_unit``) moved to device memory, where the pager binds them without a copy; a device-tier
-    shard's master is never its compute copy (its states have slots of their own on the device)."""
-    tiers: dict[int, set[str]] = {}
-    for shard in layout.shards:
-        tiers.setdefault(shard.unit.index, set()).add(shard.state_tier)
-    resident = {b for b, found in tiers.items() if found == {"device"}}
+    """``layout`` with the compute copies of each unit whose shards are on the device tier (every unit, with
+    ``every_unit``) moved to device memory, where the pager binds them without a copy; a device-tier shard's master is
+    never its compute copy (its states have slots of their own on the device)."""
+    resident = {s.unit.index for s in layout.shards if s.state_tier == "device"}
+    if not resident:
+        return layout
     if every_unit:
         resident = set(layout.units)
-    if not any("device" in found for found in tiers.values()):
-        return layout
+    # The device tier's update writes the unit's compute copy on the device, so a unit is on it whole.
+    assert all(s.state_tier == "device" for s in layout.shards if s.unit.index in resident)
     units = {
         b: dataclasses.replace(unit, host={d: device_empty(n, d) for d, n in unit.numels.items()}, resident=True)
         if b in resident and not unit.resident else unit
@@ -368,8 +367,8 @@ def with_state_tiers(layout: Layout, requested: OptimizerStates, host_memory_lim
         announce: say where they went.
         cache_shared: the node's processes share one host cache of compute copies, each holding its share of it.
         read_ahead: buffer sets beyond the pipeline's, as the user fixed them; ``None``: planned.
-        device_budget: device bytes ``"auto"`` may give the device tier (its shards' states, gradient sums and
-            compute copies; see :func:`~lightning_ratel.plan.states.on_device`).
+        device_budget: device bytes ``"auto"`` may give the device tier (whole units: their shards' states,
+            gradient sums and compute copies; see :func:`~lightning_ratel.plan.states.on_device`).
     """
     mine = [s for s in layout.shards if owned is None or s.index in owned]
     if not mine:
@@ -383,7 +382,8 @@ def with_state_tiers(layout: Layout, requested: OptimizerStates, host_memory_lim
     per_param = SET_BYTES_PER_PARAM * max(1.0, base) + GRADIENT_BYTES_PER_PARAM
     held = compute + int(per_param * max(s.numel for s in mine))
     budget = states_budget(host_memory_limit, held, ranks_on_node)
-    chosen = (on_device([device_bytes(s.numel) + s.numel * s.dtype.itemsize for s in mine], device_budget)
+    chosen = (on_device([device_bytes(s.numel) for s in mine], [s.unit.index for s in mine],
+                        {b: u.nbytes for b, u in layout.units.items()}, device_budget)
               if requested == "auto" and device_budget > 0 else None)
     placed = place_states(sizes, requested, budget, chosen)
     tiers = dict(zip((s.index for s in mine), placed))

@@ -25,7 +25,7 @@ remainder smaller than the next shard's states), as far as they can still read a
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from lightning_ratel.errors import RatelConfigError
 from lightning_ratel.sizes import format_bytes
@@ -65,27 +65,36 @@ def device_bytes(numel: int) -> int:
     return state_bytes(numel) + 4 * numel
 
 
-def on_device(device_sizes: Sequence[int], budget: int) -> list[bool]:
-    """Which shards ``"auto"`` puts on the device tier: the cheapest first (fewest device bytes), while ``budget``
-    holds them.
+def on_device(shard_bytes: Sequence[int], units: Sequence[int], unit_bytes: Mapping[int, int],
+              budget: int) -> list[bool]:
+    """Which shards ``"auto"`` puts on the device tier: whole units, so that a unit's compute copy stays resident on
+    the device and nothing of it crosses the link, the cheapest first (fewest device bytes), while ``budget`` holds
+    them.
 
-    Per byte the small shards (norms, biases, the embeddings of small models) save the most: each shard on the CPU
-    pays a fixed cost per step whatever its size (a job for the optimizer's worker, its gradient's copy to host memory,
-    a write-back, the wait of the next forward for its update), which the device tier replaces by a few kernels on
-    the training thread.
+    Per byte the small units (a final norm, the embeddings and head of a small model) save the most: each shard on the
+    CPU pays a fixed cost per step whatever its size (a job for the optimizer's worker, its gradient's copy to host
+    memory, a write-back, the wait of the next forward for its update, the page-ins of its unit), which the device
+    tier replaces by a share of a few kernels on the training thread.
 
     Args:
-        device_sizes: device bytes of each shard (:func:`device_bytes`).
-        budget: device bytes the states may take.
+        shard_bytes: device bytes of each shard's states and gradient sum (:func:`device_bytes`).
+        units: the unit of each shard.
+        unit_bytes: device bytes of each unit's compute copies.
+        budget: device bytes the device tier may take.
     """
-    chosen = [False] * len(device_sizes)
+    cost = dict.fromkeys(units, 0)
+    for size, unit in zip(shard_bytes, units):
+        cost[unit] += size
+    for unit in cost:
+        cost[unit] += unit_bytes[unit]
+    chosen: set[int] = set()
     left = budget
-    for i in sorted(range(len(device_sizes)), key=lambda i: (device_sizes[i], i)):
-        if device_sizes[i] > left:
+    for unit in sorted(cost, key=lambda u: (cost[u], u)):
+        if cost[unit] > left:
             break
-        chosen[i] = True
-        left -= device_sizes[i]
-    return chosen
+        chosen.add(unit)
+        left -= cost[unit]
+    return [unit in chosen for unit in units]
 
 
 def place_states(sizes: Sequence[int], requested: str, budget: int | None,

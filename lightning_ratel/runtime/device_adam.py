@@ -159,7 +159,7 @@ class DeviceAdam:
 
     Args:
         device: the compute device.
-        shards: the shards on the device tier, in forward order.
+        shards: the shards on the device tier, in forward order; their units are resident on the device.
         states: where their states live (the run's store routes their keys there).
     """
 
@@ -300,7 +300,7 @@ class DeviceAdam:
         for (group, count), items in together.items():
             masters, grads, exp_avgs, exp_avg_sqs = (list(column) for column in zip(*items))
             device_adamw_(masters, grads, exp_avgs, exp_avg_sqs, self._hyper(plan, group), step=count + 1)
-        # New compute copies: in place where the unit is resident (one call), into the host cache otherwise.
+        # The new compute copies, in the units resident on the device (one call).
         copies, masters = [], []
         for shard in todo:
             version = versions[shard.index]
@@ -308,13 +308,8 @@ class DeviceAdam:
             written = self.ledger.ran(shard, own, steps)
             for what in STATES:
                 self.states.mark_written(shard.key(what, written.slot))
-            compute = shard.compute_view(shard.unit.host[shard.dtype])
-            master = self._state(shard, "master", written.slot)
-            if shard.unit.resident:
-                copies.append(compute)
-                masters.append(master)
-            else:
-                compute.copy_(master)
+            copies.append(shard.compute_view(shard.unit.host[shard.dtype]))
+            masters.append(self._state(shard, "master", written.slot))
             self._has[shard.index] = [False] * len(shard.params)
         if copies:
             torch._foreach_copy_(copies, masters)
