@@ -132,7 +132,7 @@ class RatelStrategy(ParallelStrategy):
             the one being written, 24 bytes per parameter for AdamW): ``"device"`` (the accelerator's memory, updated
             there once the step is decided, with every compute copy resident: for a job that fits the device; one
             rank, AdamW/Adam), ``"host"`` (host memory), ``"ssd"`` (the swap files: 12 bytes per parameter read and
-            12 written each step) or ``"auto"`` (the device for the cheapest shards while half of
+            12 written each step) or ``"auto"`` (the device for the cheapest whole units while half of
             ``device_memory_limit``, or of a GPU's free memory, holds them; host memory for the first blocks in
             forward order while they fit in three quarters of ``host_memory_limit``, or of the available host memory,
             less the parameter cache; the swap files for the rest). ``keep_swap_files=True`` keeps them in the swap
