@@ -94,6 +94,16 @@ class RatelConfig:
                 "`keep_swap_files=True` keeps the optimizer states in the swap files for later use, so they cannot "
                 "live in host memory (`optimizer_states='host'`): give optimizer_states='ssd' (or 'auto'), or "
                 "keep_swap_files=False")
+        if self.optimizer_states == "device" and self.keep_swap_files:
+            raise RatelConfigError(
+                "`keep_swap_files=True` keeps the optimizer states in the swap files for later use, so they cannot "
+                "live on the device (`optimizer_states='device'`): give optimizer_states='ssd' (or 'auto'), or "
+                "keep_swap_files=False")
+        if self.optimizer_states == "device" and self.param_cache == "ssd":
+            raise RatelConfigError(
+                "`optimizer_states='device'` keeps every compute copy resident on the device, so none is read from "
+                "the swap files (`param_cache='ssd'`): give param_cache='auto' (or 'host'), or another "
+                "optimizer_states")
         if self.param_init_fn is not None and not callable(self.param_init_fn):
             raise RatelConfigError(f"`param_init_fn` must be callable, got {type(self.param_init_fn).__name__}")
         self.pretrained = _pretrained(self.pretrained)

@@ -129,11 +129,14 @@ class RatelStrategy(ParallelStrategy):
             when the cache would take more than half of ``host_memory_limit``, or of the available host memory).
             Fitting only; evaluation runs keep them in host memory.
         optimizer_states: where each shard's fp32 master and optimizer moments live (both the committed step's and
-            the one being written, 24 bytes per parameter for AdamW): ``"host"`` (host memory), ``"ssd"`` (the swap
-            files: 12 bytes per parameter read and 12 written each step) or ``"auto"`` (host memory for the first
-            blocks in forward order while they fit in three quarters of ``host_memory_limit``, or of the available
-            host memory, less the parameter cache; the swap files for the rest). ``keep_swap_files=True`` keeps them in
-            the swap files.
+            the one being written, 24 bytes per parameter for AdamW): ``"device"`` (the accelerator's memory, updated
+            there once the step is decided, with every compute copy resident: for a job that fits the device; one
+            rank, AdamW/Adam), ``"host"`` (host memory), ``"ssd"`` (the swap files: 12 bytes per parameter read and
+            12 written each step) or ``"auto"`` (the device for the cheapest whole units while half of
+            ``device_memory_limit``, or of a GPU's free memory, holds them; host memory for the first blocks in
+            forward order while they fit in three quarters of ``host_memory_limit``, or of the available host memory,
+            less the parameter cache; the swap files for the rest). ``keep_swap_files=True`` keeps them in the swap
+            files.
         param_init_fn: initializes one module whose parameters or buffers were on the meta device; called with the
             module after its tensors got (uninitialized) host memory. ``None`` calls ``module.reset_parameters()``
             (a peft LoRA adapter gets peft's initialization; with ``pretrained``, a module of a transformers model
@@ -764,7 +767,8 @@ class RatelStrategy(ParallelStrategy):
 
     def state_placement(self) -> dict[str, int]:
         """Bytes of the optimizer states this process holds (fp32 masters and moments, both slots) by tier: ``"host"``
-        for those kept in host memory, ``"ssd"`` for those in the swap files. Empty outside a fit."""
+        for those kept in host memory, ``"ssd"`` for those in the swap files, and ``"device"`` for those on the device
+        tier, where there are any. Empty outside a fit."""
         engine = self._engine
         if engine is None or engine.store is None:
             return {}
@@ -773,7 +777,9 @@ class RatelStrategy(ParallelStrategy):
         placed = {"host": 0, "ssd": 0}
         for shard in engine.layout.shards:
             for key in shard.state_keys():
-                if key in store.host:
+                if store.device is not None and key in store.device:
+                    placed["device"] = placed.get("device", 0) + store.device.nbytes(key)
+                elif key in store.host:
                     placed["host"] += store.host.nbytes(key)
                 elif key in on_disk:
                     placed["ssd"] += store.disk.nbytes(key)

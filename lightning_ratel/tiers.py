@@ -8,7 +8,8 @@ container block holding other blocks, whose ops cannot be told apart). The runti
 tier for everything the block saves, or a mapping from op names to tiers (:data:`Placement`).
 
 The compute copies of the parameters live between uses in a *parameter cache*: host memory or the swap files. The
-optimizer states of each shard (fp32 master, moments) live in a *state tier*: host memory or the swap files.
+optimizer states of each shard (fp32 master, moments) live in a *state tier*: host memory or the swap files, or the
+device itself, where the shard's update runs too and its unit's compute copy stays resident.
 """
 
 from __future__ import annotations
@@ -79,9 +80,9 @@ def tier_of(placement: Placement, op: str | None) -> str:
     return placement.get(op, placement.get(CONTAINER_OP, DEFAULT_TIER))
 
 
-StateTier = Literal["host", "ssd"]
+StateTier = Literal["device", "host", "ssd"]
 """Where one shard's optimizer states (fp32 master and moments, both slots) live."""
-OptimizerStates = Literal["auto", "host", "ssd"]
+OptimizerStates = Literal["auto", "device", "host", "ssd"]
 """Where a user asks the optimizer states to live; ``"auto"`` keeps in host memory what the budget holds."""
-OPTIMIZER_STATES: tuple[OptimizerStates, ...] = ("auto", "host", "ssd")
+OPTIMIZER_STATES: tuple[OptimizerStates, ...] = ("auto", "device", "host", "ssd")
 """Every :data:`OptimizerStates` a user may give."""

@@ -116,12 +116,15 @@ def _fresh_device(_device_share: None) -> Iterator[None]:
 
 
 @pytest.mark.parametrize(
-    ("model", "precision", "policy"),
-    [("llama", "bf16-mixed", None), ("gpt2", "32-true", MIXED_POLICY), ("mlp", "16-mixed", MIXED_POLICY)],
+    ("model", "precision", "policy", "states"),
+    [("llama", "bf16-mixed", None, "auto"), ("gpt2", "32-true", MIXED_POLICY, "auto"),
+     ("mlp", "16-mixed", MIXED_POLICY, "host")],
 )
-def test_no_host_sync_in_steady_state(tmp_path, model, precision, policy):
+def test_no_host_sync_in_steady_state(tmp_path, model, precision, policy, states):
     """RatelStrategy adds no host sync to a steady-state step: each place that syncs (transformers' GPT-2 mask code
-    does, once per forward) syncs as often under plain Lightning on the same model."""
+    does, once per forward) syncs as often under plain Lightning on the same model. (``"auto"`` puts these small
+    models' states on the device tier; under fp16 that tier reads the overflow flag of its device gradients on the
+    training thread, as plain GradScaler's step does, so the fp16 case keeps the states in host memory.)"""
     # plan=auto profiles micro-batches 0 and 1 and plans after batch 1; batch 2 is the first under the plan.
     plain = SyncCounter(first=3)
     reference = Quiet(model)
@@ -130,7 +133,7 @@ def test_no_host_sync_in_steady_state(tmp_path, model, precision, policy):
     cache_off(reference)
     gpu_trainer("auto", precision=precision, max_steps=8, callbacks=[plain]).fit(reference)
     ratel = SyncCounter(first=3)
-    strategy = RatelStrategy(ssd_paths=swap_dirs(tmp_path), activation_policy=policy)
+    strategy = RatelStrategy(ssd_paths=swap_dirs(tmp_path), activation_policy=policy, optimizer_states=states)
     # The counter after the profiler, so the profiler's per-step breakdown is inside the checked span too. The span
     # ends before Lightning copies the next batch from pageable memory, which is a sync of Lightning's.
     gpu_trainer(strategy, precision=precision, max_steps=8,
@@ -175,7 +178,9 @@ def test_no_event_waits_on_the_training_thread(tmp_path, monkeypatch, param_cach
     waits for an event in a steady-state step (with every tier, fp16 loss scaling and paging from the swap files)."""
     events = EventSyncTrap(first=3, monkeypatch=monkeypatch)
     trap = SyncCounter(first=3)
-    strategy = RatelStrategy(ssd_paths=swap_dirs(tmp_path), activation_policy=MIXED_POLICY, param_cache=param_cache)
+    # The host tier: the device tier reads fp16's overflow flag on the training thread (see the test above).
+    strategy = RatelStrategy(ssd_paths=swap_dirs(tmp_path), activation_policy=MIXED_POLICY, param_cache=param_cache,
+                             optimizer_states="host")
     gpu_trainer(strategy, precision="16-mixed", max_steps=8,
                 callbacks=[RatelProfiler(report=False), events, trap]).fit(Quiet("mlp"))
     assert events.checked == trap.checked == 5
@@ -258,7 +263,10 @@ def test_matches_plain_lightning_on_cuda(tmp_path, model, precision, plan):
     with reproducible():
         ref = _fit("auto", LM(model), precision)
         host = _fit("auto", HostAdamLM(model), precision)
-        got = _fit(RatelStrategy(ssd_paths=swap_dirs(tmp_path), activation_policy=policy), LM(model), precision)
+        # The CPU optimizer's arithmetic is the check here: the states in host memory ("auto" would put these small
+        # models on the device tier, see test_device_tier_matches_plain_lightning_on_cuda).
+        got = _fit(RatelStrategy(ssd_paths=swap_dirs(tmp_path), activation_policy=policy, optimizer_states="host"),
+                   LM(model), precision)
     spread = max_rel_err(ref[0], host[0])
     allowed = max(TOLERANCE[precision], SPREAD_MARGIN * spread)
     error = max_rel_err(ref[0], got[0])
@@ -272,6 +280,32 @@ def test_matches_plain_lightning_on_cuda(tmp_path, model, precision, plan):
         assert got_state[i]["step"].item() == ref_state[i]["step"].item()
     assert got[1]["param_groups"] == ref[1]["param_groups"]
     assert all(os.listdir(path) == [] for path in (tmp_path / "swap0", tmp_path / "swap1"))
+
+
+@pytest.mark.parametrize("states", ["device", "auto"])
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_device_tier_matches_plain_lightning_on_cuda(tmp_path, precision, states):
+    """The device tier's update is torch's foreach AdamW on the GPU, plain Lightning's own there: every state on the
+    device (and ``"auto"``, which puts these small models there whole) gives plain Lightning's numbers, with
+    accumulation and clipping by norm (one norm over every gradient, on the GPU)."""
+    kwargs = dict(accumulate_grad_batches=2, gradient_clip_val=0.05)
+    with reproducible():
+        ref = _on_host(final_state(*_fit_with(gpu_trainer("auto", precision=precision, **kwargs), LM("llama"))))
+        strategy = RatelStrategy(ssd_paths=swap_dirs(tmp_path), optimizer_states=states)
+        t = gpu_trainer(strategy, precision=precision, **kwargs)
+        module = LM("llama")
+        tiers: list[str] = []
+        module.on_train_start = lambda: tiers.extend(s.state_tier for s in strategy.engine.layout.shards)
+        got = _on_host(final_state(*_fit_with(t, module)))
+    assert set(tiers) == {"device"}
+    error = max_rel_err(ref[0], got[0])
+    assert error <= SAME_ARITHMETIC[precision], f"parameters differ from plain Lightning's by {error:.3g}"
+    assert _moment_error(ref[1], got[1]) <= SAME_ARITHMETIC[precision]
+
+
+def _fit_with(t: L.Trainer, module: LM) -> tuple[LM, L.Trainer]:
+    t.fit(module)
+    return module, t
 
 
 @pytest.mark.parametrize("model", ["conv_bn", "spectral_norm"])

@@ -757,13 +757,14 @@ def test_manual_optimization_leaves_the_mode_stacks_as_found(tmp_path: Path) -> 
     assert _get_current_dispatch_mode_stack() == [] and _get_current_function_mode_stack() == []
 
 
-def test_a_backward_the_engine_did_not_start_raises_before_the_step(tmp_path: Path) -> None:
+@pytest.mark.parametrize("states", ["auto", "device"])
+def test_a_backward_the_engine_did_not_start_raises_before_the_step(tmp_path: Path, states: str) -> None:
     """``torch.autograd.backward`` does not go through ``Tensor.backward``, where the engine finds a backward: its
-    first gradient raises, naming the fix, before the optimizer has it."""
+    first gradient raises, naming the fix, before the optimizer has it (on the device tier as on the CPU's)."""
     lm = ManualBackwardLM("torch.autograd.backward", n_batches=2)
     before = {k: v.clone() for k, v in lm.state_dict().items()}
     with pytest.raises(RatelModelError, match=r"self\.manual_backward\(loss\)"):
-        trainer(ratel(swap(tmp_path))).fit(lm)
+        trainer(ratel(swap(tmp_path), optimizer_states=states)).fit(lm)
     assert lm.global_step == 0
     after = lm.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)

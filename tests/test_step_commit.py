@@ -127,10 +127,10 @@ def _resume_and_compare(tmp_path: Path, checkpoint: Path) -> None:
     _close(plain(STEPS), *final_state(lm, t))
 
 
-@pytest.mark.parametrize("states", ["host", "ssd"])
+@pytest.mark.parametrize("states", ["host", "ssd", "device"])
 @pytest.mark.parametrize("where", ["backward", "after_backward", "before_optimizer_step"])
 def test_exception_leaves_the_last_committed_step(tmp_path: Path, where: str, states: str) -> None:
-    """On either tier of the optimizer states, a fault leaves (and checkpoints) the last committed step."""
+    """On every tier of the optimizer states, a fault leaves (and checkpoints) the last committed step."""
     swap = tmp_path / "swap"
     swap.mkdir()
     lm = FaultyLM(where)

@@ -50,8 +50,10 @@ class ByteAccount:
 
     def held(self) -> dict[str, int]:
         """Bytes held right now on the device, in host memory and on disk, and how many of the host's are pinned."""
+        # A unit resident on a GPU holds device memory (counted there by the allocator); on the CPU, host memory.
         host = sum(u.host_nbytes for u in self.layout.units.values()
-                   if self.cache_units is None or u.index in self.cache_units)
+                   if (self.cache_units is None or u.index in self.cache_units)
+                   and not (u.resident and self.device.is_cuda))
         pool = self.device.pool
         if self.device.separate_memory:
             # Every staging copy (activations, gradients, page-ins) is one of the pool's buffers.
@@ -64,6 +66,9 @@ class ByteAccount:
             host += self.adam.host_buffer_bytes
         if isinstance(self.store, TieredStore):
             host += self.store.host_bytes
+            if self.store.device is not None and not self.device.is_cuda:
+                # The device tier's states: host memory on the CPU.
+                host += self.store.device.nbytes_allocated
         host += self.state.originals_nbytes
         disk = (self.store.nbytes_reserved if self.store is not None else 0) + self.cache.disk_bytes
         device = self.pager.resident_bytes

@@ -56,6 +56,7 @@ from lightning_ratel.runtime.adamw import GroupHyper
 from lightning_ratel.runtime.buffers import BufferBroadcast
 from lightning_ratel.runtime.collectives import DataParallelAdam, Faults, NodeCache, Ranks, SharedCacheUnavailable
 from lightning_ratel.runtime.device import Device
+from lightning_ratel.runtime.device_adam import DeviceAdam, DeviceStates, TieredAdam
 from lightning_ratel.runtime.escapes import Escape, EscapeDetector
 from lightning_ratel.runtime.generic import group_settings
 from lightning_ratel.runtime.gradients import GradientOffload
@@ -63,7 +64,7 @@ from lightning_ratel.runtime.hostmem import ALIGNMENT
 from lightning_ratel.runtime.hoststore import HostStore, TieredStore
 from lightning_ratel.runtime.optimizer import CpuAdam, StepPlan
 from lightning_ratel.runtime.pager import ParameterPager
-from lightning_ratel.runtime.probe import available_host_memory
+from lightning_ratel.runtime.probe import available_host_memory, free_device_memory
 from lightning_ratel.runtime.storage import TensorStore
 from lightning_ratel.runtime.timeline import Timeline
 from lightning_ratel.runtime.units import Layout, Shard
@@ -144,15 +145,26 @@ def _cores() -> int:
 
 def _state_store(device: Device, config: RatelConfig, shards: list[Shard], local_world: int, io: StoreIO
                  ) -> TieredStore:
-    """The model-state store: the swap files (moving chunks as ``io`` says), and host memory for the states of shards
-    placed there."""
+    """The model-state store: the swap files (moving chunks as ``io`` says), and host or device memory for the states
+    of shards placed there."""
     assert config.ssd_paths is not None
     # The stripe is recorded in the files' headers and a kept store's index: stores kept with another one still open.
     disk = TensorStore(config.ssd_paths, name=config.name, keep_files=config.keep_swap_files,
                        stripe_bytes=io.stripe_bytes, io_threads_per_path=io.threads_per_path)
     threads = rank_threads(device.is_cuda, local_world, _cores())[1]
     host_keys = [key for shard in shards if shard.state_tier == "host" for key in shard.state_keys()]
-    return TieredStore(disk, HostStore(f"{config.name}-states", threads=threads), host_keys)
+    device_keys = [key for shard in shards if shard.state_tier == "device" for key in shard.state_keys()]
+    return TieredStore(disk, HostStore(f"{config.name}-states", threads=threads), host_keys,
+                       DeviceStates(device) if device_keys else None, device_keys)
+
+
+def _device_memory(device: Device, config: RatelConfig) -> int | None:
+    """Device bytes the run may use, for the device tier of the optimizer states: ``device_memory_limit``, or a
+    GPU's free memory; ``None`` on the CPU without a limit (the host memory is the device's, and the host tier already
+    keeps states there)."""
+    if config.device_memory_limit is not None:
+        return config.device_memory_limit
+    return free_device_memory(device) if device.is_cuda else None
 
 
 def _node_cache(module: nn.Module, ranks: Ranks, faults: Faults | None) -> NodeCache | None:
@@ -291,6 +303,10 @@ class RatelEngine:
         if config.activation_policy is not None:
             check_patterns(found, config.activation_policy)
         parallel = ranks is not None and optimizer is not None
+        if parallel and config.states_request == "device":
+            raise RatelConfigError(
+                "optimizer_states='device' trains on one rank for now: each unit's states belong to one owner rank, "
+                "which updates them on the CPU; give optimizer_states='auto', 'host' or 'ssd', or train on one rank")
         # The ranks of a node page from one host cache (each compute copy held once per node).
         node = _node_cache(module, ranks, faults) if parallel and ranks is not None else None
         try:
@@ -298,7 +314,10 @@ class RatelEngine:
                           else functools.partial(self.device.shared_host_empty, node.memory))
             self.layout = build_layout(module, found, optimizer, half_dtype, config.param_cache,
                                        config.host_memory_limit, host_empty, announce=not parallel,
-                                       optimizer_states=config.states_request, read_ahead=config.read_ahead_sets)
+                                       optimizer_states=config.states_request, read_ahead=config.read_ahead_sets,
+                                       device_empty=self.device.device_empty,
+                                       device_memory=None if parallel else _device_memory(self.device, config),
+                                       prefetch_depth=config.prefetch_depth)
             self.blocks = BlockMembership(found, self.layout.block_units)
             owners = _owners(self.layout, ranks) if parallel and ranks is not None else None
             # How the ranks' gradients reach their owners (the strategy's pre-flight plans it; window sums where it
@@ -320,7 +339,7 @@ class RatelEngine:
         materializer = Materializer(module, found, self.layout, self.device.device, config.param_init_fn,
                                     source, progress, owned, writes)
         self.store: TieredStore | None = None
-        self.adam: CpuAdam | DataParallelAdam | None = None
+        self.adam: CpuAdam | DataParallelAdam | TieredAdam | None = None
         # Several ranks fitting: rank 0's buffers reach every rank, at setup and before the forwards
         # DistributedDataParallel broadcasts them before (see watch_forward).
         self._buffers: BufferBroadcast | None = None
@@ -351,7 +370,11 @@ class RatelEngine:
                                    grad_budget_bytes=GRAD_BUDGET_SHARDS * largest * 4,
                                    threads=threads, generic=self.layout.generic)
 
-                if owners is None:
+                on_device = [s for s in self.layout.shards if s.state_tier == "device"]
+                if owners is None and on_device:
+                    self.adam = TieredAdam(cpu_adam([s for s in self.layout.shards if s.state_tier != "device"]),
+                                           DeviceAdam(self.device, on_device, self.store.device))
+                elif owners is None:
                     self.adam = cpu_adam(self.layout.shards)
                 else:
                     assert ranks is not None
@@ -387,8 +410,12 @@ class RatelEngine:
         self.cache = ActivationCache(self.device, self.pager, [], _activation_store(self.device, config, io))
         self.scheduler = BlockScheduler(self.blocks, self.pager, self.cache, self.device, config.prefetch_depth,
                                         self.timeline, check=self.adam.check if self.adam is not None else lambda: None)
-        self.gradients = (GradientOffload(self.device, self.adam, self.layout.shards, self.layout.frozen_shards)
-                          if self.adam is not None else None)
+        # The device tier's gradients stay on the device (its own hooks).
+        consumer = self.adam.cpu if isinstance(self.adam, TieredAdam) else self.adam
+        self.gradients = (GradientOffload(self.device, consumer,
+                                          [s for s in self.layout.shards if s.state_tier != "device"],
+                                          self.layout.frozen_shards)
+                          if consumer is not None else None)
         # Autograd's backward, where the training thread calls it, is the engine's backward pass.
         self.backward_calls = BackwardCalls(self._begin_backward, self._end_backward, self._backward_raised)
         self.accounts = ByteAccount(self.device, self.layout, self.pager, self.cache, self.state, self.adam,
@@ -657,13 +684,11 @@ class RatelEngine:
         """Autograd's backward of a micro-batch is about to run (training thread)."""
         self.reads.pause()
         self.scheduler.begin_backward()
-        if self.gradients is not None:
-            self.gradients.open = True
+        self._gradients_open(True)
 
     def _end_backward(self) -> None:
         """Autograd's backward finished: release what it held and forget the pass's activations."""
-        if self.gradients is not None:
-            self.gradients.open = False
+        self._gradients_open(False)
         self.scheduler.end_backward()
         self.planner.record_pass()
         self.cache.end_pass()
@@ -673,9 +698,15 @@ class RatelEngine:
     def _backward_raised(self) -> None:
         """Autograd's backward raised: the user's hooks (``on_exception``, ``OnExceptionCheckpoint``'s) read the
         committed values again. (A forward that raises resumes them itself, see :meth:`watch_forward`.)"""
-        if self.gradients is not None:
-            self.gradients.open = False
+        self._gradients_open(False)
         self.reads.resume()
+
+    def _gradients_open(self, flag: bool) -> None:
+        """Whether the gradient hooks take gradients: only during the engine's backward pass."""
+        if self.gradients is not None:
+            self.gradients.open = flag
+        if isinstance(self.adam, TieredAdam):
+            self.adam.device.open = flag
 
     def finish_step(self, loss_scale: torch.Tensor | None = None) -> bool:
         """Run (or finish) the updates of the boundary micro-batch: one call to

@@ -30,7 +30,17 @@ from torch import nn
 
 from lightning_ratel.engine.blocks import Block
 from lightning_ratel.errors import RatelConfigError
-from lightning_ratel.plan.states import HOST_SHARE, describe, place_states, read_ahead_sets, state_bytes
+from lightning_ratel.plan.states import (
+    HOST_SHARE,
+    check_device_fit,
+    describe,
+    device_bytes,
+    device_states_budget,
+    on_device,
+    place_states,
+    read_ahead_sets,
+    state_bytes,
+)
 from lightning_ratel.runtime.generic import GenericUpdate, OptimizerStateError, ParamStates, probe_states, rebuild
 from lightning_ratel.runtime.hostmem import ALIGNMENT
 from lightning_ratel.runtime.probe import available_host_memory
@@ -182,6 +192,9 @@ def build_layout(
     announce: bool = True,
     optimizer_states: OptimizerStates = "auto",
     read_ahead: int | None = None,
+    device_empty: HostAllocator | None = None,
+    device_memory: int | None = None,
+    prefetch_depth: int = 1,
 ) -> Layout:
     """Lay out ``module``'s parameters.
 
@@ -200,10 +213,17 @@ def build_layout(
             memory while :func:`states_budget` holds them, see :func:`~lightning_ratel.plan.states.place_states`).
         read_ahead: the CPU optimizer's buffer sets beyond the pipeline's, as the user fixed them; ``None``: planned
             (see :func:`with_state_tiers`).
+        device_empty: allocates device memory, for the compute copies of units whose states are on the device
+            tier; ``None``: the host cache's allocator.
+        device_memory: device bytes the run may use (``device_memory_limit``, or a GPU's free memory); ``None``:
+            unknown (the CPU without a limit), so ``"auto"`` puts nothing on the device tier and ``"device"`` is not
+            checked.
+        prefetch_depth: blocks the pager prefetches (their compute copies take device memory beside the tier's).
 
     Raises:
-        RatelConfigError: a parameter is not floating point, or the optimizer cannot be run (see
-            :func:`optimizer_groups`, :func:`generic_update`).
+        RatelConfigError: a parameter is not floating point, the optimizer cannot be run (see
+            :func:`optimizer_groups`, :func:`generic_update`), or ``optimizer_states="device"`` was asked of an
+            optimizer the device tier does not run, or of a device it does not fit.
     """
     groups = optimizer_groups(module, optimizer)
     names = {id(p): n for n, p in module.named_parameters()}
@@ -256,10 +276,21 @@ def build_layout(
         unit_slots[b] = (slots, offsets)
 
     compute_bytes = sum(n * d.itemsize for _, numels in unit_slots.values() for d, n in numels.items())
-    cache = resolve_param_cache(param_cache, optimizer is not None, compute_bytes, host_memory_limit, announce)
+    on_device = optimizer is not None and optimizer_states == "device"
+    if on_device and not fused(optimizer):
+        raise RatelConfigError(
+            f"optimizer_states='device' updates on the device with torch's AdamW, so it runs torch.optim.AdamW or "
+            f"Adam (without amsgrad, maximize...) only, not {type(optimizer).__name__}: give optimizer_states='auto', "
+            "'host' or 'ssd'")
+    # Every compute copy is resident on the device: none is read from the swap files.
+    cache = "host" if on_device else resolve_param_cache(param_cache, optimizer is not None, compute_bytes,
+                                                         host_memory_limit, announce)
+    # With every state on the device, every compute copy is resident there from the start.
+    cache_empty = (device_empty or host_empty) if on_device else host_empty
     units = {
         b: Unit(b, tuple(slots), numels,
-                host={d: host_empty(n, d) for d, n in numels.items()} if cache == "host" else {})
+                host={d: cache_empty(n, d) for d, n in numels.items()} if cache == "host" else {},
+                resident=on_device)
         for b, (slots, numels) in unit_slots.items()
     }
     shards: list[Shard] = []
@@ -282,13 +313,46 @@ def build_layout(
     block_units = tuple(tuple(sorted({owner[id(p)] for p in block.uses})) for block in blocks)
     generic = generic_update(optimizer, shards) if optimizer is not None and not fused(optimizer) else None
     layout = Layout(units, block_units, shards, frozen, cache, orig_dtype, generic=generic)
-    return with_state_tiers(layout, optimizer_states, host_memory_limit, announce=announce,
-                            read_ahead=read_ahead)
+    if on_device:
+        check_device_fit(sum(device_bytes(s.numel) for s in shards) + compute_bytes, device_memory)
+    # "auto" gives the device tier what its share of the device holds beside the pager's blocks in flight, where
+    # the compute copies are in host memory (a unit read from the swap files has no cache for its shards' copies).
+    in_flight = (prefetch_depth + 2) * max((u.nbytes for u in units.values()), default=0)
+    auto_device = (device_states_budget(device_memory, in_flight)
+                   if optimizer is not None and cache == "host" and generic is None else 0)
+    layout = with_state_tiers(layout, optimizer_states, host_memory_limit, announce=announce, read_ahead=read_ahead,
+                              device_budget=auto_device)
+    return resident_units(layout, device_empty or host_empty, every_unit=on_device)
+
+
+def resident_units(layout: Layout, device_empty: HostAllocator, every_unit: bool = False) -> Layout:
+    """``layout`` with the compute copies of each unit whose shards are on the device tier (every unit, with
+    ``every_unit``) moved to device memory, where the pager binds them without a copy; a device-tier shard's master is
+    never its compute copy (its states have slots of their own on the device)."""
+    resident = {s.unit.index for s in layout.shards if s.state_tier == "device"}
+    if not resident:
+        return layout
+    if every_unit:
+        resident = set(layout.units)
+    # The device tier's update writes the unit's compute copy on the device, so a unit is on it whole.
+    assert all(s.state_tier == "device" for s in layout.shards if s.unit.index in resident)
+    units = {
+        b: dataclasses.replace(unit, host={d: device_empty(n, d) for d, n in unit.numels.items()}, resident=True)
+        if b in resident and not unit.resident else unit
+        for b, unit in layout.units.items()
+    }
+
+    def moved(shard: Shard) -> Shard:
+        return dataclasses.replace(shard, unit=units[shard.unit.index],
+                                   master_in_host=shard.master_in_host and shard.state_tier != "device")
+
+    return dataclasses.replace(layout, units=units, shards=[moved(s) for s in layout.shards],
+                               frozen_shards=[moved(s) for s in layout.frozen_shards])
 
 
 def with_state_tiers(layout: Layout, requested: OptimizerStates, host_memory_limit: int | None,
                      owned: set[int] | None = None, ranks_on_node: int = 1, announce: bool = True,
-                     cache_shared: bool = False, read_ahead: int | None = None) -> Layout:
+                     cache_shared: bool = False, read_ahead: int | None = None, device_budget: int = 0) -> Layout:
     """``layout`` with the optimizer states of its shards placed (:func:`~lightning_ratel.plan.states.place_states`)
     and the CPU optimizer's buffer sets beyond the pipeline's planned with them
     (:func:`~lightning_ratel.plan.states.read_ahead_sets`).
@@ -303,6 +367,8 @@ def with_state_tiers(layout: Layout, requested: OptimizerStates, host_memory_lim
         announce: say where they went.
         cache_shared: the node's processes share one host cache of compute copies, each holding its share of it.
         read_ahead: buffer sets beyond the pipeline's, as the user fixed them; ``None``: planned.
+        device_budget: device bytes ``"auto"`` may give the device tier (whole units: their shards' states,
+            gradient sums and compute copies; see :func:`~lightning_ratel.plan.states.on_device`).
     """
     mine = [s for s in layout.shards if owned is None or s.index in owned]
     if not mine:
@@ -316,7 +382,10 @@ def with_state_tiers(layout: Layout, requested: OptimizerStates, host_memory_lim
     per_param = SET_BYTES_PER_PARAM * max(1.0, base) + GRADIENT_BYTES_PER_PARAM
     held = compute + int(per_param * max(s.numel for s in mine))
     budget = states_budget(host_memory_limit, held, ranks_on_node)
-    placed = place_states(sizes, requested, budget)
+    chosen = (on_device([device_bytes(s.numel) for s in mine], [s.unit.index for s in mine],
+                        {b: u.nbytes for b, u in layout.units.items()}, device_budget)
+              if requested == "auto" and device_budget > 0 else None)
+    placed = place_states(sizes, requested, budget, chosen)
     tiers = dict(zip((s.index for s in mine), placed))
     shards = [dataclasses.replace(s, state_tier=tiers.get(s.index, "ssd")) for s in layout.shards]
     if read_ahead is None:
@@ -330,10 +399,12 @@ def with_state_tiers(layout: Layout, requested: OptimizerStates, host_memory_lim
 
 
 def set_needs(shards: Sequence[Shard], layout: Layout) -> list[Need]:
-    """What the update of each of ``shards`` that runs outside host memory takes of a CPU optimizer buffer set (see
+    """What the update of each of ``shards`` that runs outside host memory (and off the device tier) takes of a CPU
+    optimizer buffer set (see
     :func:`~lightning_ratel.runtime.state_buffers.shard_need`)."""
     on_store = layout.param_cache == "ssd"
-    return [shard_need(s, on_store, layout.generic) for s in shards if not in_place(s, on_store)]
+    return [shard_need(s, on_store, layout.generic) for s in shards
+            if not in_place(s, on_store) and s.state_tier != "device"]
 
 
 def _whole_set_bytes(shards: Sequence[Shard], layout: Layout) -> int:

@@ -466,7 +466,7 @@ class _ShardWriter:
         """Whether a compute copy holds its parameter's value (``value``, in ``orig`` or a dtype ``orig`` widens)."""
         if copy.dtype == orig or copy.dtype == value.dtype:
             return True
-        return torch.equal(copy.to(value.dtype), value)
+        return torch.equal(copy.to(value.device, value.dtype), value)
 
     def finish(self) -> None:
         """Wait for every write (raising the first error)."""

@@ -39,6 +39,7 @@ from lightning_ratel.hardware import HardwareProfile
 from lightning_ratel.plan.cost import OPTIMIZER_MEMORY_BYTES_PER_PARAM, CostSettings, DeviceOverhead, node_settings
 from lightning_ratel.plan.profile import LayerProfile, OpProfile
 from lightning_ratel.plan.search import Plan, search
+from lightning_ratel.plan.states import device_bytes
 from lightning_ratel.report import show_plan
 from lightning_ratel.runtime.activations import ActivationCache
 from lightning_ratel.runtime.adamw import adamw_step
@@ -368,7 +369,7 @@ class Planner:
         profile (:meth:`measure_hardware`)."""
         static = self.accounts.held()["host"]
         return plan_budgets(nodes[0], static, self.ranks_on_node, self.config.host_memory_limit,
-                            self.config.device_memory_limit)[1] - static
+                            self.config.device_memory_limit, device_static_bytes=self._device_tier_bytes())[1] - static
 
     def cost_settings(self, layers: Sequence[LayerProfile]) -> CostSettings:
         """The cost model's settings of this rank (see :func:`plan_settings`): the states it owns and where they
@@ -379,6 +380,11 @@ class Planner:
             device_overhead=self._device_overhead(layers) if self.device.is_cuda else None,
             read_ahead_sets=self._read_ahead_sets())
         return dataclasses.replace(settings, updates_after_backward=not self.updates_overlap, **self._measured)
+
+    def _device_tier_bytes(self) -> int:
+        """Device bytes the device tier holds: its shards' states and gradient sums, and the resident units."""
+        return (sum(device_bytes(s.numel) for s in self.layout.shards if s.state_tier == "device")
+                + sum(u.nbytes for u in self.layout.units.values() if u.resident))
 
     def _read_ahead_sets(self) -> int:
         """This rank's whole buffer sets (each reads one shard's states ahead during forward): its share of the
@@ -402,7 +408,7 @@ class Planner:
         static = self.accounts.held()["host"]
         device_budget, host_budget, store_budget = plan_budgets(
             nodes[0], static, self.ranks_on_node, self.config.host_memory_limit, self.config.device_memory_limit,
-            host_room)
+            host_room, self._device_tier_bytes())
         plan = search(nodes, layers, device_budget=device_budget, host_budget=host_budget,
                       store_budget=store_budget, settings=settings or self.cost_settings(layers))
         plan.budgets["host_static"] = static
@@ -594,7 +600,7 @@ def plan_settings(shards: Sequence[Shard], owned: Sequence[Shard], param_cache: 
 
 def plan_budgets(hardware: HardwareProfile, host_static_bytes: int, ranks_on_node: int,
                  host_memory_limit: int | None, device_memory_limit: int | None,
-                 host_room: int | None = None) -> tuple[int, int, int]:
+                 host_room: int | None = None, device_static_bytes: int = 0) -> tuple[int, int, int]:
     """Device, host and swap-file bytes one rank's placement may use.
 
     Without ``host_memory_limit`` a rank may use its share of what the kernel can still hand out (less a tenth for
@@ -608,6 +614,9 @@ def plan_budgets(hardware: HardwareProfile, host_static_bytes: int, ranks_on_nod
         host_memory_limit: this rank's host budget, if the user gave one.
         device_memory_limit: this rank's device budget, if the user gave one.
         host_room: at most this many host bytes beyond ``host_static_bytes`` (``None``: no further bound).
+        device_static_bytes: device bytes the run holds for the whole fit (the device tier's states, gradient sums and
+            resident compute copies), taken out of ``device_memory_limit`` (the free memory measured already lacks
+            them).
 
     Returns:
         ``(device_budget, host_budget, store_budget)``.
@@ -618,7 +627,8 @@ def plan_budgets(hardware: HardwareProfile, host_static_bytes: int, ranks_on_nod
         host_budget = host_static_bytes + int(hardware.host_memory_free * 0.9) // ranks_on_node
     if host_room is not None:
         host_budget = min(host_budget, host_static_bytes + host_room)
-    device_budget = device_memory_limit or hardware.device_memory_free
+    device_budget = (device_memory_limit - device_static_bytes if device_memory_limit
+                     else hardware.device_memory_free)
     if hardware.unified_memory:
         device_budget = host_budget
     return device_budget, host_budget, int(hardware.ssd_free * 0.95) // ranks_on_node

@@ -134,6 +134,8 @@ class ModelState:
             frozen = self.layout.frozen_values
             if shard.index in frozen.exact_copies:
                 key = frozen.key(shard)
+            elif shard.unit.resident:
+                return None, flat.copy_(shard.compute_view(shard.unit.host[shard.dtype]))
             elif shard.unit.host:
                 return None, shard.compute_view(shard.unit.host[shard.dtype])
             else:
@@ -529,7 +531,7 @@ class ModelState:
                     continue
                 dtype = self.layout.orig_dtype[id(slot.param)]
                 if unit.host:
-                    slot.param.data = slot.view(unit.host).to(dtype).clone()
+                    slot.param.data = slot.view(unit.host).to("cpu", dtype, copy=True)
                 else:
                     slot.param.data = nan_placeholder(slot.param, dtype)
 

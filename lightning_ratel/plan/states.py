@@ -25,7 +25,7 @@ remainder smaller than the next shard's states), as far as they can still read a
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from lightning_ratel.errors import RatelConfigError
 from lightning_ratel.sizes import format_bytes
@@ -45,13 +45,68 @@ def state_bytes(numel: int, record_bytes: int | None = None) -> int:
     return STATE_SLOTS * per_slot
 
 
-def place_states(sizes: Sequence[int], requested: str, budget: int | None) -> list[StateTier]:
+DEVICE_SHARE = 0.5
+"""Of the device memory a run may use, the share ``"auto"`` may give the device tier: the layout is made before the
+first step, so the activations the plan keeps on the device, the blocks in flight and the allocator's fragmentation
+are not known yet; the rest is theirs."""
+
+
+def device_states_budget(device_memory: int | None, in_flight: int) -> int:
+    """Device bytes ``"auto"`` may give the device tier: :data:`DEVICE_SHARE` of ``device_memory`` (the run's
+    device budget, ``None``: none known, so nothing) less ``in_flight`` (the pager's blocks in flight)."""
+    if device_memory is None:
+        return 0
+    return max(0, int(device_memory * DEVICE_SHARE) - in_flight)
+
+
+def device_bytes(numel: int) -> int:
+    """Device bytes one shard takes on the device tier: both slots of its master and moments, and the fp32 sum of
+    its gradients kept there."""
+    return state_bytes(numel) + 4 * numel
+
+
+def on_device(shard_bytes: Sequence[int], units: Sequence[int], unit_bytes: Mapping[int, int],
+              budget: int) -> list[bool]:
+    """Which shards ``"auto"`` puts on the device tier: whole units, so that a unit's compute copy stays resident on
+    the device and nothing of it crosses the link, the cheapest first (fewest device bytes), while ``budget`` holds
+    them.
+
+    Per byte the small units (a final norm, the embeddings and head of a small model) save the most: each shard on the
+    CPU pays a fixed cost per step whatever its size (a job for the optimizer's worker, its gradient's copy to host
+    memory, a write-back, the wait of the next forward for its update, the page-ins of its unit), which the device
+    tier replaces by a share of a few kernels on the training thread.
+
+    Args:
+        shard_bytes: device bytes of each shard's states and gradient sum (:func:`device_bytes`).
+        units: the unit of each shard.
+        unit_bytes: device bytes of each unit's compute copies.
+        budget: device bytes the device tier may take.
+    """
+    cost = dict.fromkeys(units, 0)
+    for size, unit in zip(shard_bytes, units):
+        cost[unit] += size
+    for unit in cost:
+        cost[unit] += unit_bytes[unit]
+    chosen: set[int] = set()
+    left = budget
+    for unit in sorted(cost, key=lambda u: (cost[u], u)):
+        if cost[unit] > left:
+            break
+        chosen.add(unit)
+        left -= cost[unit]
+    return [unit in chosen for unit in units]
+
+
+def place_states(sizes: Sequence[int], requested: str, budget: int | None,
+                 device: Sequence[bool] | None = None) -> list[StateTier]:
     """The tier of each shard's states.
 
     Args:
         sizes: host bytes of each shard's states (:func:`state_bytes`), in forward order.
-        requested: ``"host"``, ``"ssd"`` or ``"auto"`` (host memory while ``budget`` holds them, in forward order).
+        requested: ``"device"``, ``"host"``, ``"ssd"`` or ``"auto"`` (the device for the shards ``device`` names,
+            then host memory while ``budget`` holds them, in forward order).
         budget: host bytes the states may take in ``"auto"``; ``None``: unlimited.
+        device: with ``"auto"``, the shards placed on the device (:func:`on_device`); ``None``: none.
 
     Raises:
         RatelConfigError: ``requested`` is not one of :data:`~lightning_ratel.tiers.OPTIMIZER_STATES`.
@@ -60,10 +115,13 @@ def place_states(sizes: Sequence[int], requested: str, budget: int | None) -> li
         raise RatelConfigError(f"`optimizer_states` must be one of {OPTIMIZER_STATES}, got {requested!r}")
     if requested != "auto":
         return [requested] * len(sizes)  # type: ignore[list-item]
+    chosen = device if device is not None else [False] * len(sizes)
     left = budget if budget is not None else sum(sizes)
     tiers: list[StateTier] = []
-    for size in sizes:
-        if size <= left:
+    for size, here in zip(sizes, chosen):
+        if here:
+            tiers.append("device")
+        elif size <= left:
             tiers.append("host")
             left -= size
         else:
@@ -71,11 +129,34 @@ def place_states(sizes: Sequence[int], requested: str, budget: int | None) -> li
     return tiers
 
 
+def check_device_fit(needed: int, budget: int | None) -> None:
+    """Refuse ``optimizer_states="device"`` where the device budget cannot hold what it keeps there.
+
+    Args:
+        needed: device bytes of every shard's states and gradient sum and every unit's compute copy.
+        budget: device bytes the run may use (``device_memory_limit``, or the device's free memory), less what the
+            pager and activations need; ``None``: unknown (the CPU without a limit: the host memory is the device's).
+
+    Raises:
+        RatelConfigError: it does not fit, with the figures and what to change.
+    """
+    if budget is not None and needed > budget:
+        raise RatelConfigError(
+            f"optimizer_states='device' keeps {format_bytes(needed)} on the device (optimizer states in both slots, "
+            f"fp32 gradient sums and every compute copy), more than the {format_bytes(max(0, budget))} its budget "
+            "leaves after the blocks in flight and activations: give optimizer_states='auto' (the device tier for "
+            "what fits, the host memory or the swap files for the rest), or raise device_memory_limit")
+
+
 def describe(sizes: Sequence[int], tiers: Sequence[StateTier]) -> str:
     """One line on where the states went, for the run's log."""
+    device = sum(s for s, t in zip(sizes, tiers) if t == "device")
     host = sum(s for s, t in zip(sizes, tiers) if t == "host")
     disk = sum(s for s, t in zip(sizes, tiers) if t == "ssd") // STATE_SLOTS
     parts = []
+    if device:
+        parts.append(f"{format_bytes(device)} on the device ({tiers.count('device')} shards, both slots, updated "
+                     "there)")
     if host:
         parts.append(f"{format_bytes(host)} in host memory ({tiers.count('host')} shards, both slots)")
     if disk:

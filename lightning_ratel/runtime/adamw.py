@@ -230,6 +230,44 @@ def torch_adamw_(
     _torch_step(param, grad, exp_avg, exp_avg_sq, param_out, hyper, step, 1.0 / grad_scale)
 
 
+def device_adamw_(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    hyper: GroupHyper,
+    *,
+    step: int,
+) -> None:
+    """One Adam or AdamW step of every tensor of ``params`` (fp32, on one device, all at step count ``step``), in place:
+    the device tier's update, on the training thread. Torch's own implementation, the one ``torch.optim.AdamW`` takes
+    by default on that device: foreach over the list on a GPU; single-tensor, tensor by tensor, on the CPU, so there
+    the bits are :func:`torch_adamw_`'s (the CPU optimizer's)."""
+    if params[0].device.type != "cuda":
+        for param, grad, exp_avg, exp_avg_sq in zip(params, grads, exp_avgs, exp_avg_sqs):
+            _torch_step(param, grad, exp_avg, exp_avg_sq, None, hyper, step, 1.0)
+        return
+    with torch.no_grad():
+        step_fn = _functional_adamw if hyper.decoupled else _functional_adam
+        step_fn(
+            params,
+            [grad.float() for grad in grads],
+            exp_avgs,
+            exp_avg_sqs,
+            [],
+            [torch.tensor(float(step - 1), dtype=torch.float32) for _ in params],
+            foreach=True,
+            fused=False,
+            amsgrad=False,
+            beta1=hyper.beta1,
+            beta2=hyper.beta2,
+            lr=hyper.lr,
+            weight_decay=hyper.weight_decay,
+            eps=hyper.eps,
+            maximize=False,
+        )
+
+
 def adamw_step() -> Callable[..., None]:
     """The AdamW step the CPU optimizer runs: the native kernel where it reproduces torch exactly, else torch's.
 

@@ -166,6 +166,14 @@ class Device:
             return aligned_empty(math.prod(size), dtype, huge=True).view(size)
         return self.pool.allocate(math.prod(size), dtype).view(size)
 
+    def device_empty(self, shape: tuple[int, ...] | int, dtype: torch.dtype) -> torch.Tensor:
+        """Device memory held for the whole run (optimizer states and compute copies kept on the device). On the CPU
+        it is :meth:`host_empty`'s memory, so a job run there takes the same path as on a GPU."""
+        size = (shape,) if isinstance(shape, int) else tuple(shape)
+        if not self.separate_memory:
+            return aligned_empty(math.prod(size), dtype, huge=True).view(size)
+        return torch.empty(size, dtype=dtype, device=self.device)
+
     def shared_host_empty(self, memory: SharedHostMemory, shape: tuple[int, ...] | int,
                           dtype: torch.dtype) -> torch.Tensor:
         """Host memory held for the whole run in ``memory``, which the node's processes share (a host cache held once

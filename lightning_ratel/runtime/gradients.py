@@ -62,12 +62,7 @@ class GradientOffload:
         grad = param.grad
         param.grad = None
         if not self.open:
-            raise RatelModelError(
-                f"RatelStrategy: the gradient of {shard.params[position].name} comes from a backward pass it did not "
-                "see start (`torch.autograd.backward(...)`, or `loss.backward()` outside `training_step` and "
-                "`LightningModule.backward`), which it cannot add to a step. Under manual optimization call "
-                "`self.manual_backward(loss)` in `training_step`; under automatic optimization return the loss from "
-                "`training_step` and Lightning runs its backward.")
+            raise unseen_backward(shard.params[position].name)
         host, event = self.device.to_host(grad)
         self.optimizer.gradient(shard, position, host, event)
 
@@ -76,6 +71,16 @@ class GradientOffload:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+def unseen_backward(name: str) -> RatelModelError:
+    """The error for the gradient of parameter ``name`` from a backward pass the engine did not see start."""
+    return RatelModelError(
+        f"RatelStrategy: the gradient of {name} comes from a backward pass it did not see start "
+        "(`torch.autograd.backward(...)`, or `loss.backward()` outside `training_step` and `LightningModule.backward`), "
+        "which it cannot add to a step. Under manual optimization call `self.manual_backward(loss)` in "
+        "`training_step`; under automatic optimization return the loss from `training_step` and Lightning runs its "
+        "backward.")
 
 
 def _drop(param: nn.Parameter) -> None:

@@ -9,7 +9,7 @@ that *is* the key's memory (:meth:`~HostStore.view`) copies nothing, which lets 
 states in place in the slot it writes.
 
 A :class:`TieredStore` is what the rest of the run sees: every key goes to the swap files unless it was placed in
-host memory, and everything that is about the swap files (paths, kept files, their metadata, bytes moved to and from
+host memory (or on the device), and everything that is about the swap files (paths, kept files, their metadata, bytes moved to and from
 the drives) is the swap store's.
 """
 
@@ -19,7 +19,7 @@ import concurrent.futures
 import ctypes
 import threading
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -223,6 +223,29 @@ def _copy_bytes(dst: torch.Tensor, src: torch.Tensor, start: int, nbytes: int, g
     gather.finish(error)
 
 
+class DeviceKeys(Protocol):
+    """A store of keys held in device memory (:class:`~lightning_ratel.runtime.device_adam.DeviceStates`)."""
+
+    def reserve(self, key: str, nbytes: int) -> None: ...
+
+    def preallocate(self) -> None: ...
+
+    def write(self, key: str, tensor: torch.Tensor, *, urgent: bool = False) -> concurrent.futures.Future: ...
+
+    def read(self, key: str, out: torch.Tensor, *, urgent: bool = False) -> concurrent.futures.Future: ...
+
+    def nbytes(self, key: str) -> int: ...
+
+    def keys(self) -> list[str]: ...
+
+    def written(self, key: str) -> bool: ...
+
+    @property
+    def nbytes_allocated(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
 class TieredStore:
     """The model-state store of a run: each key in host memory (:class:`HostStore`) where it was placed there, in the
     swap files (:class:`~lightning_ratel.runtime.storage.TensorStore`) otherwise.
@@ -235,16 +258,21 @@ class TieredStore:
         disk: the swap store.
         host: the host-memory store.
         host_keys: the keys that live in ``host``.
+        device: the store of the states kept on the device (the device tier's), if any.
+        device_keys: the keys that live in ``device``.
     """
 
-    def __init__(self, disk: TensorStore, host: HostStore, host_keys: Iterable[str] = ()) -> None:
+    def __init__(self, disk: TensorStore, host: HostStore, host_keys: Iterable[str] = (),
+                 device: DeviceKeys | None = None, device_keys: Iterable[str] = ()) -> None:
         self.disk = disk
         self.host = host
         self.host_keys = frozenset(host_keys)
+        self.device = device
+        self.device_keys = frozenset(device_keys) if device is not None else frozenset()
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for attributes this class lacks: the swap store's.
-        if name in ("disk", "host", "host_keys"):
+        if name in ("disk", "host", "host_keys", "device", "device_keys"):
             raise AttributeError(name)
         return getattr(self.disk, name)
 
@@ -252,13 +280,18 @@ class TieredStore:
         """Whether ``key`` lives in host memory."""
         return key in self.host_keys
 
-    def _route(self, key: str) -> TensorStore | HostStore:
+    def _route(self, key: str) -> TensorStore | HostStore | DeviceKeys:
+        if key in self.device_keys:
+            assert self.device is not None
+            return self.device
         return self.host if key in self.host_keys else self.disk
 
     def reserve(self, key: str, nbytes: int) -> None:
         self._route(key).reserve(key, nbytes)
 
     def preallocate(self) -> None:
+        if self.device is not None:
+            self.device.preallocate()
         self.host.preallocate()
         self.disk.preallocate()
 
@@ -266,21 +299,21 @@ class TieredStore:
               ) -> concurrent.futures.Future[None]:
         """Write ``key`` where it lives; ``share`` applies to the swap files' keys (see :meth:`TensorStore.write
         <lightning_ratel.runtime.storage.TensorStore.write>`): a read of a key in host memory is a copy anyway."""
-        if key in self.host_keys:
-            return self.host.write(key, tensor, urgent=urgent)
+        if key in self.host_keys or key in self.device_keys:
+            return self._route(key).write(key, tensor, urgent=urgent)
         return self.disk.write(key, tensor, urgent=urgent, share=share)
 
     def shares(self, key: str) -> bool:
         """See :meth:`TensorStore.shares <lightning_ratel.runtime.storage.TensorStore.shares>` (never for a key in
         host memory)."""
-        return key not in self.host_keys and self.disk.shares(key)
+        return key not in self.host_keys and key not in self.device_keys and self.disk.shares(key)
 
     def read(self, key: str, out: torch.Tensor, *, urgent: bool = False, share: bool = False
              ) -> concurrent.futures.Future[torch.Tensor]:
         """Read ``key`` from where it lives; ``share`` applies to the swap files' keys (see :meth:`TensorStore.read
         <lightning_ratel.runtime.storage.TensorStore.read>`): a key in host memory is a copy anyway."""
-        if key in self.host_keys:
-            return self.host.read(key, out, urgent=urgent)
+        if key in self.host_keys or key in self.device_keys:
+            return self._route(key).read(key, out, urgent=urgent)
         return self.disk.read(key, out, urgent=urgent, share=share)
 
     def unshare(self, tensor: torch.Tensor) -> list[concurrent.futures.Future]:
@@ -291,22 +324,30 @@ class TieredStore:
         return self._route(key).nbytes(key)
 
     def keys(self) -> list[str]:
-        return self.disk.keys() + self.host.keys()
+        return self.disk.keys() + self.host.keys() + (self.device.keys() if self.device is not None else [])
 
     def keep_at_close(self) -> None:
-        """Keep the swap files at close, with every state held in host memory written into them first: a kept store
-        is read later by another process (``ratel-convert``), from the files alone.
+        """Keep the swap files at close, with every state held in host or device memory written into them first: a
+        kept store is read later by another process (``ratel-convert``), from the files alone.
 
         Raises:
             RatelConfigError: the drives have no room for them.
             RatelStoreError: a write failed.
         """
         held = [key for key in sorted(self.host_keys) if key in self.host and self.host.written(key)]
+        on_device = ([key for key in sorted(self.device_keys) if self.device.written(key)]
+                     if self.device is not None else [])
         for key in held:
             self.disk.reserve(key, self.host.nbytes(key))
+        for key in on_device:
+            self.disk.reserve(key, self._route(key).nbytes(key))
         self.disk.preallocate()
         for write in [self.disk.write(key, self.host.view(key, torch.uint8)) for key in held]:
             write.result()
+        for key in on_device:
+            staging = aligned_empty(self._route(key).nbytes(key), torch.uint8)
+            self._route(key).read(key, staging).result()
+            self.disk.write(key, staging).result()
         self.disk.keep_at_close()
 
     @property
@@ -318,6 +359,8 @@ class TieredStore:
         """Free the host memory and close the swap store (see :meth:`TensorStore.close
         <lightning_ratel.runtime.storage.TensorStore.close>`)."""
         try:
+            if self.device is not None:
+                self.device.close()
             self.host.close()
         finally:
             self.disk.close()

@@ -329,6 +329,9 @@ class CpuAdam:
         # The speculative step not resolved yet, if any: its updates keep their shards' gradients, which a redo needs.
         # Per step: updates of the step before may still run after the next one began, and must release theirs.
         self._keep_step: int | None = None
+        # The newest step committed, for the training thread (the device tier commits its updates with it).
+        self._committed_step = 0
+        self._committed_cond = threading.Condition()
         self.counts: Counter[str] = Counter()
         """Updates by how they were queued: ``overlapped`` (during backward), ``deferred`` (when the step was finished,
         a redo included); and speculative updates undone: ``redone`` (the norm clipped), ``dropped`` (an overflow).
@@ -539,6 +542,23 @@ class CpuAdam:
         self.barrier()
         return self.accumulator.views(shards)
 
+    def committed_through(self) -> int:
+        """The newest step committed (steps are numbered by boundary micro-batch, from 1; 0: none yet). Any thread."""
+        with self._committed_cond:
+            return self._committed_step
+
+    def wait_committed(self, step: int) -> None:
+        """Wait until ``step`` committed, or raise the error that stopped the worker first. Any thread but the
+        worker's; ``step`` must be finished (:meth:`schedule`), or this waits forever."""
+        with self._committed_cond:
+            while self._committed_step < step:
+                if self._error is not None:
+                    raise RuntimeError(f"the CPU optimizer failed before step {step} committed: {self._error!r}"
+                                       ) from self._error
+                if not self._worker.is_alive():
+                    raise RuntimeError("the CPU optimizer worker stopped")
+                self._committed_cond.wait(timeout=1.0)
+
     def take_in(self) -> None:
         """Wait until the worker has taken in every gradient handed over so far (those held for an incomplete shard
         too), and dropped them: it folded them into its window. Unlike :meth:`barrier` it waits for no update beyond
@@ -651,6 +671,8 @@ class CpuAdam:
     def _fail(self, err: BaseException) -> None:
         if self._error is None:
             self._error = err
+        with self._committed_cond:
+            self._committed_cond.notify_all()
         # Nobody may wait forever for an update that will not come.
         self.budget.fail()
         for shard in self.shards:
@@ -785,7 +807,8 @@ class CpuAdam:
             self.buffers.drop_ahead()
             return
         self.counts["redone"] += undone
-        torch._foreach_mul_(self.accumulator.views(held), coef)
+        if held:
+            torch._foreach_mul_(self.accumulator.views(held), coef)
         # Every shard is updated again, in the order schedule gives, from the committed state (reads ahead of shards
         # not updated yet hold it too: the committed slots were not written).
         self._scheduled.clear()
@@ -821,6 +844,9 @@ class CpuAdam:
     def _commit(self) -> None:
         for step in self.ledger.commit():
             self.timeline.record(f"commit:{step}")
+            with self._committed_cond:
+                self._committed_step = step
+                self._committed_cond.notify_all()
 
     def _abort(self) -> None:
         """See :meth:`abort` (worker thread)."""

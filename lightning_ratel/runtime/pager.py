@@ -171,9 +171,10 @@ class ParameterPager:
         self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes)
 
     def _upload(self, unit: Unit, host: dict[torch.dtype, torch.Tensor]) -> None:
-        if not self.device.separate_memory:
-            # The host cache already is the compute device's memory: compute on it rather than on a copy. The
-            # optimizer rewrites it only once every gradient of the unit is in, when nothing reads it any more.
+        if not self.device.separate_memory or unit.resident:
+            # The host cache already is the compute device's memory (on the CPU, or a unit resident on the device):
+            # compute on it rather than on a copy. The optimizer rewrites it only once every gradient of the unit is
+            # in, when nothing reads it any more.
             self._bind(unit, host)
             return
         flats: dict[torch.dtype, torch.Tensor] = {}

@@ -136,6 +136,8 @@ class Unit:
             train data parallel, see :class:`~lightning_ratel.runtime.collectives.NodeCache`); empty when the compute
             copies are read from the swap store on every page-in.
         ready: set while no optimizer update of the unit is pending.
+        resident: ``host`` is device memory (every trainable shard of the unit is on the device tier): the pager
+            binds it without a copy.
     """
 
     index: int
@@ -143,6 +145,7 @@ class Unit:
     numels: Mapping[torch.dtype, int]
     host: Mapping[torch.dtype, torch.Tensor] = field(default_factory=dict)
     ready: UnitReady = field(default_factory=UnitReady, repr=False)
+    resident: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -194,7 +197,8 @@ class Shard:
         numel: elements of its flat tensors.
         master_in_host: an fp32 shard whose compute copy stays in the unit's host cache: that copy is the master
             itself, updated there in place (the store keeps its committed copy).
-        state_tier: where its master and moments live: ``"host"`` (host memory) or ``"ssd"`` (the swap files).
+        state_tier: where its master and moments live: ``"host"`` (host memory), ``"ssd"`` (the swap files) or
+            ``"device"`` (device memory, updated there: :mod:`~lightning_ratel.runtime.device_adam`).
     """
 
     index: int

@@ -1,0 +1,311 @@
+"""The device tier of the optimizer states: states on the device, updated there after the step's decision, compute
+copies resident. On this CPU-only machine the device is the CPU (the same code as on a GPU, see
+``runtime/device_adam.py``); the numbers equal plain Lightning's and the host tier's bit for bit, since the update is
+torch's own single-tensor AdamW, which the CPU optimizer's kernel reproduces exactly."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+
+from lightning_ratel import RatelStrategy
+from lightning_ratel.errors import RatelConfigError
+from lightning_ratel.plan.states import check_device_fit, describe, device_states_budget, on_device, place_states
+from lightning_ratel.precision import RatelPrecision
+from lightning_ratel.runtime import device_adam
+from tests.models import LM, MODELS, VOCAB, compare_states, final_state, max_rel_err, trainer
+
+
+def test_forced_device_places_every_shard():
+    assert place_states([10, 20], "device", 0) == ["device", "device"]
+    assert "on the device (2 shards" in describe([10, 20], ["device", "device"])
+
+
+def test_auto_chooses_whole_units_cheapest_first_within_the_budget():
+    # Units 0 (10 + 2 + 8 bytes), 1 (5 + 1) and 2 (40 + 0): 1 then 0 fit in 30 bytes, 2 does not.
+    shard_bytes, units, unit_bytes = [10, 2, 5, 40], [0, 0, 1, 2], {0: 8, 1: 1, 2: 0}
+    assert on_device(shard_bytes, units, unit_bytes, 30) == [True, True, True, False]
+    assert on_device(shard_bytes, units, unit_bytes, 19) == [False, False, True, False]
+    assert place_states([1, 1, 1, 1], "auto", 1, [True, True, True, False]) == ["device"] * 3 + ["host"]
+    # Half the device budget, less the pager's blocks in flight; nothing without a known budget.
+    assert device_states_budget(1000, 100) == 400
+    assert device_states_budget(100, 400) == 0
+    assert device_states_budget(None, 0) == 0
+    check_device_fit(100, None)
+    check_device_fit(100, 100)
+    with pytest.raises(RatelConfigError, match="optimizer_states='auto'"):
+        check_device_fit(101, 100)
+
+
+def test_forced_device_refuses_what_it_cannot_run(tmp_path: Path):
+    with pytest.raises(RatelConfigError, match="keep_swap_files"):
+        RatelStrategy(ssd_paths=[str(tmp_path)], optimizer_states="device", keep_swap_files=True)
+    with pytest.raises(RatelConfigError, match="param_cache"):
+        RatelStrategy(ssd_paths=[str(tmp_path)], optimizer_states="device", param_cache="ssd")
+
+
+class _Seen:
+    def __init__(self) -> None:
+        self.tiers: list[str] = []
+        self.resident: list[bool] = []
+        self.cpu_shards = -1
+        self.placement: dict[str, int] = {}
+
+    def __call__(self, strategy: RatelStrategy) -> None:
+        engine = strategy.engine
+        self.tiers = [s.state_tier for s in engine.layout.shards]
+        self.resident = [u.resident for u in engine.layout.units.values()]
+        self.cpu_shards = len(engine.adam.cpu.shards)
+        self.placement = strategy.state_placement()
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_device_tier_matches_plain_and_host(tmp_path: Path, precision: str):
+    """Accumulation and clipping by norm (which clips here): the device tier ends on plain Lightning's numbers and on
+    the host tier's, bit for bit."""
+    kwargs = dict(precision=precision, accumulate_grad_batches=2, gradient_clip_val=0.05, max_steps=3)
+    ref = LM("llama")
+    t = trainer("auto", **kwargs)
+    t.fit(ref)
+    host = LM("llama")
+    th = trainer(RatelStrategy(ssd_paths=[str(tmp_path / "h")], activation_policy="host", optimizer_states="host"),
+                 **kwargs)
+    th.fit(host)
+    seen = _Seen()
+    lm = LM("llama")
+    strategy = RatelStrategy(ssd_paths=[str(tmp_path / "d")], activation_policy="host", optimizer_states="device")
+    lm.on_train_start = lambda: seen(strategy)  # type: ignore[method-assign]
+    got = trainer(strategy, **kwargs)
+    got.fit(lm)
+    assert set(seen.tiers) == {"device"} and all(seen.resident) and seen.cpu_shards == 0
+    # Both slots of every master and moment, on the device; nothing in host memory or the swap files.
+    numel = sum(p.numel() for p in lm.parameters())
+    assert seen.placement == {"device": 2 * 12 * numel, "host": 0, "ssd": 0}
+    compare_states(final_state(ref, t), final_state(lm, got), 0.0)
+    compare_states(final_state(host, th), final_state(lm, got), 0.0)
+
+
+class _SkipLM(LM):
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor | None:
+        loss = super().training_step(batch, batch_idx)
+        return None if batch_idx == 1 else loss
+
+
+def test_a_skipped_step_matches_plain(tmp_path: Path):
+    """``training_step`` returning ``None`` skips that batch's step: 3 steps taken of 4 batches, plain's numbers."""
+    ref = _SkipLM("llama", n_batches=4)
+    t = trainer("auto", max_steps=-1, max_epochs=1)
+    t.fit(ref)
+    lm = _SkipLM("llama", n_batches=4)
+    got = trainer(RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy="host", optimizer_states="device"),
+                  max_steps=-1, max_epochs=1)
+    got.fit(lm)
+    state = final_state(lm, got)
+    assert {float(s["step"]) for s in state[1]["state"].values()} == {3.0}
+    compare_states(final_state(ref, t), state, 0.0)
+
+
+def test_fp16_overflow_skips_the_step_on_the_device_tier_as_on_the_host_tier(tmp_path: Path):
+    """An fp16 overflow skips the whole step (the device tier's gradients are unscaled and checked with the CPU
+    optimizer's); the run ends on the host tier's numbers bit for bit."""
+
+    class Overflowing(LM):
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            loss = super().training_step(batch, batch_idx)
+            return loss * 1e30 if batch_idx == 2 else loss
+
+    outcome = {}
+    for states in ("host", "device"):
+        lm = Overflowing("mlp")
+        precision = RatelPrecision("16-mixed", device="cpu")
+        t = L.Trainer(accelerator="cpu", plugins=[precision], max_steps=4, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False,
+                      strategy=RatelStrategy(ssd_paths=[str(tmp_path / states)], optimizer_states=states))
+        t.fit(lm)
+        assert precision.steps_skipped == 1
+        outcome[states] = final_state(lm, t)
+    compare_states(outcome["host"], outcome["device"], 0.0)
+
+
+@pytest.mark.parametrize("checkpoint_format", ["full", "sharded"])
+def test_resume_equals_never_stopping(tmp_path: Path, checkpoint_format: str):
+    """Saved at step 2 and resumed on the device tier, the run ends where the uninterrupted one does (bit for bit),
+    with accumulation and clipping; the step-2 checkpoint also resumes on the host tier to the same numbers."""
+    kwargs = dict(precision="bf16-mixed", accumulate_grad_batches=2, gradient_clip_val=0.05)
+
+    def strategy(name: str, states: str = "device") -> RatelStrategy:
+        return RatelStrategy(ssd_paths=[str(tmp_path / name)], activation_policy="host", optimizer_states=states,
+                             checkpoint_format=checkpoint_format)
+
+    straight = LM("llama", n_batches=4)
+    t = trainer(strategy("s1"), max_steps=4, **kwargs)
+    t.fit(straight)
+    first = LM("llama", n_batches=4)
+    saves = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=2, save_top_k=-1)
+    trainer(strategy("s2"), max_steps=2, enable_checkpointing=True, callbacks=[saves], **kwargs).fit(first)
+    (saved,) = [p for p in (tmp_path / "ckpt").iterdir() if "step=2" in p.name]
+    for states in ("device", "host"):
+        resumed = LM("llama", n_batches=4)
+        r = trainer(strategy(f"s3-{states}", states), max_steps=4, **kwargs)
+        r.fit(resumed, ckpt_path=str(saved))
+        assert r.global_step == 4
+        compare_states(final_state(straight, t), final_state(resumed, r), 0.0)
+    # Nothing of the device tier's states is left in the swap directories.
+    assert not any((tmp_path / name).exists() and os.listdir(tmp_path / name) for name in ("s1", "s2", "s3-device"))
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+@pytest.mark.parametrize("limit", ["256KiB", "1MiB"])
+def test_auto_puts_the_cheapest_units_on_the_device_under_its_budget(tmp_path: Path, precision: str, limit: str):
+    """``"auto"`` with a device budget: whole units go to the device tier (their compute copies resident there), the
+    smallest first, the rest to host memory; with clipping by norm over both tiers' gradients together (the CPU
+    optimizer's speculative updates settled by it), and accumulation, the numbers are plain Lightning's bit for bit."""
+    kwargs = dict(precision=precision, accumulate_grad_batches=2, gradient_clip_val=0.05, max_steps=3)
+    ref = LM("llama")
+    t = trainer("auto", **kwargs)
+    t.fit(ref)
+    shards: list[tuple[str, int, int, bool]] = []
+    lm = LM("llama")
+    strategy = RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy="host", device_memory_limit=limit)
+
+    def seen() -> None:
+        shards.extend((s.state_tier, s.unit.index, s.numel, s.unit.resident) for s in strategy.engine.layout.shards)
+
+    lm.on_train_start = seen  # type: ignore[method-assign]
+    got = trainer(strategy, **kwargs)
+    got.fit(lm)
+    compare_states(final_state(ref, t), final_state(lm, got), 0.0)
+    assert {tier for tier, _, _, _ in shards} == {"device", "host"}
+    # A unit is on the device whole, and resident there; the others are not.
+    assert all(resident == (tier == "device") for tier, _, _, resident in shards)
+    sizes: dict[tuple[str, int], int] = {}
+    for tier, unit, numel, _ in shards:
+        sizes[tier, unit] = sizes.get((tier, unit), 0) + numel
+    # Cheapest first: no unit left in host memory is smaller than one on the device.
+    assert max(n for (tier, _), n in sizes.items() if tier == "device") <= min(
+        n for (tier, _), n in sizes.items() if tier == "host")
+
+
+def test_auto_keeps_cpu_runs_without_a_device_budget_off_the_device_tier(tmp_path: Path):
+    """On the CPU without ``device_memory_limit`` the host memory is the device's: ``"auto"`` keeps the host tier."""
+    strategy = RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy="host")
+    lm = LM("llama")
+    tiers: list[str] = []
+    lm.on_train_start = lambda: tiers.extend(s.state_tier for s in strategy.engine.layout.shards)  # type: ignore
+    trainer(strategy, max_steps=1).fit(lm)
+    assert tiers and set(tiers) == {"host"}
+
+
+def test_forced_device_that_cannot_fit_fails_before_training(tmp_path: Path):
+    lm = LM("llama")
+    steps: list[int] = []
+    lm.on_train_batch_start = lambda *args: steps.append(1)  # type: ignore[method-assign]
+    strategy = RatelStrategy(ssd_paths=[str(tmp_path)], optimizer_states="device", device_memory_limit="64KiB")
+    with pytest.raises(RatelConfigError, match="device_memory_limit"):
+        trainer(strategy, max_steps=1).fit(lm)
+    assert steps == []
+
+
+class _SometimesLayer(nn.Module):
+    """A residual layer whose second linear runs only when told: its parameters share a shard with the first's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(32, 32)
+        self.second = nn.Linear(32, 32)
+
+    def forward(self, h: torch.Tensor, both: bool) -> torch.Tensor:
+        h = h + self.first(h)
+        return h + self.second(h) if both else h
+
+
+class _Sometimes(nn.Module):
+    """The second linear of each layer runs on every other forward: some steps give part of a shard no gradient, and
+    later its parameters' step counts differ from the others'."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 32)
+        self.layers = nn.ModuleList(_SometimesLayer() for _ in range(2))
+        self.head = nn.Linear(32, VOCAB)
+        self.calls = 0
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Any:
+        both = self.calls % 3 == 0
+        self.calls += 1
+        h = self.embed(input_ids)
+        for layer in self.layers:
+            h = layer(h, both)
+        loss = nn.functional.cross_entropy(self.head(h).float().view(-1, VOCAB), labels.view(-1))
+        return type("Out", (), {"loss": loss})()
+
+
+def test_parameters_without_a_gradient_take_no_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A parameter the forward skipped takes no step on the device tier, as plain AdamW skips it: a shard holding
+    parameters with and without a gradient (or with different step counts) steps parameter by parameter."""
+    monkeypatch.setitem(MODELS, "sometimes", _Sometimes)
+    ref = LM("sometimes")
+    t = trainer("auto", max_steps=4)
+    t.fit(ref)
+    calls: list[tuple[int, int]] = []
+    step = device_adam.device_adamw_
+
+    def counting(params: list[torch.Tensor], *args: Any, **kwargs: Any) -> None:
+        calls.append((len(params), params[0].numel()))
+        step(params, *args, **kwargs)
+
+    monkeypatch.setattr(device_adam, "device_adamw_", counting)
+    lm = LM("sometimes")
+    got = trainer(RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy="host", optimizer_states="device"),
+                  max_steps=4)
+    got.fit(lm)
+    compare_states(final_state(ref, t), final_state(lm, got), 0.0)
+    # A layer's weights are one shard of 2 x 32 x 32: one weight alone is stepped where the two differ; shards whose
+    # parameters agree are stepped together.
+    assert (1, 32 * 32) in calls and max(n for n, _ in calls) > 1
+
+
+@pytest.mark.parametrize("states", ["device", "auto"])
+def test_a_failed_device_update_leaves_the_last_committed_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              states: str):
+    """An update on the device that fails halfway through a step (after some shards' updates ran, before the CPU
+    optimizer's step is closed) leaves every tier at the last committed step: the module holds plain training's
+    values after the steps taken, and the on-exception checkpoint resumes to plain training's end."""
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+    from tests.test_step_commit import FAIL_AT, STEPS, FaultyLM, plain
+
+    lm = FaultyLM()
+    step = device_adam.device_adamw_
+    calls = []
+
+    def failing(params: list[torch.Tensor], *args: Any, **kwargs: Any) -> None:
+        step(params, *args, **kwargs)
+        calls.append(1)
+        if lm.trainer.global_step == FAIL_AT and len(calls) > 1:
+            raise RuntimeError("injected fault in a device update")
+
+    monkeypatch.setattr(device_adam, "device_adamw_", failing)
+    tiers: list[str] = []
+    strategy = RatelStrategy(ssd_paths=[str(tmp_path / "swap")], optimizer_states=states,
+                             device_memory_limit="512KiB" if states == "auto" else None)
+    lm.on_train_start = lambda: tiers.extend(s.state_tier for s in strategy.engine.layout.shards)  # type: ignore
+    t = trainer(strategy, max_steps=STEPS, enable_checkpointing=True,
+                callbacks=[OnExceptionCheckpoint(str(tmp_path / "ckpt"))])
+    with pytest.raises(RuntimeError, match="injected fault"):
+        t.fit(lm)
+    assert t.global_step == FAIL_AT
+    assert set(tiers) == ({"device"} if states == "device" else {"device", "host"})
+    assert max_rel_err(plain(FAIL_AT)[0], lm.state_dict()) <= 1e-5
+    monkeypatch.setattr(device_adam, "device_adamw_", step)
+    resumed = FaultyLM()
+    r = trainer(RatelStrategy(ssd_paths=[str(tmp_path / "resumed")], optimizer_states=states), max_steps=STEPS)
+    r.fit(resumed, ckpt_path=str(tmp_path / "ckpt" / "on_exception.ckpt"))
+    assert max_rel_err(plain(STEPS)[0], final_state(resumed, r)[0]) <= 1e-5
