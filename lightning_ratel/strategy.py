@@ -662,8 +662,8 @@ class RatelStrategy(ParallelStrategy):
         rank_zero_info(
             f"RatelStrategy: {len(self._engine.blocks)} blocks on {self.root_device}; "
             + ", ".join(f"{k} {format_bytes(v)}" for k, v in placement.items())
-            + f"; swap files in {', '.join(config.ssd_paths)} ({format_bytes(free)} free); CPU updates "
-            + ("during backward" if self._engine.updates_overlap else "after backward")
+            + f"; swap files in {', '.join(config.ssd_paths)} ({format_bytes(free)} free); "
+            + self._engine.describe_updates()
         )
 
     def _limit_device_memory(self) -> None:

@@ -455,9 +455,22 @@ class RatelEngine:
         """Whether this run's updates may run during backward (otherwise every step runs them after it)."""
         return self._overlap_pays
 
+    def describe_updates(self) -> str:
+        """Where and when this run's updates run, for its start line."""
+        tiers = {shard.state_tier for shard in self.layout.shards}
+        parts = []
+        if tiers - {"device"}:
+            parts.append("CPU updates " + ("during backward" if self.updates_overlap else "after backward"))
+        if "device" in tiers:
+            parts.append("device updates after backward")
+        return ", ".join(parts) or "no updates"
+
     def _decide_overlap(self, local_world: int) -> bool:
         """Whether updates may run during backward (:attr:`overlap_updates`, or else the cost model's
-        :func:`~lightning_ratel.plan.cost.updates_overlap`), from what the run holds once set up."""
+        :func:`~lightning_ratel.plan.cost.updates_overlap`), from what the run holds once set up. Never where every
+        shard is on the device tier: its updates wait for the step's decision, and no CPU update is left to overlap."""
+        if all(shard.state_tier == "device" for shard in self.layout.shards):
+            return False
         if self.overlap_updates is not None:
             return self.overlap_updates
         held = self.accounts.held()["host"]
