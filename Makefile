@@ -46,11 +46,14 @@ test-latest:
 # (tests/upstream/ratel_swap.py). Not part of `make test`: the tests of the Lightning release next to the pinned one
 # (2.6.5's run against the pinned 2.6.6) are cloned once into $(LIGHTNING_DIR), git-ignored. LIGHTNING_DIR=<checkout>
 # runs an existing checkout instead; LIGHTNING_TESTS (paths under tests/tests_pytorch) picks the files;
-# RATEL_SWAP=--no-ratel-swap runs the same files without the swap (the baseline). Each file runs in a pytest of its
-# own, so one that hangs or crashes does not hide the others; the target fails when any file failed.
+# RATEL_SWAP=--no-ratel-swap runs the same files without the swap (the baseline); RATEL_SWAP_CONFIG, a JSON object of
+# RatelStrategy's arguments (e.g. RATEL_SWAP_CONFIG='{"optimizer_states": "device"}'), configures the swapped-in
+# strategy. Each file runs in a pytest of its own, so one that hangs or crashes does not hide the others; the target
+# fails when any file failed.
 LIGHTNING_TAG ?= 2.6.5
 LIGHTNING_DIR ?= .lightning/$(LIGHTNING_TAG)
 RATEL_SWAP ?=
+RATEL_SWAP_CONFIG ?= {}
 LIGHTNING_TESTS ?= \
 	trainer/optimization/test_backward_calls.py trainer/optimization/test_optimizers.py \
 	trainer/optimization/test_manual_optimization.py trainer/optimization/test_multiple_optimizers.py \
@@ -74,7 +77,8 @@ test-lightning: $(STAMP)
 	test -d $(LIGHTNING_DEPS) || $(VENV_PYTHON) -m pip install --target $(LIGHTNING_DEPS) "cloudpickle>=1.3,<3.2"
 	cd $(LIGHTNING_DIR)/tests/tests_pytorch && status=0; for tests in $(LIGHTNING_TESTS); do \
 		PYTHONPATH=$(CURDIR):$(abspath $(LIGHTNING_DEPS)) $(abspath $(VENV_PYTHON)) -m pytest -q -p no:cacheprovider \
-			-p tests.upstream.ratel_swap $(RATEL_SWAP) --timeout 120 $$tests || status=1; \
+			-p tests.upstream.ratel_swap $(RATEL_SWAP) \
+			--ratel-swap-config '$(RATEL_SWAP_CONFIG)' --timeout 120 $$tests || status=1; \
 	done; exit $$status
 
 demo: $(STAMP)

@@ -11,13 +11,18 @@ Run it from Lightning's ``tests/tests_pytorch`` with this repository on ``PYTHON
 
 ``--ratel-swap-log FILE`` writes one line per test (node id, outcome, how many Trainers got RatelStrategy), to tell
 the tests that ran under the plugin from those that never built a default Trainer. ``--no-ratel-swap`` leaves
-Lightning's choice alone and still writes the log: the baseline to compare with.
+Lightning's choice alone and still writes the log: the baseline to compare with. ``--ratel-swap-config JSON`` gives
+every swapped-in strategy these keyword arguments of ``RatelStrategy`` besides ``ssd_paths``, e.g.
+``--ratel-swap-config '{"optimizer_states": "device"}'`` runs the same tests with every model state on the device tier;
+a value that is not a JSON object, or names ``ssd_paths``, stops the session before any test runs.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from lightning.pytorch.strategies import SingleDeviceStrategy, Strategy
@@ -29,8 +34,9 @@ from lightning_ratel import RatelStrategy
 class _Swap:
     """The session's replacement of the default strategy, and each test's outcome with the Trainers it swapped."""
 
-    def __init__(self, config: pytest.Config) -> None:
+    def __init__(self, config: pytest.Config, kwargs: dict[str, Any]) -> None:
         self.config = config
+        self.kwargs = kwargs
         self.swaps = 0
         self.total = 0
         # node id -> [outcome, Trainers given RatelStrategy]
@@ -44,7 +50,7 @@ class _Swap:
         # Each Trainer gets a directory of its own (two Trainers of one test may be alive at once), from pytest's own
         # temporary directories, which the tests' `tmp_path` listings never see.
         factory: pytest.TempPathFactory = self.config._tmp_path_factory  # type: ignore[attr-defined]
-        return RatelStrategy(ssd_paths=[str(factory.mktemp("ratel_swap"))])
+        return RatelStrategy(ssd_paths=[str(factory.mktemp("ratel_swap"))], **self.kwargs)
 
 
 # The session's swap and the method it wraps, set while the plugin is configured.
@@ -57,11 +63,33 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      help="write each test's node id, outcome and number of Trainers given RatelStrategy to this file")
     parser.addoption("--no-ratel-swap", action="store_true",
                      help="leave Lightning's choice alone (the baseline run), still writing --ratel-swap-log")
+    parser.addoption("--ratel-swap-config", default="{}", metavar="JSON",
+                     help="keyword arguments of RatelStrategy (ssd_paths excepted) for every swapped-in strategy, as a "
+                          "JSON object, e.g. '{\"optimizer_states\": \"device\"}'")
+
+
+def _strategy_kwargs(text: str) -> dict[str, Any]:
+    """The keyword arguments ``--ratel-swap-config`` gives, checked before any test runs."""
+    try:
+        kwargs = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise pytest.UsageError(f"--ratel-swap-config is not JSON ({error}): {text!r}") from None
+    if not isinstance(kwargs, dict):
+        raise pytest.UsageError(f"--ratel-swap-config must be a JSON object of RatelStrategy arguments, not {text!r}")
+    if "ssd_paths" in kwargs:
+        raise pytest.UsageError("--ratel-swap-config: ssd_paths is the plugin's (a fresh temporary directory for each "
+                                "Trainer)")
+    # Built once here so that a misspelt or refused argument stops the session instead of failing every test.
+    try:
+        RatelStrategy(**kwargs)
+    except (TypeError, ValueError) as error:
+        raise pytest.UsageError(f"--ratel-swap-config {text}: {error}") from None
+    return kwargs
 
 
 def pytest_configure(config: pytest.Config) -> None:
     global _swap, _original
-    swap = _swap = _Swap(config)
+    swap = _swap = _Swap(config, _strategy_kwargs(config.getoption("--ratel-swap-config")))
     if config.getoption("--no-ratel-swap"):
         return
     original = _original = _AcceleratorConnector._choose_strategy
@@ -99,8 +127,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config) -> None:
     assert _swap is not None
     swapped = sum(1 for _, swaps in _swap.tests.values() if swaps)
-    terminalreporter.write_line(f"ratel_swap: {_swap.total} Trainer(s) got RatelStrategy, in {swapped} of "
-                                f"{len(_swap.tests)} tests")
+    terminalreporter.write_line(f"ratel_swap: {_swap.total} Trainer(s) got RatelStrategy({_swap.kwargs or ''}), in "
+                                f"{swapped} of {len(_swap.tests)} tests")
     log = config.getoption("--ratel-swap-log")
     if log is not None:
         with Path(log).open("w") as file:
