@@ -309,3 +309,23 @@ def test_a_failed_device_update_leaves_the_last_committed_step(tmp_path: Path, m
     r = trainer(RatelStrategy(ssd_paths=[str(tmp_path / "resumed")], optimizer_states=states), max_steps=STEPS)
     r.fit(resumed, ckpt_path=str(tmp_path / "ckpt" / "on_exception.ckpt"))
     assert max_rel_err(plain(STEPS)[0], final_state(resumed, r)[0]) <= 1e-5
+
+
+def test_no_optimizer_trains_without_updates_as_plain_lightning(tmp_path: Path):
+    """``configure_optimizers`` returning ``None`` (Lightning runs its placeholder optimizer, which holds no parameter)
+    has nothing for the device tier to update: the run trains as plain Lightning's does, leaving the weights alone,
+    instead of refusing the placeholder as an optimizer that is not AdamW."""
+
+    class NoOptimizer(LM):
+        def configure_optimizers(self) -> None:
+            return None
+
+    lm = NoOptimizer()
+    before = {k: v.clone() for k, v in lm.state_dict().items()}
+    t = trainer(RatelStrategy(ssd_paths=[str(tmp_path)], optimizer_states="device"), max_steps=2)
+    with pytest.warns(UserWarning, match="no optimizer"):
+        t.fit(lm)
+    assert t.global_step == 2
+    after = lm.state_dict()
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)

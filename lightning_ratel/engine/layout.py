@@ -276,7 +276,10 @@ def build_layout(
         unit_slots[b] = (slots, offsets)
 
     compute_bytes = sum(n * d.itemsize for _, numels in unit_slots.values() for d, n in numels.items())
-    on_device = optimizer is not None and optimizer_states == "device"
+    # An optimizer that holds no parameter (Lightning's placeholder where `configure_optimizers` returns None) leaves
+    # no state to place: such a run lays out as on the other tiers, as plain Lightning trains it without updates.
+    updates = optimizer is not None and any(group["params"] for group in optimizer.param_groups)
+    on_device = updates and optimizer_states == "device"
     if on_device and not fused(optimizer):
         raise RatelConfigError(
             f"optimizer_states='device' updates on the device with torch's AdamW, so it runs torch.optim.AdamW or "
