@@ -297,10 +297,22 @@ def test_a_failed_device_update_leaves_the_last_committed_step(tmp_path: Path, m
     strategy = RatelStrategy(ssd_paths=[str(tmp_path / "swap")], optimizer_states=states,
                              device_memory_limit="512KiB" if states == "auto" else None)
     lm.on_train_start = lambda: tiers.extend(s.state_tier for s in strategy.engine.layout.shards)  # type: ignore
+    stale: list[int] = []
+
+    class ComputeCopies(L.Callback):
+        # The steps that ran before the fault wrote their compute copies: the abort gives them the committed masters.
+        def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+            tier = strategy.engine.adam.device
+            for shard in tier.shards:
+                committed = tier._state(shard, "master", tier.ledger.committed(shard).slot)
+                if not torch.equal(shard.compute_view(shard.unit.host[shard.dtype]), committed.to(shard.dtype)):
+                    stale.append(shard.index)
+
     t = trainer(strategy, max_steps=STEPS, enable_checkpointing=True,
-                callbacks=[OnExceptionCheckpoint(str(tmp_path / "ckpt"))])
+                callbacks=[ComputeCopies(), OnExceptionCheckpoint(str(tmp_path / "ckpt"))])
     with pytest.raises(RuntimeError, match="injected fault"):
         t.fit(lm)
+    assert not stale
     assert t.global_step == FAIL_AT
     assert set(tiers) == ({"device"} if states == "device" else {"device", "host"})
     assert max_rel_err(plain(FAIL_AT)[0], lm.state_dict()) <= 1e-5

@@ -748,10 +748,14 @@ class RatelEngine:
             # Written after backward and before the step: the step updates the written values, as plain training's
             # `optimizer.step()` does.
             self.reads.flush()
-        # The values read so far are the last step's.
-        self.reads.invalidate()
+        # The values read so far are the last step's; the updates are the engine's own ops (on gradients, states and
+        # compute copies, never a placeholder), which the mode would only slow down.
+        self.reads.pause()
         start = time.perf_counter()
-        finished = self.adam.finish(plan, self.scheduler.order, loss_scale, clip)
+        try:
+            finished = self.adam.finish(plan, self.scheduler.order, loss_scale, clip)
+        finally:
+            self.reads.resume()
         self._backward_since_step = False
         # An `optimizer_step` that ran the closure before `optimizer.step()` left the plan unused: the next
         # micro-batch is not this step's boundary.

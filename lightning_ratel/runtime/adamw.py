@@ -235,17 +235,21 @@ def device_adamw_(
     grads: list[torch.Tensor],
     exp_avgs: list[torch.Tensor],
     exp_avg_sqs: list[torch.Tensor],
+    outs: list[torch.Tensor],
     hyper: GroupHyper,
     *,
     step: int,
 ) -> None:
-    """One Adam or AdamW step of every tensor of ``params`` (fp32, on one device, all at step count ``step``), in place:
-    the device tier's update, on the training thread. Torch's own implementation, the one ``torch.optim.AdamW`` takes
-    by default on that device: foreach over the list on a GPU; single-tensor, tensor by tensor, on the CPU, so there
-    the bits are :func:`torch_adamw_`'s (the CPU optimizer's)."""
+    """One Adam or AdamW step of every tensor of ``params`` (fp32, on one device, all at step count ``step``), in place,
+    each result also written into the same-sized tensor of ``outs`` (its compute copy, in its own dtype): the device
+    tier's update, on the training thread. On a GPU it is torch's foreach AdamW over the list, what
+    ``torch.optim.AdamW`` runs there by default, then one foreach copy into ``outs``. On the CPU it is the CPU
+    optimizer's step (:func:`adamw_step`): the native kernel, one pass over memory that writes ``outs`` too, where it
+    reproduces torch's single-tensor AdamW (``torch.optim.AdamW``'s default there) bit for bit, else that one."""
     if params[0].device.type != "cuda":
-        for param, grad, exp_avg, exp_avg_sq in zip(params, grads, exp_avgs, exp_avg_sqs):
-            _torch_step(param, grad, exp_avg, exp_avg_sq, None, hyper, step, 1.0)
+        step_fn = adamw_step()
+        for param, grad, exp_avg, exp_avg_sq, out in zip(params, grads, exp_avgs, exp_avg_sqs, outs):
+            step_fn(param, grad, exp_avg, exp_avg_sq, out, hyper, step=step)
         return
     with torch.no_grad():
         step_fn = _functional_adamw if hyper.decoupled else _functional_adam
@@ -266,6 +270,7 @@ def device_adamw_(
             eps=hyper.eps,
             maximize=False,
         )
+        torch._foreach_copy_(outs, params)
 
 
 def adamw_step() -> Callable[..., None]:

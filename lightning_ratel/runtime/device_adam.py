@@ -3,10 +3,11 @@
 A shard placed on the ``"device"`` state tier keeps both state slots (the committed step's and the one an update
 writes) in device memory (:class:`DeviceStates`, which the run's store routes its keys to, so checkpoints, exports and
 conversions read them as any other state), its gradient accumulates on the device in fp32 (no copy to host memory),
-and its update runs on the training thread with torch's own AdamW once the step's fate is known: after unscaling, the
-overflow check and clipping, never speculatively. Its unit's compute copy is device memory that the pager binds
-without a copy (:attr:`~lightning_ratel.runtime.units.Unit.resident`). On the CPU the device is the host: the same
-code runs there, which is how it is tested.
+and its update runs on the training thread (torch's foreach AdamW on a GPU; on the CPU the CPU optimizer's step, bit
+for bit torch's) once the step's fate is known: after unscaling, the overflow check and clipping, never speculatively.
+Its unit's compute copy is device memory that the pager binds without a copy
+(:attr:`~lightning_ratel.runtime.units.Unit.resident`). On the CPU the device is the host: the same code runs there,
+which is how it is tested.
 
 A step commits whole on every tier: the update writes the other slot and the shard's committed version moves to it
 only once the CPU optimizer (:class:`~lightning_ratel.runtime.optimizer.CpuAdam`, the states of the other tiers) has
@@ -263,8 +264,9 @@ class DeviceAdam:
 
         Shards whose parameters all have a gradient and one step count are stepped together, one call per parameter
         group and step count (on a GPU, torch's foreach AdamW over them); the others parameter by parameter. The
-        copies around the steps go in one foreach call each, so a GPU launches a few kernels per step, not per
-        shard."""
+        copy into the slot each update writes goes in one foreach call, and the steps write the compute copies (on a
+        GPU one foreach copy after them, on the CPU in the kernel's own pass), so a GPU launches a few kernels per
+        step, not per shard."""
         assert self._awaiting is None
         own = self.ledger.open_step()
         todo = [s for s in shards if any(self._has[s.index])]
@@ -286,38 +288,41 @@ class DeviceAdam:
             torch._foreach_copy_(targets, sources)
         if zeros:
             torch._foreach_zero_(zeros)
-        together: dict[tuple[int, int], list[tuple[torch.Tensor, ...]]] = {}
-        for shard in todo:
-            version = versions[shard.index]
-            master, exp_avg, exp_avg_sq = (self._state(shard, what, 1 - version.slot) for what in STATES)
-            grad = self._grads[shard.index][: shard.numel]
-            if plan.clip_value is not None:
-                grad.clamp_(min=-plan.clip_value, max=plan.clip_value)
-            steps = version.steps
-            with_grad = [i for i, has in enumerate(self._has[shard.index]) if has]
-            if len(with_grad) == len(shard.params) and len(set(steps)) == 1:
-                together.setdefault((shard.group, steps[0]), []).append((master, grad, exp_avg, exp_avg_sq))
-                continue
-            for i in with_grad:
-                sl = slice(shard.params[i].offset, shard.params[i].offset + shard.params[i].numel)
-                device_adamw_([master[sl]], [grad[sl]], [exp_avg[sl]], [exp_avg_sq[sl]], self._hyper(plan, shard.group),
-                              step=steps[i] + 1)
-        for (group, count), items in together.items():
-            masters, grads, exp_avgs, exp_avg_sqs = (list(column) for column in zip(*items))
-            device_adamw_(masters, grads, exp_avgs, exp_avg_sqs, self._hyper(plan, group), step=count + 1)
-        # The new compute copies, in the units resident on the device (one call).
-        copies, masters = [], []
+        try:
+            together: dict[tuple[int, int], list[tuple[torch.Tensor, ...]]] = {}
+            for shard in todo:
+                version = versions[shard.index]
+                master, exp_avg, exp_avg_sq = (self._state(shard, what, 1 - version.slot) for what in STATES)
+                grad = self._grads[shard.index][: shard.numel]
+                compute = shard.compute_view(shard.unit.host[shard.dtype])
+                if plan.clip_value is not None:
+                    grad.clamp_(min=-plan.clip_value, max=plan.clip_value)
+                steps = version.steps
+                with_grad = [i for i, has in enumerate(self._has[shard.index]) if has]
+                if len(with_grad) == len(shard.params) and len(set(steps)) == 1:
+                    together.setdefault((shard.group, steps[0]), []).append(
+                        (master, grad, exp_avg, exp_avg_sq, compute))
+                    continue
+                for i in with_grad:
+                    sl = slice(shard.params[i].offset, shard.params[i].offset + shard.params[i].numel)
+                    device_adamw_([master[sl]], [grad[sl]], [exp_avg[sl]], [exp_avg_sq[sl]], [compute[sl]],
+                                  self._hyper(plan, shard.group), step=steps[i] + 1)
+            # The steps write the new compute copies too, in the units resident on the device.
+            for (group, count), items in together.items():
+                masters, grads, exp_avgs, exp_avg_sqs, computes = (list(column) for column in zip(*items))
+                device_adamw_(masters, grads, exp_avgs, exp_avg_sqs, computes, self._hyper(plan, group), step=count + 1)
+        except BaseException:
+            # The steps write compute copies as they go: every one gets its committed master back.
+            for shard in todo:
+                self._restore_compute(shard)
+            raise
         for shard in todo:
             version = versions[shard.index]
             steps = [n + 1 if has else n for n, has in zip(version.steps, self._has[shard.index])]
             written = self.ledger.ran(shard, own, steps)
             for what in STATES:
                 self.states.mark_written(shard.key(what, written.slot))
-            copies.append(shard.compute_view(shard.unit.host[shard.dtype]))
-            masters.append(self._state(shard, "master", written.slot))
             self._has[shard.index] = [False] * len(shard.params)
-        if copies:
-            torch._foreach_copy_(copies, masters)
         self._awaiting = step
 
     @staticmethod
