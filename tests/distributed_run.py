@@ -338,7 +338,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--plan-auto", action="store_true",
                         help="RatelStrategy profiles the first step and plans activation placement (plan='auto')")
     parser.add_argument("--slow-node", type=int, default=None,
-                        help="every node's probe reports fixed speeds, this node's a tenth of the others' (--plan-auto)")
+                        help="every node's probe reports fixed speeds, this node's a tenth of the others' "
+                             "(--plan-auto)")
     parser.add_argument("--same-speeds", action="store_true",
                         help="every node's probe reports the same fixed speeds (--plan-auto)")
     parser.add_argument("--claim-device", default=None,

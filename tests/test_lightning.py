@@ -693,7 +693,7 @@ def test_skipped_steps_match_plain(tmp_path: Path, module: type[LM], n_batches: 
     assert_opt_state_close(ref_opt, opt, 1e-5)
 
 
-# ---------------------------------------------------------------------------------------------------- manual optimization
+# ------------------------------------------------------------------------------------------------ manual optimization
 
 
 class ManualBackwardLM(LM):

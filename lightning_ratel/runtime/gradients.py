@@ -77,8 +77,8 @@ def unseen_backward(name: str) -> RatelModelError:
     """The error for the gradient of parameter ``name`` from a backward pass the engine did not see start."""
     return RatelModelError(
         f"RatelStrategy: the gradient of {name} comes from a backward pass it did not see start "
-        "(`torch.autograd.backward(...)`, or `loss.backward()` outside `training_step` and `LightningModule.backward`), "
-        "which it cannot add to a step. Under manual optimization call `self.manual_backward(loss)` in "
+        "(`torch.autograd.backward(...)`, or `loss.backward()` outside `training_step` and "
+        "`LightningModule.backward`), which it cannot add to a step. Under manual optimization call `self.manual_backward(loss)` in "
         "`training_step`; under automatic optimization return the loss from `training_step` and Lightning runs its "
         "backward.")
 

@@ -9,8 +9,8 @@ that *is* the key's memory (:meth:`~HostStore.view`) copies nothing, which lets 
 states in place in the slot it writes.
 
 A :class:`TieredStore` is what the rest of the run sees: every key goes to the swap files unless it was placed in
-host memory (or on the device), and everything that is about the swap files (paths, kept files, their metadata, bytes moved to and from
-the drives) is the swap store's.
+host memory (or on the device), and everything that is about the swap files (paths, kept files, their metadata,
+bytes moved to and from the drives) is the swap store's.
 """
 
 from __future__ import annotations
