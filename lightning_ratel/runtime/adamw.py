@@ -252,24 +252,7 @@ def device_adamw_(
             step_fn(param, grad, exp_avg, exp_avg_sq, out, hyper, step=step)
         return
     with torch.no_grad():
-        step_fn = _functional_adamw if hyper.decoupled else _functional_adam
-        step_fn(
-            params,
-            [grad.float() for grad in grads],
-            exp_avgs,
-            exp_avg_sqs,
-            [],
-            [torch.tensor(float(step - 1), dtype=torch.float32) for _ in params],
-            foreach=True,
-            fused=False,
-            amsgrad=False,
-            beta1=hyper.beta1,
-            beta2=hyper.beta2,
-            lr=hyper.lr,
-            weight_decay=hyper.weight_decay,
-            eps=hyper.eps,
-            maximize=False,
-        )
+        _functional_step(params, [grad.float() for grad in grads], exp_avgs, exp_avg_sqs, hyper, step, foreach=True)
         torch._foreach_copy_(outs, params)
 
 
@@ -406,26 +389,32 @@ def _torch_step(
         grad32 = grad.float()
         if inv_scale != 1.0:
             grad32 = grad32.mul_(inv_scale) if grad32 is not grad else grad32 * inv_scale
-        # The functional API counts the step itself before using it.
-        step_before = torch.tensor(float(step - 1), dtype=torch.float32)
-        # Separate functions rather than adam(decoupled_weight_decay=...), which older torch releases lack.
-        step_fn = _functional_adamw if hyper.decoupled else _functional_adam
-        step_fn(
-            [param],
-            [grad32],
-            [exp_avg],
-            [exp_avg_sq],
-            [],
-            [step_before],
-            foreach=False,
-            fused=False,
-            amsgrad=False,
-            beta1=hyper.beta1,
-            beta2=hyper.beta2,
-            lr=hyper.lr,
-            weight_decay=hyper.weight_decay,
-            eps=hyper.eps,
-            maximize=False,
-        )
+        _functional_step([param], [grad32], [exp_avg], [exp_avg_sq], hyper, step, foreach=False)
         if param_out is not None:
             param_out.copy_(param)
+
+
+def _functional_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+                     exp_avg_sqs: list[torch.Tensor], hyper: GroupHyper, step: int, *, foreach: bool) -> None:
+    """Torch's own Adam or AdamW step of ``params`` (fp32 gradients, all at step count ``step``), in place: foreach
+    over the list or single-tensor, tensor by tensor, as ``torch.optim.AdamW`` chooses on the device."""
+    # Separate functions rather than adam(decoupled_weight_decay=...), which older torch releases lack.
+    step_fn = _functional_adamw if hyper.decoupled else _functional_adam
+    step_fn(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        [],
+        # The functional API counts the step itself before using it.
+        [torch.tensor(float(step - 1), dtype=torch.float32) for _ in params],
+        foreach=foreach,
+        fused=False,
+        amsgrad=False,
+        beta1=hyper.beta1,
+        beta2=hyper.beta2,
+        lr=hyper.lr,
+        weight_decay=hyper.weight_decay,
+        eps=hyper.eps,
+        maximize=False,
+    )
