@@ -28,132 +28,53 @@ from typing import Any
 
 import torch
 from torch import nn
+from typing_extensions import override
 
 from lightning_ratel.runtime.adamw import GroupHyper, device_adamw_
 from lightning_ratel.runtime.device import Device
 from lightning_ratel.runtime.gradients import unseen_backward
-from lightning_ratel.runtime.hostmem import ALIGNMENT
+from lightning_ratel.runtime.hoststore import HostStore, _done
 from lightning_ratel.runtime.ledger import StepLedger
 from lightning_ratel.runtime.optimizer import CpuAdam, Finished, Outcome, StepPlan, clip_coefficient, finish_step
 from lightning_ratel.runtime.timeline import span
 from lightning_ratel.runtime.units import Shard
-from lightning_ratel.sizes import round_up
 
 STATES = ("master", "exp_avg", "exp_avg_sq")
 """The flat fp32 states of a shard on the device tier (AdamW/Adam)."""
 
 
-def _done(value: Any = None) -> concurrent.futures.Future:
-    future: concurrent.futures.Future = concurrent.futures.Future()
-    future.set_result(value)
-    return future
-
-
-class DeviceStates:
+class DeviceStates(HostStore):
     """Named extents in device memory, with the contract of the run's other stores: :meth:`write` and :meth:`read`
-    return futures, a key never written reads as zeros. Copies run on the calling thread (device copies are queued on
-    its current stream; a copy to or from host memory waits for its data, as ``Tensor.copy_`` does).
+    return futures, a key never written reads as zeros. A :class:`~lightning_ratel.runtime.hoststore.HostStore`
+    whose arenas the device allocates and whose copies run on the calling thread as tensor copies (device copies are
+    queued on its current stream; a copy to or from host memory waits for its data, as ``Tensor.copy_`` does).
 
     Args:
         device: the device.
     """
 
     def __init__(self, device: Device) -> None:
+        super().__init__(name="device states", threads=0)
         self.device = device
-        self._sizes: dict[str, int] = {}
-        self._memory: dict[str, torch.Tensor] = {}
-        self._written: set[str] = set()
-        self._arenas: list[torch.Tensor] = []
-
-    @property
-    def nbytes_allocated(self) -> int:
-        """Device bytes allocated so far."""
-        return sum(a.numel() for a in self._arenas)
-
-    def keys(self) -> list[str]:
-        return list(self._sizes)
-
-    def __contains__(self, key: str) -> bool:
-        return key in self._sizes
-
-    def nbytes(self, key: str) -> int:
-        """Bytes of ``key``'s extent."""
-        return self._sizes[key]
-
-    def reserve(self, key: str, nbytes: int) -> None:
-        """Lay out ``key``'s extent (memory comes with the next :meth:`preallocate`, or the first use).
-
-        Raises:
-            ValueError: ``key`` is reserved with another size.
-        """
-        known = self._sizes.get(key)
-        if known is not None and known != nbytes:
-            raise ValueError(f"device states: key {key!r} is reserved with {known} bytes, not {nbytes}")
-        self._sizes[key] = nbytes
-
-    def preallocate(self) -> None:
-        """Allocate device memory for every extent reserved and not allocated yet, in one allocation."""
-        missing = [k for k in self._sizes if k not in self._memory]
-        if not missing:
-            return
-        total = sum(round_up(max(self._sizes[k], 1), ALIGNMENT) for k in missing)
-        arena = self.device.device_empty(total, torch.uint8)
-        self._arenas.append(arena)
-        offset = 0
-        for key in missing:
-            self._memory[key] = arena[offset : offset + self._sizes[key]]
-            offset += round_up(max(self._sizes[key], 1), ALIGNMENT)
-
-    def view(self, key: str, dtype: torch.dtype) -> torch.Tensor:
-        """``key``'s device memory as a flat tensor of ``dtype``."""
-        if key not in self._memory:
-            self.preallocate()
-        return self._memory[key].view(dtype)
-
-    def write(self, key: str, tensor: torch.Tensor, *, urgent: bool = False) -> concurrent.futures.Future[None]:
-        """Copy ``tensor`` into ``key`` (an unknown key is reserved with its size)."""
-        nbytes = tensor.numel() * tensor.element_size()
-        if key not in self._sizes:
-            self.reserve(key, nbytes)
-        self._check(key, nbytes)
-        target = self.view(key, torch.uint8)
-        if tensor.data_ptr() != target.data_ptr():
-            target.copy_(tensor.reshape(-1).view(torch.uint8))
-        self._written.add(key)
-        return _done()
-
-    def read(self, key: str, out: torch.Tensor, *, urgent: bool = False) -> concurrent.futures.Future[torch.Tensor]:
-        """Copy ``key`` into ``out``.
-
-        Raises:
-            KeyError: ``key`` was never reserved or written.
-        """
-        if key not in self._sizes:
-            raise KeyError(f"device states: no key {key!r}")
-        self._check(key, out.numel() * out.element_size())
-        flat = out.reshape(-1).view(torch.uint8)
-        if key not in self._written:
-            flat.zero_()
-        elif out.data_ptr() != self.view(key, torch.uint8).data_ptr():
-            flat.copy_(self.view(key, torch.uint8))
-        return _done(out)
-
-    def written(self, key: str) -> bool:
-        """Whether ``key`` holds values (otherwise it reads as zeros)."""
-        return key in self._written
 
     def mark_written(self, key: str) -> None:
         """``key``'s memory was written in place (through :meth:`view`)."""
         self._written.add(key)
 
-    def close(self) -> None:
-        """Free the memory. Safe to call more than once."""
-        self._memory.clear()
-        self._arenas.clear()
+    @override
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        return self.device.device_empty(nbytes, torch.uint8)
 
-    def _check(self, key: str, nbytes: int) -> None:
+    @override
+    def _check(self, key: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
         if nbytes != self._sizes[key]:
-            raise ValueError(f"device states: key {key!r} holds {self._sizes[key]} bytes; got {nbytes}")
+            raise ValueError(f"{self.name}: key {key!r} holds {self._sizes[key]} bytes; got {nbytes}")
+
+    @override
+    def _copy(self, key: str, dst: torch.Tensor, src: torch.Tensor, result: Any) -> concurrent.futures.Future:
+        dst.reshape(-1).view(torch.uint8).copy_(src.reshape(-1).view(torch.uint8))
+        return _done(result)
 
 
 class DeviceAdam:

@@ -108,18 +108,26 @@ class HostStore:
         total = sum(round_up(max(self._sizes[k], 1), ALIGNMENT) for k in missing)
         if not missing:
             return
-        try:
-            arena = aligned_empty(total, torch.uint8, huge=True)
-        except (MemoryError, OSError, RuntimeError) as err:
-            raise RatelConfigError(
-                f"{format_bytes(total)} of host memory for the optimizer states kept in RAM could not be allocated "
-                f"({type(err).__name__}: {err}). Give RatelStrategy a lower host_memory_limit, or "
-                "optimizer_states='ssd' to keep them in the swap files.") from err
+        arena = self._allocate(total)
         self._arenas.append(arena)
         offset = 0
         for key in missing:
             self._memory[key] = arena[offset : offset + self._sizes[key]]
             offset += round_up(max(self._sizes[key], 1), ALIGNMENT)
+
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        """One arena of ``nbytes`` for the extents (huge pages where the kernel gives them).
+
+        Raises:
+            RatelConfigError: the memory cannot be had (the message says how much and what to change).
+        """
+        try:
+            return aligned_empty(nbytes, torch.uint8, huge=True)
+        except (MemoryError, OSError, RuntimeError) as err:
+            raise RatelConfigError(
+                f"{format_bytes(nbytes)} of host memory for the optimizer states kept in RAM could not be allocated "
+                f"({type(err).__name__}: {err}). Give RatelStrategy a lower host_memory_limit, or "
+                "optimizer_states='ssd' to keep them in the swap files.") from err
 
     def view(self, key: str, dtype: torch.dtype) -> torch.Tensor:
         """``key``'s memory as a flat tensor of ``dtype``: writing it in place and then :meth:`write`-ing the view
