@@ -1,21 +1,28 @@
 #!/usr/bin/env bash
-# The checks of one session on a lent GPU machine, as one prepared script: the CUDA tests, the numbers against plain
-# Lightning (benchmarks/cuda_numerics.py) and the quick GPU benchmark. Writes every log under OUT.
+# The checks of one session on a lent GPU machine, as one prepared script that ends by its own deadline: the CUDA
+# tests with the numbers against plain Lightning (benchmarks/cuda_numerics.py) beside them, then RatelStrategy against
+# plain Lightning and FSDP2 on the GPU benchmark's model (benchmarks/peers.py --model gpu), then the quick GPU
+# benchmark with what time is left. Logs go to a work folder, packed into OUT/gpu_session.tgz at the end (the device
+# tool brings back a few files only); a summary is printed.
 #
-#   bash benchmarks/gpu_session.sh OUT [TEST_SECONDS] [BENCH_SECONDS]
+#   bash benchmarks/gpu_session.sh OUT [SECONDS]
 #
 # Wheels under .whl/ (kvikio-cu13, libkvikio-cu13, rapids-logger for the GDS path) are installed to /tmp/site first.
 set -u
-out=${1:?usage: gpu_session.sh OUT [TEST_SECONDS] [BENCH_SECONDS]}
-test_seconds=${2:-300}
-bench_seconds=${3:-150}
-mkdir -p "$out"
+out=${1:?usage: gpu_session.sh OUT [SECONDS]}
+deadline=$((SECONDS + ${2:-460}))
+work=/tmp/gpu-session
+rm -rf "$work" && mkdir -p "$work" "$out"
 export PYTHONUNBUFFERED=1 CUBLAS_WORKSPACE_CONFIG=:4096:8
+
+# Seconds a stage may take: its own share, never past the deadline less what packing the logs needs.
+budget() { local left=$((deadline - SECONDS - 10)); echo $(( $1 < left ? $1 : (left > 0 ? left : 1) )); }
+
 if compgen -G ".whl/*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         && export PYTHONPATH=/tmp/site
 fi
-python3 setup.py build_ext --inplace > "$out/build.log" 2>&1 || echo "native kernel build failed: see build.log"
+python3 setup.py build_ext --inplace > "$work/build.log" 2>&1 || echo "native kernel build failed: see build.log"
 {
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
     nproc; free -g | head -2; df -h /tmp | tail -1
@@ -23,23 +30,41 @@ python3 setup.py build_ext --inplace > "$out/build.log" 2>&1 || echo "native ker
 'lightning', lightning.__version__, 'transformers', transformers.__version__)"
     python3 -c "import kvikio; print('kvikio', kvikio.__version__)"
     python3 -c "import lightning_ratel._C; print('native kernel: built')"
-} > "$out/env.txt" 2>&1
-timeout "$test_seconds" python3 -m pytest -q -rA -p no:cacheprovider tests/test_cuda.py tests/test_gds.py \
-    tests/test_flops.py --junitxml="$out/junit.xml" > "$out/test_cuda.log" 2>&1 &
+    git log -1 --format='commit %H %s' 2>/dev/null
+} > "$work/env.txt" 2>&1
+echo "setup done at ${SECONDS}s"
+
+t=$(budget 200)
+timeout "$t" python3 -m pytest -q -rA -n 4 -p no:cacheprovider tests/test_cuda.py tests/test_gds.py \
+    tests/test_flops.py tests/test_gpu_throughput.py --junitxml="$work/junit.xml" > "$work/test_cuda.log" 2>&1 &
 tests=$!
-timeout "$test_seconds" python3 -m benchmarks.cuda_numerics --out "$out" > "$out/cuda_numerics.log" 2>&1 &
+timeout "$t" python3 -m benchmarks.cuda_numerics --out "$work" > "$work/cuda_numerics.log" 2>&1 &
 numerics=$!
-wait $tests; echo "tests rc=$?"
-wait $numerics; echo "cuda_numerics rc=$?"
-mkdir -p /tmp/ratel-bench
-# Optimizer states in host memory (the default where they fit), then in the swap files (the disk-bound baseline).
-for states in auto ssd; do
-    mkdir -p "$out/states-$states"
-    timeout "$bench_seconds" python3 -m benchmarks.gpu_throughput --quick --systems ratel --no-search \
-        --ssd /tmp/ratel-bench --ratel-states "$states" --out "$out/states-$states" \
-        --max-seconds $((bench_seconds - 20)) > "$out/gpu_throughput-$states.log" 2>&1
-    echo "gpu_throughput ($states) rc=$?"
-done
-cat "$out/env.txt"
-grep -E "passed|failed|error" "$out/test_cuda.log" | tail -3
-grep -E "^(FAILED|ERROR)" "$out/test_cuda.log" | head -30
+wait $tests; echo "tests rc=$? at ${SECONDS}s"
+wait $numerics; echo "cuda_numerics rc=$? at ${SECONDS}s"
+
+# RatelStrategy by default (optimizer states placed by the planner: on the device when they fit its share) and with
+# every state in host memory (the CPU AdamW overlapped with backward), against plain Lightning and FSDP2.
+timeout "$(budget 200)" python3 -m benchmarks.peers --model gpu --systems plain ratel fsdp2 --steps 8 --warmup 3 \
+    --rounds 1 --ratel-config '{}' '{"optimizer_states": "host"}' --swap-dir /tmp/peers-swap --run-timeout 120 \
+    --out "$work/peers" > "$work/peers.log" 2>&1
+echo "peers rc=$? at ${SECONDS}s"
+
+t=$(budget 150)
+if [ "$t" -ge 60 ]; then
+    mkdir -p /tmp/ratel-bench "$work/throughput"
+    timeout "$t" python3 -m benchmarks.gpu_throughput --quick --systems ratel --no-search --ssd /tmp/ratel-bench \
+        --out "$work/throughput" --max-seconds $((t - 15)) > "$work/gpu_throughput.log" 2>&1
+    echo "gpu_throughput rc=$? at ${SECONDS}s"
+else
+    echo "gpu_throughput skipped: ${t}s left"
+fi
+
+tar czf "$out/gpu_session.tgz" -C "$work" .
+cat "$work/env.txt"
+grep -E "passed|failed|error" "$work/test_cuda.log" | tail -3
+grep -E "^(FAILED|ERROR)" "$work/test_cuda.log" | head -30
+tail -25 "$work/cuda_numerics.log"
+sed -n '/RatelStrategy and its peers/,$p' "$work/peers.log"
+tail -30 "$work/gpu_throughput.log" 2>/dev/null
+echo "done at ${SECONDS}s"

@@ -576,8 +576,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--swap-dir", type=Path, default=Path("outputs") / "peers-swap",
                         help="parent of each system's swap directory (Ratel's swap files, ZeRO-Infinity's nvme_path); "
                              "each is removed after its run")
-    parser.add_argument("--ratel-config", type=json.loads, default={},
-                        help="JSON object of further RatelStrategy keyword arguments")
+    parser.add_argument("--ratel-config", type=json.loads, nargs="+", default=[{}],
+                        help="JSON object of further RatelStrategy keyword arguments; several give one ratel row "
+                             "each, labelled by its object")
     parser.add_argument("--run-timeout", type=float, default=1800, help="seconds one run may take")
     parser.add_argument("--out", type=Path, default=Path("outputs") / "peers",
                         help="directory for peers.json, peers.md and each run's log")
@@ -624,28 +625,34 @@ def main(argv: Sequence[str] | None = None) -> None:
     # Wide enough that the table is not folded into unreadable columns when the output goes to a file.
     console = Console(width=max(Console().width, 200))
     args.out.mkdir(parents=True, exist_ok=True)
-    reasons = {system: not_installed(system) for system in args.systems}
-    runnable = [system for system in args.systems if reasons[system] is None]
+    # One row per system, and per --ratel-config object when several are given: (label, system, Ratel config, name
+    # of its swap directory and logs).
+    several = len(args.ratel_config) > 1
+    entries = [(f"ratel {json.dumps(config, sort_keys=True)}" if several and system == "ratel" else system, system,
+                config, f"{system}-{k + 1}" if several and system == "ratel" else system)
+               for system in args.systems for k, config in enumerate(args.ratel_config if system == "ratel" else [{}])]
+    reasons = {entry[0]: not_installed(entry[1]) for entry in entries}
+    runnable = [entry for entry in entries if reasons[entry[0]] is None]
     load_before = os.getloadavg()
     started = time.strftime("%Y-%m-%d %H:%M:%S")
-    runs: dict[str, list[dict[str, Any]]] = {system: [] for system in args.systems}
+    runs: dict[str, list[dict[str, Any]]] = {entry[0]: [] for entry in entries}
     for round_index in range(args.rounds):
         shift = round_index % max(1, len(runnable))
-        for system in runnable[shift:] + runnable[:shift]:
-            swap_dir = args.swap_dir.resolve() / system
+        for label, system, ratel_config, name in runnable[shift:] + runnable[:shift]:
+            swap_dir = args.swap_dir.resolve() / name
             spec = {"system": system, "model": args.model, "size": args.size, "steps": args.steps,
                     "warmup": args.warmup, "batch_size": args.batch_size, "seq_len": args.seq_len,
-                    "swap_dir": str(swap_dir), "host_memory_limit": cap, "ratel_config": args.ratel_config,
+                    "swap_dir": str(swap_dir), "host_memory_limit": cap, "ratel_config": ratel_config,
                     "threads": args.threads}
-            console.print(f"round {round_index + 1}/{args.rounds}: {system} ...", end=" ")
+            console.print(f"round {round_index + 1}/{args.rounds}: {label} ...", end=" ")
             try:
-                result = run_one(spec, cap, args.run_timeout, args.out / f"{system}-round{round_index + 1}.log")
+                result = run_one(spec, cap, args.run_timeout, args.out / f"{name}-round{round_index + 1}.log")
             finally:
                 shutil.rmtree(swap_dir, ignore_errors=True)
             console.print(result.get("status", "ran"))
-            runs[system].append(result)
+            runs[label].append(result)
     load_after = os.getloadavg()
-    rows = [summarize(system, runs[system], reasons[system]) for system in args.systems]
+    rows = [summarize(entry[0], runs[entry[0]], reasons[entry[0]]) for entry in entries]
     add_comparisons(rows)
     params = next((run.get("params") for system_runs in runs.values() for run in system_runs if run.get("params")),
                   None)
