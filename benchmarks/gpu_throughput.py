@@ -543,6 +543,8 @@ def train_worker(spec: dict[str, Any]) -> dict[str, Any]:
         if plan is not None:
             result["recompute_flops"] = plan_recompute_flops(plan)
             result["predicted_seconds_per_step"] = plan.predicted_iteration_time
+            # The profile and hardware the prediction came from, so that it can be predicted again offline.
+            result["plan"] = json.loads(plan.to_json())
             result["placement"] = {tier: sum(1 for t in plan.activation_placement.values() if t == tier)
                                    for tier in ("device", "host", "ssd", "recompute")}
     return result
@@ -724,7 +726,7 @@ def throughput_row(shape: ModelShape, batch: int, system: str, result: dict[str,
     if block and block.get("ok") and "hardware_tflops" in row:
         row["block_peak_tflops"] = block["tflops"] * devices
         row["of_block_peak"] = row["hardware_tflops"] / row["block_peak_tflops"]
-    for key in ("predicted_seconds_per_step", "placement"):
+    for key in ("predicted_seconds_per_step", "placement", "plan"):
         if key in result:
             row[key] = result[key]
     return row

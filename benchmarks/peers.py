@@ -279,7 +279,15 @@ def _strategy(spec: dict[str, Any], module: Any, on_gpu: bool) -> Any:
         return _cpu_deepspeed_strategy(config)
     from lightning.pytorch.strategies import ModelParallelStrategy
 
-    return ModelParallelStrategy()
+    class OffloadingModelParallelStrategy(ModelParallelStrategy):
+        """Lightning's ModelParallelStrategy without its move of the whole module to the GPU after
+        ``configure_model``: FSDP2 with ``CPUOffloadPolicy`` keeps the sharded parameters in host memory itself (and
+        has put the buffers on the device), and refuses parameters moved to the GPU."""
+
+        def model_to_device(self) -> None:
+            pass
+
+    return OffloadingModelParallelStrategy() if on_gpu else ModelParallelStrategy()
 
 
 def _step_recorder(warmup: int, steps: int, swap_dir: Path, on_gpu: bool) -> Any:
