@@ -107,6 +107,30 @@ def test_updates_overlapping_backward_are_not_measured_as_if_alone(tmp_path, mon
     assert "cpu_optimizer" in plan.resource_times["backward"]
 
 
+@pytest.mark.parametrize("states", ["host", "device"])
+def test_a_profiled_pass_reuses_the_host_buffers_of_the_pass_before(tmp_path, simulated_streams, states):
+    """The profile keeps what each pass measured, not its records: a record holds the pass's block inputs, which
+    profiling keeps in host memory, and keeping those until planning made every later pass take (on a GPU, allocate
+    and page-lock, several milliseconds per block) new buffers inside its measured forward. With the states on the
+    device nothing else of a step goes through host memory, so nothing else could have given those buffers back."""
+    grown: list[int] = []
+
+    class PoolBytes(L.Callback):
+        def on_train_batch_start(self, trainer: L.Trainer, *args: object) -> None:
+            self.before = trainer.strategy.engine.device.pool.nbytes
+
+        def on_before_backward(self, trainer: L.Trainer, *args: object) -> None:
+            grown.append(trainer.strategy.engine.device.pool.nbytes - self.before)
+
+    profiler = RatelProfiler(report=False, profile_steps=3)
+    t = trainer(RatelStrategy(ssd_paths=[str(tmp_path)], optimizer_states=states), max_steps=4,
+                callbacks=[profiler, PoolBytes()])
+    t.fit(LM("llama"))
+    assert grown[0] > 0
+    # The second pass's loss check takes one page for its flag while the first one's is still held.
+    assert grown[1] <= 4096 and grown[2] == 0
+
+
 def test_waits_for_parameters_are_not_work_between_the_blocks():
     """The cost model charges page-ins to the link and the disks: the profile's forward outside the blocks leaves out
     what it waited for them, and only in forward."""

@@ -47,6 +47,7 @@ from lightning_ratel.runtime.collectives import DataParallelAdam, gather_outcome
 from lightning_ratel.runtime.device import Device
 from lightning_ratel.runtime.optimizer import CpuAdam
 from lightning_ratel.runtime.probe import free_device_memory, measure_hardware
+from lightning_ratel.runtime.recompute import ForwardRecord, OpRecord
 from lightning_ratel.runtime.units import Layout, Shard
 from lightning_ratel.tiers import CONTAINER_OP, INPUT_OP
 
@@ -96,8 +97,8 @@ class Planner:
         self._profiled_steps = 0
         # Times the blocks while profiling (the scheduler's observer then), else None.
         self._timer: BlockTimer | None = None
-        # Per block, per profiled pass: the cache's records of the block, and what the timer measured.
-        self._profiled: dict[int, list[list]] = {}
+        # Per block, per profiled pass: what the cache's records of the block measured, and what the timer did.
+        self._profiled: dict[int, list[list[PassRecord]]] = {}
         self._profiled_times: dict[int, list[dict[str, float]]] = {}
         # Per profiled micro-batch: seconds outside the blocks in forward and in backward (see micro_batch_done).
         self._outside: list[dict[str, float]] = []
@@ -270,7 +271,7 @@ class Planner:
             return
         forward = backward = 0.0
         for b in range(len(self.blocks)):
-            self._profiled.setdefault(b, []).append(list(self.cache.records(b)))
+            self._profiled.setdefault(b, []).append([PassRecord.of(r) for r in self.cache.records(b)])
             times = timer.block_times.pop(b, {})
             self._profiled_times.setdefault(b, []).append(times)
             forward += times.get("forward", 0.0)
@@ -311,9 +312,13 @@ class Planner:
                 record = records[0]
                 same = [r for r in records if len(r.ops) == len(record.ops)]
                 names = [op.name for op in record.ops]
-                times = [min(r.ops[k].forward_time for r in same) for k in range(len(record.ops))]
-                # The block's forward also pays Python and dispatch work between its ops, and so does a replay:
-                # spread it over the ops in proportion, so recomputing all of them costs the block's forward.
+                times = [min(r.op_times[k] for r in same) for k in range(len(record.ops))]
+                if self.device.is_cuda and sum(times) > 0:
+                    # Kernels run behind the host: the block costs its ops' device time. The host's dispatch work,
+                    # several times larger under profiling's op tracking than in the steady state, overlaps them.
+                    forward = sum(times)
+                # On the CPU the block's forward also pays Python and dispatch work between its ops, and so does a
+                # replay: spread it over the ops in proportion, so recomputing all of them costs the block's forward.
                 scale = forward / sum(times) if sum(times) > 0 and forward > sum(times) else 1.0
                 ops_ = [OpProfile(INPUT_OP, 0.0, 0.0, record.saved.get(-1, 0), [])]
                 ops_ += [
@@ -446,6 +451,22 @@ class Planner:
         if plan.blocks:
             return set(plan.blocks) == names
         return bool({key.rpartition("/")[0] for key in plan.activation_placement} & names)
+
+
+@dataclasses.dataclass(frozen=True)
+class PassRecord:
+    """What a block's forward record measured in one profiled pass, without the record itself: a record holds the
+    pass's inputs and stored tensors, and keeping those until planning would keep their (pinned) buffers from the
+    next pass, which then allocates and page-locks new ones inside its measured forward."""
+
+    ops: list[OpRecord]
+    op_times: list[float]
+    saved: dict[int, int]
+    replay_time: float
+
+    @classmethod
+    def of(cls, record: ForwardRecord) -> PassRecord:
+        return cls(list(record.ops), [op.forward_time for op in record.ops], dict(record.saved), record.replay_time)
 
 
 def settled(samples: Sequence[float]) -> float:

@@ -255,8 +255,7 @@ class BlockScheduler:
             )
             self.cache.begin_record(record, args, kwargs)
             self._path_stack.clear()
-            contexts.append(OpTracker(record, self._op_path, profile=self.observer is not None,
-                                      synchronize=self.device.synchronize))
+            contexts.append(OpTracker(record, self._op_path, profile=self.observer is not None))
         if self.observer is not None:
             self.observer.forward_started(b)
         for context in contexts:

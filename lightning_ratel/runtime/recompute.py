@@ -48,7 +48,6 @@ the forward started from. Values Python reads from memory without an op
 from __future__ import annotations
 
 import contextlib
-import time
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -173,8 +172,14 @@ class OpRecord:
     inputs: list[int]
     out_spec: Any
     out_meta: list[Any]
-    forward_time: float = 0.0
+    # times the op's forward while profiling (on CUDA its device time, read once the pass is over)
+    watch: Stopwatch | None = None
     flops: float = 0.0
+
+    @property
+    def forward_time(self) -> float:
+        """Seconds the op's forward took (0 where it was not timed)."""
+        return self.watch.seconds() if self.watch is not None else 0.0
 
     def dummy(self) -> Any:
         """Outputs of the right shapes with unspecified values, for an op the replay does not need."""
@@ -501,17 +506,15 @@ class OpTracker(TorchDispatchMode):
     Args:
         record: where the ops go.
         path: returns the dotted path, inside the block, of the innermost submodule running now.
-        profile: also time every op (synchronising the device around it) and count its FLOPs.
-        synchronize: waits for the device, for timing.
+        profile: also time every op (with the record's stopwatch: on CUDA the device time between two events, so
+            timing does not stop the host from queueing ahead) and count its FLOPs.
     """
 
-    def __init__(self, record: ForwardRecord, path: Callable[[], str], profile: bool = False,
-                 synchronize: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, record: ForwardRecord, path: Callable[[], str], profile: bool = False) -> None:
         super().__init__()
         self.record = record
         self.path = path
         self.profile = profile
-        self.synchronize = synchronize
         self._counts: dict[str, int] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -528,14 +531,12 @@ class OpTracker(TorchDispatchMode):
         written = _written_tensors(func, args, kwargs)
         record.note_outside_writes(written)
         if self.profile:
-            self.synchronize()
-            start = time.perf_counter()
+            watch: Stopwatch | None = record.stopwatch()
             out = func(*args, **kwargs)
-            self.synchronize()
-            elapsed = time.perf_counter() - start
+            watch.stop()
         else:
             out = func(*args, **kwargs)
-            elapsed = 0.0
+            watch = None
         k = len(record.ops)
         path = self.path()
         op_name = func.overloadpacket.__name__
@@ -584,5 +585,5 @@ class OpTracker(TorchDispatchMode):
             if t.numel() and record.outside_storage(t.untyped_storage().data_ptr()):
                 record.external_writer[t.untyped_storage().data_ptr()] = k
         flops = count_flops(func, args, kwargs, out) if self.profile else 0.0
-        record.ops.append(OpRecord(name, func, sorted(set(inputs)), spec, meta, elapsed, flops))
+        record.ops.append(OpRecord(name, func, sorted(set(inputs)), spec, meta, watch, flops))
         return out
