@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The checks of one session on a lent GPU machine, as one prepared script that ends by its own deadline: the CUDA
 # tests with the numbers against plain Lightning (benchmarks/cuda_numerics.py) beside them, then RatelStrategy against
-# plain Lightning and FSDP2 on the GPU benchmark's model (benchmarks/peers.py --model gpu), then the quick GPU
-# benchmark with what time is left. Logs go to a work folder, packed into OUT/gpu_session.tgz at the end (the device
-# tool brings back a few files only); a summary is printed.
+# plain Lightning and FSDP2 on the GPU benchmark's model (benchmarks/peers.py --model gpu), its phases and traces
+# (benchmarks/gpu_phases.py), then the quick GPU benchmark with what time is left. Logs go to a work folder, packed
+# into OUT/gpu_session.tgz at the end (the device tool brings back a few files only); a summary is printed.
 #
 #   bash benchmarks/gpu_session.sh OUT [SECONDS]
 #
@@ -50,6 +50,11 @@ timeout "$(budget 200)" python3 -m benchmarks.peers --model gpu --systems plain 
     --out "$work/peers" > "$work/peers.log" 2>&1
 echo "peers rc=$? at ${SECONDS}s"
 
+# Forward and step times per step, and Chrome traces of plain Lightning, a profiled pass and the steady state.
+timeout "$(budget 90)" python3 -m benchmarks.gpu_phases --out "$work/phases" --swap-dir /tmp/phases-swap \
+    > "$work/gpu_phases.log" 2>&1
+echo "gpu_phases rc=$? at ${SECONDS}s"
+
 t=$(budget 150)
 if [ "$t" -ge 60 ]; then
     mkdir -p /tmp/ratel-bench "$work/throughput"
@@ -66,5 +71,6 @@ grep -E "passed|failed|error" "$work/test_cuda.log" | tail -3
 grep -E "^(FAILED|ERROR)" "$work/test_cuda.log" | head -30
 tail -25 "$work/cuda_numerics.log"
 sed -n '/RatelStrategy and its peers/,$p' "$work/peers.log"
+grep -E "^(plain|ratel)" "$work/gpu_phases.log" | cut -c1-100
 tail -30 "$work/gpu_throughput.log" 2>/dev/null
 echo "done at ${SECONDS}s"
