@@ -2,7 +2,7 @@
 RatelStrategy on the GPU benchmark's model.
 
 Trains the GPT-2 model of ``benchmarks/gpu_throughput.py`` (``--size``, default 8 layers, hidden 1024: 153M
-parameters; batch 8 x 1024 random tokens, ``bf16-mixed``) four times in one process, each fit its own Trainer:
+parameters; batch 8 x 1024 random tokens, ``bf16-mixed``) five times in one process, each fit its own Trainer:
 
 - ``plain``: Lightning's default strategy, traced at step ``--trace-step``;
 - ``ratel``: ``RatelStrategy()`` with its defaults (on a GPU a model this size keeps its states on the device), with
@@ -10,7 +10,9 @@ parameters; batch 8 x 1024 random tokens, ``bf16-mixed``) four times in one proc
   (``ratel_steps.json``) and plan (``ratel_plan.json``);
 - ``ratel-steady``: the same, traced at step ``--trace-step``, after planning;
 - ``ratel-host``: ``RatelStrategy(optimizer_states="host")`` (the CPU AdamW overlapped with backward), with the
-  profiler's trace of its second profiled pass and its breakdown.
+  profiler's trace of its second profiled pass and its breakdown;
+- ``ratel-host-steady``: the same, traced at step ``--trace-step`` (the CPU updates overlapping backward, and the
+  next forward waiting for the last of them).
 
 Each step's forward is timed from the batch's start to ``on_before_backward`` and the step to the batch's end, the
 device synchronised at each point (so a step's queued work is its own). Steps 0 and 1 (RatelStrategy's profiled
@@ -139,11 +141,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         run("ratel-steady", RatelStrategy(ssd_paths=[str(swap)]), args, on_gpu, trace_step=args.trace_step),
         run("ratel-host", RatelStrategy(ssd_paths=[str(swap)], optimizer_states="host"), args, on_gpu,
             ratel_trace=1),
+        run("ratel-host-steady", RatelStrategy(ssd_paths=[str(swap)], optimizer_states="host"), args, on_gpu,
+            trace_step=args.trace_step),
     ]
     (args.out / "phases.json").write_text(json.dumps(results, indent=1))
     plain = results[0]["step_ms"]
     for r in results:
-        print(f"{r['run']:13s} forward {r['forward_ms']:8.1f} ms  step {r['step_ms']:8.1f} ms  "
+        print(f"{r['run']:17s} forward {r['forward_ms']:8.1f} ms  step {r['step_ms']:8.1f} ms  "
               f"x plain {r['step_ms'] / plain:5.2f}  per step (forward, step) ms: {r['per_step_ms']}")
     print(f"written under {args.out}", file=sys.stderr)
 
