@@ -2,8 +2,9 @@
  * lightning_ratel._C: one-pass Adam/AdamW step on host memory.
  *
  * Each element is read from and written to main memory once: the gradient (fp32, bf16 or fp16) is unscaled, the
- * fp32 master weight and both fp32 moments are updated in place, and the weight is optionally written to a 16-bit
- * or fp32 copy. The arithmetic reproduces torch's single-tensor Adam (torch/optim/adam.py) operation by operation,
+ * fp32 master weight and both fp32 moments are updated, in place or from a source copy into a destination (a state
+ * slot into the other, in the same single pass, so that keeping the old state costs no copy), and the weight is
+ * optionally written to a 16-bit or fp32 copy. The arithmetic reproduces torch's single-tensor Adam (torch/optim/adam.py) operation by operation,
  * including where torch's CPU kernels fuse a multiply and an add:
  *
  *   - the AVX2/AVX-512 paths match torch's AVX2/AVX-512 kernels, which use an FMA for lerp_, for
@@ -62,10 +63,14 @@ typedef int (*threads_local_fn)(int n);
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
 typedef struct {
+    /* Destinations; the sources the step reads them from are the same memory for an update in place. */
     float *param;
     const void *grad;
     float *exp_avg;
     float *exp_avg_sq;
+    const float *src_param;
+    const float *src_exp_avg;
+    const float *src_exp_avg_sq;
     void *out;
     int64_t n;
     int grad_dtype;
@@ -197,15 +202,18 @@ ALWAYS_INLINE void range_scalar_t(const adam_job *job, int stage, int64_t begin,
     /* Copies in locals: stores through the float pointers could otherwise alias the job's fields. */
     const adam_job h = *job;
     const float lerp_coeff = 1.0f - h.lerp_weight;
+    /* APPLY continues from what MOMENTS stored in the destination. */
+    const float *param_in = stage == STAGE_APPLY ? h.param : h.src_param;
+    const float *exp_avg_in = stage == STAGE_APPLY ? h.exp_avg : h.src_exp_avg;
     for (int64_t i = begin; i < end; ++i) {
-        float p = h.param[i];
-        float m = h.exp_avg[i];
+        float p = param_in[i];
+        float m = exp_avg_in[i];
         float r;
         if (stage == STAGE_APPLY) {
             r = root[i - begin];
         } else {
             float g = load_scalar(h.grad, i, gdt);
-            float v = h.exp_avg_sq[i];
+            float v = h.src_exp_avg_sq[i];
             if (h.scale) g = g * h.inv_scale;
             if (h.decoupled_decay) p = p * h.decay;
             if (h.l2_decay) g = g + h.l2 * p;
@@ -271,16 +279,18 @@ ALWAYS_INLINE TARGET_AVX2 void store8(void *dst, int dtype, __m256 x) {
     }
 }
 
-ALWAYS_INLINE TARGET_AVX2 void step8(const consts8 *c, int stage, float *param, const void *grad, float *exp_avg,
-                                     float *exp_avg_sq, const float *root, void *out, int gdt, int odt) {
-    __m256 p = _mm256_loadu_ps(param);
-    __m256 m = _mm256_loadu_ps(exp_avg);
+/* Loads from the *_in pointers, stores to the others (the same memory for a step in place). */
+ALWAYS_INLINE TARGET_AVX2 void step8(const consts8 *c, int stage, const float *param_in, const float *exp_avg_in,
+                                     const float *exp_avg_sq_in, const void *grad, const float *root, float *param,
+                                     float *exp_avg, float *exp_avg_sq, void *out, int gdt, int odt) {
+    __m256 p = _mm256_loadu_ps(param_in);
+    __m256 m = _mm256_loadu_ps(exp_avg_in);
     __m256 r;
     if (stage == STAGE_APPLY) {
         r = _mm256_loadu_ps(root);
     } else {
         __m256 g = load8(grad, gdt);
-        __m256 v = _mm256_loadu_ps(exp_avg_sq);
+        __m256 v = _mm256_loadu_ps(exp_avg_sq_in);
         if (c->scale) g = _mm256_mul_ps(g, c->inv_scale);
         if (c->decoupled_decay) p = _mm256_mul_ps(p, c->decay);
         if (c->l2_decay) g = _mm256_fmadd_ps(p, c->l2, g);
@@ -319,22 +329,26 @@ ALWAYS_INLINE TARGET_AVX2 void range_avx2_t(const adam_job *job, int stage, int6
         h.scale, h.decoupled_decay, h.l2_decay, h.lerp_small,
     };
     const int64_t gsize = dtype_size(gdt), osize = dtype_size(odt);
+    /* APPLY continues from what MOMENTS stored in the destination. */
+    const float *param_in = stage == STAGE_APPLY ? h.param : h.src_param;
+    const float *exp_avg_in = stage == STAGE_APPLY ? h.exp_avg : h.src_exp_avg;
+    const float *exp_avg_sq_in = stage == STAGE_APPLY ? h.exp_avg_sq : h.src_exp_avg_sq;
     int64_t i = begin;
     for (; i + 8 <= end; i += 8)
-        step8(&c, stage, h.param + i, (const char *)h.grad + i * gsize, h.exp_avg + i, h.exp_avg_sq + i,
-              stage == STAGE_APPLY ? root + (i - begin) : NULL, odt == DT_NONE ? NULL : (char *)h.out + i * osize,
-              gdt, odt);
+        step8(&c, stage, param_in + i, exp_avg_in + i, exp_avg_sq_in + i, (const char *)h.grad + i * gsize,
+              stage == STAGE_APPLY ? root + (i - begin) : NULL, h.param + i, h.exp_avg + i, h.exp_avg_sq + i,
+              odt == DT_NONE ? NULL : (char *)h.out + i * osize, gdt, odt);
     if (i < end) {
         /* The last partial vector goes through a zero-padded copy, so it takes the same instructions. */
         float p[8] = {0}, m[8] = {0}, v[8] = {0}, r[8] = {0};
         unsigned char g[32] = {0}, o[32] = {0};
         const int64_t rest = end - i;
-        memcpy(p, h.param + i, (size_t)rest * 4);
-        memcpy(m, h.exp_avg + i, (size_t)rest * 4);
-        memcpy(v, h.exp_avg_sq + i, (size_t)rest * 4);
+        memcpy(p, param_in + i, (size_t)rest * 4);
+        memcpy(m, exp_avg_in + i, (size_t)rest * 4);
+        memcpy(v, exp_avg_sq_in + i, (size_t)rest * 4);
         memcpy(g, (const char *)h.grad + i * gsize, (size_t)(rest * gsize));
         if (stage == STAGE_APPLY) memcpy(r, root + (i - begin), (size_t)rest * 4);
-        step8(&c, stage, p, g, m, v, r, o, gdt, odt);
+        step8(&c, stage, p, m, v, g, r, p, m, v, o, gdt, odt);
         memcpy(h.param + i, p, (size_t)rest * 4);
         memcpy(h.exp_avg + i, m, (size_t)rest * 4);
         memcpy(h.exp_avg_sq + i, v, (size_t)rest * 4);
@@ -379,17 +393,18 @@ ALWAYS_INLINE TARGET_AVX512 void store16(void *dst, int dtype, __m512 x) {
     }
 }
 
-ALWAYS_INLINE TARGET_AVX512 void step16(const consts16 *c, int stage, float *param, const void *grad,
-                                        float *exp_avg, float *exp_avg_sq, const float *root, void *out, int gdt,
-                                        int odt) {
-    __m512 p = _mm512_loadu_ps(param);
-    __m512 m = _mm512_loadu_ps(exp_avg);
+ALWAYS_INLINE TARGET_AVX512 void step16(const consts16 *c, int stage, const float *param_in,
+                                        const float *exp_avg_in, const float *exp_avg_sq_in, const void *grad,
+                                        const float *root, float *param, float *exp_avg, float *exp_avg_sq,
+                                        void *out, int gdt, int odt) {
+    __m512 p = _mm512_loadu_ps(param_in);
+    __m512 m = _mm512_loadu_ps(exp_avg_in);
     __m512 r;
     if (stage == STAGE_APPLY) {
         r = _mm512_loadu_ps(root);
     } else {
         __m512 g = load16(grad, gdt);
-        __m512 v = _mm512_loadu_ps(exp_avg_sq);
+        __m512 v = _mm512_loadu_ps(exp_avg_sq_in);
         if (c->scale) g = _mm512_mul_ps(g, c->inv_scale);
         if (c->decoupled_decay) p = _mm512_mul_ps(p, c->decay);
         if (c->l2_decay) g = _mm512_fmadd_ps(p, c->l2, g);
@@ -427,21 +442,25 @@ ALWAYS_INLINE TARGET_AVX512 void range_avx512_t(const adam_job *job, int stage, 
         h.scale, h.decoupled_decay, h.l2_decay, h.lerp_small,
     };
     const int64_t gsize = dtype_size(gdt), osize = dtype_size(odt);
+    /* APPLY continues from what MOMENTS stored in the destination. */
+    const float *param_in = stage == STAGE_APPLY ? h.param : h.src_param;
+    const float *exp_avg_in = stage == STAGE_APPLY ? h.exp_avg : h.src_exp_avg;
+    const float *exp_avg_sq_in = stage == STAGE_APPLY ? h.exp_avg_sq : h.src_exp_avg_sq;
     int64_t i = begin;
     for (; i + 16 <= end; i += 16)
-        step16(&c, stage, h.param + i, (const char *)h.grad + i * gsize, h.exp_avg + i, h.exp_avg_sq + i,
-               stage == STAGE_APPLY ? root + (i - begin) : NULL, odt == DT_NONE ? NULL : (char *)h.out + i * osize,
-               gdt, odt);
+        step16(&c, stage, param_in + i, exp_avg_in + i, exp_avg_sq_in + i, (const char *)h.grad + i * gsize,
+               stage == STAGE_APPLY ? root + (i - begin) : NULL, h.param + i, h.exp_avg + i, h.exp_avg_sq + i,
+               odt == DT_NONE ? NULL : (char *)h.out + i * osize, gdt, odt);
     if (i < end) {
         float p[16] = {0}, m[16] = {0}, v[16] = {0}, r[16] = {0};
         unsigned char g[64] = {0}, o[64] = {0};
         const int64_t rest = end - i;
-        memcpy(p, h.param + i, (size_t)rest * 4);
-        memcpy(m, h.exp_avg + i, (size_t)rest * 4);
-        memcpy(v, h.exp_avg_sq + i, (size_t)rest * 4);
+        memcpy(p, param_in + i, (size_t)rest * 4);
+        memcpy(m, exp_avg_in + i, (size_t)rest * 4);
+        memcpy(v, exp_avg_sq_in + i, (size_t)rest * 4);
         memcpy(g, (const char *)h.grad + i * gsize, (size_t)(rest * gsize));
         if (stage == STAGE_APPLY) memcpy(r, root + (i - begin), (size_t)rest * 4);
-        step16(&c, stage, p, g, m, v, r, o, gdt, odt);
+        step16(&c, stage, p, m, v, g, r, p, m, v, o, gdt, odt);
         memcpy(h.param + i, p, (size_t)rest * 4);
         memcpy(h.exp_avg + i, m, (size_t)rest * 4);
         memcpy(h.exp_avg_sq + i, v, (size_t)rest * 4);
@@ -544,18 +563,25 @@ static void run_job(range_fn fn, const adam_job *job, int num_threads) {
     run_range(fn, job, 0, n);
 }
 
+/* Whether [a, a + a_bytes) and [b, b + b_bytes) share a byte. */
+static int overlaps(uint64_t a, int64_t a_bytes, uint64_t b, int64_t b_bytes) {
+    return a_bytes > 0 && b_bytes > 0 && a < b + (uint64_t)b_bytes && b < a + (uint64_t)a_bytes;
+}
+
 static PyObject *py_adamw(PyObject *self, PyObject *args, PyObject *kwargs) {
     static char *kwlist[] = {"param", "grad", "exp_avg", "exp_avg_sq", "out", "n", "grad_dtype", "out_dtype",
                              "lr", "beta1", "beta2", "eps", "weight_decay", "step", "decoupled", "inv_scale",
-                             "num_threads", NULL};
+                             "num_threads", "src_param", "src_exp_avg", "src_exp_avg_sq", NULL};
     unsigned long long param, grad, exp_avg, exp_avg_sq, out;
+    unsigned long long src[3] = {0, 0, 0};
     long long n, step;
     int grad_dtype, out_dtype, decoupled, num_threads;
     double lr, beta1, beta2, eps, weight_decay, inv_scale;
     (void)self;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KKKKKLiidddddLpdi:adamw", kwlist, &param, &grad, &exp_avg,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KKKKKLiidddddLpdi|$KKK:adamw", kwlist, &param, &grad, &exp_avg,
                                      &exp_avg_sq, &out, &n, &grad_dtype, &out_dtype, &lr, &beta1, &beta2, &eps,
-                                     &weight_decay, &step, &decoupled, &inv_scale, &num_threads))
+                                     &weight_decay, &step, &decoupled, &inv_scale, &num_threads, &src[0], &src[1],
+                                     &src[2]))
         return NULL;
     if (n < 0 || step < 1 || num_threads < 1) {
         PyErr_SetString(PyExc_ValueError, "adamw: need n >= 0, step >= 1 and num_threads >= 1");
@@ -569,6 +595,22 @@ static PyObject *py_adamw(PyObject *self, PyObject *args, PyObject *kwargs) {
         PyErr_SetString(PyExc_ValueError, "adamw: null buffer address");
         return NULL;
     }
+    /* A source of 0 is its destination (in place). A destination written while a later element of its source is
+     * still to be read would change the step's input: each source is its own destination or shares no byte with
+     * any destination. */
+    const unsigned long long dst[3] = {param, exp_avg, exp_avg_sq};
+    for (int k = 0; k < 3; ++k) {
+        if (!src[k]) src[k] = dst[k];
+        for (int d = 0; d < 3; ++d)
+            if (!(d == k && src[k] == dst[d]) && overlaps(src[k], 4 * n, dst[d], 4 * n)) {
+                PyErr_SetString(PyExc_ValueError, "adamw: a source overlaps a destination it is not identical to");
+                return NULL;
+            }
+        if (out_dtype != DT_NONE && overlaps(src[k], 4 * n, out, n * dtype_size(out_dtype))) {
+            PyErr_SetString(PyExc_ValueError, "adamw: a source overlaps out");
+            return NULL;
+        }
+    }
 
     /* Scalars follow torch/optim/adam.py: Python floats (doubles) throughout, libm pow as in `x ** y`, and a
      * single rounding to float32 where the value meets a float32 tensor. */
@@ -580,6 +622,9 @@ static PyObject *py_adamw(PyObject *self, PyObject *args, PyObject *kwargs) {
         .grad = (const void *)(uintptr_t)grad,
         .exp_avg = (float *)(uintptr_t)exp_avg,
         .exp_avg_sq = (float *)(uintptr_t)exp_avg_sq,
+        .src_param = (const float *)(uintptr_t)src[0],
+        .src_exp_avg = (const float *)(uintptr_t)src[1],
+        .src_exp_avg_sq = (const float *)(uintptr_t)src[2],
         .out = (void *)(uintptr_t)out,
         .n = n,
         .grad_dtype = grad_dtype,
@@ -670,9 +715,12 @@ static PyObject *py_sqrt(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"adamw", (PyCFunction)(void (*)(void))py_adamw, METH_VARARGS | METH_KEYWORDS,
      "adamw(param, grad, exp_avg, exp_avg_sq, out, n, grad_dtype, out_dtype, lr, beta1, beta2, eps, "
-     "weight_decay, step, decoupled, inv_scale, num_threads)\n--\n\n"
+     "weight_decay, step, decoupled, inv_scale, num_threads, *, src_param=0, src_exp_avg=0, src_exp_avg_sq=0)"
+     "\n--\n\n"
      "One Adam (decoupled=False) or AdamW step over n elements at raw addresses. out is 0 with out_dtype "
-     "NONE for no copy. The GIL is released while the threads run."},
+     "NONE for no copy. Each src_* (0: its destination, in place) is read instead of its destination, which is "
+     "then only written; it must be the destination or share no byte with any destination or out. The GIL is "
+     "released while the threads run."},
     {"set_isa", py_set_isa, METH_O,
      "set_isa(name)\n--\n\nUse 'avx512', 'avx2' or 'scalar'; returns False, changing nothing, if this CPU lacks it."},
     {"isa", py_isa, METH_NOARGS, "isa()\n--\n\nName of the code path in use."},
