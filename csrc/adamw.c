@@ -4,8 +4,12 @@
  * Each element is read from and written to main memory once: the gradient (fp32, bf16 or fp16) is unscaled, the
  * fp32 master weight and both fp32 moments are updated, in place or from a source copy into a destination (a state
  * slot into the other, in the same single pass, so that keeping the old state costs no copy), and the weight is
- * optionally written to a 16-bit or fp32 copy. The arithmetic reproduces torch's single-tensor Adam (torch/optim/adam.py) operation by operation,
- * including where torch's CPU kernels fuse a multiply and an add:
+ * optionally written to a 16-bit or fp32 copy. A large step from one slot into another stores its states with
+ * non-temporal (streaming) stores, so that writing a line not in cache does not read it from memory first: the pass
+ * then moves as many bytes as a step in place.
+ *
+ * The arithmetic reproduces torch's single-tensor Adam (torch/optim/adam.py) operation by operation, including where
+ * torch's CPU kernels fuse a multiply and an add:
  *
  *   - the AVX2/AVX-512 paths match torch's AVX2/AVX-512 kernels, which use an FMA for lerp_, for
  *     add(..., alpha=) and (by compiler contraction) for addcmul_;
@@ -40,7 +44,9 @@
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_NONE = 3 };
 
 /* What one pass over a range does: the whole step with the inline sqrt, or one of the two halves around an
- * external sqrt (MOMENTS: decay, moments, stored; APPLY: weights from the chunk's roots). */
+ * external sqrt (MOMENTS: decay, moments, stored; APPLY: weights from the chunk's roots). Every stage reads its
+ * sources and writes its destinations; APPLY's sources are what MOMENTS wrote, and where they are not its
+ * destinations (an L1 scratch chunk, for a step from one slot into another) APPLY stores the moments too. */
 enum { STAGE_FUSED = 0, STAGE_MOMENTS = 1, STAGE_APPLY = 2 };
 
 /* MKL's vmsSqrt(n, a, r, mode). n is an MKL_INT (32 bits in LP64 builds, 64 in ILP64); passing a small positive
@@ -59,6 +65,9 @@ typedef int (*threads_local_fn)(int n);
 /* Elements per chunk with an external sqrt: small enough that a chunk's moments, weights and roots stay in L1
  * between the passes; a multiple of SPLIT_ALIGN, so every chunk starts on a vector boundary. */
 #define SQRT_CHUNK 256
+/* Elements from which a step from one slot into another streams its stores: its states (12 bytes an element) are then
+ * more than a core's share of the caches could keep until they are next read. */
+#define STREAM_MIN 65536
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
@@ -89,6 +98,10 @@ typedef struct {
     int decoupled_decay;
     int l2_decay;
     int lerp_small;
+    /* Store the master, or both moments, with streaming stores (x86 vector paths; destinations apart from their
+     * sources, aligned to a cache line, large). Cleared for the MOMENTS stage, whose stores are read back at once. */
+    int stream_param;
+    int stream_moments;
     /* NULL: inline IEEE sqrt. */
     vector_sqrt_fn vector_sqrt;
     int64_t vector_sqrt_mode;
@@ -202,15 +215,17 @@ ALWAYS_INLINE void range_scalar_t(const adam_job *job, int stage, int64_t begin,
     /* Copies in locals: stores through the float pointers could otherwise alias the job's fields. */
     const adam_job h = *job;
     const float lerp_coeff = 1.0f - h.lerp_weight;
-    /* APPLY continues from what MOMENTS stored in the destination. */
-    const float *param_in = stage == STAGE_APPLY ? h.param : h.src_param;
-    const float *exp_avg_in = stage == STAGE_APPLY ? h.exp_avg : h.src_exp_avg;
+    const int move_moments = stage == STAGE_APPLY && h.src_exp_avg != h.exp_avg;
     for (int64_t i = begin; i < end; ++i) {
-        float p = param_in[i];
-        float m = exp_avg_in[i];
+        float p = h.src_param[i];
+        float m = h.src_exp_avg[i];
         float r;
         if (stage == STAGE_APPLY) {
             r = root[i - begin];
+            if (move_moments) {
+                h.exp_avg[i] = m;
+                h.exp_avg_sq[i] = h.src_exp_avg_sq[i];
+            }
         } else {
             float g = load_scalar(h.grad, i, gdt);
             float v = h.src_exp_avg_sq[i];
@@ -250,7 +265,7 @@ static void range_scalar(const adam_job *job, int stage, int64_t begin, int64_t 
 
 typedef struct {
     __m256 inv_scale, decay, l2, lerp_coeff, beta2, one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size;
-    int scale, decoupled_decay, l2_decay, lerp_small;
+    int scale, decoupled_decay, l2_decay, lerp_small, stream_param, stream_moments, move_moments;
 } consts8;
 
 ALWAYS_INLINE TARGET_AVX2 __m256 load8(const void *src, int dtype) {
@@ -279,6 +294,12 @@ ALWAYS_INLINE TARGET_AVX2 void store8(void *dst, int dtype, __m256 x) {
     }
 }
 
+/* A state's 8 floats; streamed past the cache where the destination is apart from what the step reads. */
+ALWAYS_INLINE TARGET_AVX2 void store_state8(float *dst, __m256 x, int stream) {
+    if (stream) _mm256_stream_ps(dst, x);
+    else _mm256_storeu_ps(dst, x);
+}
+
 /* Loads from the *_in pointers, stores to the others (the same memory for a step in place). */
 ALWAYS_INLINE TARGET_AVX2 void step8(const consts8 *c, int stage, const float *param_in, const float *exp_avg_in,
                                      const float *exp_avg_sq_in, const void *grad, const float *root, float *param,
@@ -288,6 +309,10 @@ ALWAYS_INLINE TARGET_AVX2 void step8(const consts8 *c, int stage, const float *p
     __m256 r;
     if (stage == STAGE_APPLY) {
         r = _mm256_loadu_ps(root);
+        if (c->move_moments) {
+            store_state8(exp_avg, m, c->stream_moments);
+            store_state8(exp_avg_sq, _mm256_loadu_ps(exp_avg_sq_in), c->stream_moments);
+        }
     } else {
         __m256 g = load8(grad, gdt);
         __m256 v = _mm256_loadu_ps(exp_avg_sq_in);
@@ -298,17 +323,17 @@ ALWAYS_INLINE TARGET_AVX2 void step8(const consts8 *c, int stage, const float *p
         m = _mm256_fmadd_ps(c->lerp_coeff, d, c->lerp_small ? m : g);
         v = _mm256_mul_ps(v, c->beta2);
         v = _mm256_fmadd_ps(_mm256_mul_ps(c->one_minus_beta2, g), g, v);
-        _mm256_storeu_ps(exp_avg, m);
-        _mm256_storeu_ps(exp_avg_sq, v);
+        store_state8(exp_avg, m, c->stream_moments);
+        store_state8(exp_avg_sq, v, c->stream_moments);
         if (stage == STAGE_MOMENTS) {
-            _mm256_storeu_ps(param, p);
+            store_state8(param, p, c->stream_param);
             return;
         }
         r = _mm256_sqrt_ps(v);
     }
     __m256 denom = _mm256_add_ps(_mm256_div_ps(r, c->bias_correction2_sqrt), c->eps);
     p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(c->neg_step_size, m), denom));
-    _mm256_storeu_ps(param, p);
+    store_state8(param, p, c->stream_param);
     store8(out, odt, p);
 }
 
@@ -326,16 +351,13 @@ ALWAYS_INLINE TARGET_AVX2 void range_avx2_t(const adam_job *job, int stage, int6
         _mm256_set1_ps(h.bias_correction2_sqrt),
         _mm256_set1_ps(h.eps),
         _mm256_set1_ps(h.neg_step_size),
-        h.scale, h.decoupled_decay, h.l2_decay, h.lerp_small,
+        h.scale, h.decoupled_decay, h.l2_decay, h.lerp_small, h.stream_param, h.stream_moments,
+        stage == STAGE_APPLY && h.src_exp_avg != h.exp_avg,
     };
     const int64_t gsize = dtype_size(gdt), osize = dtype_size(odt);
-    /* APPLY continues from what MOMENTS stored in the destination. */
-    const float *param_in = stage == STAGE_APPLY ? h.param : h.src_param;
-    const float *exp_avg_in = stage == STAGE_APPLY ? h.exp_avg : h.src_exp_avg;
-    const float *exp_avg_sq_in = stage == STAGE_APPLY ? h.exp_avg_sq : h.src_exp_avg_sq;
     int64_t i = begin;
     for (; i + 8 <= end; i += 8)
-        step8(&c, stage, param_in + i, exp_avg_in + i, exp_avg_sq_in + i, (const char *)h.grad + i * gsize,
+        step8(&c, stage, h.src_param + i, h.src_exp_avg + i, h.src_exp_avg_sq + i, (const char *)h.grad + i * gsize,
               stage == STAGE_APPLY ? root + (i - begin) : NULL, h.param + i, h.exp_avg + i, h.exp_avg_sq + i,
               odt == DT_NONE ? NULL : (char *)h.out + i * osize, gdt, odt);
     if (i < end) {
@@ -343,12 +365,15 @@ ALWAYS_INLINE TARGET_AVX2 void range_avx2_t(const adam_job *job, int stage, int6
         float p[8] = {0}, m[8] = {0}, v[8] = {0}, r[8] = {0};
         unsigned char g[32] = {0}, o[32] = {0};
         const int64_t rest = end - i;
-        memcpy(p, param_in + i, (size_t)rest * 4);
-        memcpy(m, exp_avg_in + i, (size_t)rest * 4);
-        memcpy(v, exp_avg_sq_in + i, (size_t)rest * 4);
+        memcpy(p, h.src_param + i, (size_t)rest * 4);
+        memcpy(m, h.src_exp_avg + i, (size_t)rest * 4);
+        memcpy(v, h.src_exp_avg_sq + i, (size_t)rest * 4);
         memcpy(g, (const char *)h.grad + i * gsize, (size_t)(rest * gsize));
         if (stage == STAGE_APPLY) memcpy(r, root + (i - begin), (size_t)rest * 4);
-        step8(&c, stage, p, m, v, g, r, p, m, v, o, gdt, odt);
+        /* Its stores go to the stack (no streaming); APPLY's moments are copied below in any case. */
+        consts8 local = c;
+        local.stream_param = local.stream_moments = local.move_moments = 0;
+        step8(&local, stage, p, m, v, g, r, p, m, v, o, gdt, odt);
         memcpy(h.param + i, p, (size_t)rest * 4);
         memcpy(h.exp_avg + i, m, (size_t)rest * 4);
         memcpy(h.exp_avg_sq + i, v, (size_t)rest * 4);
@@ -367,7 +392,7 @@ static TARGET_AVX2 void range_avx2(const adam_job *job, int stage, int64_t begin
 
 typedef struct {
     __m512 inv_scale, decay, l2, lerp_coeff, beta2, one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size;
-    int scale, decoupled_decay, l2_decay, lerp_small;
+    int scale, decoupled_decay, l2_decay, lerp_small, stream_param, stream_moments, move_moments;
 } consts16;
 
 ALWAYS_INLINE TARGET_AVX512 __m512 load16(const void *src, int dtype) {
@@ -393,6 +418,11 @@ ALWAYS_INLINE TARGET_AVX512 void store16(void *dst, int dtype, __m512 x) {
     }
 }
 
+ALWAYS_INLINE TARGET_AVX512 void store_state16(float *dst, __m512 x, int stream) {
+    if (stream) _mm512_stream_ps(dst, x);
+    else _mm512_storeu_ps(dst, x);
+}
+
 ALWAYS_INLINE TARGET_AVX512 void step16(const consts16 *c, int stage, const float *param_in,
                                         const float *exp_avg_in, const float *exp_avg_sq_in, const void *grad,
                                         const float *root, float *param, float *exp_avg, float *exp_avg_sq,
@@ -402,6 +432,10 @@ ALWAYS_INLINE TARGET_AVX512 void step16(const consts16 *c, int stage, const floa
     __m512 r;
     if (stage == STAGE_APPLY) {
         r = _mm512_loadu_ps(root);
+        if (c->move_moments) {
+            store_state16(exp_avg, m, c->stream_moments);
+            store_state16(exp_avg_sq, _mm512_loadu_ps(exp_avg_sq_in), c->stream_moments);
+        }
     } else {
         __m512 g = load16(grad, gdt);
         __m512 v = _mm512_loadu_ps(exp_avg_sq_in);
@@ -412,17 +446,17 @@ ALWAYS_INLINE TARGET_AVX512 void step16(const consts16 *c, int stage, const floa
         m = _mm512_fmadd_ps(c->lerp_coeff, d, c->lerp_small ? m : g);
         v = _mm512_mul_ps(v, c->beta2);
         v = _mm512_fmadd_ps(_mm512_mul_ps(c->one_minus_beta2, g), g, v);
-        _mm512_storeu_ps(exp_avg, m);
-        _mm512_storeu_ps(exp_avg_sq, v);
+        store_state16(exp_avg, m, c->stream_moments);
+        store_state16(exp_avg_sq, v, c->stream_moments);
         if (stage == STAGE_MOMENTS) {
-            _mm512_storeu_ps(param, p);
+            store_state16(param, p, c->stream_param);
             return;
         }
         r = _mm512_sqrt_ps(v);
     }
     __m512 denom = _mm512_add_ps(_mm512_div_ps(r, c->bias_correction2_sqrt), c->eps);
     p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(c->neg_step_size, m), denom));
-    _mm512_storeu_ps(param, p);
+    store_state16(param, p, c->stream_param);
     store16(out, odt, p);
 }
 
@@ -439,28 +473,28 @@ ALWAYS_INLINE TARGET_AVX512 void range_avx512_t(const adam_job *job, int stage, 
         _mm512_set1_ps(h.bias_correction2_sqrt),
         _mm512_set1_ps(h.eps),
         _mm512_set1_ps(h.neg_step_size),
-        h.scale, h.decoupled_decay, h.l2_decay, h.lerp_small,
+        h.scale, h.decoupled_decay, h.l2_decay, h.lerp_small, h.stream_param, h.stream_moments,
+        stage == STAGE_APPLY && h.src_exp_avg != h.exp_avg,
     };
     const int64_t gsize = dtype_size(gdt), osize = dtype_size(odt);
-    /* APPLY continues from what MOMENTS stored in the destination. */
-    const float *param_in = stage == STAGE_APPLY ? h.param : h.src_param;
-    const float *exp_avg_in = stage == STAGE_APPLY ? h.exp_avg : h.src_exp_avg;
-    const float *exp_avg_sq_in = stage == STAGE_APPLY ? h.exp_avg_sq : h.src_exp_avg_sq;
     int64_t i = begin;
     for (; i + 16 <= end; i += 16)
-        step16(&c, stage, param_in + i, exp_avg_in + i, exp_avg_sq_in + i, (const char *)h.grad + i * gsize,
+        step16(&c, stage, h.src_param + i, h.src_exp_avg + i, h.src_exp_avg_sq + i, (const char *)h.grad + i * gsize,
                stage == STAGE_APPLY ? root + (i - begin) : NULL, h.param + i, h.exp_avg + i, h.exp_avg_sq + i,
                odt == DT_NONE ? NULL : (char *)h.out + i * osize, gdt, odt);
     if (i < end) {
         float p[16] = {0}, m[16] = {0}, v[16] = {0}, r[16] = {0};
         unsigned char g[64] = {0}, o[64] = {0};
         const int64_t rest = end - i;
-        memcpy(p, param_in + i, (size_t)rest * 4);
-        memcpy(m, exp_avg_in + i, (size_t)rest * 4);
-        memcpy(v, exp_avg_sq_in + i, (size_t)rest * 4);
+        memcpy(p, h.src_param + i, (size_t)rest * 4);
+        memcpy(m, h.src_exp_avg + i, (size_t)rest * 4);
+        memcpy(v, h.src_exp_avg_sq + i, (size_t)rest * 4);
         memcpy(g, (const char *)h.grad + i * gsize, (size_t)(rest * gsize));
         if (stage == STAGE_APPLY) memcpy(r, root + (i - begin), (size_t)rest * 4);
-        step16(&c, stage, p, m, v, g, r, p, m, v, o, gdt, odt);
+        /* Its stores go to the stack (no streaming); APPLY's moments are copied below in any case. */
+        consts16 local = c;
+        local.stream_param = local.stream_moments = local.move_moments = 0;
+        step16(&local, stage, p, m, v, g, r, p, m, v, o, gdt, odt);
         memcpy(h.param + i, p, (size_t)rest * 4);
         memcpy(h.exp_avg + i, m, (size_t)rest * 4);
         memcpy(h.exp_avg_sq + i, v, (size_t)rest * 4);
@@ -520,21 +554,64 @@ static vector_sqrt_fn vector_sqrt = NULL;
 static int64_t vector_sqrt_mode = 0;
 static threads_local_fn threads_local = NULL;
 
+/* The job restricted to [begin, begin + len): every pointer moved to begin. */
+static adam_job job_part(const adam_job *job, int64_t begin, int64_t len) {
+    adam_job part = *job;
+    part.param += begin;
+    part.exp_avg += begin;
+    part.exp_avg_sq += begin;
+    part.src_param += begin;
+    part.src_exp_avg += begin;
+    part.src_exp_avg_sq += begin;
+    part.grad = (const char *)job->grad + begin * dtype_size(job->grad_dtype);
+    if (job->out) part.out = (char *)job->out + begin * dtype_size(job->out_dtype);
+    part.n = len;
+    return part;
+}
+
+/* Streaming stores are weakly ordered: they must be visible before the caller (or another thread) reads. */
+static void end_streaming(const adam_job *job) {
+#ifdef RATEL_X86
+    if (job->stream_param || job->stream_moments) _mm_sfence();
+#else
+    (void)job;
+#endif
+}
+
 /* One thread's share of the step. */
 static void run_range(range_fn fn, const adam_job *job, int64_t begin, int64_t end) {
     if (!job->vector_sqrt) {
         fn(job, STAGE_FUSED, begin, end, NULL);
+        end_streaming(job);
         return;
     }
     float root[SQRT_CHUNK] __attribute__((aligned(64)));
+    /* A step from one slot into another keeps MOMENTS' results in L1 (the sqrt and APPLY read them back at once),
+     * and APPLY stores all of them into the destination; in place, MOMENTS stores into the destination. */
+    float scratch[3][SQRT_CHUNK] __attribute__((aligned(64)));
+    const int apart = job->src_param != job->param || job->src_exp_avg != job->exp_avg ||
+                      job->src_exp_avg_sq != job->exp_avg_sq;
     /* Restored afterwards: thread 0 is the caller's own thread, which may go on to run torch (and MKL) code. */
     const int previous = job->threads_local ? job->threads_local(1) : 0;
     for (int64_t chunk = begin; chunk < end; chunk += SQRT_CHUNK) {
-        const int64_t stop = chunk + SQRT_CHUNK < end ? chunk + SQRT_CHUNK : end;
-        fn(job, STAGE_MOMENTS, chunk, stop, NULL);
-        job->vector_sqrt(stop - chunk, job->exp_avg_sq + chunk, root, job->vector_sqrt_mode);
-        fn(job, STAGE_APPLY, chunk, stop, root);
+        const int64_t len = chunk + SQRT_CHUNK < end ? SQRT_CHUNK : end - chunk;
+        const adam_job part = job_part(job, chunk, len);
+        adam_job moments = part;
+        moments.stream_param = moments.stream_moments = 0;
+        if (apart) {
+            moments.param = scratch[0];
+            moments.exp_avg = scratch[1];
+            moments.exp_avg_sq = scratch[2];
+        }
+        fn(&moments, STAGE_MOMENTS, 0, len, NULL);
+        job->vector_sqrt(len, moments.exp_avg_sq, root, job->vector_sqrt_mode);
+        adam_job apply = part;
+        apply.src_param = moments.param;
+        apply.src_exp_avg = moments.exp_avg;
+        apply.src_exp_avg_sq = moments.exp_avg_sq;
+        fn(&apply, STAGE_APPLY, 0, len, root);
     }
+    end_streaming(job);
     if (job->threads_local) job->threads_local(previous);
 }
 
@@ -646,6 +723,11 @@ static PyObject *py_adamw(PyObject *self, PyObject *args, PyObject *kwargs) {
     job.vector_sqrt = vector_sqrt;
     job.vector_sqrt_mode = vector_sqrt_mode;
     job.threads_local = threads_local;
+    /* Streaming pays where the destinations would not be read again from the cache anyway. */
+    const int stream = active_isa->fn != range_scalar && n >= STREAM_MIN;
+    job.stream_param = stream && job.src_param != job.param && (uintptr_t)job.param % 64 == 0;
+    job.stream_moments = stream && job.src_exp_avg != job.exp_avg && job.src_exp_avg_sq != job.exp_avg_sq &&
+                         (uintptr_t)job.exp_avg % 64 == 0 && (uintptr_t)job.exp_avg_sq % 64 == 0;
 
     const range_fn fn = active_isa->fn;
     Py_BEGIN_ALLOW_THREADS

@@ -566,15 +566,15 @@ def test_rejects_invalid_arguments(change, error, match):
 
 
 def _sourced_state(n: int, offset: int, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Source states (master, exp_avg, exp_avg_sq) at an unaligned offset, and destinations filled with other values
-    (a stale slot) in one storage, apart from the sources."""
+    """Source states (master, exp_avg, exp_avg_sq) and destinations filled with other values (a stale slot), apart
+    from them, all ``offset`` elements into their storage: with 0 each starts on a cache line, so a long step streams
+    its stores past the cache."""
     gen = torch.Generator().manual_seed(seed)
     sources = [_slice(torch.empty(n + offset), offset, n) for _ in range(3)]
     sources[0].copy_(torch.randn(n, generator=gen))
     sources[1].copy_(torch.randn(n, generator=gen) * 0.01)
     sources[2].copy_(torch.rand(n, generator=gen) * 1e-4)
-    slots = torch.randn(3 * n + offset, generator=gen)
-    return sources, [_slice(slots, offset + k * n, n) for k in range(3)]
+    return sources, [_slice(torch.empty(n + offset), offset, n).copy_(torch.randn(n, generator=gen)) for _ in range(3)]
 
 
 def _step_both_ways(step_fn, n: int, offset: int, seed: int, grad: torch.Tensor, out_dtype, decoupled: bool,
@@ -616,13 +616,13 @@ def test_out_of_place_equals_in_place(native_isa, native_sqrt, decoupled, grad_d
                             step=1 + case % 5)
 
 
-def test_out_of_place_threads_equal_in_place():
-    """Several threads, each with its own range and the last with a partial vector, read the sources alike."""
-    if ops._C is None:
-        pytest.skip("lightning_ratel._C is not built")
+@pytest.mark.parametrize("offset", [0, 1], ids=["streamed", "unaligned"])
+def test_out_of_place_threads_equal_in_place(native_isa, native_sqrt, offset):
+    """Several threads, each with its own range and the last with a partial vector, read the sources alike, whether
+    their stores stream past the cache or not."""
     n = 3 * 32768 + 77
     grad = torch.randn(n, generator=torch.Generator().manual_seed(7)).bfloat16()
-    _step_both_ways(ops.fused_adamw_, n, 1, 7, grad, torch.bfloat16, True, 1.0, step=4, num_threads=3)
+    _step_both_ways(ops.fused_adamw_, n, offset, 7, grad, torch.bfloat16, True, 1.0, step=4, num_threads=3)
 
 
 @pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "adam"])
@@ -635,19 +635,25 @@ def test_out_of_place_fallback_equals_in_place(monkeypatch, decoupled):
     _step_both_ways(ops.fused_adamw_, 1031, 1, 3, grad, torch.float16, decoupled, 512.0, step=2)
 
 
-def test_some_states_in_place_the_others_from_sources():
-    """A master updated in place (one kept in the host cache) beside moments read from the committed slot."""
-    n = 517
+@pytest.mark.parametrize("n", [517, 70_001])
+def test_some_states_in_place_the_others_from_sources(native_isa, native_sqrt, n):
+    """A master updated in place (one kept in the host cache) beside moments read from the committed slot, or the
+    other way round; the long step streams the stores of the states that move."""
     grad = torch.randn(n, generator=torch.Generator().manual_seed(4))
     hyper = ops.GroupHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=True)
     sources, destinations = _sourced_state(n, 0, 4)
     reference = [s.clone() for s in sources]
-    ops.fused_adamw_(reference[0], grad, reference[1], reference[2], None, hyper, step=3)
+    out, ref_out = torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
+    ops.fused_adamw_(reference[0], grad, reference[1], reference[2], ref_out, hyper, step=3)
     master = sources[0].clone()
-    ops.fused_adamw_(master, grad, destinations[1], destinations[2], None, hyper, step=3,
+    ops.fused_adamw_(master, grad, destinations[1], destinations[2], out, hyper, step=3,
                      exp_avg_src=sources[1], exp_avg_sq_src=sources[2])
-    for mine, theirs in zip((master, destinations[1], destinations[2]), reference):
-        assert_bitwise(mine, theirs, "state")
+    for mine, theirs in zip((master, destinations[1], destinations[2], out), (*reference, ref_out)):
+        assert_bitwise(mine, theirs, "moments moved")
+    moments = [s.clone() for s in sources[1:]]
+    ops.fused_adamw_(destinations[0], grad, moments[0], moments[1], out, hyper, step=3, param_src=sources[0])
+    for mine, theirs in zip((destinations[0], *moments, out), (*reference, ref_out)):
+        assert_bitwise(mine, theirs, "master moved")
 
 
 def _shifted(storage: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
