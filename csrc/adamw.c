@@ -2,9 +2,14 @@
  * lightning_ratel._C: one-pass Adam/AdamW step on host memory.
  *
  * Each element is read from and written to main memory once: the gradient (fp32, bf16 or fp16) is unscaled, the
- * fp32 master weight and both fp32 moments are updated in place, and the weight is optionally written to a 16-bit
- * or fp32 copy. The arithmetic reproduces torch's single-tensor Adam (torch/optim/adam.py) operation by operation,
- * including where torch's CPU kernels fuse a multiply and an add:
+ * fp32 master weight and both fp32 moments are updated, in place or from a source copy into a destination (a state
+ * slot into the other, in the same single pass, so that keeping the old state costs no copy), and the weight is
+ * optionally written to a 16-bit or fp32 copy. A large step from one slot into another stores its states with
+ * non-temporal (streaming) stores, so that writing a line not in cache does not read it from memory first: the pass
+ * then moves as many bytes as a step in place.
+ *
+ * The arithmetic reproduces torch's single-tensor Adam (torch/optim/adam.py) operation by operation, including where
+ * torch's CPU kernels fuse a multiply and an add:
  *
  *   - the AVX2/AVX-512 paths match torch's AVX2/AVX-512 kernels, which use an FMA for lerp_, for
  *     add(..., alpha=) and (by compiler contraction) for addcmul_;
@@ -39,7 +44,9 @@
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_NONE = 3 };
 
 /* What one pass over a range does: the whole step with the inline sqrt, or one of the two halves around an
- * external sqrt (MOMENTS: decay, moments, stored; APPLY: weights from the chunk's roots). */
+ * external sqrt (MOMENTS: decay, moments, stored; APPLY: weights from the chunk's roots). Every stage reads its
+ * sources and writes its destinations; APPLY's sources are what MOMENTS wrote, and where they are not its
+ * destinations (an L1 scratch chunk, for a step from one slot into another) APPLY stores the moments too. */
 enum { STAGE_FUSED = 0, STAGE_MOMENTS = 1, STAGE_APPLY = 2 };
 
 /* MKL's vmsSqrt(n, a, r, mode). n is an MKL_INT (32 bits in LP64 builds, 64 in ILP64); passing a small positive
@@ -58,14 +65,21 @@ typedef int (*threads_local_fn)(int n);
 /* Elements per chunk with an external sqrt: small enough that a chunk's moments, weights and roots stay in L1
  * between the passes; a multiple of SPLIT_ALIGN, so every chunk starts on a vector boundary. */
 #define SQRT_CHUNK 256
+/* Elements from which a step from one slot into another streams its stores: its states (12 bytes an element) are then
+ * more than a core's share of the caches could keep until they are next read. */
+#define STREAM_MIN 65536
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
 typedef struct {
+    /* Destinations; the sources the step reads them from are the same memory for an update in place. */
     float *param;
     const void *grad;
     float *exp_avg;
     float *exp_avg_sq;
+    const float *src_param;
+    const float *src_exp_avg;
+    const float *src_exp_avg_sq;
     void *out;
     int64_t n;
     int grad_dtype;
@@ -84,6 +98,10 @@ typedef struct {
     int decoupled_decay;
     int l2_decay;
     int lerp_small;
+    /* Store the master, or both moments, with streaming stores (x86 vector paths; destinations apart from their
+     * sources, aligned to a cache line, large). Cleared for the MOMENTS stage, whose stores are read back at once. */
+    int stream_param;
+    int stream_moments;
     /* NULL: inline IEEE sqrt. */
     vector_sqrt_fn vector_sqrt;
     int64_t vector_sqrt_mode;
@@ -197,15 +215,20 @@ ALWAYS_INLINE void range_scalar_t(const adam_job *job, int stage, int64_t begin,
     /* Copies in locals: stores through the float pointers could otherwise alias the job's fields. */
     const adam_job h = *job;
     const float lerp_coeff = 1.0f - h.lerp_weight;
+    const int move_moments = stage == STAGE_APPLY && h.src_exp_avg != h.exp_avg;
     for (int64_t i = begin; i < end; ++i) {
-        float p = h.param[i];
-        float m = h.exp_avg[i];
+        float p = h.src_param[i];
+        float m = h.src_exp_avg[i];
         float r;
         if (stage == STAGE_APPLY) {
             r = root[i - begin];
+            if (move_moments) {
+                h.exp_avg[i] = m;
+                h.exp_avg_sq[i] = h.src_exp_avg_sq[i];
+            }
         } else {
             float g = load_scalar(h.grad, i, gdt);
-            float v = h.exp_avg_sq[i];
+            float v = h.src_exp_avg_sq[i];
             if (h.scale) g = g * h.inv_scale;
             if (h.decoupled_decay) p = p * h.decay;
             if (h.l2_decay) g = g + h.l2 * p;
@@ -242,7 +265,7 @@ static void range_scalar(const adam_job *job, int stage, int64_t begin, int64_t 
 
 typedef struct {
     __m256 inv_scale, decay, l2, lerp_coeff, beta2, one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size;
-    int scale, decoupled_decay, l2_decay, lerp_small;
+    int scale, decoupled_decay, l2_decay, lerp_small, stream_param, stream_moments, move_moments;
 } consts8;
 
 ALWAYS_INLINE TARGET_AVX2 __m256 load8(const void *src, int dtype) {
@@ -271,16 +294,28 @@ ALWAYS_INLINE TARGET_AVX2 void store8(void *dst, int dtype, __m256 x) {
     }
 }
 
-ALWAYS_INLINE TARGET_AVX2 void step8(const consts8 *c, int stage, float *param, const void *grad, float *exp_avg,
-                                     float *exp_avg_sq, const float *root, void *out, int gdt, int odt) {
-    __m256 p = _mm256_loadu_ps(param);
-    __m256 m = _mm256_loadu_ps(exp_avg);
+/* A state's 8 floats; streamed past the cache where the destination is apart from what the step reads. */
+ALWAYS_INLINE TARGET_AVX2 void store_state8(float *dst, __m256 x, int stream) {
+    if (stream) _mm256_stream_ps(dst, x);
+    else _mm256_storeu_ps(dst, x);
+}
+
+/* Loads from the *_in pointers, stores to the others (the same memory for a step in place). */
+ALWAYS_INLINE TARGET_AVX2 void step8(const consts8 *c, int stage, const float *param_in, const float *exp_avg_in,
+                                     const float *exp_avg_sq_in, const void *grad, const float *root, float *param,
+                                     float *exp_avg, float *exp_avg_sq, void *out, int gdt, int odt) {
+    __m256 p = _mm256_loadu_ps(param_in);
+    __m256 m = _mm256_loadu_ps(exp_avg_in);
     __m256 r;
     if (stage == STAGE_APPLY) {
         r = _mm256_loadu_ps(root);
+        if (c->move_moments) {
+            store_state8(exp_avg, m, c->stream_moments);
+            store_state8(exp_avg_sq, _mm256_loadu_ps(exp_avg_sq_in), c->stream_moments);
+        }
     } else {
         __m256 g = load8(grad, gdt);
-        __m256 v = _mm256_loadu_ps(exp_avg_sq);
+        __m256 v = _mm256_loadu_ps(exp_avg_sq_in);
         if (c->scale) g = _mm256_mul_ps(g, c->inv_scale);
         if (c->decoupled_decay) p = _mm256_mul_ps(p, c->decay);
         if (c->l2_decay) g = _mm256_fmadd_ps(p, c->l2, g);
@@ -288,17 +323,17 @@ ALWAYS_INLINE TARGET_AVX2 void step8(const consts8 *c, int stage, float *param, 
         m = _mm256_fmadd_ps(c->lerp_coeff, d, c->lerp_small ? m : g);
         v = _mm256_mul_ps(v, c->beta2);
         v = _mm256_fmadd_ps(_mm256_mul_ps(c->one_minus_beta2, g), g, v);
-        _mm256_storeu_ps(exp_avg, m);
-        _mm256_storeu_ps(exp_avg_sq, v);
+        store_state8(exp_avg, m, c->stream_moments);
+        store_state8(exp_avg_sq, v, c->stream_moments);
         if (stage == STAGE_MOMENTS) {
-            _mm256_storeu_ps(param, p);
+            store_state8(param, p, c->stream_param);
             return;
         }
         r = _mm256_sqrt_ps(v);
     }
     __m256 denom = _mm256_add_ps(_mm256_div_ps(r, c->bias_correction2_sqrt), c->eps);
     p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(c->neg_step_size, m), denom));
-    _mm256_storeu_ps(param, p);
+    store_state8(param, p, c->stream_param);
     store8(out, odt, p);
 }
 
@@ -316,25 +351,29 @@ ALWAYS_INLINE TARGET_AVX2 void range_avx2_t(const adam_job *job, int stage, int6
         _mm256_set1_ps(h.bias_correction2_sqrt),
         _mm256_set1_ps(h.eps),
         _mm256_set1_ps(h.neg_step_size),
-        h.scale, h.decoupled_decay, h.l2_decay, h.lerp_small,
+        h.scale, h.decoupled_decay, h.l2_decay, h.lerp_small, h.stream_param, h.stream_moments,
+        stage == STAGE_APPLY && h.src_exp_avg != h.exp_avg,
     };
     const int64_t gsize = dtype_size(gdt), osize = dtype_size(odt);
     int64_t i = begin;
     for (; i + 8 <= end; i += 8)
-        step8(&c, stage, h.param + i, (const char *)h.grad + i * gsize, h.exp_avg + i, h.exp_avg_sq + i,
-              stage == STAGE_APPLY ? root + (i - begin) : NULL, odt == DT_NONE ? NULL : (char *)h.out + i * osize,
-              gdt, odt);
+        step8(&c, stage, h.src_param + i, h.src_exp_avg + i, h.src_exp_avg_sq + i, (const char *)h.grad + i * gsize,
+              stage == STAGE_APPLY ? root + (i - begin) : NULL, h.param + i, h.exp_avg + i, h.exp_avg_sq + i,
+              odt == DT_NONE ? NULL : (char *)h.out + i * osize, gdt, odt);
     if (i < end) {
         /* The last partial vector goes through a zero-padded copy, so it takes the same instructions. */
         float p[8] = {0}, m[8] = {0}, v[8] = {0}, r[8] = {0};
         unsigned char g[32] = {0}, o[32] = {0};
         const int64_t rest = end - i;
-        memcpy(p, h.param + i, (size_t)rest * 4);
-        memcpy(m, h.exp_avg + i, (size_t)rest * 4);
-        memcpy(v, h.exp_avg_sq + i, (size_t)rest * 4);
+        memcpy(p, h.src_param + i, (size_t)rest * 4);
+        memcpy(m, h.src_exp_avg + i, (size_t)rest * 4);
+        memcpy(v, h.src_exp_avg_sq + i, (size_t)rest * 4);
         memcpy(g, (const char *)h.grad + i * gsize, (size_t)(rest * gsize));
         if (stage == STAGE_APPLY) memcpy(r, root + (i - begin), (size_t)rest * 4);
-        step8(&c, stage, p, g, m, v, r, o, gdt, odt);
+        /* Its stores go to the stack (no streaming); APPLY's moments are copied below in any case. */
+        consts8 local = c;
+        local.stream_param = local.stream_moments = local.move_moments = 0;
+        step8(&local, stage, p, m, v, g, r, p, m, v, o, gdt, odt);
         memcpy(h.param + i, p, (size_t)rest * 4);
         memcpy(h.exp_avg + i, m, (size_t)rest * 4);
         memcpy(h.exp_avg_sq + i, v, (size_t)rest * 4);
@@ -353,7 +392,7 @@ static TARGET_AVX2 void range_avx2(const adam_job *job, int stage, int64_t begin
 
 typedef struct {
     __m512 inv_scale, decay, l2, lerp_coeff, beta2, one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size;
-    int scale, decoupled_decay, l2_decay, lerp_small;
+    int scale, decoupled_decay, l2_decay, lerp_small, stream_param, stream_moments, move_moments;
 } consts16;
 
 ALWAYS_INLINE TARGET_AVX512 __m512 load16(const void *src, int dtype) {
@@ -379,17 +418,27 @@ ALWAYS_INLINE TARGET_AVX512 void store16(void *dst, int dtype, __m512 x) {
     }
 }
 
-ALWAYS_INLINE TARGET_AVX512 void step16(const consts16 *c, int stage, float *param, const void *grad,
-                                        float *exp_avg, float *exp_avg_sq, const float *root, void *out, int gdt,
-                                        int odt) {
-    __m512 p = _mm512_loadu_ps(param);
-    __m512 m = _mm512_loadu_ps(exp_avg);
+ALWAYS_INLINE TARGET_AVX512 void store_state16(float *dst, __m512 x, int stream) {
+    if (stream) _mm512_stream_ps(dst, x);
+    else _mm512_storeu_ps(dst, x);
+}
+
+ALWAYS_INLINE TARGET_AVX512 void step16(const consts16 *c, int stage, const float *param_in,
+                                        const float *exp_avg_in, const float *exp_avg_sq_in, const void *grad,
+                                        const float *root, float *param, float *exp_avg, float *exp_avg_sq,
+                                        void *out, int gdt, int odt) {
+    __m512 p = _mm512_loadu_ps(param_in);
+    __m512 m = _mm512_loadu_ps(exp_avg_in);
     __m512 r;
     if (stage == STAGE_APPLY) {
         r = _mm512_loadu_ps(root);
+        if (c->move_moments) {
+            store_state16(exp_avg, m, c->stream_moments);
+            store_state16(exp_avg_sq, _mm512_loadu_ps(exp_avg_sq_in), c->stream_moments);
+        }
     } else {
         __m512 g = load16(grad, gdt);
-        __m512 v = _mm512_loadu_ps(exp_avg_sq);
+        __m512 v = _mm512_loadu_ps(exp_avg_sq_in);
         if (c->scale) g = _mm512_mul_ps(g, c->inv_scale);
         if (c->decoupled_decay) p = _mm512_mul_ps(p, c->decay);
         if (c->l2_decay) g = _mm512_fmadd_ps(p, c->l2, g);
@@ -397,17 +446,17 @@ ALWAYS_INLINE TARGET_AVX512 void step16(const consts16 *c, int stage, float *par
         m = _mm512_fmadd_ps(c->lerp_coeff, d, c->lerp_small ? m : g);
         v = _mm512_mul_ps(v, c->beta2);
         v = _mm512_fmadd_ps(_mm512_mul_ps(c->one_minus_beta2, g), g, v);
-        _mm512_storeu_ps(exp_avg, m);
-        _mm512_storeu_ps(exp_avg_sq, v);
+        store_state16(exp_avg, m, c->stream_moments);
+        store_state16(exp_avg_sq, v, c->stream_moments);
         if (stage == STAGE_MOMENTS) {
-            _mm512_storeu_ps(param, p);
+            store_state16(param, p, c->stream_param);
             return;
         }
         r = _mm512_sqrt_ps(v);
     }
     __m512 denom = _mm512_add_ps(_mm512_div_ps(r, c->bias_correction2_sqrt), c->eps);
     p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(c->neg_step_size, m), denom));
-    _mm512_storeu_ps(param, p);
+    store_state16(param, p, c->stream_param);
     store16(out, odt, p);
 }
 
@@ -424,24 +473,28 @@ ALWAYS_INLINE TARGET_AVX512 void range_avx512_t(const adam_job *job, int stage, 
         _mm512_set1_ps(h.bias_correction2_sqrt),
         _mm512_set1_ps(h.eps),
         _mm512_set1_ps(h.neg_step_size),
-        h.scale, h.decoupled_decay, h.l2_decay, h.lerp_small,
+        h.scale, h.decoupled_decay, h.l2_decay, h.lerp_small, h.stream_param, h.stream_moments,
+        stage == STAGE_APPLY && h.src_exp_avg != h.exp_avg,
     };
     const int64_t gsize = dtype_size(gdt), osize = dtype_size(odt);
     int64_t i = begin;
     for (; i + 16 <= end; i += 16)
-        step16(&c, stage, h.param + i, (const char *)h.grad + i * gsize, h.exp_avg + i, h.exp_avg_sq + i,
-               stage == STAGE_APPLY ? root + (i - begin) : NULL, odt == DT_NONE ? NULL : (char *)h.out + i * osize,
-               gdt, odt);
+        step16(&c, stage, h.src_param + i, h.src_exp_avg + i, h.src_exp_avg_sq + i, (const char *)h.grad + i * gsize,
+               stage == STAGE_APPLY ? root + (i - begin) : NULL, h.param + i, h.exp_avg + i, h.exp_avg_sq + i,
+               odt == DT_NONE ? NULL : (char *)h.out + i * osize, gdt, odt);
     if (i < end) {
         float p[16] = {0}, m[16] = {0}, v[16] = {0}, r[16] = {0};
         unsigned char g[64] = {0}, o[64] = {0};
         const int64_t rest = end - i;
-        memcpy(p, h.param + i, (size_t)rest * 4);
-        memcpy(m, h.exp_avg + i, (size_t)rest * 4);
-        memcpy(v, h.exp_avg_sq + i, (size_t)rest * 4);
+        memcpy(p, h.src_param + i, (size_t)rest * 4);
+        memcpy(m, h.src_exp_avg + i, (size_t)rest * 4);
+        memcpy(v, h.src_exp_avg_sq + i, (size_t)rest * 4);
         memcpy(g, (const char *)h.grad + i * gsize, (size_t)(rest * gsize));
         if (stage == STAGE_APPLY) memcpy(r, root + (i - begin), (size_t)rest * 4);
-        step16(&c, stage, p, g, m, v, r, o, gdt, odt);
+        /* Its stores go to the stack (no streaming); APPLY's moments are copied below in any case. */
+        consts16 local = c;
+        local.stream_param = local.stream_moments = local.move_moments = 0;
+        step16(&local, stage, p, m, v, g, r, p, m, v, o, gdt, odt);
         memcpy(h.param + i, p, (size_t)rest * 4);
         memcpy(h.exp_avg + i, m, (size_t)rest * 4);
         memcpy(h.exp_avg_sq + i, v, (size_t)rest * 4);
@@ -501,21 +554,64 @@ static vector_sqrt_fn vector_sqrt = NULL;
 static int64_t vector_sqrt_mode = 0;
 static threads_local_fn threads_local = NULL;
 
+/* The job restricted to [begin, begin + len): every pointer moved to begin. */
+static adam_job job_part(const adam_job *job, int64_t begin, int64_t len) {
+    adam_job part = *job;
+    part.param += begin;
+    part.exp_avg += begin;
+    part.exp_avg_sq += begin;
+    part.src_param += begin;
+    part.src_exp_avg += begin;
+    part.src_exp_avg_sq += begin;
+    part.grad = (const char *)job->grad + begin * dtype_size(job->grad_dtype);
+    if (job->out) part.out = (char *)job->out + begin * dtype_size(job->out_dtype);
+    part.n = len;
+    return part;
+}
+
+/* Streaming stores are weakly ordered: they must be visible before the caller (or another thread) reads. */
+static void end_streaming(const adam_job *job) {
+#ifdef RATEL_X86
+    if (job->stream_param || job->stream_moments) _mm_sfence();
+#else
+    (void)job;
+#endif
+}
+
 /* One thread's share of the step. */
 static void run_range(range_fn fn, const adam_job *job, int64_t begin, int64_t end) {
     if (!job->vector_sqrt) {
         fn(job, STAGE_FUSED, begin, end, NULL);
+        end_streaming(job);
         return;
     }
     float root[SQRT_CHUNK] __attribute__((aligned(64)));
+    /* A step from one slot into another keeps MOMENTS' results in L1 (the sqrt and APPLY read them back at once),
+     * and APPLY stores all of them into the destination; in place, MOMENTS stores into the destination. */
+    float scratch[3][SQRT_CHUNK] __attribute__((aligned(64)));
+    const int apart = job->src_param != job->param || job->src_exp_avg != job->exp_avg ||
+                      job->src_exp_avg_sq != job->exp_avg_sq;
     /* Restored afterwards: thread 0 is the caller's own thread, which may go on to run torch (and MKL) code. */
     const int previous = job->threads_local ? job->threads_local(1) : 0;
     for (int64_t chunk = begin; chunk < end; chunk += SQRT_CHUNK) {
-        const int64_t stop = chunk + SQRT_CHUNK < end ? chunk + SQRT_CHUNK : end;
-        fn(job, STAGE_MOMENTS, chunk, stop, NULL);
-        job->vector_sqrt(stop - chunk, job->exp_avg_sq + chunk, root, job->vector_sqrt_mode);
-        fn(job, STAGE_APPLY, chunk, stop, root);
+        const int64_t len = chunk + SQRT_CHUNK < end ? SQRT_CHUNK : end - chunk;
+        const adam_job part = job_part(job, chunk, len);
+        adam_job moments = part;
+        moments.stream_param = moments.stream_moments = 0;
+        if (apart) {
+            moments.param = scratch[0];
+            moments.exp_avg = scratch[1];
+            moments.exp_avg_sq = scratch[2];
+        }
+        fn(&moments, STAGE_MOMENTS, 0, len, NULL);
+        job->vector_sqrt(len, moments.exp_avg_sq, root, job->vector_sqrt_mode);
+        adam_job apply = part;
+        apply.src_param = moments.param;
+        apply.src_exp_avg = moments.exp_avg;
+        apply.src_exp_avg_sq = moments.exp_avg_sq;
+        fn(&apply, STAGE_APPLY, 0, len, root);
     }
+    end_streaming(job);
     if (job->threads_local) job->threads_local(previous);
 }
 
@@ -544,18 +640,25 @@ static void run_job(range_fn fn, const adam_job *job, int num_threads) {
     run_range(fn, job, 0, n);
 }
 
+/* Whether [a, a + a_bytes) and [b, b + b_bytes) share a byte. */
+static int overlaps(uint64_t a, int64_t a_bytes, uint64_t b, int64_t b_bytes) {
+    return a_bytes > 0 && b_bytes > 0 && a < b + (uint64_t)b_bytes && b < a + (uint64_t)a_bytes;
+}
+
 static PyObject *py_adamw(PyObject *self, PyObject *args, PyObject *kwargs) {
     static char *kwlist[] = {"param", "grad", "exp_avg", "exp_avg_sq", "out", "n", "grad_dtype", "out_dtype",
                              "lr", "beta1", "beta2", "eps", "weight_decay", "step", "decoupled", "inv_scale",
-                             "num_threads", NULL};
+                             "num_threads", "src_param", "src_exp_avg", "src_exp_avg_sq", NULL};
     unsigned long long param, grad, exp_avg, exp_avg_sq, out;
+    unsigned long long src[3] = {0, 0, 0};
     long long n, step;
     int grad_dtype, out_dtype, decoupled, num_threads;
     double lr, beta1, beta2, eps, weight_decay, inv_scale;
     (void)self;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KKKKKLiidddddLpdi:adamw", kwlist, &param, &grad, &exp_avg,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KKKKKLiidddddLpdi|$KKK:adamw", kwlist, &param, &grad, &exp_avg,
                                      &exp_avg_sq, &out, &n, &grad_dtype, &out_dtype, &lr, &beta1, &beta2, &eps,
-                                     &weight_decay, &step, &decoupled, &inv_scale, &num_threads))
+                                     &weight_decay, &step, &decoupled, &inv_scale, &num_threads, &src[0], &src[1],
+                                     &src[2]))
         return NULL;
     if (n < 0 || step < 1 || num_threads < 1) {
         PyErr_SetString(PyExc_ValueError, "adamw: need n >= 0, step >= 1 and num_threads >= 1");
@@ -569,6 +672,22 @@ static PyObject *py_adamw(PyObject *self, PyObject *args, PyObject *kwargs) {
         PyErr_SetString(PyExc_ValueError, "adamw: null buffer address");
         return NULL;
     }
+    /* A source of 0 is its destination (in place). A destination written while a later element of its source is
+     * still to be read would change the step's input: each source is its own destination or shares no byte with
+     * any destination. */
+    const unsigned long long dst[3] = {param, exp_avg, exp_avg_sq};
+    for (int k = 0; k < 3; ++k) {
+        if (!src[k]) src[k] = dst[k];
+        for (int d = 0; d < 3; ++d)
+            if (!(d == k && src[k] == dst[d]) && overlaps(src[k], 4 * n, dst[d], 4 * n)) {
+                PyErr_SetString(PyExc_ValueError, "adamw: a source overlaps a destination it is not identical to");
+                return NULL;
+            }
+        if (out_dtype != DT_NONE && overlaps(src[k], 4 * n, out, n * dtype_size(out_dtype))) {
+            PyErr_SetString(PyExc_ValueError, "adamw: a source overlaps out");
+            return NULL;
+        }
+    }
 
     /* Scalars follow torch/optim/adam.py: Python floats (doubles) throughout, libm pow as in `x ** y`, and a
      * single rounding to float32 where the value meets a float32 tensor. */
@@ -580,6 +699,9 @@ static PyObject *py_adamw(PyObject *self, PyObject *args, PyObject *kwargs) {
         .grad = (const void *)(uintptr_t)grad,
         .exp_avg = (float *)(uintptr_t)exp_avg,
         .exp_avg_sq = (float *)(uintptr_t)exp_avg_sq,
+        .src_param = (const float *)(uintptr_t)src[0],
+        .src_exp_avg = (const float *)(uintptr_t)src[1],
+        .src_exp_avg_sq = (const float *)(uintptr_t)src[2],
         .out = (void *)(uintptr_t)out,
         .n = n,
         .grad_dtype = grad_dtype,
@@ -601,6 +723,11 @@ static PyObject *py_adamw(PyObject *self, PyObject *args, PyObject *kwargs) {
     job.vector_sqrt = vector_sqrt;
     job.vector_sqrt_mode = vector_sqrt_mode;
     job.threads_local = threads_local;
+    /* Streaming pays where the destinations would not be read again from the cache anyway. */
+    const int stream = active_isa->fn != range_scalar && n >= STREAM_MIN;
+    job.stream_param = stream && job.src_param != job.param && (uintptr_t)job.param % 64 == 0;
+    job.stream_moments = stream && job.src_exp_avg != job.exp_avg && job.src_exp_avg_sq != job.exp_avg_sq &&
+                         (uintptr_t)job.exp_avg % 64 == 0 && (uintptr_t)job.exp_avg_sq % 64 == 0;
 
     const range_fn fn = active_isa->fn;
     Py_BEGIN_ALLOW_THREADS
@@ -670,9 +797,12 @@ static PyObject *py_sqrt(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"adamw", (PyCFunction)(void (*)(void))py_adamw, METH_VARARGS | METH_KEYWORDS,
      "adamw(param, grad, exp_avg, exp_avg_sq, out, n, grad_dtype, out_dtype, lr, beta1, beta2, eps, "
-     "weight_decay, step, decoupled, inv_scale, num_threads)\n--\n\n"
+     "weight_decay, step, decoupled, inv_scale, num_threads, *, src_param=0, src_exp_avg=0, src_exp_avg_sq=0)"
+     "\n--\n\n"
      "One Adam (decoupled=False) or AdamW step over n elements at raw addresses. out is 0 with out_dtype "
-     "NONE for no copy. The GIL is released while the threads run."},
+     "NONE for no copy. Each src_* (0: its destination, in place) is read instead of its destination, which is "
+     "then only written; it must be the destination or share no byte with any destination or out. The GIL is "
+     "released while the threads run."},
     {"set_isa", py_set_isa, METH_O,
      "set_isa(name)\n--\n\nUse 'avx512', 'avx2' or 'scalar'; returns False, changing nothing, if this CPU lacks it."},
     {"isa", py_isa, METH_NOARGS, "isa()\n--\n\nName of the code path in use."},

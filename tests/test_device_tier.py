@@ -272,6 +272,49 @@ def test_parameters_without_a_gradient_take_no_step(tmp_path: Path, monkeypatch:
     assert (1, 32 * 32) in calls and max(n for n, _ in calls) > 1
 
 
+def test_cpu_device_updates_read_the_committed_slot_where_it_is(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """On the CPU a device-tier update reads each state in the committed slot and writes the other one in the kernel's
+    single pass: nothing copies the committed slot first and nothing writes it, shards stepped whole or parameter by
+    parameter (some without a gradient) alike, and the run ends on plain Lightning's numbers."""
+    monkeypatch.setitem(MODELS, "sometimes", _Sometimes)
+    ref = LM("sometimes")
+    t = trainer("auto", max_steps=4)
+    t.fit(ref)
+    step, update, foreach_copy = device_adam.device_adamw_, device_adam.DeviceAdam.update, torch._foreach_copy_
+    calls, copies, updating = [], [], []
+
+    def checking(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+                 exp_avg_sqs: list[torch.Tensor], *args: Any, sources: Any = None, **kwargs: Any) -> None:
+        # Moments never written are zeros in the slot the step writes, and stepped there.
+        apart = [(s, s.clone()) for column, targets in zip(sources, (params, exp_avgs, exp_avg_sqs))
+                 for s, target in zip(column, targets) if s.data_ptr() != target.data_ptr()]
+        step(params, grads, exp_avgs, exp_avg_sqs, *args, sources=sources, **kwargs)
+        assert all(torch.equal(s, before) for s, before in apart)
+        calls.append(all(s.data_ptr() != p.data_ptr() for s, p in zip(sources[0], params)))
+
+    def counted_copy(*args: Any, **kwargs: Any) -> Any:
+        if updating:
+            copies.append(1)
+        return foreach_copy(*args, **kwargs)
+
+    def watched_update(self: device_adam.DeviceAdam, *args: Any, **kwargs: Any) -> None:
+        updating.append(1)
+        try:
+            update(self, *args, **kwargs)
+        finally:
+            updating.clear()
+
+    monkeypatch.setattr(device_adam, "device_adamw_", checking)
+    monkeypatch.setattr(device_adam.DeviceAdam, "update", watched_update)
+    monkeypatch.setattr(torch, "_foreach_copy_", counted_copy)
+    lm = LM("sometimes")
+    got = trainer(RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy="host", optimizer_states="device"),
+                  max_steps=4)
+    got.fit(lm)
+    compare_states(final_state(ref, t), final_state(lm, got), 0.0)
+    assert calls and all(calls) and not copies
+
+
 @pytest.mark.parametrize("states", ["device", "auto"])
 def test_a_failed_device_update_leaves_the_last_committed_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                               states: str):

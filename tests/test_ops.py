@@ -563,3 +563,150 @@ def test_rejects_invalid_arguments(change, error, match):
                                                                   "decoupled")})
     with pytest.raises(error, match=match):
         ops.fused_adamw_(*tensors, hyper, **kwargs)
+
+
+def _sourced_state(n: int, offset: int, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Source states (master, exp_avg, exp_avg_sq) and destinations filled with other values (a stale slot), apart
+    from them, all ``offset`` elements into their storage: with 0 each starts on a cache line, so a long step streams
+    its stores past the cache."""
+    gen = torch.Generator().manual_seed(seed)
+    sources = [_slice(torch.empty(n + offset), offset, n) for _ in range(3)]
+    sources[0].copy_(torch.randn(n, generator=gen))
+    sources[1].copy_(torch.randn(n, generator=gen) * 0.01)
+    sources[2].copy_(torch.rand(n, generator=gen) * 1e-4)
+    return sources, [_slice(torch.empty(n + offset), offset, n).copy_(torch.randn(n, generator=gen)) for _ in range(3)]
+
+
+def _step_both_ways(step_fn, n: int, offset: int, seed: int, grad: torch.Tensor, out_dtype, decoupled: bool,
+                    grad_scale: float, step: int, num_threads: int | None = None) -> None:
+    """One step in place on copies of the sources, one from the sources into stale destinations: every result and
+    the 16-bit copy must have the same bits, and the sources must not change."""
+    hyper = ops.GroupHyper(lr=LRS[step % len(LRS)], beta1=BETAS[0], beta2=BETAS[1], eps=EPS,
+                           weight_decay=WEIGHT_DECAY, decoupled=decoupled)
+    sources, destinations = _sourced_state(n, offset, seed)
+    before = [s.clone() for s in sources]
+    in_place = [s.clone() for s in sources]
+    outs = [None if out_dtype is None else torch.empty(n, dtype=out_dtype) for _ in range(2)]
+    step_fn(*in_place[:1], grad, *in_place[1:], outs[0], hyper, step=step, grad_scale=grad_scale,
+            num_threads=num_threads)
+    step_fn(destinations[0], grad, destinations[1], destinations[2], outs[1], hyper, step=step, grad_scale=grad_scale,
+            num_threads=num_threads, param_src=sources[0], exp_avg_src=sources[1], exp_avg_sq_src=sources[2])
+    where = f"n={n} offset={offset} step={step} out={out_dtype} scale={grad_scale}"
+    for name, mine, theirs, source, kept in zip(("param", "exp_avg", "exp_avg_sq"), destinations, in_place, sources,
+                                                before):
+        assert_bitwise(mine, theirs, f"{name} {where}")
+        assert_bitwise(source, kept, f"source {name} changed, {where}")
+    if out_dtype is not None:
+        assert_bitwise(outs[1], outs[0], f"param_out {where}")
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "adam"])
+def test_out_of_place_equals_in_place(native_isa, native_sqrt, decoupled, grad_dtype):
+    """Reading the states from one slot and writing another gives the bits of the step in place, for every code
+    path, sqrt (fused, or the moments/apply halves around torch's), copy dtype, length around the vector widths,
+    weight decay mode and loss scale; the sources stay as they were."""
+    out_dtypes = (None, torch.bfloat16, torch.float16, torch.float32)
+    for case, (n, offset) in enumerate((n, o) for n in SIZES for o in (0, 3)):
+        grad_scale = (1.0, 1024.0)[case % 2]
+        gen = torch.Generator().manual_seed(case)
+        grad = (torch.randn(n, generator=gen) * 0.1 * grad_scale).to(grad_dtype)
+        for out_dtype in out_dtypes:
+            _step_both_ways(ops.fused_adamw_, n, offset, case, grad, out_dtype, decoupled, grad_scale,
+                            step=1 + case % 5)
+
+
+@pytest.mark.parametrize("offset", [0, 1], ids=["streamed", "unaligned"])
+def test_out_of_place_threads_equal_in_place(native_isa, native_sqrt, offset):
+    """Several threads, each with its own range and the last with a partial vector, read the sources alike, whether
+    their stores stream past the cache or not."""
+    n = 3 * 32768 + 77
+    grad = torch.randn(n, generator=torch.Generator().manual_seed(7)).bfloat16()
+    _step_both_ways(ops.fused_adamw_, n, offset, 7, grad, torch.bfloat16, True, 1.0, step=4, num_threads=3)
+
+
+@pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "adam"])
+def test_out_of_place_fallback_equals_in_place(monkeypatch, decoupled):
+    """The torch step (without the kernel, and torch_adamw_) takes sources too, with the same numbers."""
+    grad = (torch.randn(1031, generator=torch.Generator().manual_seed(3)) * 512).to(torch.float16)
+    _step_both_ways(ops.torch_adamw_, 1031, 1, 3, grad, torch.bfloat16, decoupled, 512.0, step=2)
+    monkeypatch.setattr(ops, "_C", None)
+    monkeypatch.setattr(ops, "_fallback_warned", True)
+    _step_both_ways(ops.fused_adamw_, 1031, 1, 3, grad, torch.float16, decoupled, 512.0, step=2)
+
+
+@pytest.mark.parametrize("n", [517, 70_001])
+def test_some_states_in_place_the_others_from_sources(native_isa, native_sqrt, n):
+    """A master updated in place (one kept in the host cache) beside moments read from the committed slot, or the
+    other way round; the long step streams the stores of the states that move."""
+    grad = torch.randn(n, generator=torch.Generator().manual_seed(4))
+    hyper = ops.GroupHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=True)
+    sources, destinations = _sourced_state(n, 0, 4)
+    reference = [s.clone() for s in sources]
+    out, ref_out = torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
+    ops.fused_adamw_(reference[0], grad, reference[1], reference[2], ref_out, hyper, step=3)
+    master = sources[0].clone()
+    ops.fused_adamw_(master, grad, destinations[1], destinations[2], out, hyper, step=3,
+                     exp_avg_src=sources[1], exp_avg_sq_src=sources[2])
+    for mine, theirs in zip((master, destinations[1], destinations[2], out), (*reference, ref_out)):
+        assert_bitwise(mine, theirs, "moments moved")
+    moments = [s.clone() for s in sources[1:]]
+    ops.fused_adamw_(destinations[0], grad, moments[0], moments[1], out, hyper, step=3, param_src=sources[0])
+    for mine, theirs in zip((destinations[0], *moments, out), (*reference, ref_out)):
+        assert_bitwise(mine, theirs, "master moved")
+
+
+def _shifted(storage: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """Eight elements of ``storage`` one element past ``t``'s start."""
+    return storage[t.storage_offset() + 1 : t.storage_offset() + 9]
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+@pytest.mark.parametrize(
+    ("sources", "match"),
+    [
+        (lambda s, p, m, v: {"exp_avg_src": _shifted(s, m)}, "exp_avg_src overlaps exp_avg"),
+        (lambda s, p, m, v: {"param_src": m}, "param_src overlaps exp_avg"),
+        (lambda s, p, m, v: {"exp_avg_sq_src": _shifted(s, p)}, "exp_avg_sq_src overlaps param"),
+        (lambda s, p, m, v: {"param_src": s[29:37]}, "param_src overlaps param_out"),
+        (lambda s, p, m, v: {"exp_avg_src": torch.zeros(8, dtype=torch.bfloat16)}, "exp_avg_src must be torch.float32"),
+        (lambda s, p, m, v: {"param_src": torch.zeros(9)}, "param_src has 9 elements"),
+        (lambda s, p, m, v: {"exp_avg_sq_src": torch.zeros(16)[::2]}, "exp_avg_sq_src must be contiguous"),
+    ],
+    ids=["shifted", "another-destination", "shifted-other", "out", "dtype", "size", "strided"],
+)
+def test_rejects_sources_that_are_not_apart(monkeypatch, native, sources, match):
+    """A source must be its destination or share no byte with any destination: the step would read what it has just
+    written. Sources are checked like the other tensors, and nothing is written."""
+    if native and ops._C is None:
+        pytest.skip("lightning_ratel._C is not built")
+    if not native:
+        monkeypatch.setattr(ops, "_C", None)
+        monkeypatch.setattr(ops, "_fallback_warned", True)
+    storage = torch.zeros(40)
+    param, exp_avg, exp_avg_sq = storage[0:8], storage[10:18], storage[20:28]
+    out = storage[30:34].view(torch.bfloat16)
+    hyper = ops.GroupHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True)
+    before = storage.clone()
+    with pytest.raises((ValueError, TypeError), match=match):
+        ops.fused_adamw_(param, torch.ones(8), exp_avg, exp_avg_sq, out, hyper, step=1,
+                         **sources(storage, param, exp_avg, exp_avg_sq))
+    assert torch.equal(storage, before)
+
+
+def test_kernel_refuses_overlapping_addresses():
+    """The raw kernel checks too: a source one element off its destination is refused before anything is written."""
+    if ops._C is None:
+        pytest.skip("lightning_ratel._C is not built")
+    storage = torch.ones(64)
+    param, exp_avg, exp_avg_sq, grad = storage[0:16], storage[16:32], storage[32:48], storage[48:64]
+    before = storage.clone()
+    args = (param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), 0, 16, ops._C.FLOAT32,
+            ops._C.NONE, 1e-3, 0.9, 0.999, 1e-8, 0.0, 1, True, 1.0, 1)
+    with pytest.raises(ValueError, match="overlaps a destination"):
+        ops._C.adamw(*args, src_param=storage[1:17].data_ptr())
+    with pytest.raises(ValueError, match="overlaps a destination"):
+        ops._C.adamw(*args, src_exp_avg_sq=storage[10:26].data_ptr())
+    assert torch.equal(storage, before)
+    ops._C.adamw(*args, src_param=param.data_ptr())
+    assert not torch.equal(param, before[0:16])

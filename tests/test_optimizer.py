@@ -15,6 +15,7 @@ from torch import nn
 
 from lightning_ratel.runtime.accumulation import GradientBudget
 from lightning_ratel.runtime.hostmem import aligned_empty
+from lightning_ratel.runtime.hoststore import HostStore, TieredStore
 from lightning_ratel.runtime.optimizer import CpuAdam, GroupHyper, StepPlan
 from lightning_ratel.runtime.state_buffers import Need, set_bytes, set_capacities
 from lightning_ratel.runtime.storage import TensorStore
@@ -561,6 +562,152 @@ def test_only_reads_for_a_finished_steps_updates_are_urgent(tmp_path: Path, over
             # One set: every shard but the one read ahead is read when its update takes the set.
             assert len(taken) == 2 * (len(shards) - 1)
             assert all(urgent != overlap for _, urgent in taken)
+    finally:
+        adam.close()
+        store.close()
+
+
+def _host_pipeline(tmp_path: Path, sizes: list[tuple[int, ...]], master_in_host: list[bool]
+                   ) -> tuple[CpuAdam, list[Shard], list[nn.Parameter], TieredStore]:
+    """Shards of one or more parameters on the host state tier (both slots in host memory, updated without a buffer
+    set), compute copies in each unit's fp32 host cache; where ``master_in_host``, that copy is the master."""
+    torch.manual_seed(0)
+    params, shards, keys = [], [], []
+    for i, (numels, in_host) in enumerate(zip(sizes, master_in_host)):
+        n = sum(numels)
+        value = torch.randn(n)
+        unit = Unit(i, (), {torch.float32: n}, host={torch.float32: value.clone()})
+        shard_params, offset = [], 0
+        for k, numel in enumerate(numels):
+            param = nn.Parameter(value[offset : offset + numel].clone())
+            shard_params.append(ShardParam(f"p{i}.{k}", param, len(params), offset, numel, param.shape))
+            params.append(param)
+            offset += numel
+        shard = Shard(i, unit, 0, torch.float32, 0, tuple(shard_params), n, master_in_host=in_host, state_tier="host")
+        shards.append(shard)
+        keys += shard.state_keys()
+    store = TieredStore(TensorStore([tmp_path]), HostStore(threads=0), host_keys=keys)
+    adam = CpuAdam(shards, store, depth=1)
+    for shard in shards:
+        if not shard.master_in_host:
+            store.write(shard.key("master"), shard.unit.host[torch.float32].clone()).result()
+    return adam, shards, params, store
+
+
+def _slot_bytes(adam: CpuAdam, store: TieredStore, shards: list[Shard], committed: bool) -> dict[str, torch.Tensor]:
+    """A copy of every state each shard has in its committed slot (or in the other one)."""
+    adam.barrier(include_writes=True)
+    copies = {}
+    for shard in shards:
+        for what in ("master", "exp_avg", "exp_avg_sq"):
+            key = adam.state_key(shard, what)
+            if not committed:
+                key = shard.key(what, 1 - adam.ledger.committed(shard).slot)
+            copies[key] = store.host.view(key, torch.uint8).clone()
+    return copies
+
+
+HOST_SIZES = [(1000,), (37, 515), (4099,), (7, 1, 300)]
+HOST_MASTERS = [False, False, True, True]
+
+
+def test_host_tier_updates_read_the_committed_slot_and_copy_nothing(tmp_path: Path) -> None:
+    """On the host tier an update reads master and moments where the last step left them and writes the other slot in
+    the same pass: torch's numbers, steps where some parameters have no gradient included (their states reach the new
+    slot unchanged), and no state bytes copied but the write-back of masters kept in the host cache."""
+    adam, shards, params, store = _host_pipeline(tmp_path, HOST_SIZES, HOST_MASTERS)
+    reference = [nn.Parameter(p.detach().clone()) for p in params]
+    torch_adamw = torch.optim.AdamW(reference, lr=HYPER.lr, betas=(HYPER.beta1, HYPER.beta2), eps=HYPER.eps,
+                                    weight_decay=HYPER.weight_decay, foreach=False)
+    generator = torch.Generator().manual_seed(5)
+    plan = StepPlan([HYPER], overlap=True)
+    # Step 3 leaves the second parameter of each shard of several without a gradient.
+    skipped = {3: {p.index for s in shards for p in s.params[1:2]}}
+    try:
+        for step in range(1, 6):
+            grads = [None if i in skipped.get(step, ()) else torch.randn(p.numel(), generator=generator)
+                     for i, p in enumerate(params)]
+            copied = store.host.bytes_copied
+            adam.begin(plan)
+            for shard in shards:
+                for position, sp in enumerate(shard.params):
+                    if grads[sp.index] is not None:
+                        adam.gradient(shard, position, grads[sp.index], _Landed())
+            adam.schedule(plan, shards)
+            adam.barrier(include_writes=True)
+            assert adam.counts["overlapped"] + adam.counts["deferred"] == step * len(shards)
+            assert store.host.bytes_copied - copied == sum(4 * s.numel for s in shards if s.master_in_host)
+            for p, g in zip(reference, grads):
+                p.grad = g
+            torch_adamw.step()
+            for shard in shards:
+                master = torch.empty(shard.numel)
+                store.read(adam.state_key(shard, "master"), master).result()
+                for sp in shard.params:
+                    value = reference[sp.index].detach()
+                    assert torch.equal(sp.view(shard.unit.host[torch.float32]), value), (step, sp.name)
+                    assert torch.equal(sp.view(master), value), (step, sp.name)
+                    state = torch_adamw.state[reference[sp.index]]
+                    for what in ("exp_avg", "exp_avg_sq"):
+                        moment = store.host.view(adam.state_key(shard, what), torch.float32)
+                        assert torch.equal(sp.view(moment), state[what]), (step, sp.name, what)
+                assert adam.param_steps(shard) == [int(torch_adamw.state[reference[sp.index]]["step"])
+                                                   for sp in shard.params]
+    finally:
+        adam.close()
+        store.close()
+
+
+@pytest.mark.parametrize("ending", ["abort", "overflow", "failure"])
+def test_a_host_tier_update_that_does_not_commit_leaves_the_committed_slot(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch,
+                                                                            ending: str) -> None:
+    """Updates that ran and then were abandoned (an abort, a speculative step that overflowed) or failed wrote only
+    the other slot: every byte of the committed slot is what the last committed step left."""
+    adam, shards, params, store = _host_pipeline(tmp_path, HOST_SIZES, HOST_MASTERS)
+    generator = torch.Generator().manual_seed(6)
+
+    def all_gradients() -> None:
+        for shard in shards:
+            # As the pager does before the forward that leads to these gradients.
+            shard.unit.ready.wait()
+            for position, sp in enumerate(shard.params):
+                adam.gradient(shard, position, torch.randn(sp.numel, generator=generator), _Landed())
+
+    try:
+        plan = StepPlan([HYPER], overlap=True)
+        for _ in range(2):
+            adam.begin(plan)
+            all_gradients()
+            adam.schedule(plan, shards)
+        committed = _slot_bytes(adam, store, shards, committed=True)
+        other = _slot_bytes(adam, store, shards, committed=False)
+        if ending == "failure":
+            adamw = CpuAdam._adamw
+
+            def fails_after_writing(self: CpuAdam, *args: Any, **kwargs: Any) -> None:
+                adamw(self, *args, **kwargs)
+                raise RuntimeError("injected failure after the step")
+
+            monkeypatch.setattr(CpuAdam, "_adamw", fails_after_writing)
+        speculative = StepPlan([HYPER], overlap=True, speculative=True)
+        adam.begin(speculative)
+        all_gradients()
+        if ending == "failure":
+            with pytest.raises(RuntimeError, match="injected failure"):
+                adam.barrier(include_writes=True)
+        else:
+            adam.barrier(include_writes=True)
+            # The updates ran: they wrote the other slot.
+            assert _slot_bytes(adam, store, shards, committed=False).keys() == other.keys()
+            assert any(not torch.equal(a, b) for a, b in zip(_slot_bytes(adam, store, shards, False).values(),
+                                                                other.values()))
+            if ending == "abort":
+                adam.abort()
+            else:
+                adam.undo_speculation(None)
+        for key, before in committed.items():
+            assert torch.equal(store.host.view(key, torch.uint8), before), key
     finally:
         adam.close()
         store.close()

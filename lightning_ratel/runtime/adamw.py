@@ -1,7 +1,8 @@
 """Fused host-side Adam/AdamW step for the out-of-core optimizer.
 
-:func:`fused_adamw_` reads each gradient once, updates the fp32 master weight and both moments in place and can
-write the new weight straight into a 16-bit (or fp32) buffer for the next upload. It runs the compiled
+:func:`fused_adamw_` reads each gradient once, updates the fp32 master weight and both moments (in place, or read
+from one state slot and written to another in the same pass) and can write the new weight straight into a 16-bit (or
+fp32) buffer for the next upload. It runs the compiled
 ``lightning_ratel._C`` kernel when the extension was built, and otherwise the same step with torch operations.
 
 The native kernel follows torch's single-tensor ``torch.optim.Adam``/``AdamW`` (the CPU default) operation by
@@ -41,6 +42,7 @@ _DTYPE_CODES = (
     {torch.float32: _C.FLOAT32, torch.bfloat16: _C.BFLOAT16, torch.float16: _C.FLOAT16} if _C is not None else {}
 )
 _fallback_warned = False
+_STATES = ("param", "exp_avg", "exp_avg_sq")
 
 # The mode torch's at::vml::vsqrt passes to vmsSqrt: VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE.
 VML_SQRT_MODE = 0x2 | 0x140000 | 0x100
@@ -145,29 +147,39 @@ def fused_adamw_(
     step: int,
     grad_scale: float = 1.0,
     num_threads: int | None = None,
+    param_src: torch.Tensor | None = None,
+    exp_avg_src: torch.Tensor | None = None,
+    exp_avg_sq_src: torch.Tensor | None = None,
 ) -> None:
-    """Applies one Adam or AdamW step in place, in a single pass over host memory.
+    """Applies one Adam or AdamW step, in a single pass over host memory: in place, or from source states into
+    ``param``, ``exp_avg`` and ``exp_avg_sq`` (the same numbers as copying the sources there first and stepping in
+    place, without the copy's pass).
 
     The gradient is multiplied by the float32 reciprocal of ``grad_scale`` first, as
     ``torch.amp.GradScaler.unscale_`` does; it is never modified.
 
     Args:
-        param: fp32 master weights, updated in place.
+        param: fp32 master weights, updated in place (or written from ``param_src``).
         grad: Gradient in fp32, bf16 or fp16.
-        exp_avg: fp32 first moment, updated in place.
-        exp_avg_sq: fp32 second moment, updated in place.
+        exp_avg: fp32 first moment, updated in place (or written from ``exp_avg_src``).
+        exp_avg_sq: fp32 second moment, updated in place (or written from ``exp_avg_sq_src``).
         param_out: Optional bf16, fp16 or fp32 buffer that receives the updated weights (round to nearest even).
         hyper: The step's hyperparameters.
         step: 1-based number of this step, for bias correction.
         grad_scale: Loss scale the gradient still carries.
         num_threads: Threads for the native kernel; defaults to ``torch.get_num_threads()``. The torch fallback
             always uses torch's own thread pool.
+        param_src: fp32 master weights the step reads instead of ``param`` (``None``: ``param`` itself); only read.
+        exp_avg_src: The same for ``exp_avg``.
+        exp_avg_sq_src: The same for ``exp_avg_sq``.
 
     Raises:
         TypeError: A tensor argument is not a tensor or has an unsupported dtype.
-        ValueError: A tensor is not on the CPU, not contiguous or of the wrong size, or a scalar is out of range.
+        ValueError: A tensor is not on the CPU, not contiguous or of the wrong size, a source overlaps a destination
+            without being that destination, or a scalar is out of range.
     """
-    _validate(param, grad, exp_avg, exp_avg_sq, param_out, hyper, step, grad_scale)
+    sources = _sources(param, exp_avg, exp_avg_sq, param_src, exp_avg_src, exp_avg_sq_src)
+    _validate(param, grad, exp_avg, exp_avg_sq, param_out, hyper, step, grad_scale, sources)
     if num_threads is None:
         num_threads = torch.get_num_threads()
     elif num_threads < 1:
@@ -182,7 +194,7 @@ def fused_adamw_(
                 " back to torch operations, which take several passes over memory and are slower."
             )
             _fallback_warned = True
-        _torch_step(param, grad, exp_avg, exp_avg_sq, param_out, hyper, step, inv_scale)
+        _torch_step(param, grad, exp_avg, exp_avg_sq, param_out, hyper, step, inv_scale, sources)
         return
 
     _C.adamw(
@@ -203,6 +215,9 @@ def fused_adamw_(
         bool(hyper.decoupled),
         inv_scale,
         int(num_threads),
+        src_param=sources[0].data_ptr(),
+        src_exp_avg=sources[1].data_ptr(),
+        src_exp_avg_sq=sources[2].data_ptr(),
     )
     # The kernel wrote through raw pointers; autograd must still see these tensors as modified in place. One call
     # per tensor because older torch releases take a single tensor here.
@@ -222,12 +237,17 @@ def torch_adamw_(
     step: int,
     grad_scale: float = 1.0,
     num_threads: int | None = None,
+    param_src: torch.Tensor | None = None,
+    exp_avg_src: torch.Tensor | None = None,
+    exp_avg_sq_src: torch.Tensor | None = None,
 ) -> None:
     """The step of :func:`fused_adamw_` done by torch's own single-tensor Adam(W), bit for bit what
     ``torch.optim.AdamW`` computes on CPU; same arguments (``num_threads`` is accepted and ignored: torch's own
-    thread pool runs it, sized by the calling thread's ``torch.set_num_threads``)."""
-    _validate(param, grad, exp_avg, exp_avg_sq, param_out, hyper, step, grad_scale)
-    _torch_step(param, grad, exp_avg, exp_avg_sq, param_out, hyper, step, 1.0 / grad_scale)
+    thread pool runs it, sized by the calling thread's ``torch.set_num_threads``; sources are copied into their
+    destinations first)."""
+    sources = _sources(param, exp_avg, exp_avg_sq, param_src, exp_avg_src, exp_avg_sq_src)
+    _validate(param, grad, exp_avg, exp_avg_sq, param_out, hyper, step, grad_scale, sources)
+    _torch_step(param, grad, exp_avg, exp_avg_sq, param_out, hyper, step, 1.0 / grad_scale, sources)
 
 
 def device_adamw_(
@@ -239,19 +259,30 @@ def device_adamw_(
     hyper: GroupHyper,
     *,
     step: int,
+    sources: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]] | None = None,
 ) -> None:
-    """One Adam or AdamW step of every tensor of ``params`` (fp32, on one device, all at step count ``step``), in place,
-    each result also written into the same-sized tensor of ``outs`` (its compute copy, in its own dtype): the device
-    tier's update, on the training thread. On a GPU it is torch's foreach AdamW over the list, what
-    ``torch.optim.AdamW`` runs there by default, then one foreach copy into ``outs``. On the CPU it is the CPU
-    optimizer's step (:func:`adamw_step`): the native kernel, one pass over memory that writes ``outs`` too, where it
-    reproduces torch's single-tensor AdamW (``torch.optim.AdamW``'s default there) bit for bit, else that one."""
+    """One Adam or AdamW step of every tensor of ``params`` (fp32, on one device, all at step count ``step``), in place
+    or from ``sources`` (masters, first and second moments the step reads, one per tensor of ``params``; none may
+    overlap a destination), each result also written into the same-sized tensor of ``outs`` (its compute copy, in its
+    own dtype): the device tier's update, on the training thread. On a GPU it is a foreach copy of the sources, then
+    torch's foreach AdamW over the list, what ``torch.optim.AdamW`` runs there by default, then one foreach copy into
+    ``outs``. On the CPU it is the CPU optimizer's step (:func:`adamw_step`): the native kernel, one pass over memory
+    that reads the sources and writes ``outs`` too, where it reproduces torch's single-tensor AdamW
+    (``torch.optim.AdamW``'s default there) bit for bit, else that one."""
     if params[0].device.type != "cuda":
         step_fn = adamw_step()
-        for param, grad, exp_avg, exp_avg_sq, out in zip(params, grads, exp_avgs, exp_avg_sqs, outs):
-            step_fn(param, grad, exp_avg, exp_avg_sq, out, hyper, step=step)
+        per_tensor = zip(*sources) if sources is not None else ((None, None, None) for _ in params)
+        for param, grad, exp_avg, exp_avg_sq, out, (param_src, exp_avg_src, exp_avg_sq_src) in zip(
+                params, grads, exp_avgs, exp_avg_sqs, outs, per_tensor):
+            step_fn(param, grad, exp_avg, exp_avg_sq, out, hyper, step=step, param_src=param_src,
+                    exp_avg_src=exp_avg_src, exp_avg_sq_src=exp_avg_sq_src)
         return
     with torch.no_grad():
+        if sources is not None:
+            pairs = [(dst, src) for dst, src in zip([*params, *exp_avgs, *exp_avg_sqs], [t for c in sources for t in c])
+                     if src.data_ptr() != dst.data_ptr()]
+            if pairs:
+                torch._foreach_copy_([dst for dst, _ in pairs], [src for _, src in pairs])
         _functional_step(params, [grad.float() for grad in grads], exp_avgs, exp_avg_sqs, hyper, step, foreach=True)
         torch._foreach_copy_(outs, params)
 
@@ -337,10 +368,12 @@ def _validate(
     hyper: GroupHyper,
     step: int,
     grad_scale: float,
+    sources: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
 ) -> None:
     tensors = {"param": param, "grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
     if param_out is not None:
         tensors["param_out"] = param_out
+    tensors.update({f"{name}_src": src for name, src in zip(_STATES, sources)})
     for name, tensor in tensors.items():
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
@@ -348,7 +381,7 @@ def _validate(
             raise ValueError(f"{name} must be on the CPU, got device {tensor.device}")
         if not tensor.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
-    for name in ("param", "exp_avg", "exp_avg_sq"):
+    for name in (*_STATES, *(f"{name}_src" for name in _STATES)):
         if tensors[name].dtype != torch.float32:
             raise TypeError(f"{name} must be torch.float32, got {tensors[name].dtype}")
     if grad.dtype not in _GRAD_DTYPES:
@@ -359,6 +392,13 @@ def _validate(
     for name, tensor in tensors.items():
         if tensor.numel() != numel:
             raise ValueError(f"{name} has {tensor.numel()} elements but param has {numel}")
+    # The step reads a source element after it wrote the destination's earlier ones: a source is its own destination
+    # or shares no byte with any destination (the 16-bit copy included).
+    destinations = [(name, tensors[name]) for name in (*_STATES, "param_out") if name in tensors]
+    for name, src in zip(_STATES, sources):
+        for other, dst in destinations:
+            if not (other == name and src.data_ptr() == dst.data_ptr()) and _overlap(src, dst):
+                raise ValueError(f"{name}_src overlaps {other} without being it")
     if not hyper.lr >= 0.0:
         raise ValueError(f"lr must be >= 0, got {hyper.lr}")
     if not (0.0 <= hyper.beta1 < 1.0 and 0.0 <= hyper.beta2 < 1.0):
@@ -373,6 +413,21 @@ def _validate(
         raise ValueError(f"grad_scale must be positive and finite, got {grad_scale}")
 
 
+def _sources(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, param_src: torch.Tensor | None,
+             exp_avg_src: torch.Tensor | None, exp_avg_sq_src: torch.Tensor | None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The states a step reads: each given source, else its destination (in place)."""
+    return (param if param_src is None else param_src, exp_avg if exp_avg_src is None else exp_avg_src,
+            exp_avg_sq if exp_avg_sq_src is None else exp_avg_sq_src)
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous tensors share a byte."""
+    a_bytes, b_bytes = a.numel() * a.element_size(), b.numel() * b.element_size()
+    a_start, b_start = a.data_ptr(), b.data_ptr()
+    return 0 < a_bytes and 0 < b_bytes and a_start < b_start + b_bytes and b_start < a_start + a_bytes
+
+
 def _torch_step(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -382,10 +437,14 @@ def _torch_step(
     hyper: GroupHyper,
     step: int,
     inv_scale: float,
+    sources: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
 ) -> None:
     # torch's single-tensor Adam, which is what torch.optim.AdamW runs on CPU by default, so that this path gives
     # exactly the numbers users compare against.
     with torch.no_grad():
+        for state, src in zip((param, exp_avg, exp_avg_sq), sources):
+            if src.data_ptr() != state.data_ptr():
+                state.copy_(src)
         grad32 = grad.float()
         if inv_scale != 1.0:
             grad32 = grad32.mul_(inv_scale) if grad32 is not grad else grad32 * inv_scale

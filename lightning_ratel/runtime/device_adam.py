@@ -184,36 +184,29 @@ class DeviceAdam:
         updates commit with the CPU optimizer's ``step`` (:meth:`settle`). The last step's must have committed.
 
         Shards whose parameters all have a gradient and one step count are stepped together, one call per parameter
-        group and step count (on a GPU, torch's foreach AdamW over them); the others parameter by parameter. The
-        copy into the slot each update writes goes in one foreach call, and the steps write the compute copies (on a
-        GPU one foreach copy after them, on the CPU in the kernel's own pass), so a GPU launches a few kernels per
-        step, not per shard."""
+        group and step count (on a GPU, torch's foreach AdamW over them); the others parameter by parameter. Each
+        step reads the committed slot and writes the other (:func:`~lightning_ratel.runtime.adamw.device_adamw_`: on
+        a GPU a foreach copy into that slot, then the step there; on the CPU the kernel's single pass, with no copy),
+        and the steps write the compute copies (on a GPU one foreach copy after them, on the CPU in the kernel's own
+        pass), so a GPU launches a few kernels per step, not per shard."""
         assert self._awaiting is None
         own = self.ledger.open_step()
         todo = [s for s in shards if any(self._has[s.index])]
         versions = {s.index: self.ledger.latest(s) for s in todo}
         for shard in todo:
             self.ledger.queue(shard)
-        # The slot each update writes starts as the committed one (zero moments where none were written yet).
-        sources, targets, zeros = [], [], []
-        for shard in todo:
-            version = versions[shard.index]
-            for what in STATES:
-                target = self._state(shard, what, 1 - version.slot)
-                if what == "master" or version.moments:
-                    sources.append(self._state(shard, what, version.slot))
-                    targets.append(target)
-                else:
-                    zeros.append(target)
-        if targets:
-            torch._foreach_copy_(targets, sources)
+        # Moments never written are zeros: the steps start from those in the slot they write.
+        zeros = [self._state(shard, what, 1 - versions[shard.index].slot) for shard in todo
+                 if not versions[shard.index].moments for what in STATES[1:]]
         if zeros:
             torch._foreach_zero_(zeros)
         try:
             together: dict[tuple[int, int], list[tuple[torch.Tensor, ...]]] = {}
             for shard in todo:
                 version = versions[shard.index]
-                master, exp_avg, exp_avg_sq = (self._state(shard, what, 1 - version.slot) for what in STATES)
+                targets = [self._state(shard, what, 1 - version.slot) for what in STATES]
+                sources = [self._state(shard, what, version.slot) if what == "master" or version.moments else target
+                           for what, target in zip(STATES, targets)]
                 grad = self._grads[shard.index][: shard.numel]
                 compute = shard.compute_view(shard.unit.host[shard.dtype])
                 if plan.clip_value is not None:
@@ -222,16 +215,25 @@ class DeviceAdam:
                 with_grad = [i for i, has in enumerate(self._has[shard.index]) if has]
                 if len(with_grad) == len(shard.params) and len(set(steps)) == 1:
                     together.setdefault((shard.group, steps[0]), []).append(
-                        (master, grad, exp_avg, exp_avg_sq, compute))
+                        (*targets, grad, compute, *sources))
                     continue
-                for i in with_grad:
-                    sl = slice(shard.params[i].offset, shard.params[i].offset + shard.params[i].numel)
-                    device_adamw_([master[sl]], [grad[sl]], [exp_avg[sl]], [exp_avg_sq[sl]], [compute[sl]],
-                                  self._hyper(plan, shard.group), step=steps[i] + 1)
+                for i, sp in enumerate(shard.params):
+                    sl = slice(sp.offset, sp.offset + sp.numel)
+                    if i not in with_grad:
+                        # Its states reach the slot the update writes unchanged.
+                        for target, source in zip(targets, sources):
+                            if source is not target:
+                                target[sl].copy_(source[sl])
+                        continue
+                    master, exp_avg, exp_avg_sq = ([t[sl]] for t in targets)
+                    device_adamw_(master, [grad[sl]], exp_avg, exp_avg_sq, [compute[sl]],
+                                  self._hyper(plan, shard.group), step=steps[i] + 1,
+                                  sources=tuple([source[sl]] for source in sources))
             # The steps write the new compute copies too, in the units resident on the device.
             for (group, count), items in together.items():
-                masters, grads, exp_avgs, exp_avg_sqs, computes = (list(column) for column in zip(*items))
-                device_adamw_(masters, grads, exp_avgs, exp_avg_sqs, computes, self._hyper(plan, group), step=count + 1)
+                masters, exp_avgs, exp_avg_sqs, grads, computes, *sources = (list(column) for column in zip(*items))
+                device_adamw_(masters, grads, exp_avgs, exp_avg_sqs, computes, self._hyper(plan, group), step=count + 1,
+                              sources=tuple(sources))
         except BaseException:
             # The steps write compute copies as they go: every one gets its committed master back.
             for shard in todo:

@@ -9,7 +9,8 @@ Gradients reach a single worker thread in the order backward produces them. The 
 fp32 buffer that the shard takes from a pool with its first gradient and gives back after its update, so gradient
 memory follows the shards in flight rather than the model. When a shard's last gradient of the boundary micro-batch
 arrives (and nothing global such as a norm is still unknown) it runs the shard's update: read master and moments from
-the store, AdamW in place, write the new compute copy where the pager reads it (the host cache, or the store), tell
+the store, AdamW in place (for states in host memory: from the latest slot into the other, in the same pass, with no
+copy first), write the new compute copy where the pager reads it (the host cache, or the store), tell
 the unit's :class:`~lightning_ratel.runtime.units.UnitReady`, and write master and moments back (finishing while the
 next shard computes). The reads do not wait for the gradient: during the boundary micro-batch, every free buffer set
 is filled ahead with the states of the shards expected next, in the order the previous step's updates ran, so an
@@ -950,7 +951,8 @@ class CpuAdam:
                 out.copy_(master)
         else:
             states = {"exp_avg": b.exp_avg[:n], "exp_avg_sq": b.exp_avg_sq[:n]}
-            self._adamw_shard(shard, plan, master, grad, states, out, with_grad, steps, version.moments)
+            sources = b.source if isinstance(b, SlotViews) else {}
+            self._adamw_shard(shard, plan, master, grad, states, out, with_grad, steps, version.moments, sources)
         for i in with_grad:
             steps[i] += 1
         slot = self.ledger.ran(shard, step, steps).slot
@@ -979,18 +981,29 @@ class CpuAdam:
 
     def _adamw_shard(self, shard: Shard, plan: StepPlan, master: torch.Tensor, grad: torch.Tensor,
                      moments: dict[str, torch.Tensor], out: torch.Tensor | None, with_grad: list[int],
-                     steps: list[int], written: bool) -> None:
+                     steps: list[int], written: bool, sources: dict[str, torch.Tensor]) -> None:
         """The fused AdamW step of a shard: in one call where every parameter has a gradient and the same step
-        count, else parameter by parameter."""
+        count, else parameter by parameter. ``sources`` holds the states it reads from elsewhere (the latest slot,
+        :attr:`~lightning_ratel.runtime.state_buffers.SlotViews.source`) instead of from ``master`` and ``moments``,
+        which it then only writes."""
         exp_avg, exp_avg_sq = moments["exp_avg"], moments["exp_avg_sq"]
         if not written:
             exp_avg.zero_()
             exp_avg_sq.zero_()
         hyper = plan.hyper[shard.group]
         assert isinstance(hyper, GroupHyper)
+        states = {"master": master, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+        source_args = {"master": "param_src", "exp_avg": "exp_avg_src", "exp_avg_sq": "exp_avg_sq_src"}
         if len(with_grad) == len(shard.params) and len({steps[i] for i in with_grad}) == 1:
-            self._adamw(master, grad, exp_avg, exp_avg_sq, out, hyper, steps[0] + 1)
+            self._adamw(master, grad, exp_avg, exp_avg_sq, out, hyper, steps[0] + 1,
+                        **{source_args[what]: src for what, src in sources.items()})
             return
+        # Parameters without a gradient keep their states: the slot this update writes gets them as they are.
+        stepped = set(with_grad)
+        for i in (i for i in range(len(shard.params)) if i not in stepped):
+            sl = slice(shard.params[i].offset, shard.params[i].offset + shard.params[i].numel)
+            for what, src in sources.items():
+                states[what][sl].copy_(src[sl])
         if out is not None and self.compute_on_store:
             # The whole staging buffer goes to the store: parameters without a gradient keep their copies.
             out.copy_(master)
@@ -998,7 +1011,7 @@ class CpuAdam:
             sp = shard.params[i]
             sl = slice(sp.offset, sp.offset + sp.numel)
             self._adamw(master[sl], grad[sl], exp_avg[sl], exp_avg_sq[sl], out[sl] if out is not None else None,
-                        hyper, steps[i] + 1)
+                        hyper, steps[i] + 1, **{source_args[what]: src[sl] for what, src in sources.items()})
 
     def _joined(self, writes: list[Future], buffers: StateBufferSet | SlotViews, holding: int) -> Future:
         """A future that completes when every write has (with the first error). The first ``holding`` writes read
@@ -1041,8 +1054,8 @@ class CpuAdam:
         return b.compute.view(shard.dtype)[: shard.numel]
 
     def _adamw(self, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-               out: torch.Tensor | None, h: GroupHyper, step: int) -> None:
-        adamw_step()(master, grad, exp_avg, exp_avg_sq, out, h, step=step, num_threads=self.threads)
+               out: torch.Tensor | None, h: GroupHyper, step: int, **sources: torch.Tensor) -> None:
+        adamw_step()(master, grad, exp_avg, exp_avg_sq, out, h, step=step, num_threads=self.threads, **sources)
 
     def _writing(self) -> bool:
         """Whether a write-back is still running; one whose buffer set came back already wakes the worker when it

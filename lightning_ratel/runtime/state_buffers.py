@@ -22,8 +22,11 @@ those states meanwhile; a shard whose previous write-back is still landing is re
 thread only (a write-back's completion comes back to the worker as a job).
 
 A shard whose states live in host memory (:func:`in_place`) needs no buffer set: its "buffers" are the memory of the
-state slot its update writes (:class:`SlotViews`), the read copies the latest slot there, the update runs in place,
-and its write-back copies nothing. Such shards take no set from the pool and are always read ahead.
+state slot its update writes (:class:`SlotViews`), and its write-back copies nothing. Under AdamW/Adam the "read" copies
+nothing either: the views name the latest slot's states as the update's sources, and the kernel reads them there and
+writes the other slot in the same pass (the latest slot is only read, so an update that does not commit leaves it as it
+was). Another optimizer's step runs in place, so its read copies the latest slot into the views first. Such shards
+take no set from the pool and are always read ahead.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import torch
 from lightning_ratel.runtime.generic import GenericUpdate
 from lightning_ratel.runtime.hostmem import ALIGNMENT, aligned_empty
 from lightning_ratel.runtime.hoststore import TieredStore
-from lightning_ratel.runtime.ledger import StepLedger
+from lightning_ratel.runtime.ledger import ShardVersion, StepLedger
 from lightning_ratel.runtime.storage import TensorStore
 from lightning_ratel.runtime.timeline import Timeline
 from lightning_ratel.runtime.units import Shard
@@ -125,7 +128,8 @@ def set_capacities(needs: Sequence[Need], depth: float) -> list[Need]:
 
 class SlotViews:
     """A :class:`StateBufferSet` stand-in for a shard whose states live in host memory: views of the state slot
-    ``slot`` its update writes, so reading the latest version is one copy and the write-back none.
+    ``slot`` its update writes, so the write-back copies nothing, and reading the latest version is one copy, or none
+    where the update reads it in the other slot (:attr:`source`).
 
     Args:
         store: the run's tiered store (the views are of its host memory).
@@ -141,6 +145,11 @@ class SlotViews:
     def __init__(self, store: TieredStore, shard: Shard, slot: int, state_bytes: int | None) -> None:
         host = store.host
         self.slot = slot
+        self.source: dict[str, torch.Tensor] = {}
+        """The latest version's states (``"master"``, ``"exp_avg"``, ``"exp_avg_sq"``, flat, ``shard.numel``
+        elements) that the update reads where they are, in the other slot, instead of from these views: set by
+        :meth:`StateBuffers.read`. A state not named here is in the views already (read into them, or the zeros of
+        moments never written), or is not in a slot at all (a master kept in the host cache)."""
         self.master = (torch.empty(0) if shard.master_in_host
                        else host.view(shard.key("master", slot), torch.float32))
         if state_bytes is not None:
@@ -251,6 +260,8 @@ class StateBuffers:
         self.unshare(buffers)
         n = shard.numel
         version = self.ledger.latest(shard)
+        if isinstance(buffers, SlotViews) and self.generic is None:
+            return self._sources(shard, buffers, version, urgent)
         # The master is offered to the pager's page-in of the same key until the update changes it (see unshare):
         # for an fp32 shard whose compute copy is on the store, it is the same bytes.
         reads = [] if shard.master_in_host else [
@@ -263,6 +274,24 @@ class StateBuffers:
             reads.append(self.store.read(shard.key("exp_avg", version.slot), buffers.exp_avg[:n], urgent=urgent))
             reads.append(self.store.read(shard.key("exp_avg_sq", version.slot), buffers.exp_avg_sq[:n],
                                          urgent=urgent))
+        return reads
+
+    def _sources(self, shard: Shard, views: SlotViews, version: ShardVersion, urgent: bool) -> list[Future]:
+        """Name the latest slot's states as the update's sources (see :attr:`SlotViews.source`) rather than copying
+        them into ``views``: the AdamW kernel reads them there in its single pass. Its read of the master needs no
+        sharing: the pager reads a host-tier shard's compute copy from the host cache, never a master from the store.
+        Returns the reads still needed: only that of a master never written, which reads as zeros."""
+        assert isinstance(self.store, TieredStore)
+        host, n = self.store.host, shard.numel
+        views.source = {}
+        reads = []
+        wanted = ([] if shard.master_in_host else ["master"]) + (["exp_avg", "exp_avg_sq"] if version.moments else [])
+        for what in wanted:
+            key = shard.key(what, version.slot)
+            if host.written(key):
+                views.source[what] = host.view(key, torch.float32)[:n]
+            else:
+                reads.append(self.store.read(key, getattr(views, what)[:n], urgent=urgent))
         return reads
 
     def read_ahead(self, skip: Callable[[Shard], bool]) -> None:
