@@ -55,15 +55,19 @@ timeout "$(budget 90)" python3 -m benchmarks.gpu_phases --out "$work/phases" --s
     > "$work/gpu_phases.log" 2>&1
 echo "gpu_phases rc=$? at ${SECONDS}s"
 
-t=$(budget 150)
-if [ "$t" -ge 60 ]; then
-    mkdir -p /tmp/ratel-bench "$work/throughput"
+# The planner's default (on this model: every state on the device), then every state in host memory.
+for states in auto host; do
+    t=$(budget 85)
+    if [ "$t" -lt 60 ]; then
+        echo "gpu_throughput ($states) skipped: ${t}s left"
+        continue
+    fi
+    mkdir -p /tmp/ratel-bench "$work/throughput-$states"
     timeout "$t" python3 -m benchmarks.gpu_throughput --quick --systems ratel --no-search --ssd /tmp/ratel-bench \
-        --out "$work/throughput" --max-seconds $((t - 15)) > "$work/gpu_throughput.log" 2>&1
-    echo "gpu_throughput rc=$? at ${SECONDS}s"
-else
-    echo "gpu_throughput skipped: ${t}s left"
-fi
+        --ratel-states "$states" --out "$work/throughput-$states" --max-seconds $((t - 5)) \
+        > "$work/gpu_throughput-$states.log" 2>&1
+    echo "gpu_throughput ($states) rc=$? at ${SECONDS}s"
+done
 
 tar czf "$out/gpu_session.tgz" -C "$work" .
 cat "$work/env.txt"
@@ -72,5 +76,5 @@ grep -E "^(FAILED|ERROR)" "$work/test_cuda.log" | head -30
 tail -25 "$work/cuda_numerics.log"
 sed -n '/RatelStrategy and its peers/,$p' "$work/peers.log"
 grep -E "^(plain|ratel)" "$work/gpu_phases.log" | cut -c1-100
-tail -30 "$work/gpu_throughput.log" 2>/dev/null
+tail -12 "$work"/gpu_throughput-*.log 2>/dev/null
 echo "done at ${SECONDS}s"
