@@ -39,6 +39,8 @@ from rich.table import Table
 from lightning_ratel.runtime import adamw as ops
 
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-4, (0.9, 0.999), 1e-8, 0.01
+HYPER = ops.GroupHyper(lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY, decoupled=True)
+"""The step's hyperparameters as the native kernel takes them (AdamW)."""
 
 Step = Callable[[], None]
 MakeOptimizer = Callable[[torch.nn.Parameter], torch.optim.Optimizer]
@@ -65,14 +67,13 @@ def fused_step(grad: torch.Tensor, threads: int, ieee_sqrt: bool) -> Step:
     param = _filled(grad.numel(), torch.float32, torch.Generator().manual_seed(1))
     exp_avg, exp_avg_sq = torch.zeros_like(param), torch.zeros_like(param)
     out = torch.zeros_like(grad)
-    hyper = ops.GroupHyper(lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY, decoupled=True)
     step = 0
 
     def run() -> None:
         nonlocal step
         step += 1
         ops.set_native_sqrt(ieee_sqrt)
-        ops.fused_adamw_(param, grad, exp_avg, exp_avg_sq, out, hyper, step=step, num_threads=threads)
+        ops.fused_adamw_(param, grad, exp_avg, exp_avg_sq, out, HYPER, step=step, num_threads=threads)
 
     return run
 
@@ -83,7 +84,6 @@ def slot_step(grad: torch.Tensor, threads: int, copy_first: bool) -> Step:
     slots = [[_filled(grad.numel(), torch.float32, torch.Generator().manual_seed(1)),
               torch.zeros(grad.numel()), torch.zeros(grad.numel())] for _ in range(2)]
     out = torch.zeros_like(grad)
-    hyper = ops.GroupHyper(lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY, decoupled=True)
     step = 0
 
     def run() -> None:
@@ -93,9 +93,9 @@ def slot_step(grad: torch.Tensor, threads: int, copy_first: bool) -> Step:
         ops.set_native_sqrt(False)
         if copy_first:
             torch._foreach_copy_(target, source)
-            ops.fused_adamw_(target[0], grad, target[1], target[2], out, hyper, step=step, num_threads=threads)
+            ops.fused_adamw_(target[0], grad, target[1], target[2], out, HYPER, step=step, num_threads=threads)
         else:
-            ops.fused_adamw_(target[0], grad, target[1], target[2], out, hyper, step=step, num_threads=threads,
+            ops.fused_adamw_(target[0], grad, target[1], target[2], out, HYPER, step=step, num_threads=threads,
                              param_src=source[0], exp_avg_src=source[1], exp_avg_sq_src=source[2])
 
     return run

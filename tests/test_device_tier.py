@@ -247,13 +247,23 @@ class _Sometimes(nn.Module):
         return type("Out", (), {"loss": loss})()
 
 
-def test_parameters_without_a_gradient_take_no_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """A parameter the forward skipped takes no step on the device tier, as plain AdamW skips it: a shard holding
-    parameters with and without a gradient (or with different step counts) steps parameter by parameter."""
+def _sometimes_matches_plain(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Train the model whose forward skips a parameter on some steps under plain Lightning and on the device tier (the
+    device tier's hooks patched by the caller, which plain Lightning never calls); the two end on the same numbers."""
     monkeypatch.setitem(MODELS, "sometimes", _Sometimes)
     ref = LM("sometimes")
     t = trainer("auto", max_steps=4)
     t.fit(ref)
+    lm = LM("sometimes")
+    got = trainer(RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy="host", optimizer_states="device"),
+                  max_steps=4)
+    got.fit(lm)
+    compare_states(final_state(ref, t), final_state(lm, got), 0.0)
+
+
+def test_parameters_without_a_gradient_take_no_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A parameter the forward skipped takes no step on the device tier, as plain AdamW skips it: a shard holding
+    parameters with and without a gradient (or with different step counts) steps parameter by parameter."""
     calls: list[tuple[int, int]] = []
     step = device_adam.device_adamw_
 
@@ -262,11 +272,7 @@ def test_parameters_without_a_gradient_take_no_step(tmp_path: Path, monkeypatch:
         step(params, *args, **kwargs)
 
     monkeypatch.setattr(device_adam, "device_adamw_", counting)
-    lm = LM("sometimes")
-    got = trainer(RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy="host", optimizer_states="device"),
-                  max_steps=4)
-    got.fit(lm)
-    compare_states(final_state(ref, t), final_state(lm, got), 0.0)
+    _sometimes_matches_plain(tmp_path, monkeypatch)
     # A layer's weights are one shard of 2 x 32 x 32: one weight alone is stepped where the two differ; shards whose
     # parameters agree are stepped together.
     assert (1, 32 * 32) in calls and max(n for n, _ in calls) > 1
@@ -276,10 +282,6 @@ def test_cpu_device_updates_read_the_committed_slot_where_it_is(tmp_path: Path, 
     """On the CPU a device-tier update reads each state in the committed slot and writes the other one in the kernel's
     single pass: nothing copies the committed slot first and nothing writes it, shards stepped whole or parameter by
     parameter (some without a gradient) alike, and the run ends on plain Lightning's numbers."""
-    monkeypatch.setitem(MODELS, "sometimes", _Sometimes)
-    ref = LM("sometimes")
-    t = trainer("auto", max_steps=4)
-    t.fit(ref)
     step, update, foreach_copy = device_adam.device_adamw_, device_adam.DeviceAdam.update, torch._foreach_copy_
     calls, copies, updating = [], [], []
 
@@ -307,11 +309,7 @@ def test_cpu_device_updates_read_the_committed_slot_where_it_is(tmp_path: Path, 
     monkeypatch.setattr(device_adam, "device_adamw_", checking)
     monkeypatch.setattr(device_adam.DeviceAdam, "update", watched_update)
     monkeypatch.setattr(torch, "_foreach_copy_", counted_copy)
-    lm = LM("sometimes")
-    got = trainer(RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy="host", optimizer_states="device"),
-                  max_steps=4)
-    got.fit(lm)
-    compare_states(final_state(ref, t), final_state(lm, got), 0.0)
+    _sometimes_matches_plain(tmp_path, monkeypatch)
     assert calls and all(calls) and not copies
 
 
