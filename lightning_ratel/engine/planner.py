@@ -312,7 +312,7 @@ class Planner:
                 record = records[0]
                 same = [r for r in records if len(r.ops) == len(record.ops)]
                 names = [op.name for op in record.ops]
-                times = [min(r.op_times[k] for r in same) for k in range(len(record.ops))]
+                times = [min(r.ops[k].forward_time for r in same) for k in range(len(record.ops))]
                 if self.device.is_cuda and sum(times) > 0:
                     # Kernels run behind the host: the block costs its ops' device time. The host's dispatch work,
                     # several times larger under profiling's op tracking than in the steady state, overlaps them.
@@ -460,13 +460,12 @@ class PassRecord:
     next pass, which then allocates and page-locks new ones inside its measured forward."""
 
     ops: list[OpRecord]
-    op_times: list[float]
     saved: dict[int, int]
     replay_time: float
 
     @classmethod
     def of(cls, record: ForwardRecord) -> PassRecord:
-        return cls(list(record.ops), [op.forward_time for op in record.ops], dict(record.saved), record.replay_time)
+        return cls(list(record.ops), dict(record.saved), record.replay_time)
 
 
 def settled(samples: Sequence[float]) -> float:
