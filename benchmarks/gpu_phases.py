@@ -33,8 +33,7 @@ import json
 import statistics
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,46 +42,37 @@ import torch
 
 from benchmarks.gpu_throughput import parse_model
 from benchmarks.peers import _gpt_module_class
+from benchmarks.plan_accuracy import StepClock
 from lightning_ratel import RatelProfiler, RatelStrategy
 
 
-class PhaseClock(L.Callback):
-    """Forward and step wall time of every training step, and a Chrome trace of one step.
+class PhaseClock(StepClock):
+    """:class:`~benchmarks.plan_accuracy.StepClock`'s times of every training step, and a Chrome trace of one step.
 
     Args:
-        synchronize: waits for the device.
         trace_step: the step to trace (``None``: none).
         trace_path: where its trace goes.
         activities: what ``torch.profiler`` records.
     """
 
-    def __init__(self, synchronize: Callable[[], None], trace_step: int | None, trace_path: Path,
+    def __init__(self, trace_step: int | None, trace_path: Path,
                  activities: Sequence[torch.profiler.ProfilerActivity]) -> None:
-        self.synchronize = synchronize
+        super().__init__()
         self.trace_step = trace_step
         self.trace_path = trace_path
         self.activities = list(activities)
-        self.steps: list[dict[str, float]] = []
         self._profile: torch.profiler.profile | None = None
-        self._start = 0.0
-        self._forward = 0.0
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        self.synchronize()
         if batch_idx == self.trace_step:
             self._profile = torch.profiler.profile(activities=self.activities)
             self._profile.__enter__()
-        self._start = time.perf_counter()
-
-    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
-        self.synchronize()
-        self._forward = time.perf_counter() - self._start
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        self.synchronize()
-        self.steps.append({"step": batch_idx, "forward": self._forward, "wall": time.perf_counter() - self._start})
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if self._profile is not None:
             self._profile.__exit__(None, None, None)
             self._profile.export_chrome_trace(str(self.trace_path))
@@ -95,8 +85,7 @@ def run(name: str, strategy: Any, args: argparse.Namespace, on_gpu: bool, ratel_
     out = args.out / name
     out.mkdir(parents=True, exist_ok=True)
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if on_gpu else [])
-    clock = PhaseClock(torch.cuda.synchronize if on_gpu else (lambda: None), trace_step,
-                       out / f"trace_step{trace_step}.json", activities)
+    clock = PhaseClock(trace_step, out / f"trace_step{trace_step}.json", activities)
     callbacks: list[L.Callback] = [clock]
     if ratel_trace is not None:
         callbacks.append(RatelProfiler(output_dir=str(out), trace_step=ratel_trace))
@@ -108,11 +97,12 @@ def run(name: str, strategy: Any, args: argparse.Namespace, on_gpu: bool, ratel_
         callbacks=callbacks,
     )
     trainer.fit(module)
-    (out / "phases.json").write_text(json.dumps(clock.steps, indent=1))
-    settled = clock.steps[2:] or clock.steps
+    steps = [{"step": i, "forward": forward, "wall": wall} for i, (wall, _, forward) in enumerate(clock.steps)]
+    (out / "phases.json").write_text(json.dumps(steps, indent=1))
+    settled = steps[2:] or steps
     return {"run": name, "forward_ms": statistics.median(s["forward"] for s in settled) * 1e3,
             "step_ms": statistics.median(s["wall"] for s in settled) * 1e3,
-            "per_step_ms": [(round(s["forward"] * 1e3, 1), round(s["wall"] * 1e3, 1)) for s in clock.steps]}
+            "per_step_ms": [(round(s["forward"] * 1e3, 1), round(s["wall"] * 1e3, 1)) for s in steps]}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
