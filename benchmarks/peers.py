@@ -73,7 +73,7 @@ import time
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 RESULT_PREFIX = "PEERS_RESULT "
 SYSTEMS = ("ratel", "plain", "zero-offload", "zero-infinity", "fsdp2")
@@ -428,6 +428,28 @@ def worker_main(spec: dict[str, Any]) -> None:
 # ---------------------------------------------------------------------------------------------------- parent side
 
 
+class Entry(NamedTuple):
+    """One row of the table: its label, the system, the Ratel configuration it runs with, and the name of its swap
+    directory and logs."""
+
+    label: str
+    system: str
+    ratel_config: dict[str, Any]
+    name: str
+
+
+def row_entries(systems: Sequence[str], ratel_configs: Sequence[dict[str, Any]]) -> list[Entry]:
+    """One row per system, and per Ratel configuration where several are given (labelled by the configuration)."""
+    entries = []
+    for system in systems:
+        if system != "ratel" or len(ratel_configs) == 1:
+            entries.append(Entry(system, system, ratel_configs[0] if system == "ratel" else {}, system))
+            continue
+        entries += [Entry(f"ratel {json.dumps(config, sort_keys=True)}", system, config, f"{system}-{k + 1}")
+                    for k, config in enumerate(ratel_configs)]
+    return entries
+
+
 def not_installed(system: str) -> str | None:
     """Why ``system`` cannot run in this environment, or None (FSDP2's check needs torch: its worker makes it)."""
     if system in DEEPSPEED_SYSTEMS and importlib.util.find_spec("deepspeed") is None:
@@ -633,17 +655,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     # Wide enough that the table is not folded into unreadable columns when the output goes to a file.
     console = Console(width=max(Console().width, 200))
     args.out.mkdir(parents=True, exist_ok=True)
-    # One row per system, and per --ratel-config object when several are given: (label, system, Ratel config, name
-    # of its swap directory and logs).
-    several = len(args.ratel_config) > 1
-    entries = [(f"ratel {json.dumps(config, sort_keys=True)}" if several and system == "ratel" else system, system,
-                config, f"{system}-{k + 1}" if several and system == "ratel" else system)
-               for system in args.systems for k, config in enumerate(args.ratel_config if system == "ratel" else [{}])]
-    reasons = {entry[0]: not_installed(entry[1]) for entry in entries}
-    runnable = [entry for entry in entries if reasons[entry[0]] is None]
+    entries = row_entries(args.systems, args.ratel_config)
+    reasons = {entry.label: not_installed(entry.system) for entry in entries}
+    runnable = [entry for entry in entries if reasons[entry.label] is None]
     load_before = os.getloadavg()
     started = time.strftime("%Y-%m-%d %H:%M:%S")
-    runs: dict[str, list[dict[str, Any]]] = {entry[0]: [] for entry in entries}
+    runs: dict[str, list[dict[str, Any]]] = {entry.label: [] for entry in entries}
     for round_index in range(args.rounds):
         shift = round_index % max(1, len(runnable))
         for label, system, ratel_config, name in runnable[shift:] + runnable[:shift]:
@@ -660,7 +677,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             console.print(result.get("status", "ran"))
             runs[label].append(result)
     load_after = os.getloadavg()
-    rows = [summarize(entry[0], runs[entry[0]], reasons[entry[0]]) for entry in entries]
+    rows = [summarize(entry.label, runs[entry.label], reasons[entry.label]) for entry in entries]
     add_comparisons(rows)
     params = next((run.get("params") for system_runs in runs.values() for run in system_runs if run.get("params")),
                   None)

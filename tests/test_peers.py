@@ -55,3 +55,16 @@ def test_failures_are_classified() -> None:
     assert peers.classify(RuntimeError("DefaultCPUAllocator: can't allocate memory")).startswith("out of memory")
     assert peers.classify(peers.NotInstalled("no libaio")) == "not installed: no libaio"
     assert peers.classify(ValueError("bad")) == "failed: ValueError: bad"
+
+
+def test_several_ratel_configs_give_a_row_each() -> None:
+    """One ``--ratel-config`` keeps the plain ``ratel`` row; several give one row each, labelled by the configuration,
+    with swap directories and logs of their own; other systems run without one."""
+    assert peers.row_entries(["ratel", "plain"], [{"activation_policy": "host"}]) == [
+        peers.Entry("ratel", "ratel", {"activation_policy": "host"}, "ratel"),
+        peers.Entry("plain", "plain", {}, "plain"),
+    ]
+    host = {"optimizer_states": "host"}
+    assert peers.row_entries(["plain", "ratel"], [{}, host]) == [
+        peers.Entry("plain", "plain", {}, "plain"), peers.Entry("ratel {}", "ratel", {}, "ratel-1"),
+        peers.Entry('ratel {"optimizer_states": "host"}', "ratel", host, "ratel-2")]
