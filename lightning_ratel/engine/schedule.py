@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -35,6 +36,10 @@ from lightning_ratel.runtime.device import Device
 from lightning_ratel.runtime.pager import ParameterPager
 from lightning_ratel.runtime.recompute import ForwardRecord, ModuleState, OpTracker
 from lightning_ratel.runtime.timeline import Timeline
+
+# The frame of every module call (``Module.__call__`` runs it, with or without hooks): the running submodules are read
+# off the Python stack rather than tracked by hooks on each of them.
+_CALL_IMPL = nn.Module._call_impl.__code__
 
 
 class TrainingState(enum.Enum):
@@ -167,10 +172,8 @@ class BlockScheduler:
         self.order = [b.index for b in blocks]
         self._order_pass: list[int] = []
         self._hook_stack: list[tuple[int, list[Any]]] = []
-        # The submodule path inside the block whose forward is running, for op names (tracked blocks only).
-        self._path_stack: list[str] = []
-        self._paths = {id(m): name for block in blocks if not block.direct_only
-                       for name, m in block.module.named_modules() if name}
+        # Each block submodule's path inside its block, for op names (tracked blocks only).
+        self._paths: dict[int, str] = {}
         self._held: list[int] = []
         self._current: int | None = None
         # Told where each block's forward and backward start and end (the planner's timer while it profiles).
@@ -188,10 +191,7 @@ class BlockScheduler:
         self._handles.append(
             block.module.register_forward_hook(functools.partial(self._post_forward, b), always_call=True))
         if not block.direct_only:
-            for name, sub in block.module.named_modules():
-                if name:
-                    self._handles.append(sub.register_forward_pre_hook(self._enter_submodule))
-                    self._handles.append(sub.register_forward_hook(self._leave_submodule, always_call=True))
+            self._paths.update({id(m): name for name, m in block.module.named_modules() if name})
 
     def add_block(self, block: Block) -> None:
         """Schedule a block found after the start (already one of the blocks); it runs last until a pass teaches its
@@ -208,15 +208,22 @@ class BlockScheduler:
 
     # ------------------------------------------------------------------ forward
 
-    def _enter_submodule(self, module: nn.Module, args: Any) -> None:
-        self._path_stack.append(self._paths.get(id(module), ""))
-
-    def _leave_submodule(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self._path_stack:
-            self._path_stack.pop()
-
     def _op_path(self) -> str:
-        return self._path_stack[-1] if self._path_stack else ""
+        """The path inside its block of the innermost block submodule whose forward runs now (``""``: the block's own
+        forward). Read off the Python stack, only for the ops of tracked forwards: hooks on every submodule would cost
+        each of their calls in every forward."""
+        block = self.blocks[self._hook_stack[-1][0]].module if self._hook_stack else None
+        frame = sys._getframe(1)
+        while frame is not None:
+            if frame.f_code is _CALL_IMPL:
+                module = frame.f_locals.get("self")
+                if module is block:
+                    break
+                path = self._paths.get(id(module))
+                if path is not None:
+                    return path
+            frame = frame.f_back
+        return ""
 
     def _pre_forward(self, b: int, module: nn.Module, args: Any, kwargs: Any) -> None:
         self._check()
@@ -254,7 +261,6 @@ class BlockScheduler:
                 module_state=ModuleState(module.modules()),
             )
             self.cache.begin_record(record, args, kwargs)
-            self._path_stack.clear()
             contexts.append(OpTracker(record, self._op_path, profile=self.observer is not None))
         if self.observer is not None:
             self.observer.forward_started(b)
@@ -333,7 +339,6 @@ class BlockScheduler:
                 context.__exit__(None, None, None)
             self.cache.end_record(b)
             self.pager.release(b)
-        self._path_stack.clear()
 
     def close(self) -> None:
         """Leave any forward still open (after an error), remove every hook and release every block."""
