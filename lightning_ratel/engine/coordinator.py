@@ -508,7 +508,7 @@ class RatelEngine:
         # A block's forward is watched until it has run once (see EscapeDetector); what runs between and around the
         # blocks always is.
         unwatched = [b.module for b in self.blocks if not b.direct_only and id(b.module) in self._ran_watched]
-        detector = EscapeDetector(self.pager, unwatched)
+        detector = EscapeDetector(self.pager, unwatched, [b.module for b in self.blocks if not b.direct_only])
         # Prefetching follows the registration order until a pass teaches the real one: it could page in a block
         # whose forward never runs just before another module reads its parameters, and hide that use.
         self.scheduler.prefetching = bool(self._ran_watched)

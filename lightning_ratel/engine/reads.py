@@ -35,6 +35,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from lightning_ratel.runtime.escapes import tensor_args
 from lightning_ratel.runtime.pager import ParameterPager
 from lightning_ratel.runtime.units import ParamSlot
 
@@ -228,7 +229,7 @@ class ParameterReads(TorchDispatchMode):
         if self._bypass:
             return func(*args, **kwargs)
         found = {}
-        for t in tree_flatten((args, kwargs))[0]:
+        for t in tensor_args(args, kwargs):
             slot = self._placeholder(t)
             if slot is not None:
                 found[id(t)] = slot

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import enum
 import functools
-import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -33,13 +32,10 @@ from torch.utils._pytree import tree_flatten
 from lightning_ratel.engine.blocks import Block
 from lightning_ratel.runtime.activations import ActivationCache
 from lightning_ratel.runtime.device import Device
+from lightning_ratel.runtime.escapes import running_modules
 from lightning_ratel.runtime.pager import ParameterPager
 from lightning_ratel.runtime.recompute import ForwardRecord, ModuleState, OpTracker
 from lightning_ratel.runtime.timeline import Timeline
-
-# The frame of every module call (``Module.__call__`` runs it, with or without hooks): the running submodules are read
-# off the Python stack rather than tracked by hooks on each of them.
-_CALL_IMPL = nn.Module._call_impl.__code__
 
 
 class TrainingState(enum.Enum):
@@ -213,16 +209,12 @@ class BlockScheduler:
         forward). Read off the Python stack, only for the ops of tracked forwards: hooks on every submodule would cost
         each of their calls in every forward."""
         block = self.blocks[self._hook_stack[-1][0]].module if self._hook_stack else None
-        frame = sys._getframe(1)
-        while frame is not None:
-            if frame.f_code is _CALL_IMPL:
-                module = frame.f_locals.get("self")
-                if module is block:
-                    break
-                path = self._paths.get(id(module))
-                if path is not None:
-                    return path
-            frame = frame.f_back
+        for module in running_modules():
+            if module is block:
+                break
+            path = self._paths.get(id(module))
+            if path is not None:
+                return path
         return ""
 
     def _pre_forward(self, b: int, module: nn.Module, args: Any, kwargs: Any) -> None:

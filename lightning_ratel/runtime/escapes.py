@@ -15,17 +15,43 @@ passes find nothing more.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import sys
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
 from lightning_ratel.runtime.pager import ParameterPager
 from lightning_ratel.runtime.units import ParamSlot
+
+# The frame of every module call (``Module.__call__`` runs it, with or without hooks).
+_CALL_IMPL = nn.Module._call_impl.__code__
+
+
+def running_modules() -> Iterator[nn.Module]:
+    """The modules whose forward (or forward hooks) run now, innermost first: their calls on the Python stack, read
+    only when asked, which costs nothing while no one asks (hooks on every module would cost each of their calls)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _CALL_IMPL:
+            yield frame.f_locals["self"]
+        frame = frame.f_back
+
+
+def tensor_args(args: Sequence[Any], kwargs: dict[str, Any]) -> Iterator[torch.Tensor]:
+    """The tensors among an ATen op's arguments: tensors, and tensors in lists (``Tensor[]``, ``Tensor?[]``), the only
+    nesting an operator schema has (faster than flattening them as a tree, on every op a mode sees)."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                if isinstance(item, torch.Tensor):
+                    yield item
 
 
 @dataclass(frozen=True)
@@ -51,26 +77,25 @@ class EscapeDetector(TorchDispatchMode):
         unwatched: modules whose forwards are not watched (the detector leaves the mode stack while they run): blocks
             that ran watched before, whose own parameters and those of other units their forwards used are paged in
             around them. Every op costs a trip through Python while watched, and blocks run most of a model's ops.
+        blocks: modules whose forwards running in the pass are recorded in :attr:`ran`.
     """
 
-    def __init__(self, pager: ParameterPager, unwatched: Sequence[nn.Module] = ()) -> None:
+    def __init__(self, pager: ParameterPager, unwatched: Sequence[nn.Module] = (),
+                 blocks: Sequence[nn.Module] = ()) -> None:
         super().__init__()
         self.pager = pager
         self._unwatched = unwatched
+        self._blocks = blocks
         # Per unwatched forward running: whether this detector left the mode stack for it.
         self._left: list[bool] = []
         self.escapes: list[Escape] = []
-        # ``id`` of every module whose forward ran in the pass.
+        # ``id`` of every module of ``blocks`` whose forward ran in the pass.
         self.ran: set[int] = set()
-        self._stack: list[nn.Module] = []
         self._handles: list[Any] = []
         self._seen: set[int] = set()
 
     def __enter__(self) -> EscapeDetector:
-        self._handles = [
-            nn.modules.module.register_module_forward_pre_hook(lambda m, args: self._enter(m)),
-            nn.modules.module.register_module_forward_hook(lambda m, args, out: self._leave(m), always_call=True),
-        ]
+        self._handles = [module.register_forward_pre_hook(self._ran) for module in self._blocks]
         for module in self._unwatched:
             # First of the pre-hooks and last of the post-hooks: the block's own modes (the op tracker) go on the
             # stack above this detector's place and come off before it returns.
@@ -82,7 +107,6 @@ class EscapeDetector(TorchDispatchMode):
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        self._stack = []
         # A forward stopped by an exception that is not an ``Exception`` (Ctrl-C's KeyboardInterrupt) skips the
         # modules' always-called hooks: the detector may still be off the stack, left for an unwatched forward.
         off_stack = any(self._left)
@@ -90,13 +114,8 @@ class EscapeDetector(TorchDispatchMode):
         if not off_stack:
             super().__exit__(*exc)
 
-    def _enter(self, module: nn.Module) -> None:
-        self._stack.append(module)
+    def _ran(self, module: nn.Module, args: Any) -> None:
         self.ran.add(id(module))
-
-    def _leave(self, module: nn.Module) -> None:
-        if self._stack and self._stack[-1] is module:
-            self._stack.pop()
 
     def _pause(self, module: nn.Module, args: Any) -> None:
         # Only from the top of the stack: a mode entered inside this pass (a user's) stays where it is, and so does
@@ -112,15 +131,17 @@ class EscapeDetector(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        leaves = tree_flatten((args, kwargs))[0]
-        found = {id(t): self.pager.placeholder_slot(t) for t in leaves if isinstance(t, torch.Tensor)}
-        found = {k: v for k, v in found.items() if v is not None}
+        found = {}
+        for t in tensor_args(args, kwargs):
+            slot = self.pager.placeholder_slot(t)
+            if slot is not None:
+                found[id(t)] = slot
         if found:
             for unit, slot in found.values():
                 self.pager.hold(unit)
                 if id(slot.param) not in self._seen:
                     self._seen.add(id(slot.param))
-                    self.escapes.append(Escape(unit, slot, tuple(self._stack)))
+                    self.escapes.append(Escape(unit, slot, tuple(reversed(list(running_modules())))))
 
             def real(t: Any) -> Any:
                 # The parameter itself now holds its values; a tensor viewing the placeholder cannot be rebuilt.
