@@ -101,6 +101,10 @@ class DeviceAdam:
         self._grads: dict[int, torch.Tensor] = {}
         self._has: dict[int, list[bool]] = {s.index: [False] * len(s.params) for s in self.shards}
         self._window: set[int] = set()
+        # Views made once, by (shard, state, slot) and (shard, "grad", parameter position): the store's extents and
+        # the gradient buffers stay put for the run, so the hooks and the update (host work between a GPU's
+        # kernels) do not look them up and slice them at every step.
+        self._views: dict[tuple[int, str, int], torch.Tensor] = {}
         # The CPU optimizer's step whose device updates ran and wait for that step's commit there.
         self._awaiting: int | None = None
         # Whether the engine's backward pass runs: gradients are its (as GradientOffload's).
@@ -119,10 +123,7 @@ class DeviceAdam:
         param.grad = None
         if not self.open:
             raise unseen_backward(shard.params[position].name)
-        buffer = self._grads.get(shard.index)
-        if buffer is None:
-            buffer = self._grads[shard.index] = self.device.device_empty(shard.numel, torch.float32)
-        view = shard.params[position].view(buffer)
+        view = self._grad_view(shard, position)
         has = self._has[shard.index]
         if has[position]:
             view.add_(grad)
@@ -130,6 +131,16 @@ class DeviceAdam:
             view.copy_(grad)
             has[position] = True
         self._window.add(shard.index)
+
+    def _grad_view(self, shard: Shard, position: int) -> torch.Tensor:
+        """Where parameter ``position`` of ``shard`` sums its gradient (made once: the buffer is kept for the run)."""
+        view = self._views.get((shard.index, "grad", position))
+        if view is None:
+            buffer = self._grads.get(shard.index)
+            if buffer is None:
+                buffer = self._grads[shard.index] = self.device.device_empty(shard.numel, torch.float32)
+            view = self._views[shard.index, "grad", position] = shard.params[position].view(buffer)
+        return view
 
     # ------------------------------------------------------------------ training thread
 
@@ -142,8 +153,8 @@ class DeviceAdam:
         """The gradients of ``shards`` that arrived, each with its parameter's position in the optimizer's order."""
         views = []
         for shard in shards:
-            buffer = self._grads.get(shard.index)
-            views.extend((sp.index, sp.view(buffer)) for sp, has in zip(shard.params, self._has[shard.index]) if has)
+            views.extend((sp.index, self._grad_view(shard, position))
+                         for position, (sp, has) in enumerate(zip(shard.params, self._has[shard.index])) if has)
         return sorted(views, key=lambda t: t[0])
 
     def unscale_(self, shards: Sequence[Shard], inv_scale: torch.Tensor) -> bool:
@@ -255,7 +266,11 @@ class DeviceAdam:
         return hyper
 
     def _state(self, shard: Shard, what: str, slot: int) -> torch.Tensor:
-        return self.states.view(shard.key(what, slot), torch.float32)[: shard.numel]
+        view = self._views.get((shard.index, what, slot))
+        if view is None:
+            view = self._views[shard.index, what, slot] = self.states.view(shard.key(what, slot),
+                                                                          torch.float32)[: shard.numel]
+        return view
 
     def abort(self) -> None:
         """Abandon a step the training thread has not finished: drop its gradients and undo the device updates it
@@ -307,6 +322,7 @@ class DeviceAdam:
     def release_memory(self) -> None:
         """Free the gradient buffers (no more updates will run)."""
         self._grads.clear()
+        self._views.clear()
 
     def remove(self) -> None:
         """Remove the gradient hooks."""

@@ -102,6 +102,9 @@ class ParameterPager:
         self._placeholders: dict[int, torch.Tensor] = {}
         self._placeholder_slots: dict[int, tuple[int, ParamSlot]] = {}
         self._held: list[int] = []
+        # Per unit, its parameters' views of its host cache: binding the cache (on the CPU, or a unit resident on the
+        # device) reuses them instead of slicing it anew at every page-in.
+        self._host_views: dict[int, tuple[tuple[torch.Tensor, ...], list[torch.Tensor]]] = {}
         for unit in units.values():
             for slot in unit.slots:
                 nan = torch.full((), float("nan"), dtype=slot.dtype, device=self.device.device)
@@ -186,10 +189,21 @@ class ParameterPager:
 
     def _bind(self, unit: Unit, flats: dict[torch.dtype, torch.Tensor]) -> None:
         self._state[unit.index].flats = flats
-        for slot in unit.slots:
-            slot.param.data = slot.view(flats)
+        for slot, view in zip(unit.slots, self._views(unit, flats)):
+            slot.param.data = view
         for dtype, flat in flats.items():
             self._storage_to_unit[flat.untyped_storage().data_ptr()] = (unit.index, dtype)
+
+    def _views(self, unit: Unit, flats: dict[torch.dtype, torch.Tensor]) -> list[torch.Tensor]:
+        """Each parameter's view of ``flats``; those of the unit's host cache are made once (views of other buffers
+        are not kept: they would keep the buffers alive)."""
+        host = tuple(unit.host.values())
+        if len(host) != len(flats) or any(flats.get(dtype) is not t for dtype, t in unit.host.items()):
+            return [slot.view(flats) for slot in unit.slots]
+        cached = self._host_views.get(unit.index)
+        if cached is None or any(a is not b for a, b in zip(cached[0], host)):
+            cached = self._host_views[unit.index] = (host, [slot.view(flats) for slot in unit.slots])
+        return cached[1]
 
     def _start_uploads(self) -> None:
         """Start the upload of every unit whose store reads have all landed (a failed read is left for acquire)."""
@@ -230,9 +244,11 @@ class ParameterPager:
         self._reading.discard(unit.index)
         for flat in (state.flats or {}).values():
             self._storage_to_unit.pop(flat.untyped_storage().data_ptr(), None)
-            # Freed on the compute stream: the allocator must not hand this memory out while kernels queued on the
-            # compute stream may still read it.
-            self.device.keep_alive(flat)
+            if not unit.resident:
+                # Freed on the compute stream: the allocator must not hand this memory out while kernels queued on
+                # the compute stream may still read it (a resident unit's memory is the device tier's, kept for the
+                # run).
+                self.device.keep_alive(flat)
         for slot in unit.slots:
             slot.param.data = self._placeholder(slot)
         state.staging = None
