@@ -35,8 +35,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from lightning_ratel.runtime.escapes import tensor_args
 from lightning_ratel.runtime.pager import ParameterPager
+from lightning_ratel.runtime.trees import tensor_args
 from lightning_ratel.runtime.units import ParamSlot
 
 CACHED_UNITS = 2

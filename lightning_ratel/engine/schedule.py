@@ -27,7 +27,6 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from lightning_ratel.engine.blocks import Block
 from lightning_ratel.runtime.activations import ActivationCache
@@ -36,6 +35,7 @@ from lightning_ratel.runtime.escapes import running_modules
 from lightning_ratel.runtime.pager import ParameterPager
 from lightning_ratel.runtime.recompute import ForwardRecord, ModuleState, OpTracker
 from lightning_ratel.runtime.timeline import Timeline
+from lightning_ratel.runtime.trees import tensor_leaves
 
 
 class TrainingState(enum.Enum):
@@ -116,7 +116,7 @@ class BlockTimer:
         self.device.synchronize()
         times = self.block_times.setdefault(b, {})
         times["forward"] = times.get("forward", 0.0) + time.perf_counter() - times.pop("forward_start")
-        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+        tensors = tensor_leaves(output)
         times["output_bytes"] = float(sum(t.numel() * t.element_size() for t in tensors))
         times["output_elements"] = float(sum(t.numel() for t in tensors))
 
@@ -267,7 +267,7 @@ class BlockScheduler:
             if self.observer is not None:
                 self.observer.forward_ended(b, output)
             self.cache.end_record(b)
-            outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            outputs = [t for t in tensor_leaves(output) if t.requires_grad]
             if outputs:
                 torch.autograd.graph.register_multi_grad_hook(
                     outputs, functools.partial(self._pre_backward, b), mode="any")

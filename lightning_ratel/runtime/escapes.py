@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from torch.utils._pytree import tree_map
 
 from lightning_ratel.runtime.pager import ParameterPager
+from lightning_ratel.runtime.trees import tensor_args
 from lightning_ratel.runtime.units import ParamSlot
 
 # The frame of every module call (``Module.__call__`` runs it, with or without hooks).
@@ -40,18 +41,6 @@ def running_modules() -> Iterator[nn.Module]:
         if frame.f_code is _CALL_IMPL:
             yield frame.f_locals["self"]
         frame = frame.f_back
-
-
-def tensor_args(args: Sequence[Any], kwargs: dict[str, Any]) -> Iterator[torch.Tensor]:
-    """The tensors among an ATen op's arguments: tensors, and tensors in lists (``Tensor[]``, ``Tensor?[]``), the only
-    nesting an operator schema has (faster than flattening them as a tree, on every op a mode sees)."""
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor):
-            yield value
-        elif isinstance(value, (list, tuple)):
-            for item in value:
-                if isinstance(item, torch.Tensor):
-                    yield item
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from lightning_ratel.runtime.device import Stopwatch
 from lightning_ratel.runtime.flops import count_flops
+from lightning_ratel.runtime.trees import flatten, tensor_args
 
 # Aliasing no-ops that are not part of a block's op sequence: autograd detaches a tensor it saves when no saved-tensor
 # hook is set, so whether they are issued depends on the hooks, which differ between the forward and the replay.
@@ -467,7 +468,7 @@ class _Replayer(TorchDispatchMode):
             out = ops[k].dummy()
         if k in record.targets:
             # Aliases: autograd attaches the replay's graph to the tensors returned here, not to these.
-            self.outputs[k] = [t.detach() if isinstance(t, torch.Tensor) else t for t in tree_flatten(out)[0]]
+            self.outputs[k] = [t.detach() if isinstance(t, torch.Tensor) else t for t in flatten(out)[0]]
         if k >= self.last:
             raise _StopReplay
         return out
@@ -475,7 +476,7 @@ class _Replayer(TorchDispatchMode):
     def _check_shapes(self, k: int, func: Any, out: Any) -> None:
         """An executed op must give the shapes it gave in the forward; others mean the forward took another path."""
         record = self.record
-        got = [tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in tree_flatten(out)[0]]
+        got = [tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in flatten(out)[0]]
         want = [m[0] if isinstance(m, tuple) and len(m) == 4 else None for m in record.ops[k].out_meta]
         if got != want:
             raise RuntimeError(
@@ -544,28 +545,26 @@ class OpTracker(TorchDispatchMode):
         n = self._counts.get(base, 0)
         self._counts[base] = n + 1
         name = base if n == 0 else f"{base}#{n}"
-        in_leaves = tree_flatten((args, kwargs))[0]
         inputs = []
         in_storages = set()
-        for leaf in in_leaves:
-            if isinstance(leaf, torch.Tensor):
-                op = record.direct_op(leaf)
-                inputs.append(op if op is not None else -1)
-                if leaf.numel():
-                    ptr = leaf.untyped_storage().data_ptr()
-                    in_storages.add(ptr)
-                    if ptr in record.input_storages:
-                        record.input_readers.add(k)
-                    last = record.writer(ptr)
-                    if op is not None and last is not None and last[0] > op:
-                        # Written in place after the op that returned this tensor (through another view of the
-                        # memory): the replay must run that write too.
-                        inputs.append(last[0])
-                    if ptr in record.external_writer and record.outside_storage(ptr):
-                        # A storage from outside the block, written in this forward: a replay starts it from its
-                        # bytes before the forward, so it runs every write the value read here went through.
-                        inputs.append(record.external_writer[ptr])
-        out_leaves, spec = tree_flatten(out)
+        for leaf in tensor_args(args, kwargs):
+            op = record.direct_op(leaf)
+            inputs.append(op if op is not None else -1)
+            if leaf.numel():
+                ptr = leaf.untyped_storage().data_ptr()
+                in_storages.add(ptr)
+                if ptr in record.input_storages:
+                    record.input_readers.add(k)
+                last = record.writer(ptr)
+                if op is not None and last is not None and last[0] > op:
+                    # Written in place after the op that returned this tensor (through another view of the
+                    # memory): the replay must run that write too.
+                    inputs.append(last[0])
+                if ptr in record.external_writer and record.outside_storage(ptr):
+                    # A storage from outside the block, written in this forward: a replay starts it from its
+                    # bytes before the forward, so it runs every write the value read here went through.
+                    inputs.append(record.external_writer[ptr])
+        out_leaves, spec = flatten(out)
         meta: list[Any] = []
         mutates = func._schema.is_mutable
         for i, leaf in enumerate(out_leaves):
