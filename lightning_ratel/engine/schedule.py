@@ -23,6 +23,7 @@ import enum
 import functools
 import time
 from collections.abc import Callable, Sequence
+from types import FrameType
 from typing import Any, Protocol
 
 import torch
@@ -31,7 +32,7 @@ from torch import nn
 from lightning_ratel.engine.blocks import Block
 from lightning_ratel.runtime.activations import ActivationCache
 from lightning_ratel.runtime.device import Device
-from lightning_ratel.runtime.escapes import running_modules
+from lightning_ratel.runtime.escapes import module_calls, running_modules
 from lightning_ratel.runtime.pager import ParameterPager
 from lightning_ratel.runtime.recompute import ForwardRecord, ModuleState, OpTracker
 from lightning_ratel.runtime.timeline import Timeline
@@ -168,8 +169,11 @@ class BlockScheduler:
         self.order = [b.index for b in blocks]
         self._order_pass: list[int] = []
         self._hook_stack: list[tuple[int, list[Any]]] = []
-        # Each block submodule's path inside its block, for op names (tracked blocks only).
+        # Each block submodule's path inside its block, for op names (tracked blocks only), and the last module call
+        # whose path was asked for.
         self._paths: dict[int, str] = {}
+        self._path_call: FrameType | None = None
+        self._path = ""
         self._held: list[int] = []
         self._current: int | None = None
         # Told where each block's forward and backward start and end (the planner's timer while it profiles).
@@ -207,15 +211,23 @@ class BlockScheduler:
     def _op_path(self) -> str:
         """The path inside its block of the innermost block submodule whose forward runs now (``""``: the block's own
         forward). Read off the Python stack, only for the ops of tracked forwards: hooks on every submodule would cost
-        each of their calls in every forward."""
+        each of their calls in every forward. The ops of one submodule call share the answer."""
+        call = next(module_calls(), None)
+        if call is None:
+            return ""
+        if call is self._path_call:
+            return self._path
         block = self.blocks[self._hook_stack[-1][0]].module if self._hook_stack else None
-        for module in running_modules():
+        path = ""
+        for module in running_modules(call):
             if module is block:
                 break
-            path = self._paths.get(id(module))
-            if path is not None:
-                return path
-        return ""
+            if id(module) in self._paths:
+                path = self._paths[id(module)]
+                break
+        # Kept until the block's forward ends (the frame holds the call's locals).
+        self._path_call, self._path = call, path
+        return path
 
     def _pre_forward(self, b: int, module: nn.Module, args: Any, kwargs: Any) -> None:
         self._check()
@@ -261,6 +273,7 @@ class BlockScheduler:
         self._hook_stack.append((b, contexts))
 
     def _post_forward(self, b: int, module: nn.Module, args: Any, output: Any) -> None:
+        self._path_call = None
         if self._hook_stack and self._hook_stack[-1][0] == b:
             for context in reversed(self._hook_stack.pop()[1]):
                 context.__exit__(None, None, None)
@@ -331,6 +344,7 @@ class BlockScheduler:
                 context.__exit__(None, None, None)
             self.cache.end_record(b)
             self.pager.release(b)
+        self._path_call = None
 
     def close(self) -> None:
         """Leave any forward still open (after an error), remove every hook and release every block."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 import torch
@@ -33,14 +34,21 @@ from lightning_ratel.runtime.units import ParamSlot
 _CALL_IMPL = nn.Module._call_impl.__code__
 
 
-def running_modules() -> Iterator[nn.Module]:
-    """The modules whose forward (or forward hooks) run now, innermost first: their calls on the Python stack, read
-    only when asked, which costs nothing while no one asks (hooks on every module would cost each of their calls)."""
-    frame = sys._getframe(1)
+def module_calls(frame: FrameType | None = None) -> Iterator[FrameType]:
+    """The frames of the module calls running now (or from ``frame`` outward), innermost first."""
+    frame = frame or sys._getframe(1)
     while frame is not None:
         if frame.f_code is _CALL_IMPL:
-            yield frame.f_locals["self"]
+            yield frame
         frame = frame.f_back
+
+
+def running_modules(frame: FrameType | None = None) -> Iterator[nn.Module]:
+    """The modules whose forward (or forward hooks) run now (or from ``frame`` outward), innermost first: their calls
+    on the Python stack, read only when asked, which costs nothing while no one asks (hooks on every module would
+    cost each of their calls)."""
+    for call in module_calls(frame or sys._getframe(1)):
+        yield call.f_locals["self"]
 
 
 @dataclass(frozen=True)
