@@ -19,10 +19,18 @@ dropped), the bytes its swap store wrote and read (each checksummed), and what i
 context switches, read and write calls and CPU time, from ``/proc`` on Linux; only the involuntary switches depend on
 the load): on a CPU run each wake-up of one of them preempts a compute thread.
 
+A model so small that its compute takes almost no time shows the host work of a step instead: the Python each
+strategy runs around the ops (hooks, paging, the optimizer's bookkeeping), which on a GPU is what the host thread
+adds between kernels (the third command, with the states and updates on the device as a GPU run that fits gets them,
+and nothing moved between tiers).
+
 Run from the repository root::
 
     python -m benchmarks.step_overhead --swap-dir /mnt/nvme0/ratel
     python -m benchmarks.step_overhead --ratel-config '{"activation_policy": {"*layers.0": "ssd", "*": "host"}}'
+    python -m benchmarks.step_overhead --hidden-size 32 --intermediate-size 64 --num-heads 2 --num-layers 8 \
+        --batch-size 1 --seq-len 8 --threads 1 --steps 200 --repeats 4 \
+        --ratel-config '{"optimizer_states": "device", "activation_policy": "keep"}'
 """
 
 from __future__ import annotations
@@ -131,6 +139,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=2, help="runs of each strategy, taking turns")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--hidden-size", type=int, default=256, help="the Llama's hidden size (the demo's default)")
+    parser.add_argument("--intermediate-size", type=int, default=688, help="its MLP's inner size")
+    parser.add_argument("--num-layers", type=int, default=4, help="its decoder layers")
+    parser.add_argument("--num-heads", type=int, default=4, help="its attention heads")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
     parser.add_argument("--gradient-clip-val", type=float, default=None,
                         help="clip by norm in both runs (Ratel then starts its updates after backward)")
@@ -142,6 +154,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def build_model(args: argparse.Namespace, data: TextDataModule) -> CausalLMModule:
+    """The demo's Llama in the sizes ``args`` give."""
+    return CausalLMModule(vocab_size=data.vocab_size, max_seq_len=data.seq_len, hidden_size=args.hidden_size,
+                          intermediate_size=args.intermediate_size, num_layers=args.num_layers,
+                          num_heads=args.num_heads)
+
+
 def run(strategy: str, args: argparse.Namespace, data: TextDataModule) -> StepClock:
     """One fit of ``args.warmup + args.steps + 1`` steps; the last one only marks the end of the clock."""
     if strategy == "ratel":
@@ -149,7 +168,7 @@ def run(strategy: str, args: argparse.Namespace, data: TextDataModule) -> StepCl
         trainer_strategy: Any = RatelStrategy(ssd_paths=[str(args.swap_dir)], **args.ratel_config)
     else:
         trainer_strategy = "auto"
-    model = CausalLMModule(vocab_size=data.vocab_size, max_seq_len=data.seq_len)
+    model = build_model(args, data)
     clock = StepClock(args.warmup, args.steps)
     trainer = L.Trainer(
         accelerator="cpu",
@@ -199,7 +218,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             losses[strategy] = clock.last_loss
             counts += clock.counts
 
-    params = sum(p.numel() for p in CausalLMModule(vocab_size=data.vocab_size, max_seq_len=data.seq_len).parameters())
+    params = sum(p.numel() for p in build_model(args, data).parameters())
     console.print(
         f"Llama {params / 1e6:.2f}M params, batch {args.batch_size} x {args.seq_len + 1} tokens, 32-true, "
         f"{args.threads} torch threads; {args.warmup} warm-up steps untimed, {args.steps} steps timed, "
