@@ -33,10 +33,10 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
 from lightning_ratel.runtime.pager import ParameterPager
-from lightning_ratel.runtime.trees import tensor_args
+from lightning_ratel.runtime.trees import tensor_args, tensor_leaves
 from lightning_ratel.runtime.units import ParamSlot
 
 CACHED_UNITS = 2
@@ -278,9 +278,7 @@ class ParameterReads(TorchDispatchMode):
         for argument in schema.arguments:
             if argument.alias_info is None or not argument.alias_info.is_write:
                 continue
-            for t in tree_flatten(named.get(argument.name))[0]:
-                if not isinstance(t, torch.Tensor):
-                    continue
+            for t in tensor_leaves(named.get(argument.name)):
                 if id(t) in found:
                     units.add(found[id(t)][0])
                 elif type(t) is torch.Tensor and t.layout == torch.strided and t.numel():

@@ -61,7 +61,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from lightning_ratel.runtime.device import Stopwatch
 from lightning_ratel.runtime.flops import count_flops
-from lightning_ratel.runtime.trees import flatten, tensor_args
+from lightning_ratel.runtime.trees import flatten, tensor_args, tensor_leaves
 
 # Aliasing no-ops that are not part of a block's op sequence: autograd detaches a tensor it saves when no saved-tensor
 # hook is set, so whether they are issued depends on the hooks, which differ between the forward and the replay.
@@ -146,7 +146,7 @@ def _written_tensors(func: Any, args: Any, kwargs: dict[str, Any]) -> list[torch
         info = argument.alias_info
         if info is not None and info.is_write:
             value = args[i] if i < len(args) else kwargs.get(argument.name)
-            found.extend(t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
+            found.extend(tensor_leaves(value))
     return found
 
 
