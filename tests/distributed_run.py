@@ -300,6 +300,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--clip", type=float, default=None)
+    parser.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW's eps")
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--checkpoint-format", default="full")
     parser.add_argument("--save", default=None, help="save a checkpoint here at the end of training")
@@ -385,7 +386,7 @@ def main(argv: list[str]) -> None:
         _claim_device(int(claimer), device_type)
     reads = _count_reads(args.fail_save)
     with torch.device("meta") if args.lora else contextlib.nullcontext():
-        module = LM(args.model, batch_size=2)
+        module = LM(args.model, batch_size=2, eps=args.adam_eps)
         if args.lora:
             import peft  # only here: peft is optional, and its test skips without it
 

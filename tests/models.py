@@ -127,11 +127,13 @@ class LM(L.LightningModule):
     """Whether the loss adds a term over every rank's logits, gathered with ``self.all_gather(..., sync_grads=True)``
     (as a contrastive loss gathers embeddings), so that backward runs a collective."""
 
-    def __init__(self, model: str = "llama", lr: float = 1e-2, n_batches: int = 12, batch_size: int = 2) -> None:
+    def __init__(self, model: str = "llama", lr: float = 1e-2, n_batches: int = 12, batch_size: int = 2,
+                 eps: float = 1e-8) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.model = MODELS[model]()
         self.lr = lr
+        self.eps = eps
         self.n_batches = n_batches
         self.batch_size = batch_size
 
@@ -156,9 +158,8 @@ class LM(L.LightningModule):
     def configure_optimizers(self) -> Any:
         decay = [p for p in self.parameters() if p.ndim >= 2]
         no_decay = [p for p in self.parameters() if p.ndim < 2]
-        opt = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=self.lr
-        )
+        groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+        opt = torch.optim.AdamW(groups, lr=self.lr, eps=self.eps)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
