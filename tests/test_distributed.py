@@ -37,12 +37,12 @@ from tests.distributed_run import node_speeds
 from tests.models import LM, max_rel_err
 
 ROOT = Path(__file__).resolve().parent.parent
-# AdamW's eps is 1e-5 in these runs, not torch's 1e-8. A step divides each gradient sum by its own size plus eps, so where
-# a sum nearly cancels, a rounding of it in the last bit moves the parameter by up to lr * rounding / eps. Summed in
-# another order than ddp's (below), with eps 1e-8, one parameter in 32k moved 4e-4 of a step on 2 ranks, and some moved
-# 3e-3 of one on 4 ranks (relative errors 1.4e-5 and 1.3e-4, on an Intel host; under 1e-5 on AMD hosts): rounding that
-# no bound told from an error. With eps 1e-5 the same runs are within 3.4e-6 and 1.3e-6. A sum that is wrong, not
-# reordered, still moves the moments, and the steps, by far more.
+# AdamW's eps is 1e-5 in these runs, not torch's 1e-8. A step divides each gradient sum by its own size plus eps,
+# so where a sum nearly cancels, a rounding of it in the last bit moves the parameter by up to lr * rounding / eps.
+# Summed in another order than ddp's (below), with eps 1e-8, one parameter in 32k moved 4e-4 of a step on 2 ranks,
+# and some moved 3e-3 of one on 4 ranks (relative errors 1.4e-5 and 1.3e-4, on an Intel host; under 1e-5 on AMD
+# hosts): rounding that no bound told from an error. With eps 1e-5 the same runs are within 3.4e-6 and 1.3e-6. A sum
+# that is wrong, not reordered, still moves the moments, and the steps, by far more.
 ACCUMULATE_CLIP = ["--accumulate", "2", "--clip", "0.5", "--adam-eps", "1e-5"]
 # Reducing each micro-batch sums a window's gradients over ranks and micro-batches in another order than ddp (which
 # sums each rank's micro-batches first): fp32 rounding apart (measured on the test Llama after 3 steps, on an Intel
