@@ -6,7 +6,9 @@ all requests in flight at once. The baseline is ``dd`` with ``O_DIRECT`` on the 
 drop it; the output says whether the store really used direct I/O.
 
 The store runs ``--repeats`` times with chunk checksums (``verify=True``, the default) and as often without,
-alternating, and the best time of each is compared: the ratio is what verification costs in throughput.
+alternating, and the best time of each is compared: the ratio is what verification costs in throughput. Each run also
+reads everything once more into memory allocated for that read (huge pages, as the read-backs of swapped activations
+were until they came from the device's host pool): against reads into the reused tensors, what fresh memory costs.
 
 Run from the repository root (or anywhere once the package is installed)::
 
@@ -83,8 +85,9 @@ def make_shards(total_bytes: int, shard_bytes: int) -> list[torch.Tensor]:
 
 def bench_store(
     paths: Sequence[Path], shards: list[torch.Tensor], args: argparse.Namespace, verify: bool
-) -> tuple[tuple[float, float], tuple[float, float], bool]:
-    """Wall and CPU seconds to write and to read every shard, and whether direct I/O was in use."""
+) -> tuple[tuple[float, float], tuple[float, float], tuple[float, float], bool]:
+    """Wall and CPU seconds to write every shard, to read it back into its tensor and into fresh memory, and whether
+    direct I/O was in use."""
     with TensorStore(
         paths, name=STORE_NAME, stripe_bytes=args.stripe_mib * MIB, io_threads_per_path=args.threads_per_path,
         verify=verify,
@@ -100,18 +103,25 @@ def bench_store(
                 future.result()
             fsync_files(swap_files)
 
+        fresh: list[torch.Tensor] = []
+
         def read_all() -> None:
             for future in [store.read(f"shard{i}", shard) for i, shard in enumerate(shards)]:
                 future.result()
+
+        def read_fresh() -> None:
+            targets = [aligned_empty(shard.numel(), shard.dtype, huge=True) for shard in shards]
+            fresh.extend(future.result() for future in [store.read(f"shard{i}", t) for i, t in enumerate(targets)])
 
         write = timed(write_all)
         for shard in shards:
             shard.zero_()
         read = timed(read_all)
-        for index, shard in enumerate(shards):
-            if shard[0].item() != index or shard[-1].item() != index:
+        read_new = timed(read_fresh)
+        for index, (shard, copy) in enumerate(zip(shards, fresh)):
+            if any(t[0].item() != index or t[-1].item() != index for t in (shard, copy)):
                 raise RuntimeError(f"shard {index} read back wrong data")
-        return write, read, store.direct
+        return write, read, read_new, store.direct
 
 
 def run_parallel(commands: list[list[str]]) -> tuple[float, str | None]:
@@ -166,15 +176,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         paths = [own_directory]
     total_bytes = int(args.size_gib * GIB) // 4096 * 4096
     shard_bytes = args.shard_mib * MIB
-    # Per verify setting: the best (wall, CPU) seconds of the writes and of the reads.
-    best = {verify: [(math.inf, math.inf), (math.inf, math.inf)] for verify in (True, False)}
+    # Per verify setting: the best (wall, CPU) seconds of the writes, the reads and the reads into fresh memory.
+    best = {verify: [(math.inf, math.inf)] * 3 for verify in (True, False)}
     try:
         shards = make_shards(total_bytes, shard_bytes)
         for repeat in range(args.repeats):
             # Alternating (and swapping which goes first) spreads slow phases of a shared machine over both.
             for verify in (True, False) if repeat % 2 == 0 else (False, True):
-                write, read, direct = bench_store(paths, shards, args, verify)
-                best[verify] = [min(best[verify][0], write), min(best[verify][1], read)]
+                *seconds, direct = bench_store(paths, shards, args, verify)
+                best[verify] = [min(old, new) for old, new in zip(best[verify], seconds)]
         del shards
         dd_write, dd_read, dd_bytes, dd_error = bench_dd(paths, total_bytes)
     finally:
@@ -216,6 +226,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"{operation}: CPU seconds per GiB (all threads, in the fastest run) verify "
             f"{best[True][index][1] / gib:.3f}, no verify {best[False][index][1] / gib:.3f}"
         )
+    reused, fresh = best[True][1], best[True][2]
+    console.print(
+        f"read into fresh memory (verify): {show(rate(total_bytes, fresh[0]))} GB/s, CPU seconds per GiB "
+        f"{fresh[1] / gib:.3f}; against reads into reused memory, wall {show(fresh[0] / reused[0])}x, "
+        f"CPU {show(fresh[1] / reused[1])}x"
+    )
 
 
 if __name__ == "__main__":

@@ -39,7 +39,6 @@ import torch
 from torch.utils._pytree import tree_map
 
 from lightning_ratel.runtime.device import Device
-from lightning_ratel.runtime.hostmem import aligned_empty
 from lightning_ratel.runtime.pager import ParameterPager
 from lightning_ratel.runtime.recompute import ForwardRecord, KeptOutput
 from lightning_ratel.runtime.storage import TensorStore
@@ -328,13 +327,12 @@ class ActivationCache:
         numel = int(torch.Size(ref.shape).numel())
         if self._device_direct:
             ref.read_buffer = torch.empty(numel, dtype=ref.dtype, device=self.device.device)
-        elif self.device.separate_memory:
-            # Page-aligned too; the copy to the device is recorded against it, so dropping it never waits.
-            ref.read_buffer = self.device.host_buffer(numel, ref.dtype)
         else:
-            # Page-aligned, so the read lands without a bounce; on the CPU the buffer becomes the tensor.
-            # Huge pages measured ~3% faster on the demo even though the buffer is new every step.
-            ref.read_buffer = aligned_empty(numel, ref.dtype, huge=True)
+            # Page-aligned, so the read lands without a bounce, and reused from step to step: into fresh memory the
+            # same reads took twice the CPU time (benchmarks/store_bandwidth.py). The copy to a separate device is
+            # recorded against it, so dropping it never waits; on the CPU the buffer becomes the tensor, and its
+            # memory is reused once that dies.
+            ref.read_buffer = self.device.host_buffer(numel, ref.dtype)
         # Backward reaches this block next and waits for these reads.
         ref.read = self.store.read(ref.key, ref.read_buffer, urgent=True)
 
