@@ -60,7 +60,8 @@ class ByteAccount:
             host += pool.nbytes
         else:
             # On CPU the activations kept for forwarding are tensors of their own, not the pool's, and the pool's
-            # buffers in use are the resident compute copies, counted as the device's.
+            # buffers in use are the resident compute copies, counted as the device's, and the activations read back
+            # from the SSDs for backward (saved activations, which these figures leave out on every tier).
             host += self.cache.host_bytes_in_use + pool.nbytes - pool.nbytes_in_use
         if self.adam is not None:
             host += self.adam.host_buffer_bytes
