@@ -61,7 +61,7 @@ class ByteAccount:
         else:
             # On CPU the activations kept for forwarding are tensors of their own, not the pool's, and the pool's
             # buffers in use are the resident compute copies, counted as the device's, and the activations read back
-            # from the SSDs for backward (saved activations, which these figures leave out on every tier).
+            # from the SSDs for backward (saved activations, which these figures leave out on the CPU).
             host += self.cache.host_bytes_in_use + pool.nbytes - pool.nbytes_in_use
         if self.adam is not None:
             host += self.adam.host_buffer_bytes
