@@ -121,6 +121,38 @@ def test_ssd_tensors_come_back_after_the_staging_copy_is_gone(tmp_path: Path) ->
         store.close()
 
 
+def test_ssd_read_backs_reuse_the_host_pools_memory_from_pass_to_pass(tmp_path: Path) -> None:
+    """Every pass reads its swapped tensors back into buffers of the device's host pool (on the CPU too), which come
+    back once backward and the cache are done with them: the next pass reads into the same memory, none is new."""
+    x = torch.randn(16, 64)
+    net, pager, cache, store = _setup(tmp_path, "ssd")
+    pool = cache.device.pool
+    sizes = []
+    try:
+        pager.acquire(0)
+        resident = pool.nbytes_in_use  # the unit's compute copy
+        for _ in range(3):
+            xg = x.clone().requires_grad_()
+            with cache.hooks(0):
+                y = torch.tanh(net.layers[0](xg)) ** 2
+            for write in cache._pending_writes:
+                write.result()
+            read = store.bytes_read
+            cache.prefetch_block(0)
+            assert pool.nbytes_in_use > resident
+            y.sum().backward()
+            cache.done_with(0)
+            cache.end_pass()
+            assert store.bytes_read - read == cache.ssd_bytes // (len(sizes) + 1) > 0
+            assert torch.equal(xg.grad, _reference(x)[0])
+            assert pool.nbytes_in_use == resident
+            sizes.append(pool.nbytes)
+        assert sizes[0] > 0 and sizes == [sizes[0]] * 3
+    finally:
+        cache.close()
+        store.close()
+
+
 class _SavesTransposed(torch.autograd.Function):
     """Saves a transposed (non-contiguous) view and records the strides backward gets it back with."""
 

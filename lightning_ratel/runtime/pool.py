@@ -192,9 +192,9 @@ class HostPool:
                 lease.uses.append(use)
 
     def give(self, tensor: torch.Tensor, after: Iterable[Future] = ()) -> None:
-        """Hand back a buffer from :meth:`take` while references to it may still exist (a store's I/O thread keeps
-        the request it ran last): its owner promises that nothing uses the memory any more, except ``after`` (I/O
-        still writing it) and the copies recorded against it, whose completion the reuse waits for."""
+        """Hand back a buffer from :meth:`take` while references to it may still exist (the futures of the reads
+        into it, a request still queued): its owner promises that nothing uses the memory any more, except ``after``
+        (I/O still writing it) and the copies recorded against it, whose completion the reuse waits for."""
         with self._lock:
             lease = self._lent.pop(tensor.untyped_storage().data_ptr())
             lease.given = True

@@ -262,6 +262,9 @@ class PriorityPool:
             if call is None:
                 return
             call(*args)
+            # Not kept while waiting for the next: the finished call's request refers to the caller's tensor, and a
+            # buffer of the host pool comes back only once nothing does.
+            del call, args
 
 
 class TensorStore:
