@@ -23,8 +23,9 @@ $(STAMP): $(INSTALL_INPUTS) | $(VENV_PYTHON)
 	$(PIP) -e ".[test,examples]"
 	touch $@
 
+# The slowest tests in CI's log: the suite must stay well under 20 minutes on CI's 2 cores.
 test: $(STAMP)
-	$(VENV_PYTHON) -m pytest -q
+	$(VENV_PYTHON) -m pytest -q --durations=25
 
 # The same suite on the newest release of every package (constraints.txt ignored), in a venv of its own, to see what
 # a pin move would break without turning CI red. torch stays at the pinned CPU build unless LATEST_TORCH says otherwise
