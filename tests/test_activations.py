@@ -43,15 +43,27 @@ def _setup(tmp_path: Path, placement: str) -> tuple[Net, ParameterPager, Activat
     return net, pager, cache, store
 
 
+def _forward(net: Net, cache: ActivationCache, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block 0's forward on a copy of ``x`` under the cache's hooks: the input that takes the gradient, the output."""
+    xg = x.clone().requires_grad_()
+    with cache.hooks(0):
+        y = torch.tanh(net.layers[0](xg)) ** 2
+    return xg, y
+
+
+def _land_writes(cache: ActivationCache) -> None:
+    """Let every write land, which drops its in-memory copy: backward must read the tensors back."""
+    for write in cache._pending_writes:
+        write.result()
+
+
 @pytest.mark.parametrize("placement", ["device", "host", "ssd"])
 def test_each_tier_gives_backward_the_saved_values(tmp_path: Path, placement: str) -> None:
     x = torch.randn(16, 64)
     net, pager, cache, store = _setup(tmp_path, placement)
     try:
         pager.acquire(0)
-        xg = x.clone().requires_grad_()
-        with cache.hooks(0):
-            y = torch.tanh(net.layers[0](xg)) ** 2
+        xg, y = _forward(net, cache, x)
         y.sum().backward()
         cache.end_pass()
         expected_x, expected_w = _reference(x)
@@ -105,12 +117,8 @@ def test_ssd_tensors_come_back_after_the_staging_copy_is_gone(tmp_path: Path) ->
     net, pager, cache, store = _setup(tmp_path, "ssd")
     try:
         pager.acquire(0)
-        xg = x.clone().requires_grad_()
-        with cache.hooks(0):
-            y = torch.tanh(net.layers[0](xg)) ** 2
-        # Let every write land, which drops its in-memory copy: backward must read the tensors back.
-        for write in cache._pending_writes:
-            write.result()
+        xg, y = _forward(net, cache, x)
+        _land_writes(cache)
         read = store.bytes_read
         cache.prefetch_block(0)
         y.sum().backward()
@@ -132,11 +140,8 @@ def test_ssd_read_backs_reuse_the_host_pools_memory_from_pass_to_pass(tmp_path: 
         pager.acquire(0)
         before = pool.nbytes_in_use
         for _ in range(3):
-            xg = x.clone().requires_grad_()
-            with cache.hooks(0):
-                y = torch.tanh(net.layers[0](xg)) ** 2
-            for write in cache._pending_writes:
-                write.result()
+            xg, y = _forward(net, cache, x)
+            _land_writes(cache)
             read = store.bytes_read
             cache.prefetch_block(0)
             assert pool.nbytes_in_use > before
