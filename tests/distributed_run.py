@@ -289,8 +289,8 @@ def _overflow_on(module: LM, rank: int, step: int) -> None:
     module.model.model.embed_tokens.register_forward_hook(hook)
 
 
-def main(argv: list[str]) -> None:
-    baseline, private = proportional_set_size(), private_memory()
+def arguments() -> argparse.ArgumentParser:
+    """The command line of a run."""
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--strategy", default="ratel")
@@ -349,7 +349,12 @@ def main(argv: list[str]) -> None:
                         help="this rank has no host room for activations when the plan is made (--plan-auto)")
     parser.add_argument("--validate", type=int, default=0,
                         help="validate on 2 batches every that many training batches (and a sanity check first)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str]) -> None:
+    baseline, private = proportional_set_size(), private_memory()
+    args = arguments().parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     swap = out / "swap"

@@ -1,7 +1,9 @@
 """Data-parallel RatelStrategy on several processes (gloo on the CPU), against Lightning's own ``ddp`` strategy.
 
-Each run is ``python -m tests.distributed_run`` (:mod:`tests.distributed_run`): Lightning's launcher starts the second
-rank, or the test starts one process per node. The runs are small (a 3-layer transformers Llama or T5, 3 steps).
+Each run is :mod:`tests.distributed_run`, its ranks forked from a process that imported it once
+(:mod:`tests.forked_ranks`) as a cluster's launcher starts them; a few runs are ``python -m tests.distributed_run``
+whose other ranks Lightning's launcher starts, as a user's script does. The runs are small (a 3-layer transformers
+Llama or T5, 3 steps).
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ import dataclasses
 import functools
 import json
 import os
-import socket
 import subprocess
 import sys
 from datetime import timedelta
@@ -33,7 +34,9 @@ from lightning_ratel.plan import Plan, predict
 from lightning_ratel.plan.exchange import choose_exchange
 from lightning_ratel.plan.owners import UnitCost, assign_owners, imbalance
 from lightning_ratel.runtime.collectives import Faults, Ranks, gather_outcomes
-from tests.distributed_run import node_speeds
+from tests import forked_ranks
+from tests.distributed_run import arguments, node_speeds
+from tests.forked_ranks import Ended, free_port, rank_environments
 from tests.models import LM, max_rel_err
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,13 +59,30 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _run(out: Path, *args: str, timeout: float = 240, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tests.distributed_run", str(out), *args], cwd=ROOT,
-                          env=env or _env(), capture_output=True, text=True, timeout=timeout)
+def _run(out: Path, *args: str, timeout: float = 240, env: dict[str, str] | None = None,
+         lightning_launcher: bool = False) -> Ended:
+    """One run of :mod:`tests.distributed_run`: its ranks forked (:mod:`tests.forked_ranks`), or, with
+    ``lightning_launcher``, ``python -m tests.distributed_run`` whose second rank Lightning's launcher starts (what a
+    user's ``python train.py`` does; the ranks' stderr is then rank 0's, and its return code the only one)."""
+    env = env or _env()
+    argv = [str(out), *args]
+    if lightning_launcher:
+        done = subprocess.run([sys.executable, "-m", "tests.distributed_run", *argv], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=timeout)
+        return Ended([done.returncode], [done.stderr])
+    parsed = arguments().parse_args(argv)
+    world = parsed.devices * parsed.num_nodes
+    return forked_ranks.run(argv, rank_environments(env, parsed.devices, parsed.num_nodes) if world > 1 else [env],
+                            timeout)
 
 
-def _ok(result: subprocess.CompletedProcess) -> None:
-    assert result.returncode == 0, result.stderr[-4000:]
+def _ok(result: Ended) -> None:
+    assert result.returncodes == [0] * len(result.returncodes), result.stderr[-4000:]
+
+
+def _failed(result: Ended) -> None:
+    """Every process of the run stopped with an error."""
+    assert all(code != 0 for code in result.returncodes), (result.returncodes, result.stderr[-4000:])
 
 
 def _load(out: Path, rank: int = 0) -> dict:
@@ -80,12 +100,6 @@ def _assert_same(ref: dict, got: dict, tol: float = 1e-6) -> None:
             scale = ref_state[i][key].abs().max().clamp(min=1e-20)
             assert ((ref_state[i][key] - got_state[i][key]).abs().max() / scale).item() <= tol, (i, key)
     assert got["optimizer"]["param_groups"] == ref["optimizer"]["param_groups"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -213,7 +227,7 @@ def _shared_caches() -> set[str]:
 def test_two_processes_equal_ddp_with_accumulation_and_clipping(tmp_path: Path, ddp_reference: dict) -> None:
     """The states of ``ddp``'s, and the loss logged with ``sync_dist`` (reduced over the strategy's own collectives)
     is ``ddp``'s mean of the ranks' losses."""
-    _ok(_run(tmp_path, *ACCUMULATE_CLIP, "--sync-dist"))
+    _ok(_run(tmp_path, *ACCUMULATE_CLIP, "--sync-dist", lightning_launcher=True))
     for rank in (0, 1):
         _assert_same(ddp_reference, _load(tmp_path, rank))
         assert _load(tmp_path, rank)["metrics"]["train_loss"] == pytest.approx(
@@ -261,7 +275,7 @@ def test_a_plan_that_does_not_fit_one_rank_stops_every_rank(tmp_path: Path) -> N
     """Rank 1 has no host room for activations: rank 0 plans within the least room of any rank, finds no placement,
     and every rank raises its RatelPlanError (none waits for a plan that will not come)."""
     result = _run(tmp_path, "--plan-auto", "--tight-host", "1", timeout=180)
-    assert result.returncode != 0
+    _failed(result)
     assert result.stderr.count("RatelPlanError: ") >= 2, result.stderr[-4000:]
     assert not (tmp_path / "rank0.pt").exists()
 
@@ -300,30 +314,25 @@ def test_fp16_overflow_on_one_rank_drops_the_speculative_updates_of_all(tmp_path
         assert all(entry["step"].item() == 2 for entry in got["optimizer"]["state"].values())
 
 
-def _launch_two_nodes(out: Path, devices: int, *args: str, timeout: float, **env: str) -> list[tuple[int, str]]:
-    """Runs ``tests.distributed_run`` as two nodes of ``devices`` ranks each on localhost, one process per node (as a
-    cluster's launcher starts them, none watching the other); each node's return code and stderr."""
-    port = str(_free_port())
+def _run_two_nodes(out: Path, devices: int, *args: str, timeout: float, lightning_launcher: bool = False,
+                   **env: str) -> Ended:
+    """:mod:`tests.distributed_run` as two nodes of ``devices`` ranks each on localhost, every rank forked as a
+    cluster's launcher starts it, none watching the others; with ``lightning_launcher``, one process per node whose
+    other ranks Lightning's launcher starts (each node's return code and stderr)."""
+    if not lightning_launcher:
+        return _run(out, "--devices", str(devices), "--num-nodes", "2", *args, timeout=timeout, env=_env(**env))
+    port = str(free_port())
     procs = [subprocess.Popen([sys.executable, "-m", "tests.distributed_run", str(out), "--devices", str(devices),
                                "--num-nodes", "2", *args], cwd=ROOT,
                               env=_env(NODE_RANK=str(node), MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **env),
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
              for node in (0, 1)]
-    ended = []
-    for proc in procs:
-        _, err = proc.communicate(timeout=timeout)
-        ended.append((proc.returncode, err))
-    return ended
-
-
-def _run_two_nodes(out: Path, devices: int, *args: str, timeout: float) -> None:
-    """:func:`_launch_two_nodes`, checking that both nodes succeeded."""
-    for returncode, err in _launch_two_nodes(out, devices, *args, timeout=timeout):
-        assert returncode == 0, err[-4000:]
+    errs = [proc.communicate(timeout=timeout)[1] for proc in procs]
+    return Ended([proc.returncode for proc in procs], errs)
 
 
 def test_two_nodes_of_one_device_equal_ddp(tmp_path: Path, ddp_reference: dict) -> None:
-    _run_two_nodes(tmp_path, 1, *ACCUMULATE_CLIP, timeout=240)
+    _ok(_run_two_nodes(tmp_path, 1, *ACCUMULATE_CLIP, timeout=240))
     for rank in (0, 1):
         _assert_same(ddp_reference, _load(tmp_path, rank))
 
@@ -331,7 +340,7 @@ def test_two_nodes_of_one_device_equal_ddp(tmp_path: Path, ddp_reference: dict) 
 def test_plan_auto_on_two_nodes_holds_on_the_slower_node(tmp_path: Path) -> None:
     """Two nodes of one rank, the second reporting a tenth of the first's speeds: rank 0 plans with both nodes'
     profiles, so the plan both ranks apply predicts the step time of the slower node, not of rank 0's own."""
-    _run_two_nodes(tmp_path, 1, "--plan-auto", "--states", "ssd", "--slow-node", "1", timeout=240)
+    _ok(_run_two_nodes(tmp_path, 1, "--plan-auto", "--states", "ssd", "--slow-node", "1", timeout=240))
     got = [_load(tmp_path, rank)["plan"] for rank in (0, 1)]
     assert got[0] == got[1]
     plan = Plan.from_json(got[0])
@@ -346,7 +355,7 @@ def test_plan_auto_on_two_nodes_holds_on_the_slower_node(tmp_path: Path) -> None
 def test_plan_auto_on_two_nodes_predicts_each_with_its_own_states(tmp_path: Path) -> None:
     """Two nodes of one rank and equal speeds, the first keeping its optimizer states in host memory, the second in the
     swap files: rank 0 predicts the second node with that node's state traffic, which makes it the slower one."""
-    _run_two_nodes(tmp_path, 1, "--plan-auto", "--node-states", "host,ssd", "--same-speeds", timeout=240)
+    _ok(_run_two_nodes(tmp_path, 1, "--plan-auto", "--node-states", "host,ssd", "--same-speeds", timeout=240))
     got = [_load(tmp_path, rank) for rank in (0, 1)]
     assert got[0]["plan"] == got[1]["plan"]
     assert got[0]["state_traffic"]["written"] == 0 < got[1]["state_traffic"]["written"]
@@ -364,8 +373,8 @@ def test_plan_auto_on_two_nodes_predicts_each_with_its_own_states(tmp_path: Path
 def test_nodes_of_different_device_types_stop_at_setup(tmp_path: Path) -> None:
     """The second node says it trains on CUDA, the first on the CPU: both stop in the strategy's setup with an error
     naming each node's device type, before the swap directory is made (so before any step)."""
-    ended = _launch_two_nodes(tmp_path, 1, "--claim-device", "1:cuda", timeout=180)
-    for returncode, err in ended:
+    ended = _run_two_nodes(tmp_path, 1, "--claim-device", "1:cuda", timeout=180)
+    for returncode, err in zip(ended.returncodes, ended.logs):
         assert returncode != 0
         assert "RatelConfigError: the nodes train on different device types (node 0: cpu, node 1: cuda)" in err, \
             err[-4000:]
@@ -377,7 +386,7 @@ def test_two_nodes_of_two_ranks_each_share_a_host_cache(tmp_path: Path) -> None:
     on four processes (four ranks' gradients are summed in another order than ``ddp``'s: rounding apart), and each
     cache's pages shared by exactly two processes."""
     _ok(_run(tmp_path / "ddp", "--strategy", "ddp", "--devices", "4", *ACCUMULATE_CLIP))
-    _run_two_nodes(tmp_path / "ratel", 2, *ACCUMULATE_CLIP, timeout=300)
+    _ok(_run_two_nodes(tmp_path / "ratel", 2, *ACCUMULATE_CLIP, timeout=300, lightning_launcher=True))
     for rank in range(4):
         got = _load(tmp_path / "ratel", rank)
         _assert_same(_load(tmp_path / "ddp"), got, tol=1e-5)
@@ -536,9 +545,10 @@ def test_host_cache_once_per_node(tmp_path: Path) -> None:
 @pytest.mark.parametrize("exchange", ["auto", "micro_batch"])
 def test_a_killed_rank_stops_the_others(tmp_path: Path, exchange: str) -> None:
     before = _shared_caches()
+    # One run as a user's starts: Lightning's launcher then watches the killed rank's process.
     result = _run(tmp_path, "--fail", "1:1", "--exchange", exchange, "--accumulate", "2",
-                  env=_env(RATEL_TEST_KILL="1"), timeout=180)
-    assert result.returncode != 0
+                  env=_env(RATEL_TEST_KILL="1"), timeout=180, lightning_launcher=exchange == "auto")
+    _failed(result)
     assert not (tmp_path / "rank0.pt").exists()
     assert _shared_caches() <= before
 
@@ -546,7 +556,7 @@ def test_a_killed_rank_stops_the_others(tmp_path: Path, exchange: str) -> None:
 @pytest.mark.parametrize("exchange", ["auto", "micro_batch"])
 def test_a_raising_rank_stops_the_others(tmp_path: Path, exchange: str) -> None:
     result = _run(tmp_path, "--fail", "1:1", "--exchange", exchange, "--accumulate", "2", timeout=180)
-    assert result.returncode != 0
+    _failed(result)
     assert "rank 1 fails at step 1" in result.stderr
     assert not (tmp_path / "rank0.pt").exists()
 
@@ -559,11 +569,11 @@ def test_a_killed_rank_stops_the_others_within_the_fault_timeout(tmp_path: Path,
     nothing: the checkpoint there stays whole (every checksum verified) and no staging directory is left. Rank 0's
     process also hosts the process group's store: the other rank finds it gone at once."""
     ckpt = tmp_path / "on_exception.ckpt"
-    ended = _launch_two_nodes(
+    ended = _run_two_nodes(
         tmp_path / "run", 1, "--fail", f"{killed}:2", "--checkpoint-format", "sharded", "--save", str(ckpt),
         "--save-every-step", "--on-exception", str(tmp_path), "--timeout", "600", "--fault-timeout", "5",
         timeout=180, RATEL_TEST_KILL="1")
-    (rc, _), (survivor_rc, err) = ended[killed], ended[1 - killed]
+    rc, survivor_rc, err = ended.returncodes[killed], ended.returncodes[1 - killed], ended.logs[1 - killed]
     assert rc == 9 and survivor_rc != 0
     expected = "rank 0 stopped: its process hosts" if killed == 0 else "rank 1 did not stop within 0:00:05"
     assert f"RatelRankFailed: {expected}" in err, err[-4000:]
@@ -582,7 +592,7 @@ def test_a_raising_rank_with_on_exception_checkpoint_saves_the_committed_step_on
     _ok(_run(tmp_path / "run", "--steps", "1", *sharded, "--save", str(tmp_path / "saved.ckpt"), "--save-every-step"))
     result = _run(tmp_path / "failed", "--fail", "1:1", *sharded, "--on-exception", str(tmp_path), "--timeout", "600",
                   timeout=180)
-    assert result.returncode != 0
+    _failed(result)
     assert "RatelRankFailed: rank 1 failed (RuntimeError: rank 1 fails at step 1)" in result.stderr, result.stderr[-4000:]
     converted = {}
     for name in ("saved", "on_exception"):
@@ -602,7 +612,7 @@ def test_a_rank_raising_before_its_forward_stops_the_others_and_they_save(tmp_pa
     with an error naming rank 1 (not at the timeout of 600 s), and ``OnExceptionCheckpoint`` writes step 1."""
     result = _run(tmp_path / "run", "--fail", "1:1", "--fail-early", "--checkpoint-format", "sharded",
                   "--on-exception", str(tmp_path), "--timeout", "600", timeout=180)
-    assert result.returncode != 0
+    _failed(result)
     assert "RatelRankFailed: rank 1 failed (RuntimeError: rank 1 fails at step 1)" in result.stderr, result.stderr[-4000:]
     assert ShardedReader(tmp_path / "on_exception.ckpt").meta()["global_step"] == 1
 
@@ -618,7 +628,7 @@ def test_a_rank_raising_while_the_other_waits_in_lightnings_collectives_stops_it
     result = _run(tmp_path / "run", "--fail", "1:1", "--fail-in", where, "--sync-dist", "--checkpoint-format",
                   "sharded", "--on-exception", str(tmp_path), "--timeout", "600", "--fault-timeout", "60",
                   timeout=240)
-    assert result.returncode != 0
+    _failed(result)
     assert "RatelRankFailed: rank 1 failed (RuntimeError: rank 1 fails at step 1)" in result.stderr, result.stderr[-4000:]
     assert ShardedReader(tmp_path / "on_exception.ckpt").meta()["global_step"] == 1
     sharded_to_lightning(tmp_path / "on_exception.ckpt", tmp_path / "check.ckpt")
@@ -631,7 +641,7 @@ def test_a_rank_killed_while_the_other_waits_in_lightnings_collectives_stops_it(
     saying so (its collectives would wait 600 s)."""
     result = _run(tmp_path, "--fail", "1:1", "--fail-in", where, "--sync-dist", "--timeout", "600",
                   "--fault-timeout", "60", env=_env(RATEL_TEST_KILL="1"), timeout=240)
-    assert result.returncode != 0
+    _failed(result)
     assert "RatelRankFailed: a collective with the other ranks failed on rank 0: a rank's process ended" in \
         result.stderr, result.stderr[-4000:]
 
@@ -731,7 +741,7 @@ def test_a_failed_sharded_save_keeps_the_last_checkpoint(tmp_path: Path) -> None
     ckpt = tmp_path / "last.ckpt"
     result = _run(tmp_path / "run", "--steps", "3", "--checkpoint-format", "sharded", "--save", str(ckpt),
                   "--save-every-step", "--fail-save", "1:2", timeout=180)
-    assert result.returncode != 0
+    _failed(result)
     assert "rank 1 failed (OSError: [Errno 28] No space left on device (injected)" in result.stderr
     assert ShardedReader(ckpt).meta()["global_step"] == 1
     sharded_to_lightning(ckpt, tmp_path / "check.ckpt")
