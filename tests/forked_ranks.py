@@ -26,7 +26,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-_SERVER = multiprocessing.get_context("forkserver")
+START_METHOD = "forkserver"
+"""The start method to give :func:`torch.multiprocessing.start_processes`: its processes are forked from the same
+server (one per Python process), with torch, Lightning and this package already imported."""
+_SERVER = multiprocessing.get_context(START_METHOD)
 _SERVER.set_forkserver_preload(["tests.distributed_run"])
 
 

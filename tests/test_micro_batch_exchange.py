@@ -31,6 +31,7 @@ from lightning_ratel.runtime.device import DONE
 from lightning_ratel.runtime.hostmem import ALIGNMENT
 from lightning_ratel.runtime.units import Shard, ShardParam, Unit
 from lightning_ratel.sizes import round_up
+from tests.forked_ranks import START_METHOD
 
 TIMEOUT = timedelta(minutes=10)
 # Each shard's parameter sizes: the largest shard (550 elements and 3 flags) caps a bucket at 277 elements.
@@ -166,4 +167,5 @@ def _worker(rank: int, init: str, scenario: str) -> None:
 
 @pytest.mark.parametrize("scenario", ["healthy", "fails"])
 def test_micro_batch_exchange_of_two_ranks(tmp_path: Path, scenario: str) -> None:
-    mp.spawn(_worker, args=(f"file://{tmp_path}/init", scenario), nprocs=2, join=True)
+    mp.start_processes(_worker, args=(f"file://{tmp_path}/init", scenario), nprocs=2, join=True,
+                       start_method=START_METHOD)

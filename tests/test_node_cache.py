@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 from lightning_ratel.runtime.collectives import Faults, NodeCache, Ranks, SharedCacheUnavailable, _Publisher
 from lightning_ratel.runtime.device import Device
 from lightning_ratel.runtime.units import Shard, Unit
+from tests.forked_ranks import START_METHOD
 
 pytestmark = pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs /dev/shm")
 
@@ -71,5 +72,5 @@ def _worker(rank: int, init: str, scenario: str) -> None:
 def test_two_ranks_of_a_node_share_a_unit(tmp_path: Path, scenario: str) -> None:
     before = _shared_caches()
     init = f"file://{tmp_path / 'rendezvous'}"
-    mp.spawn(_worker, args=(init, scenario), nprocs=2, join=True)
+    mp.start_processes(_worker, args=(init, scenario), nprocs=2, join=True, start_method=START_METHOD)
     assert _shared_caches() <= before

@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 from lightning_ratel.errors import RatelRankFailed
 from lightning_ratel.runtime.collectives import Ranks, WorldCollectives
 from lightning_ratel.strategy import WATCHED_DEVICE_BYTES, _watchable
+from tests.forked_ranks import START_METHOD
 
 TIMEOUT = timedelta(minutes=10)
 
@@ -96,10 +97,10 @@ def _worker(rank: int, init: str, scenario: str) -> None:
 def test_world_collectives_of_two_ranks(tmp_path: Path, scenario: str) -> None:
     init = f"file://{tmp_path}/init"
     if scenario != "killed":
-        mp.spawn(_worker, args=(init, scenario), nprocs=2, join=True)
+        mp.start_processes(_worker, args=(init, scenario), nprocs=2, join=True, start_method=START_METHOD)
         return
     # Rank 1's process ends with code 9; rank 0 must still pass its checks.
-    context = mp.spawn(_worker, args=(init, scenario), nprocs=2, join=False)
+    context = mp.start_processes(_worker, args=(init, scenario), nprocs=2, join=False, start_method=START_METHOD)
     context.processes[0].join(timeout=300)
     context.processes[1].join(timeout=60)
     assert context.processes[0].exitcode == 0
