@@ -57,25 +57,21 @@ def test_example_help_shows_every_default(example: str) -> None:
     assert " ".join(options.split()).count("(default:") == len(described)
 
 
-def test_estimate_command(tmp_path: Path) -> None:
-    code = "\n".join([
-        "import sys",
-        "sys.path.insert(0, '.')",
-        "from tests.models import tiny_llama",
-        f"tiny_llama().save_pretrained({str(tmp_path / 'hf')!r})",
-    ])
-    assert run("-c", code).returncode == 0
+def test_estimate_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``ratel-estimate`` on a Hugging Face folder: run as a command once, then called in this process."""
+    from lightning_ratel_cli import estimate
+    from tests.models import tiny_llama
+
+    tiny_llama().save_pretrained(tmp_path / "hf")
     done = run("-c", f"import lightning_ratel_cli as c; raise SystemExit(c.estimate([{str(tmp_path / 'hf')!r}, "
                      "'--param-cache', 'ssd', '--precision', '32-true']))")
     assert done.returncode == 0, done.stderr
     assert "disk (swap files)" in done.stdout and "param_cache: ssd" in done.stdout
-    ranks = run("-c", f"import lightning_ratel_cli as c; raise SystemExit(c.estimate([{str(tmp_path / 'hf')!r}, "
-                      "'--param-cache', 'host', '--ranks', '2', '--accumulate-grad-batches', '2', "
-                      "'--gradient-exchange', 'micro_batch']))")
-    assert ranks.returncode == 0, ranks.stderr
-    assert "gradient exchange  micro_batch (asked for)" in ranks.stdout
-    missing = run("-c", f"import lightning_ratel_cli as c; raise SystemExit(c.estimate([{str(tmp_path)!r}]))")
-    assert missing.returncode == 2 and "no config.json" in missing.stderr
+    assert estimate([str(tmp_path / "hf"), "--param-cache", "host", "--ranks", "2", "--accumulate-grad-batches", "2",
+                     "--gradient-exchange", "micro_batch"]) == 0
+    assert "gradient exchange  micro_batch (asked for)" in capsys.readouterr().out
+    assert estimate([str(tmp_path)]) == 2
+    assert "no config.json" in capsys.readouterr().err
 
 
 def test_example_module_reports_perplexity_under_ratel(tmp_path: Path) -> None:
