@@ -1,7 +1,8 @@
 """One data-parallel training run, for the multi-process tests: ``python -m tests.distributed_run OUT [options]``.
 
 Lightning's own launcher starts the other ranks (``devices=N``), or the test starts one process per node
-(``--num-nodes``, with ``NODE_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` set). Every rank writes ``OUT/rank<r>.pt``:
+(``--num-nodes``, with ``NODE_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` set), or every rank (``LOCAL_RANK`` set too;
+most tests fork them through :mod:`tests.forked_ranks`, which calls :func:`main`). Every rank writes ``OUT/rank<r>.pt``:
 its parameters and optimizer state after fit (as a user reads them), the bytes the strategy held at the end of training,
 the bytes it read from a pretrained folder and from a sharded checkpoint, the growth of the process's proportional set
 size and of its private memory (before and after the heap hands its free memory back) from the start of ``main`` to
