@@ -73,6 +73,7 @@ def _rank(argv: list[str], env: dict[str, str], log: str) -> None:
     with open(os.devnull, "wb") as null, open(log, "wb") as err:
         os.dup2(null.fileno(), 1)
         os.dup2(err.fileno(), 2)
+    # Already imported by the server, before it forked this process.
     from tests.distributed_run import main
 
     main(argv)
