@@ -8,6 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from lightning_ratel_cli import estimate
+from tests.models import tiny_llama
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -59,9 +62,6 @@ def test_example_help_shows_every_default(example: str) -> None:
 
 def test_estimate_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``ratel-estimate`` on a Hugging Face folder: run as a command once, then called in this process."""
-    from lightning_ratel_cli import estimate
-    from tests.models import tiny_llama
-
     tiny_llama().save_pretrained(tmp_path / "hf")
     done = run("-c", f"import lightning_ratel_cli as c; raise SystemExit(c.estimate([{str(tmp_path / 'hf')!r}, "
                      "'--param-cache', 'ssd', '--precision', '32-true']))")
