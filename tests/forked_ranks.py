@@ -18,14 +18,17 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
+
 ROOT = Path(__file__).resolve().parent.parent
+COMMAND = [sys.executable, "-m", "tests.distributed_run"]
+"""The run as a command of its own, whose processes import for themselves (run from :data:`ROOT`)."""
 START_METHOD = "forkserver"
 """The start method to give :func:`torch.multiprocessing.start_processes`: its processes are forked from the same
 server (one per Python process), with torch, Lightning and this package already imported."""
@@ -51,16 +54,10 @@ class Ended:
         return "".join(self.logs)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def rank_environments(env: dict[str, str], devices: int, num_nodes: int) -> list[dict[str, str]]:
     """``env`` with the variables a cluster's launcher sets for each of the ``devices`` ranks of ``num_nodes`` nodes,
     in global rank order."""
-    port = str(free_port())
+    port = str(find_free_network_port())
     return [{**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "NODE_RANK": str(node),
              "LOCAL_RANK": str(local)} for node in range(num_nodes) for local in range(devices)]
 
@@ -97,6 +94,5 @@ def run(argv: list[str], environments: list[dict[str, str]], timeout: float) -> 
             proc.join()
         ended = Ended([proc.exitcode for proc in procs], [log.read_text(errors="replace") for log in logs])
     if late:
-        raise subprocess.TimeoutExpired([sys.executable, "-m", "tests.distributed_run", *argv], timeout,
-                                        stderr=ended.stderr)
+        raise subprocess.TimeoutExpired([*COMMAND, *argv], timeout, stderr=ended.stderr)
     return ended

@@ -13,7 +13,6 @@ import functools
 import json
 import os
 import subprocess
-import sys
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,6 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
@@ -36,7 +36,7 @@ from lightning_ratel.plan.owners import UnitCost, assign_owners, imbalance
 from lightning_ratel.runtime.collectives import Faults, Ranks, gather_outcomes
 from tests import forked_ranks
 from tests.distributed_run import arguments, node_speeds
-from tests.forked_ranks import Ended, free_port, rank_environments
+from tests.forked_ranks import COMMAND, Ended, rank_environments
 from tests.models import LM, max_rel_err
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,8 +67,7 @@ def _run(out: Path, *args: str, timeout: float = 240, env: dict[str, str] | None
     env = env or _env()
     argv = [str(out), *args]
     if lightning_launcher:
-        done = subprocess.run([sys.executable, "-m", "tests.distributed_run", *argv], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run([*COMMAND, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
         return Ended([done.returncode], [done.stderr])
     parsed = arguments().parse_args(argv)
     world = parsed.devices * parsed.num_nodes
@@ -321,9 +320,8 @@ def _run_two_nodes(out: Path, devices: int, *args: str, timeout: float, lightnin
     other ranks Lightning's launcher starts (each node's return code and stderr)."""
     if not lightning_launcher:
         return _run(out, "--devices", str(devices), "--num-nodes", "2", *args, timeout=timeout, env=_env(**env))
-    port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.distributed_run", str(out), "--devices", str(devices),
-                               "--num-nodes", "2", *args], cwd=ROOT,
+    port = str(find_free_network_port())
+    procs = [subprocess.Popen([*COMMAND, str(out), "--devices", str(devices), "--num-nodes", "2", *args], cwd=ROOT,
                               env=_env(NODE_RANK=str(node), MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **env),
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
              for node in (0, 1)]
