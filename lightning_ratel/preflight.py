@@ -51,7 +51,8 @@ class Estimate:
         optimizer_buffers: the CPU AdamW's buffer sets (master and moments of the largest shard whose states are in
             the swap files, each set): the pipeline's three and ``read_ahead_sets``.
         gradient_buffers: the gradients backward may hold in host memory before an update frees some (the largest
-            shards' worth the gradient budget allows). Not counted: with gradient accumulation, or with updates after
+            shards' worth the gradient budget allows; with fp32 masters read from the swap files, part of it keeps
+            backward's page-ins of masters for their updates instead). Not counted: with gradient accumulation, or with updates after
             backward (a CPU run's choice while those gradients take at most a quarter of the host memory left), the
             window holds up to 4 bytes per trainable parameter.
         exchange_buffers: with several ranks, each rank's gradient exchange. Under ``exchange="window"`` the window's

@@ -7,6 +7,7 @@ the processes of a node share is one memory that leaves nothing behind."""
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -173,8 +174,6 @@ def test_host_pool_counts_exactly_what_it_allocates() -> None:
 
 
 def test_given_back_buffer_waits_for_io_still_writing_it() -> None:
-    from concurrent.futures import Future
-
     pool = HostPool()
     buffer = pool.take(1024, torch.float32)
     address = buffer.data_ptr()
@@ -183,6 +182,73 @@ def test_given_back_buffer_waits_for_io_still_writing_it() -> None:
     assert pool.take(1024, torch.float32).data_ptr() != address
     read.set_result(None)
     assert pool.take(1024, torch.float32).data_ptr() == address
+
+
+class FakeOffer:
+    """What a store would do with a given-back buffer's bytes: offer them (while ``offered``) to reads whose copies
+    (``copies``) the reuse must wait for."""
+
+    def __init__(self, *copies: Future) -> None:
+        self.copies = list(copies)
+        self.is_offered = True
+        self.withdrawn = 0
+
+    def offered(self) -> bool:
+        return self.is_offered
+
+    def withdraw(self) -> list[Future]:
+        self.withdrawn += 1
+        self.is_offered = False
+        return self.copies
+
+
+def test_a_free_buffer_keeps_its_offered_bytes_until_the_pool_reuses_it() -> None:
+    """A buffer given back with an offer keeps its bytes while free (even when poisoning), is reused after the free
+    buffers nobody wants, and only after its offer is withdrawn and the copies from it have finished."""
+    pool = HostPool(poison=True)
+    offered = pool.take(1024, torch.float32).fill_(1.5)
+    plain = pool.take(1024, torch.float32)
+    plain_address = plain.data_ptr()
+    copy: Future = Future()
+    offer = FakeOffer(copy)
+    pool.give(offered, offer=offer)
+    del plain
+    assert pool.nbytes_in_use == 0
+    assert torch.all(offered == 1.5)
+    # The buffer no read wants goes first, although it came back later.
+    again = pool.take(1024, torch.float32)
+    assert again.data_ptr() == plain_address and offer.withdrawn == 0
+    # Then the offered one: withdrawn, and handed out only once the copy from it is done.
+    threading.Timer(0.2, copy.set_result, [None]).start()
+    reused = pool.take(1024, torch.float32)
+    assert reused.data_ptr() == offered.data_ptr() and offer.withdrawn == 1 and copy.done()
+    assert torch.isnan(reused).all()
+    assert pool.nbytes == 2 * 4096
+
+
+def test_the_pool_grows_to_keep_offered_buffers_up_to_its_keep_limit() -> None:
+    pool = HostPool()
+    pool.keep_limit = 2 * 4096
+    first, second, third, fourth = (FakeOffer() for _ in range(4))
+    a = pool.take(1024, torch.float32)
+    pool.give(a, offer=first)
+    # A new buffer rather than the offered one, while the offered ones fit in the limit.
+    b = pool.take(1024, torch.float32)
+    assert b.data_ptr() != a.data_ptr()
+    pool.give(b, offer=second)
+    # Past it, the offered buffer given back longest ago.
+    c = pool.take(1024, torch.float32)
+    assert c.data_ptr() == a.data_ptr() and first.withdrawn == 1 and second.withdrawn == 0
+    assert pool.nbytes == 2 * 4096
+    pool.give(c, offer=third)
+    # One no longer offered (its key was written) goes before an older one still offered.
+    third.is_offered = False
+    d = pool.take(1024, torch.float32)
+    assert d.data_ptr() == a.data_ptr() and third.withdrawn == 1 and second.withdrawn == 0
+    pool.give(d, offer=fourth)
+    # Freeing the memory withdraws what is still offered.
+    pool.clear()
+    assert second.withdrawn == 1 and fourth.withdrawn == 1 and pool.nbytes == 0
 
 
 def test_simulated_device_accounts_pinned_memory(sim: Device) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from lightning_ratel.errors import RatelConfigError
 from lightning_ratel.plan.states import describe, place_states, read_ahead_sets, state_bytes
 from lightning_ratel.runtime.hoststore import HostStore, TieredStore
 from lightning_ratel.runtime.kept import KeptStore
+from lightning_ratel.runtime.optimizer import CpuAdam
 from lightning_ratel.runtime.state_buffers import BUFFER_SETS
 from lightning_ratel.runtime.storage import TensorStore
 from lightning_ratel.runtime.swapfile import HEADER_BYTES
@@ -335,9 +337,9 @@ def test_estimate_counts_the_sets_read_ahead():
 def test_fp32_masters_shared_by_page_ins_and_updates_keep_plain_numbers(tmp_path: Path):
     """fp32 with the compute copies and the states in the swap files: a master is the shard's compute copy, so the
     backward's page-in and the optimizer read the same bytes. Whichever read comes first shares its memory and the
-    other copies it, verified, instead of reading the drive again (where both hold it at once: an update running
-    late, after its block's page-out, still reads the drive). Every byte a step asks for comes from the drive or
-    from such a copy, and the numbers are plain AdamW's, bit for bit."""
+    other copies it, verified, instead of reading the drive again (for as long as the memory is offered: an update
+    running late, after its block's page-out, copies the page-in's buffer while the host pool keeps it). Every byte a
+    step asks for comes from the drive or from such a copy, and the numbers are plain AdamW's, bit for bit."""
     kwargs = dict(precision="32-true", max_steps=4)
     ref = LM("llama")
     t = trainer("auto", **kwargs)
@@ -356,3 +358,45 @@ def test_fp32_masters_shared_by_page_ins_and_updates_keep_plain_numbers(tmp_path
     # How much is copied depends on when each read runs (and reads ahead evicted under load are read again), so only
     # that copies happened is certain; the example's summary measures the bytes against the plan's count.
     assert shared > 0 and read > 0
+
+
+def test_an_update_late_behind_backward_copies_the_master_its_page_in_read(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch):
+    """An update that runs well after its block's backward (here each is held up, as one behind a slow disk is)
+    still copies the master the backward's page-in read: the host pool keeps that page-in's buffer offered for it.
+    So a step reads each fp32 master from the drive at most twice (its forward's and its backward's page-ins), never
+    a third time for the update, and the numbers are plain AdamW's, bit for bit."""
+    update = CpuAdam._update
+
+    def late(self: CpuAdam, *args: Any, **kwargs: Any) -> None:
+        time.sleep(0.05)
+        update(self, *args, **kwargs)
+
+    monkeypatch.setattr(CpuAdam, "_update", late)
+    step = [0]
+    master_reads: Counter[int] = Counter()
+    transfer = TensorStore._transfer_chunk
+
+    def counted(self: TensorStore, request: Any, chunk: Any) -> Any:
+        if not request.is_write and request.source is None and ".master" in request.key:
+            master_reads[step[0]] += chunk.length
+        return transfer(self, request, chunk)
+
+    monkeypatch.setattr(TensorStore, "_transfer_chunk", counted)
+    kwargs = dict(precision="32-true", max_steps=5)
+    ref = LM("llama")
+    t = trainer("auto", **kwargs)
+    t.fit(ref)
+    strategy = RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy="host", optimizer_states="ssd",
+                             param_cache="ssd", read_ahead_sets=0)
+    lm = LM("llama")
+    masters: list[int] = []
+    lm.on_train_start = lambda: masters.append(  # type: ignore[method-assign]
+        sum(s.numel * 4 for s in strategy.engine.layout.shards))
+    lm.on_train_batch_start = lambda batch, index: step.__setitem__(0, index)  # type: ignore[method-assign]
+    got = trainer(strategy, **kwargs)
+    got.fit(lm)
+    compare_states(final_state(ref, t), final_state(lm, got), 0.0)
+    # Not the last step: the copy back into the module after it reads every master.
+    for index in range(1, 4):
+        assert 0 < master_reads[index] <= 2 * masters[0], (index, master_reads[index], masters)

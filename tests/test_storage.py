@@ -764,6 +764,46 @@ def test_a_read_waits_for_the_shared_read_in_flight_and_urgent_moves_it_ahead(
     assert store.bytes_shared == 1024 * 4
 
 
+def test_unshare_moves_the_copies_from_the_memory_ahead_and_offers_says_what_is_offered(
+        ssd: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The holder of a shared tensor unshares it to reuse the memory and waits for the copies from it: those still
+    queued behind background requests move to the urgent lane. ``offers`` says whether reads of some key would copy
+    from a tensor's memory: not once unshared, nor once the key was written since."""
+    started, release = threading.Event(), threading.Event()
+    order: list[str] = []
+    real = TensorStore._transfer_chunk
+
+    def gated(self: TensorStore, request: storage.Request, chunk: storage.Chunk) -> Any:
+        order.append(request.key + (" copied" if request.source is not None else ""))
+        if request.key == "blocker":
+            started.set()
+            release.wait(10)
+        return real(self, request, chunk)
+
+    data = _random(1024, torch.float32)
+    with TensorStore([ssd], stripe_bytes=STRIPE, io_threads_per_path=1) as store:
+        for key in ("k", "background"):
+            store.write(key, data).result()
+        holder = aligned_empty(1024, torch.float32)
+        store.read("k", holder, share=True).result()
+        assert store.offers(holder) and not store.offers(data)
+        monkeypatch.setattr(TensorStore, "_transfer_chunk", gated)
+        blocker = store.write("blocker", data)
+        assert started.wait(10)
+        background = store.read("background", aligned_empty(1024, torch.float32))
+        out = aligned_empty(1024, torch.float32)
+        copy = store.read("k", out)
+        assert store.unshare(holder) == [copy] and not store.offers(holder)
+        release.set()
+        for future in (blocker, background, copy):
+            future.result()
+        assert order == ["blocker", "k copied", "background"]
+        assert torch.equal(out, data)
+        store.read("k", holder, share=True).result()
+        store.write("k", data).result()
+        assert not store.offers(holder)
+
+
 def test_a_shared_write_serves_reads_of_the_key_from_memory_once_it_lands(
         ssd: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A write with ``share`` offers its tensor to reads of its key: a read started while the write is still in

@@ -81,6 +81,12 @@ GRAD_BUDGET_SHARDS = 4
 """Gradient bytes backward may hold, in largest-shard buffers, before it waits for pending updates to free some: the
 shard being updated, one waiting for its turn, and the ones backward is filling."""
 
+KEPT_MASTER_SHARDS = 2
+"""Of :data:`GRAD_BUDGET_SHARDS`, the bytes that keep backward's page-ins of fp32 masters (each its shard's compute
+copy, read from the swap files) for the updates that come after, where updates overlap backward: an update late
+behind backward then copies its master instead of reading it from the drive again, and backward waits for the
+updates rather than run ahead of them by more than the gradients left in the budget."""
+
 
 @dataclass(frozen=True)
 class StoreIO:
@@ -183,6 +189,14 @@ def _node_cache(module: nn.Module, ranks: Ranks, faults: Faults | None) -> NodeC
                 f"each, {ranks.local_world}x the host memory of one: {err}. Give /dev/shm room for one copy (docker: "
                 "--shm-size) to hold it once per node.")
         return None
+
+
+def _kept_masters(layout: Layout) -> int:
+    """Largest-shard buffers of the gradient budget that keep fp32 masters paged in by backward for their updates
+    (:data:`KEPT_MASTER_SHARDS` where the pager reads such masters from the swap files, else none)."""
+    masters = layout.param_cache == "ssd" and any(s.dtype == torch.float32 and s.state_tier == "ssd"
+                                                  for s in layout.shards)
+    return KEPT_MASTER_SHARDS if masters else 0
 
 
 def _owners(layout: Layout, ranks: Ranks) -> dict[int, int]:
@@ -349,6 +363,8 @@ class RatelEngine:
         self._switches = FitSwitches(module) if optimizer is not None else None
         local_world = ranks.local_world if ranks is not None else 1
         io = store_io(self.device.is_cuda, _cores())
+        # Host bytes of backward's page-ins the pool keeps for the updates (see KEPT_MASTER_SHARDS).
+        kept = 0
         try:
             if optimizer is not None:
                 self.store = _state_store(self.device, config, self.layout.shards, local_world, io)
@@ -363,11 +379,13 @@ class RatelEngine:
                 # to read ahead in its own budget.
                 depth = buffer_sets(local_world) + self.layout.read_ahead_sets
 
+                kept = _kept_masters(self.layout) * largest * 4
+
                 def cpu_adam(shards: list[Shard]) -> CpuAdam:
                     assert self.store is not None
                     return CpuAdam(shards, self.store, depth, timeline=self.timeline,
                                    compute_on_store=self.layout.param_cache == "ssd",
-                                   grad_budget_bytes=GRAD_BUDGET_SHARDS * largest * 4,
+                                   grad_budget_bytes=GRAD_BUDGET_SHARDS * largest * 4 - kept,
                                    threads=threads, generic=self.layout.generic)
 
                 on_device = [s for s in self.layout.shards if s.state_tier == "device"]
@@ -421,6 +439,8 @@ class RatelEngine:
         self.accounts = ByteAccount(self.device, self.layout, self.pager, self.cache, self.state, self.adam,
                                     self.store, writes)
         self._overlap_pays = self._decide_overlap(local_world)
+        if self._overlap_pays:
+            self.device.pool.keep_limit = kept
         self.planner = Planner(config, self.device, self.blocks, self.layout, self.cache, self.scheduler,
                                self.accounts, StepBreakdown(self.device, self.timeline, self.pager, self.cache,
                                                             self.store), self.adam, updates_overlap=self._overlap_pays,

@@ -328,6 +328,10 @@ class TieredStore:
         """See :meth:`TensorStore.unshare <lightning_ratel.runtime.storage.TensorStore.unshare>`."""
         return self.disk.unshare(tensor)
 
+    def offers(self, tensor: torch.Tensor) -> bool:
+        """See :meth:`TensorStore.offers <lightning_ratel.runtime.storage.TensorStore.offers>`."""
+        return self.disk.offers(tensor)
+
     def nbytes(self, key: str) -> int:
         return self._route(key).nbytes(key)
 

@@ -32,7 +32,27 @@ from torch import nn
 from lightning_ratel.runtime.device import Device
 from lightning_ratel.runtime.storage import TensorStore
 from lightning_ratel.runtime.timeline import span
-from lightning_ratel.runtime.units import ParamSlot, Shard, Unit
+from lightning_ratel.runtime.units import ParamSlot, Shard, Unit, UnitReady
+
+
+@dataclass(frozen=True, eq=False)
+class _StagingOffer:
+    """A paged-out staging buffer whose bytes the store goes on offering to reads of its keys while the pool keeps
+    it (see :class:`~lightning_ratel.runtime.pool.Offer`). Worth keeping while the store offers them and some shard's
+    compute copy is still there: once an update has moved it to the other state slot, nothing reads the old one
+    again until a later update overwrites it."""
+
+    store: TensorStore
+    buffer: torch.Tensor
+    ready: UnitReady
+    keys: tuple[tuple[Shard, str], ...]
+
+    def offered(self) -> bool:
+        return (any(self.ready.compute_key(shard) == key for shard, key in self.keys)
+                and self.store.offers(self.buffer))
+
+    def withdraw(self) -> list[Future]:
+        return self.store.unshare(self.buffer)
 
 
 def nan_placeholder(param: nn.Parameter, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -49,6 +69,7 @@ class _Residency:
         flats: the device copies while resident (on CPU: the host cache or the staging buffers themselves).
         staging: host buffers a store read fills, held while the unit is resident.
         reads: store reads still filling ``staging``, or that failed (the error is raised at acquire).
+        keys: the store key each shard's compute copy was read from, by shard.
         event: completes when the upload of ``flats`` has landed (separate device memory).
         refs: blocks holding the unit.
     """
@@ -56,6 +77,7 @@ class _Residency:
     flats: dict[torch.dtype, torch.Tensor] | None = None
     staging: dict[torch.dtype, torch.Tensor] | None = None
     reads: list[Future] = field(default_factory=list)
+    keys: dict[Shard, str] = field(default_factory=dict)
     event: object = None
     refs: int = 0
 
@@ -157,13 +179,13 @@ class ParameterPager:
         else:
             state.staging = {dtype: self.device.host_buffer(n, dtype) for dtype, n in unit.numels.items()}
             # A page-in: the forward or backward of this block will wait for it. The staging buffers hold the keys'
-            # bytes until the page-out, so a read of the same key meanwhile (the optimizer's of an fp32 master, which
-            # is that shard's compute copy) copies them rather than reading the drive again; a page-in copies in turn
-            # from such a read where it came first.
+            # bytes until the page-out (and after it while the pool keeps them), so a read of the same key meanwhile
+            # (the optimizer's of an fp32 master, which is that shard's compute copy) copies them rather than reading
+            # the drive again; a page-in copies in turn from such a read where it came first.
+            state.keys = {s: unit.ready.compute_key(s) for s in self._unit_shards.get(unit.index, ())}
             state.reads = [
-                self._store.read(unit.ready.compute_key(s), s.compute_view(state.staging[s.dtype]), urgent=True,
-                                 share=True)
-                for s in self._unit_shards.get(unit.index, ())
+                self._store.read(key, s.compute_view(state.staging[s.dtype]), urgent=True, share=True)
+                for s, key in state.keys.items()
             ]
             if self.device.separate_memory:
                 self._reading.add(unit.index)
@@ -236,10 +258,14 @@ class ParameterPager:
         # Nothing here waits: the staging buffers go back to the pool, which reuses them once the reads still in
         # flight (a prefetch nobody used; its errors do not matter because the data is never used) and the upload's
         # copies recorded against them have completed.
-        for buffer in (state.staging or {}).values():
-            # Reads copying from the buffer (see _page_in) may still run too.
-            copies = self._store.unshare(buffer) if self._store is not None else []
-            self.pool.give(buffer, after=[*state.reads, *copies])
+        for dtype, buffer in (state.staging or {}).items():
+            # The store goes on offering the buffer's bytes (see _page_in) until the pool reuses it: the optimizer's
+            # read of an fp32 master may come well after the backward that paged it in, behind other updates.
+            offer = None
+            if self._store is not None:
+                keys = tuple((s, key) for s, key in state.keys.items() if s.dtype == dtype)
+                offer = _StagingOffer(self._store, buffer, unit.ready, keys)
+            self.pool.give(buffer, after=state.reads, offer=offer)
         state.reads = []
         self._reading.discard(unit.index)
         for flat in (state.flats or {}).values():
@@ -252,6 +278,7 @@ class ParameterPager:
         for slot in unit.slots:
             slot.param.data = self._placeholder(slot)
         state.staging = None
+        state.keys = {}
         state.flats = None
         state.event = None
         self.resident_bytes -= unit.nbytes

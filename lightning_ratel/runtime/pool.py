@@ -12,6 +12,7 @@ any more, neither a tensor on the host nor a device copy still in flight.
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import threading
 import weakref
@@ -19,7 +20,7 @@ from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -28,6 +29,17 @@ from lightning_ratel.sizes import round_up
 
 _POISON = 0xFF
 """Byte that poisoned buffers are filled with: all-ones is NaN in every floating-point dtype."""
+
+
+class Offer(Protocol):
+    """What may go on reading a buffer's bytes after its owner gave it back (a store offering them to later reads
+    of the same key, see :meth:`~lightning_ratel.runtime.storage.TensorStore.read`'s ``share``)."""
+
+    def offered(self) -> bool:
+        """Whether the bytes are still offered (worth keeping)."""
+
+    def withdraw(self) -> Iterable[Future]:
+        """Stop offering them; returns the futures of reads still copying from them."""
 
 
 def _fits(need: int, size: int) -> bool:
@@ -90,6 +102,7 @@ class _Lease:
         pooled: the memory goes back to the free list (otherwise it is released).
         uses: completion signals (``query()``) of device copies and I/O that read or write the memory.
         given: handed back by its owner before its tensor died (the tensor's death is then no news).
+        offer: withdrawn before the memory is reused or freed (see :meth:`HostPool.give`).
     """
 
     raw: torch.Tensor
@@ -97,6 +110,7 @@ class _Lease:
     pooled: bool
     uses: list[Any] = field(default_factory=list)
     given: bool = False
+    offer: Offer | None = None
 
     def idle(self) -> bool:
         """Whether every recorded device copy has completed (drops those that have)."""
@@ -133,19 +147,31 @@ class HostPool:
     Thread-safe: tensors may die on any thread (a store's I/O thread, the optimizer's worker); that only queues their
     memory, and the pool takes it back under its lock on its next call.
 
+    A buffer given back with an :class:`Offer` (see :meth:`give`) keeps its bytes while it is free, for the reads
+    its offer serves. A request takes a free buffer whose bytes are no longer offered first; failing that, it makes a
+    new one while the free buffers still offered come to at most :attr:`keep_limit` bytes, and only then withdraws
+    the offer of the one given back longest ago.
+
     Args:
         pin: page-lock the memory (``cudaHostRegister``) so device copies from and to it run asynchronously; ignored
             without CUDA.
-        poison: fill every buffer with NaN bytes when it is handed out and when it comes back, so that a read of
-            memory nobody wrote, or of memory after its release, shows up (the stream simulation of
+        poison: fill every buffer with NaN bytes when it is handed out and when it comes back (unless offered), so
+            that a read of memory nobody wrote, or of memory after its release, shows up (the stream simulation of
             :class:`~lightning_ratel.runtime.device.Device`).
+
+    Attributes:
+        keep_limit: bytes of free buffers still offered that the pool may keep, allocating anew rather than reuse
+            them (0: reuse them, the least recently given back first).
     """
 
     def __init__(self, pin: bool = False, poison: bool = False) -> None:
         self.pin = pin
         self.poison = poison
+        self.keep_limit = 0
         self._lock = threading.Lock()
         self._free: list[torch.Tensor] = []
+        # The offers of free buffers, by address (see give).
+        self._offers: dict[int, Offer] = {}
         self._lent: dict[int, _Lease] = {}
         self._returned: deque[_Lease] = deque()
         self._pending: list[_Lease] = []
@@ -161,13 +187,19 @@ class HostPool:
         need = round_up(max(numel * dtype.itemsize, 1), ALIGNMENT)
         with self._lock:
             self._reclaim()
-            fitting = [i for i, b in enumerate(self._free) if _fits(need, b.numel())]
-            if fitting:
-                raw = self._free.pop(min(fitting, key=lambda i: self._free[i].numel()))
+            index = self._choose(need)
+            if index is not None:
+                raw = self._free.pop(index)
+                offer = self._offers.pop(raw.data_ptr(), None)
             else:
                 raw = self._allocate(need)
                 self._nbytes += need
+                offer = None
             self._in_use += raw.numel()
+        if offer is not None:
+            # Outside the lock: the copies run on other threads, which may give memory back meanwhile.
+            concurrent.futures.wait(list(offer.withdraw()))
+        with self._lock:
             return self._lend(_Lease(raw, need, pooled=True)).view(dtype)[:numel]
 
     def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -191,22 +223,34 @@ class HostPool:
                 lease.idle()
                 lease.uses.append(use)
 
-    def give(self, tensor: torch.Tensor, after: Iterable[Future] = ()) -> None:
+    def give(self, tensor: torch.Tensor, after: Iterable[Future] = (), offer: Offer | None = None) -> None:
         """Hand back a buffer from :meth:`take` while references to it may still exist (the futures of the reads
         into it, a request still queued): its owner promises that nothing uses the memory any more, except ``after``
-        (I/O still writing it) and the copies recorded against it, whose completion the reuse waits for."""
+        (I/O still writing it), the copies recorded against it, whose completion the reuse waits for, and ``offer``.
+
+        Args:
+            tensor: the buffer.
+            after: futures of I/O still writing the memory.
+            offer: what may go on reading the bytes while the buffer is free; withdrawn right before the memory is
+                reused or freed, which then waits for the reads still copying. Until then the bytes stay as they
+                are. ``offered()`` must not call into this pool.
+        """
         with self._lock:
             lease = self._lent.pop(tensor.untyped_storage().data_ptr())
             lease.given = True
             lease.uses.extend(_Finished(f) for f in after)
+            lease.offer = offer
             self._pending.append(lease)
 
     def clear(self) -> None:
         """Free the buffers that are not in use (pinned memory is unregistered as it goes)."""
         with self._lock:
             self._reclaim()
-            self._nbytes -= sum(b.numel() for b in self._free)
-            self._free.clear()
+            freed, self._free = self._free, []
+            offers, self._offers = list(self._offers.values()), {}
+            self._nbytes -= sum(b.numel() for b in freed)
+        # The memory is freed when `freed` goes, after the reads still copying from it.
+        concurrent.futures.wait([future for offer in offers for future in offer.withdraw()])
 
     # ------------------------------------------------------------------ accounting
 
@@ -232,6 +276,25 @@ class HostPool:
             return self._dedicated
 
     # ------------------------------------------------------------------ internals
+
+    def _choose(self, need: int) -> int | None:
+        """The index in the free list of the buffer to serve a request of ``need`` bytes, ``None`` for a new one
+        (under the lock; see the class docstring). The free list is in the order buffers came back."""
+        fitting = [i for i, b in enumerate(self._free) if _fits(need, b.numel())]
+        if not fitting:
+            return None
+        offered = {i for i in fitting if self._offered(self._free[i])}
+        unwanted = [i for i in fitting if i not in offered]
+        if unwanted:
+            return min(unwanted, key=lambda i: self._free[i].numel())
+        kept = sum(b.numel() for b in self._free if self._offered(b))
+        if kept + need <= self.keep_limit:
+            return None
+        return min(fitting, key=lambda i: self._free[i].numel())
+
+    def _offered(self, raw: torch.Tensor) -> bool:
+        offer = self._offers.get(raw.data_ptr())
+        return offer is not None and offer.offered()
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
         return aligned_empty(nbytes, torch.uint8, pin=self.pin, huge=True)
@@ -267,7 +330,9 @@ class HostPool:
                 still.append(lease)
                 continue
             if lease.pooled:
-                if self.poison:
+                if lease.offer is not None:
+                    self._offers[lease.raw.data_ptr()] = lease.offer
+                elif self.poison:
                     _poison(lease.raw)
                 self._in_use -= lease.raw.numel()
                 self._free.append(lease.raw)

@@ -178,7 +178,8 @@ class _Share:
         gather: that request's chunk count and future.
         extent: the key's extent when the read started.
         upstream: the share that read copies from once that one has landed, if it is served from memory too.
-        copies: reads copying from it that may still run (the holder waits for them before reusing its memory).
+        copies: the reads copying from it (each as a share of its own, offered or not); the holder waits for those
+            still running before reusing its memory.
         stale: the key was written since, so no new read copies from it.
     """
 
@@ -187,7 +188,7 @@ class _Share:
     gather: Gather
     extent: Extent
     upstream: _Share | None = None
-    copies: list[concurrent.futures.Future] = field(default_factory=list)
+    copies: list[_Share] = field(default_factory=list)
     stale: bool = False
 
     def usable(self) -> bool:
@@ -671,6 +672,8 @@ class TensorStore:
     def unshare(self, tensor: torch.Tensor) -> list[concurrent.futures.Future]:
         """Stop offering what reads with ``share`` put into the memory of ``tensor`` (any of them within it).
 
+        Reads still copying from that memory move to the urgent lane: its holder is about to wait for them.
+
         Returns:
             The futures of reads still copying from that memory: wait for them before changing or reusing it.
         """
@@ -682,7 +685,10 @@ class TensorStore:
                 kept = []
                 for entry in self._shares[key]:
                     if start <= entry.tensor.data_ptr() < end:
-                        copies.extend(f for f in entry.copies if not f.done())
+                        for copy in entry.copies:
+                            if not copy.gather.future.done():
+                                self._promote(copy)
+                                copies.append(copy.gather.future)
                     else:
                         kept.append(entry)
                 if kept:
@@ -690,6 +696,15 @@ class TensorStore:
                 else:
                     del self._shares[key]
         return copies
+
+    def offers(self, tensor: torch.Tensor) -> bool:
+        """Whether a new read of some key would copy from the memory of ``tensor`` (a read or write with ``share``
+        put the key's bytes there, and the key was not written since)."""
+        start = tensor.data_ptr()
+        end = start + tensor.numel() * tensor.element_size()
+        with self._lock:
+            return any(start <= entry.tensor.data_ptr() < end and entry.usable()
+                       for entries in self._shares.values() for entry in entries)
 
     def _read_shared(self, key: str, out: torch.Tensor, urgent: bool, share: bool
                      ) -> concurrent.futures.Future[torch.Tensor]:
@@ -706,13 +721,17 @@ class TensorStore:
             gather = Gather(len(extent.chunks), out)
             request = self._request(key, False, out, nbytes)
             request.urgent = urgent
-            if share:
+            entry = _Share(out, request, gather, extent, upstream=source)
+            if share or source is not None:
+                # Either may move to the urgent lane (see _promote): a read waiting for this one, or the holder of
+                # the memory it copies from wanting that memory back.
                 request.claimed = set()
-                self._shares.setdefault(key, []).append(_Share(out, request, gather, extent, upstream=source))
+            if share:
+                self._shares.setdefault(key, []).append(entry)
             if source is None:
                 self._queue_locked(request, gather, extent, urgent)
                 return gather.future
-            source.copies.append(gather.future)
+            source.copies.append(entry)
             if urgent:
                 self._promote(source)
         source.gather.future.add_done_callback(
@@ -730,7 +749,7 @@ class TensorStore:
 
     def _promote(self, share: _Share) -> None:
         """Move the request filling or storing ``share`` (and any it waits for) to the urgent lane: an urgent read
-        waits for it.
+        waits for it, or the holder of the memory it copies from.
         Its chunks not taken yet are queued again as urgent; whichever copy of a chunk runs first transfers it. Under
         ``_lock``."""
         request = share.request
