@@ -360,12 +360,16 @@ def test_fp32_masters_shared_by_page_ins_and_updates_keep_plain_numbers(tmp_path
     assert shared > 0 and read > 0
 
 
-def test_an_update_late_behind_backward_copies_the_master_its_page_in_read(tmp_path: Path,
-                                                                           monkeypatch: pytest.MonkeyPatch):
+@pytest.mark.parametrize("streams", ["cpu", "simulated"])
+def test_an_update_late_behind_backward_copies_the_master_its_page_in_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest, streams: str):
     """An update that runs well after its block's backward (here each is held up, as one behind a slow disk is)
     still copies the master the backward's page-in read: the host pool keeps that page-in's buffer offered for it.
     So a step reads each fp32 master from the drive at most twice (its forward's and its backward's page-ins), never
-    a third time for the update, and the numbers are plain AdamW's, bit for bit."""
+    a third time for the update, and the numbers are plain AdamW's, bit for bit; also on a GPU's path (simulated
+    streams, which poison the pool's memory when it is handed out and when it comes back unoffered)."""
+    if streams == "simulated":
+        request.getfixturevalue("simulated_streams")
     update = CpuAdam._update
 
     def late(self: CpuAdam, *args: Any, **kwargs: Any) -> None:
