@@ -52,9 +52,9 @@ class Estimate:
             the swap files, each set): the pipeline's three and ``read_ahead_sets``.
         gradient_buffers: the gradients backward may hold in host memory before an update frees some (the largest
             shards' worth the gradient budget allows; with fp32 masters read from the swap files, part of it keeps
-            backward's page-ins of masters for their updates instead). Not counted: with gradient accumulation, or with updates after
-            backward (a CPU run's choice while those gradients take at most a quarter of the host memory left), the
-            window holds up to 4 bytes per trainable parameter.
+            backward's page-ins of masters for their updates instead). Not counted: with gradient accumulation, or
+            with updates after backward (a CPU run's choice while those gradients take at most a quarter of the host
+            memory left), the window holds up to 4 bytes per trainable parameter.
         exchange_buffers: with several ranks, each rank's gradient exchange. Under ``exchange="window"`` the window's
             fp32 sum of every trainable shard (4 bytes per trainable parameter) until it is reduced onto its owner; at
             most all of them at once (between the boundary micro-batches of gradient accumulation). Under
