@@ -11,8 +11,9 @@ gradient). The default model here has 3.37B parameters, 53.9 GB of model states,
   its bytes, the backward's read where updates overlap backward, and on a CPU, where they run after it, the next
   forward's page-in copies the master the update has just written);
 - gradients go into a few pooled shard buffers that the CPU AdamW gives back after each block's update, while
-  backward still runs; in fp32 (this example on a CPU), half of that budget keeps backward's page-ins of masters for updates
-  that run behind it (their moments go through the same disk), so they copy the master instead of reading it again;
+  backward still runs; in fp32 (this example on a CPU), half of that budget keeps backward's page-ins of masters
+  for updates that run behind it (their moments go through the same disk), so they copy the master instead of
+  reading it again;
 - the optimizer states (fp32 master and moments, in two slots) of the first blocks stay in host memory as far as
   three quarters of the available memory hold them besides the run's buffers (`optimizer_states="auto"`), the rest in
   the swap files (`--optimizer-states ssd`, or a `--host-memory-limit`, keeps a smaller model's states there too); the
