@@ -283,11 +283,13 @@ class HostPool:
         fitting = [i for i, b in enumerate(self._free) if _fits(need, b.numel())]
         if not fitting:
             return None
-        offered = {i for i in fitting if self._offered(self._free[i])}
-        unwanted = [i for i in fitting if i not in offered]
+        # Each buffer asked at most once: an offer asks its store, under the store's lock.
+        asked = {i: self._offered(self._free[i]) for i in fitting}
+        unwanted = [i for i in fitting if not asked[i]]
         if unwanted:
             return min(unwanted, key=lambda i: self._free[i].numel())
-        kept = sum(b.numel() for b in self._free if self._offered(b))
+        offered = [asked[i] if i in asked else self._offered(b) for i, b in enumerate(self._free)]
+        kept = sum(b.numel() for b, o in zip(self._free, offered) if o)
         if kept + need <= self.keep_limit:
             return None
         return min(fitting, key=lambda i: self._free[i].numel())
