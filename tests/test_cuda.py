@@ -21,7 +21,6 @@ import gc
 import os
 import tempfile
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -37,10 +36,9 @@ from lightning_ratel import RatelConfigError, RatelStrategy
 from lightning_ratel.callbacks import RatelProfiler
 from lightning_ratel.plan.states import device_bytes
 from lightning_ratel.runtime import gds
-from lightning_ratel.runtime.optimizer import CpuAdam
-from lightning_ratel.runtime.storage import TensorStore
 from tests.models import LM, MIXED_POLICY, MODELS, SEQ, VOCAB, HostAdamLM, cache_off, final_state, max_rel_err, trainer
 from tests.syncs import SyncCounter, extra_syncs
+from tests.test_state_tiers import LateUpdates
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -307,29 +305,10 @@ def test_late_updates_copy_the_masters_backward_paged_in_on_cuda(tmp_path, monke
     """fp32 masters paged in from the swap files through pinned staging buffers: an update held up behind backward
     copies its master from the page-in's buffer the host pool keeps (never a third read from the drive in a step),
     with the numbers of plain Lightning stepping the same AdamW on the CPU."""
-    update = CpuAdam._update
-
-    def late(self: CpuAdam, *args: Any, **kwargs: Any) -> None:
-        time.sleep(0.05)
-        update(self, *args, **kwargs)
-
-    monkeypatch.setattr(CpuAdam, "_update", late)
-    step = [0]
-    master_reads: dict[int, int] = {}
-    transfer = TensorStore._transfer_chunk
-
-    def counted(self: TensorStore, request: Any, chunk: Any) -> Any:
-        if not request.is_write and request.source is None and ".master" in request.key:
-            master_reads[step[0]] = master_reads.get(step[0], 0) + chunk.length
-        return transfer(self, request, chunk)
-
-    monkeypatch.setattr(TensorStore, "_transfer_chunk", counted)
     strategy = RatelStrategy(ssd_paths=swap_dirs(tmp_path), activation_policy="host", optimizer_states="ssd",
                              param_cache="ssd", read_ahead_sets=0)
     lm = LM("llama")
-    masters: list[int] = []
-    lm.on_train_start = lambda: masters.append(sum(s.numel * 4 for s in strategy.engine.layout.shards))
-    lm.on_train_batch_start = lambda batch, index: step.__setitem__(0, index)
+    late = LateUpdates(monkeypatch, strategy, lm)
     with reproducible():
         ref = HostAdamLM("llama")
         plain = gpu_trainer("auto", precision="32-true", max_steps=5)
@@ -339,8 +318,7 @@ def test_late_updates_copy_the_masters_backward_paged_in_on_cuda(tmp_path, monke
     error = max_rel_err(_on_host(final_state(ref, plain))[0], _on_host(final_state(lm, ratel))[0])
     assert error <= SAME_ARITHMETIC["32-true"]
     # Not the last step: the copy back into the module after it reads every master.
-    for index in range(1, 4):
-        assert 0 < master_reads[index] <= 2 * masters[0], (index, master_reads, masters)
+    late.assert_at_most_two_reads(range(1, 4))
 
 
 @pytest.mark.parametrize("states", ["device", "auto"])

@@ -360,6 +360,43 @@ def test_fp32_masters_shared_by_page_ins_and_updates_keep_plain_numbers(tmp_path
     assert shared > 0 and read > 0
 
 
+class LateUpdates:
+    """Holds every CPU update back 50 ms (as one behind a slow disk is held up) and counts, per step, the bytes of
+    fp32 masters read from the drive (copies from another read's memory not counted) in a run of ``module`` under
+    ``strategy`` (fp32, compute copies and states in the swap files)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, strategy: RatelStrategy, module: LM) -> None:
+        self.step = 0
+        self.master_reads: Counter[int] = Counter()
+        self.masters = 0
+        update, transfer = CpuAdam._update, TensorStore._transfer_chunk
+
+        def late(adam: CpuAdam, *args: Any, **kwargs: Any) -> None:
+            time.sleep(0.05)
+            update(adam, *args, **kwargs)
+
+        def counted(store: TensorStore, request: Any, chunk: Any) -> Any:
+            if not request.is_write and request.source is None and ".master" in request.key:
+                self.master_reads[self.step] += chunk.length
+            return transfer(store, request, chunk)
+
+        def started() -> None:
+            self.masters = sum(s.numel * 4 for s in strategy.engine.layout.shards)
+
+        def batch(batch: Any, index: int) -> None:
+            self.step = index
+
+        monkeypatch.setattr(CpuAdam, "_update", late)
+        monkeypatch.setattr(TensorStore, "_transfer_chunk", counted)
+        module.on_train_start = started  # type: ignore[method-assign]
+        module.on_train_batch_start = batch  # type: ignore[method-assign]
+
+    def assert_at_most_two_reads(self, steps: range) -> None:
+        """Each of ``steps`` read the masters from the drive at most twice: forward's and backward's page-ins."""
+        for index in steps:
+            assert 0 < self.master_reads[index] <= 2 * self.masters, (index, self.master_reads, self.masters)
+
+
 @pytest.mark.parametrize("streams", ["cpu", "simulated"])
 def test_an_update_late_behind_backward_copies_the_master_its_page_in_read(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest, streams: str):
@@ -370,23 +407,6 @@ def test_an_update_late_behind_backward_copies_the_master_its_page_in_read(
     streams, which poison the pool's memory when it is handed out and when it comes back unoffered)."""
     if streams == "simulated":
         request.getfixturevalue("simulated_streams")
-    update = CpuAdam._update
-
-    def late(self: CpuAdam, *args: Any, **kwargs: Any) -> None:
-        time.sleep(0.05)
-        update(self, *args, **kwargs)
-
-    monkeypatch.setattr(CpuAdam, "_update", late)
-    step = [0]
-    master_reads: Counter[int] = Counter()
-    transfer = TensorStore._transfer_chunk
-
-    def counted(self: TensorStore, request: Any, chunk: Any) -> Any:
-        if not request.is_write and request.source is None and ".master" in request.key:
-            master_reads[step[0]] += chunk.length
-        return transfer(self, request, chunk)
-
-    monkeypatch.setattr(TensorStore, "_transfer_chunk", counted)
     kwargs = dict(precision="32-true", max_steps=5)
     ref = LM("llama")
     t = trainer("auto", **kwargs)
@@ -394,13 +414,9 @@ def test_an_update_late_behind_backward_copies_the_master_its_page_in_read(
     strategy = RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy="host", optimizer_states="ssd",
                              param_cache="ssd", read_ahead_sets=0)
     lm = LM("llama")
-    masters: list[int] = []
-    lm.on_train_start = lambda: masters.append(  # type: ignore[method-assign]
-        sum(s.numel * 4 for s in strategy.engine.layout.shards))
-    lm.on_train_batch_start = lambda batch, index: step.__setitem__(0, index)  # type: ignore[method-assign]
+    late = LateUpdates(monkeypatch, strategy, lm)
     got = trainer(strategy, **kwargs)
     got.fit(lm)
     compare_states(final_state(ref, t), final_state(lm, got), 0.0)
     # Not the last step: the copy back into the module after it reads every master.
-    for index in range(1, 4):
-        assert 0 < master_reads[index] <= 2 * masters[0], (index, master_reads[index], masters)
+    late.assert_at_most_two_reads(range(1, 4))
