@@ -80,9 +80,9 @@ What is published of that server, and what is assumed:
 Ratel on N GPUs: one rank per card, the global batch split evenly. The ranks share what the node has once: the 12
 SSDs, the host side of PCIe, DRAM's bandwidth and the cores that run the CPU AdamW (``CostSettings.ranks_on_node``:
 each rank sees ``1 / N`` of those rates), host memory and SSD space (each rank plans with ``1 / N`` of them); each
-rank owns ``1 / N`` of the states (as ``lightning_ratel.plan.owners`` partitions them) and reads its share of the
-compute copies from the SSDs, while every rank pages in every compute copy and sends its whole gradient to host
-memory, where the owners add them up. Nothing is fitted to these figures.
+rank owns ``1 / N`` of the states (as ``lightning_ratel.plan.owners`` partitions them), while every rank pages in
+every compute copy (from its own swap files, which hold each one: ``lightning_ratel.runtime.collectives.StoredCopies``)
+and sends its whole gradient to host memory, where the owners add them up. Nothing is fitted to these figures.
 
 ZeRO-Infinity on N GPUs (:func:`zero_infinity_step`): DeepSpeed ZeRO-3 with parameters and optimizer states on NVMe,
 as its source has it (``deepspeed/runtime/zero/stage3.py``, ``offload_config.py``), on the same node, blocks and
@@ -372,8 +372,9 @@ def plan(model: GPT, batch: int, ssds: int = 12, gpus: int = 1) -> Plan:
 
     The ranks share the node: each has ``1 / gpus`` of host memory and of the SSDs' space for its activations, and
     the cost model divides the SSDs', DRAM's, host-side PCIe's and the CPU optimizer's rates among them
-    (``CostSettings.ranks_on_node``); each rank owns ``1 / gpus`` of the states. Every rank keeps the artifact's pinned
-    swap buffers of its own.
+    (``CostSettings.ranks_on_node``); each rank owns ``1 / gpus`` of the states, and stores the fp16 copies of the
+    other ranks' parameters each step (2 bytes each: ``2 * (gpus - 1)`` per parameter it owns). Every rank keeps the
+    artifact's pinned swap buffers of its own.
     """
     hw = paper_hardware(ssds)
     return search(hw, gpt_layers(model, batch), device_budget=hw.device_memory_free,
@@ -381,7 +382,8 @@ def plan(model: GPT, batch: int, ssds: int = 12, gpus: int = 1) -> Plan:
                   store_budget=int(0.95 * hw.ssd_free / gpus),
                   settings=CostSettings(host_static_bytes=HOST_STATIC_BYTES,
                                         state_read_bytes_per_param=STATE_READ_BYTES,
-                                        state_write_bytes_per_param=STATE_WRITE_BYTES, param_cache="ssd",
+                                        state_write_bytes_per_param=STATE_WRITE_BYTES + 2 * (gpus - 1),
+                                        param_cache="ssd",
                                         state_spill=True, device_overhead=device_overhead(model, batch),
                                         ranks_on_node=gpus))
 

@@ -26,7 +26,7 @@ from lightning_ratel.io.checkpoint import choose_checkpoint_format, gathered_che
 from lightning_ratel.plan.exchange import ExchangeChoice, choose_exchange
 from lightning_ratel.plan.states import state_bytes
 from lightning_ratel.precision import RatelPrecision
-from lightning_ratel.runtime.collectives import exchange_micro_batch_nbytes, exchange_window_nbytes
+from lightning_ratel.runtime.collectives import StoredCopies, exchange_micro_batch_nbytes, exchange_window_nbytes
 from lightning_ratel.runtime.probe import available_host_memory
 from lightning_ratel.runtime.state_buffers import BUFFER_SETS, set_bytes, set_capacities
 from lightning_ratel.runtime.units import Layout
@@ -43,9 +43,10 @@ class Estimate:
         param_cache: where the compute copies live, ``"host"`` or ``"ssd"`` (``"auto"`` resolved).
         checkpoint_format: ``"full"`` or ``"sharded"`` (``"auto"`` resolved).
         disk: the swap files: the fp32 master and two moments in two slots (24 bytes) of each trainable parameter whose
-            states are not in host memory, and with ``param_cache="ssd"`` the 16-bit and frozen compute copies.
-            Activations a plan sends to the SSD, and the own-dtype copies of frozen values bf16 would round, come on
-            top.
+            states are not in host memory, and with ``param_cache="ssd"`` the 16-bit and frozen compute copies
+            (with several ranks, the files of all of them: each also keeps every trainable compute copy, see
+            :class:`~lightning_ratel.runtime.collectives.StoredCopies`). Activations a plan sends to the SSD, and the
+            own-dtype copies of frozen values bf16 would round, come on top.
         host_cache: the host cache of compute copies (``param_cache="host"``).
         host_states: the optimizer states kept in host memory (``optimizer_states``), both slots.
         optimizer_buffers: the CPU AdamW's buffer sets (master and moments of the largest shard whose states are in
@@ -60,8 +61,9 @@ class Estimate:
             most all of them at once (between the boundary micro-batches of gradient accumulation). Under
             ``"micro_batch"`` two buckets of gradients in flight, each one owner's fp32 gradients of consecutive
             parameters and a flag per parameter, up to 25 MiB or half the largest shard, whichever is less, unless one
-            parameter takes more (:func:`~lightning_ratel.runtime.collectives.exchange_micro_batch_nbytes`). 0 on one
-            rank.
+            parameter takes more (:func:`~lightning_ratel.runtime.collectives.exchange_micro_batch_nbytes`). With
+            ``param_cache="ssd"`` also the two buffers of the largest shard's compute copy that copies published
+            between ranks pass through (:class:`~lightning_ratel.runtime.collectives.StoredCopies`). 0 on one rank.
         exchange: with several ranks, the gradient exchange the planner chooses
             (:func:`~lightning_ratel.plan.exchange.choose_exchange`) from the host budget (``host_memory_limit``, else
             a rank's part of the memory available now) and the other host bytes; ``None`` on one rank.
@@ -168,6 +170,8 @@ def _estimate(module: nn.Module, optimizer: torch.optim.Optimizer, config: Ratel
     disk = sum(state_bytes(s.numel) for s in layout.shards if s.state_tier == "ssd")
     if on_store:
         disk += sum(s.numel * s.dtype.itemsize for s in layout.all_shards if s.dtype != torch.float32 or s.group < 0)
+        # Every other rank keeps every trainable compute copy in its own files too (StoredCopies).
+        disk += (ranks - 1) * sum(s.numel * s.dtype.itemsize for s in layout.shards)
     checkpoint_format = choose_checkpoint_format(config.checkpoint_format, module, optimizer,
                                                  config.host_memory_limit)
     if checkpoint_format == "full":
@@ -200,6 +204,8 @@ def _estimate(module: nn.Module, optimizer: torch.optim.Optimizer, config: Ratel
     held = estimate.host + (estimate.device if unified else 0)
     choice = choose_exchange(config.gradient_exchange, accumulate, ranks, held, window, budget, automatic=automatic)
     nbytes = window if choice.mode == "window" else exchange_micro_batch_nbytes(layout.shards)
+    if on_store:
+        nbytes += StoredCopies.buffer_nbytes(layout.shards)
     return replace(estimate, exchange_buffers=nbytes, exchange=choice)
 
 

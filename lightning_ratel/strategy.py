@@ -589,6 +589,7 @@ class RatelStrategy(ParallelStrategy):
         module = self.lightning_module
         optimizer = None
         exchange = None
+        param_cache = self.config.param_cache
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             if len(self.optimizers) != 1:
@@ -616,11 +617,16 @@ class RatelStrategy(ParallelStrategy):
                                      accumulate=trainer.accumulate_grad_batches,
                                      automatic=module.automatic_optimization)
             exchange = need.exchange if need is not None else None
-            if self._world is not None:
-                # Every rank exchanges alike: rank 0's choice (each measured its own free memory).
-                exchange = self._world.broadcast_object(exchange)
+            if self._world is not None and need is not None:
+                # Every rank exchanges and pages alike: rank 0's choices (each measured its own free memory).
+                exchange, param_cache = self._world.broadcast_object((exchange, need.param_cache))
+                if self.config.param_cache == "auto" and param_cache == "ssd":
+                    rank_zero_info("RatelStrategy: the compute copies of the parameters would take more than half of "
+                                   "the host memory budget; they are read from the swap files on every use "
+                                   "(param_cache='ssd').")
         self.model_to_device()
-        config = replace(self.config.with_ssd_paths(self._swap_directories), name=self._store_name())
+        config = replace(self.config.with_ssd_paths(self._swap_directories), name=self._store_name(),
+                         param_cache=param_cache)
         self._limit_device_memory()
         precision = self.precision_plugin
         self._exception = None

@@ -98,6 +98,10 @@ class _Measure(L.Callback):
         self.baseline = baseline
         self.private = private
         self.figures: dict[str, Any] = {}
+        self._io_at_start: dict[str, int] = {}
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self._io_at_start = getattr(trainer.strategy, "io_bytes", dict)()
 
     def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         placement = getattr(trainer.strategy, "byte_placement", dict)()
@@ -120,8 +124,15 @@ class _Measure(L.Callback):
                 self.figures["exchange_bytes"] = engine.adam.host_buffer_bytes - local.host_buffer_bytes
                 self.figures["exchange_counts"] = engine.adam.exchange_counts
             self.figures["state_traffic"] = trainer.strategy.state_traffic()
+            self.figures["step_traffic"] = trainer.strategy.step_traffic()
+            # What the swap files moved during fit, every write-back landed.
+            engine.adam.barrier(include_writes=True)
+            io = trainer.strategy.io_bytes()
+            self.figures["fit_io"] = {what: io[what] - self._io_at_start.get(what, 0) for what in io}
             if engine.exchange is not None:
                 self.figures["exchange"] = engine.exchange.mode
+            # Every parameter read between steps as a callback reads it, on this rank alone.
+            self.figures["read_params"] = {name: p.detach().float().clone() for name, p in module.named_parameters()}
         profiler = getattr(trainer.strategy, "profiler", None)
         if profiler is not None and profiler.plan is not None:
             self.figures["plan"] = profiler.plan.to_json()
@@ -307,6 +318,7 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--save", default=None, help="save a checkpoint here at the end of training")
     parser.add_argument("--resume", default=None, help="resume from this checkpoint")
     parser.add_argument("--states", default="auto", help="RatelStrategy's optimizer_states")
+    parser.add_argument("--param-cache", default="host", help="RatelStrategy's param_cache")
     parser.add_argument("--exchange", default="auto", help="RatelStrategy's gradient_exchange")
     parser.add_argument("--node-states", default=None,
                         help="each node's optimizer_states, comma-separated in node order (instead of --states)")
@@ -363,7 +375,7 @@ def main(argv: list[str]) -> None:
     states = args.node_states.split(",")[int(os.environ.get("NODE_RANK", "0"))] if args.node_states else args.states
     if args.strategy == "ratel":
         strategy = RatelStrategy(ssd_paths=[str(swap)], activation_policy=None if args.plan_auto else "device",
-                                 param_cache="host",
+                                 param_cache=args.param_cache,
                                  optimizer_states=states, checkpoint_format=args.checkpoint_format,
                                  gradient_exchange=args.exchange,
                                  pretrained=args.pretrained, keep_swap_files=args.keep_swap,

@@ -279,13 +279,62 @@ def test_a_plan_that_does_not_fit_one_rank_stops_every_rank(tmp_path: Path) -> N
     assert not (tmp_path / "rank0.pt").exists()
 
 
-def test_bf16_mixed_equals_ddp(tmp_path: Path) -> None:
+BF16_ACCUMULATE = ["--precision", "bf16-mixed", "--accumulate", "2"]
+
+
+@pytest.fixture(scope="module")
+def ddp_bf16_reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Plain Lightning ``ddp`` on 2 processes under bf16-mixed, with accumulation over 2 micro-batches."""
+    out = tmp_path_factory.mktemp("ddp_bf16")
+    _ok(_run(out, "--strategy", "ddp", *BF16_ACCUMULATE))
+    return _load(out)
+
+
+def test_bf16_mixed_equals_ddp(tmp_path: Path, ddp_bf16_reference: dict) -> None:
     """16-bit compute copies travel between ranks as bytes (gloo sends no bfloat16 and no int16)."""
-    args = ["--precision", "bf16-mixed", *ACCUMULATE_CLIP]
-    _ok(_run(tmp_path / "ddp", "--strategy", "ddp", *args))
-    _ok(_run(tmp_path / "ratel", *args))
+    _ok(_run(tmp_path, *BF16_ACCUMULATE))
     for rank in (0, 1):
-        _assert_same(_load(tmp_path / "ddp"), _load(tmp_path / "ratel", rank))
+        _assert_same(ddp_bf16_reference, _load(tmp_path, rank))
+
+
+def test_compute_copies_in_the_swap_files_equal_ddp(tmp_path: Path, ddp_reference: dict) -> None:
+    """``param_cache="ssd"`` on two ranks: every rank keeps the compute copy of every trainable shard in its own swap
+    files (those of the shards it owns written by its updates, the others from their owners' broadcasts, an fp32
+    shard's apart from the master another rank holds) and pages them in from there, under accumulation and clipping;
+    the numbers are ddp's. A parameter read between steps on a rank that does not own it is its compute copy, read
+    from that rank's files: in fp32 ddp's value."""
+    _ok(_run(tmp_path, "--param-cache", "ssd", "--states", "ssd", *ACCUMULATE_CLIP))
+    got = [_load(tmp_path, rank) for rank in (0, 1)]
+    for rank in (0, 1):
+        _assert_same(ddp_reference, got[rank])
+        read = got[rank]["read_params"]
+        assert max_rel_err({name: ddp_reference["params"][name] for name in read}, read) <= 1e-6
+        assert got[rank]["shared_cache"] == (0, 0)
+    # Each rank's swap files: the states it owns (both slots, 24 bytes a parameter) and a 4-byte copy of each
+    # parameter the other rank owns (no host cache holds them).
+    states = [g["states"]["ssd"] for g in got]
+    assert all(s > 0 for s in states)
+    assert [g["placement"]["disk"] for g in got] == [states[0] + states[1] // 6, states[1] + states[0] // 6]
+    # The pre-flight estimate of two ranks counts both ranks' files.
+    lm = LM("llama")
+    estimate = lightning_ratel.estimate(lm, precision="32-true", optimizer=lm.configure_optimizers()["optimizer"],
+                                        ranks=2, param_cache="ssd", optimizer_states="ssd")
+    assert estimate.disk == sum(g["placement"]["disk"] for g in got)
+    assert [g["exchange_bytes"] for g in got] == [estimate.exchange_buffers] * 2
+
+
+def test_compute_copies_in_the_swap_files_under_bf16_mixed(tmp_path: Path, ddp_bf16_reference: dict) -> None:
+    """The same in bf16-mixed, whose 16-bit copies each owner's update writes and broadcasts as bytes; a step writes
+    what the planner says it does (the owned states, the own and the received compute copies), every byte of it."""
+    _ok(_run(tmp_path, "--param-cache", "ssd", "--states", "ssd", *BF16_ACCUMULATE))
+    for rank in (0, 1):
+        got = _load(tmp_path, rank)
+        _assert_same(ddp_bf16_reference, got)
+        read = got["read_params"]
+        # The owner's master, or elsewhere the value rounded to 16 bits.
+        assert max_rel_err({name: ddp_bf16_reference["params"][name] for name in read}, read) <= 2**-8
+        assert got["state_traffic"]["written"] < got["step_traffic"]["written"]
+        assert got["fit_io"]["written"] == 3 * got["step_traffic"]["written"]
 
 
 def test_speculation_that_stands_equals_ddp(tmp_path: Path) -> None:
@@ -713,6 +762,16 @@ def test_checkpoint_of_two_ranks_resumes_at_any_world_size(tmp_path: Path, saved
         reads = [run["reads"]["checkpoint"] for run in runs]
         assert sum(reads) == _checkpoint_bytes(saved_by_two / saved)
         assert all(reads)
+
+
+def test_a_checkpoint_resumes_on_three_ranks_with_the_compute_copies_in_the_swap_files(
+        tmp_path: Path, saved_by_two: Path, resumed_from_ddp: dict[int, dict]) -> None:
+    """Resumed with ``param_cache="ssd"`` on 3 ranks: each rank stores the loaded values of the units other ranks own
+    as their compute copies, and the run goes on as ``ddp``'s."""
+    _ok(_run(tmp_path, "--devices", "3", "--steps", "4", "--param-cache", "ssd", "--states", "ssd",
+             "--resume", str(saved_by_two / "ratel.ckpt")))
+    for rank in range(3):
+        _assert_same(resumed_from_ddp[3], _load(tmp_path, rank))
 
 
 def _checkpoint_bytes(path: Path) -> int:

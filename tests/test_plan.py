@@ -463,12 +463,12 @@ def test_ranks_on_a_node_share_its_ssds_host_side_dram_and_cores():
         _hand_predict("cuda", ranks_on_node=0)
 
 
-def test_ranks_read_their_share_of_the_compute_copies_from_the_ssds():
+def test_each_rank_reads_every_compute_copy_from_its_own_swap_files():
     one = _hand_predict("cuda", param_cache="ssd")
     two = _hand_predict("cuda", param_cache="ssd", ranks_on_node=2)
-    # 2000 B of compute copies at 100 B/s alone, or 1000 B each at half of it: 20 s either way, in each pass.
+    # 2000 B of compute copies at 100 B/s alone: 20 s in each pass; two ranks read them all at half of it each.
     assert one.forward["ssd"] == pytest.approx(100 / 50 + 20.0)
-    assert two.forward["ssd"] == pytest.approx(100 / 25 + 20.0)
+    assert two.forward["ssd"] == pytest.approx(100 / 25 + 40.0)
 
 
 def _spill_case(read: int, write: int) -> CostModel:

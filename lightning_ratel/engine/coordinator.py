@@ -201,10 +201,6 @@ def _kept_masters(layout: Layout) -> int:
 
 def _owners(layout: Layout, ranks: Ranks) -> dict[int, int]:
     """Each unit's owner rank, balancing the states' bytes (both slots) and the update's CPU time over the ranks."""
-    if layout.param_cache == "ssd":
-        raise RatelConfigError(
-            "RatelStrategy on several ranks keeps the compute copies in host memory for now: pass "
-            "`param_cache='host'` (the host memory limit made 'auto' choose 'ssd'), or train on one rank.")
     costs: dict[int, tuple[int, int]] = {}
     for shard in layout.shards:
         nbytes = 2 * shard.numel * (8 if shard.master_in_host else 12)
@@ -321,8 +317,10 @@ class RatelEngine:
             raise RatelConfigError(
                 "optimizer_states='device' trains on one rank for now: each unit's states belong to one owner rank, "
                 "which updates them on the CPU; give optimizer_states='auto', 'host' or 'ssd', or train on one rank")
-        # The ranks of a node page from one host cache (each compute copy held once per node).
-        node = _node_cache(module, ranks, faults) if parallel and ranks is not None else None
+        # The ranks of a node page from one host cache (each compute copy held once per node), unless the compute
+        # copies are to be read from the swap files.
+        shared = parallel and ranks is not None and config.param_cache != "ssd"
+        node = _node_cache(module, ranks, faults) if shared and ranks is not None else None
         try:
             host_empty = (self.device.host_empty if node is None
                           else functools.partial(self.device.shared_host_empty, node.memory))

@@ -265,9 +265,12 @@ class Materializer:
                     store.reserve(shard.key(what), shard.numel * 4)
                 if not shard.master_in_host:
                     store.reserve(shard.key("master"), shard.numel * 4)
-            for shard in layout.all_shards:
-                if compute_on_store and (shard.dtype != torch.float32 or shard.group < 0):
+            for shard in layout.all_shards if compute_on_store else ():
+                if shard.dtype != torch.float32 or shard.group < 0:
                     store.reserve(shard.compute_key, shard.numel * shard.dtype.itemsize)
+                elif self.owned is not None and shard.index not in self.owned:
+                    # Another rank's fp32 master: this rank keeps its compute copy apart (see StoredCopies).
+                    store.reserve(shard.key("compute"), shard.numel * 4)
             store.preallocate()
         writer = _ShardWriter(store, layout, compute_on_store, self.owned, self.writes)
         unit_shards = layout.unit_shards()

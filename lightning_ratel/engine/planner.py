@@ -366,8 +366,10 @@ class Planner:
         """Bytes each optimizer step of this rank must move through its swap files (see :func:`step_traffic`): its
         model states' traffic, and the page-ins of compute copies read from there; ``after_backward``: the updates
         run after backward (which shards the buffer sets read ahead)."""
-        return step_traffic(self.owned_shards(), self.layout.frozen_shards, self.layout.param_cache,
-                            self._read_ahead_sets(), after_backward)
+        owned = self.owned_shards()
+        others = [s for s in self.layout.shards if s not in owned]
+        return step_traffic(owned, self.layout.frozen_shards, self.layout.param_cache, self._read_ahead_sets(),
+                            after_backward, others)
 
     def host_room(self, nodes: Sequence[HardwareProfile]) -> int:
         """Host bytes this rank's budget leaves beyond what it holds now (see :func:`plan_budgets`), given every node's
@@ -521,7 +523,8 @@ def state_traffic(shards: Sequence[Shard], param_cache: str) -> dict[str, int]:
 
 
 def step_traffic(shards: Sequence[Shard], frozen_shards: Sequence[Shard], param_cache: str,
-                 read_ahead_sets: int = 0, after_backward: bool = False) -> dict[str, int]:
+                 read_ahead_sets: int = 0, after_backward: bool = False, others: Sequence[Shard] = ()
+                 ) -> dict[str, int]:
     """The least a training step moves through the swap files: :func:`state_traffic` of ``shards``, and where the
     pager reads compute copies from the swap files (``param_cache="ssd"``), each unit's copies read for its forward
     and again for its backward, except where a page-in and the optimizer use the same bytes (an fp32 shard whose
@@ -536,6 +539,8 @@ def step_traffic(shards: Sequence[Shard], frozen_shards: Sequence[Shard], param_
         read_ahead_sets: this rank's whole buffer sets, each reading one shard's states ahead during forward.
         after_backward: the updates run after backward, in forward order, so the sets read the first shards ahead
             (``False``: they overlap backward, which updates the last shards first).
+        others: the trainable shards other ranks own. Where the pager reads compute copies from the swap files, this
+            rank stores the copy of each once a step (see :func:`others_copies`) and pages it in like a frozen one.
 
     Returns:
         ``{"read": bytes, "written": bytes}``.
@@ -546,9 +551,18 @@ def step_traffic(shards: Sequence[Shard], frozen_shards: Sequence[Shard], param_
     # A compute copy is on the swap files unless it is an fp32 master kept in host memory.
     on_disk = [s for s in [*shards, *frozen_shards]
                if not (s.dtype == torch.float32 and s.group >= 0 and s.state_tier == "host")]
-    forward = sum(s.numel * s.dtype.itemsize for s in on_disk)
+    forward = sum(s.numel * s.dtype.itemsize for s in on_disk) + others_copies(others, param_cache)
     shared = shared_master_reads(shards) + shared_master_reads(_read_ahead(shards, read_ahead_sets, after_backward))
-    return {"read": traffic["read"] + 2 * forward - shared, "written": traffic["written"]}
+    return {"read": traffic["read"] + 2 * forward - shared,
+            "written": traffic["written"] + others_copies(others, param_cache)}
+
+
+def others_copies(others: Sequence[Shard], param_cache: str) -> int:
+    """Bytes of the compute copies a rank stores each step for the trainable shards ``others`` that other ranks own:
+    where the pager reads compute copies from the swap files (``param_cache="ssd"``) every rank keeps every copy in
+    its own (:class:`~lightning_ratel.runtime.collectives.StoredCopies`), written from the owner's broadcast once a
+    step and read for each forward and backward; none otherwise."""
+    return sum(s.numel * s.dtype.itemsize for s in others) if param_cache == "ssd" else 0
 
 
 def shared_master_reads(shards: Sequence[Shard]) -> int:
@@ -598,6 +612,9 @@ def plan_settings(shards: Sequence[Shard], owned: Sequence[Shard], param_cache: 
     """
     share = (sum(s.numel for s in shards) or 1) / ranks_on_node
     traffic = state_traffic(owned, param_cache)
+    mine = {id(s) for s in owned}
+    # The copies of other ranks' shards this rank stores each step travel with its own state writes.
+    traffic["written"] += others_copies([s for s in shards if id(s) not in mine], param_cache)
     if param_cache == "ssd":
         # The cost model counts every compute copy's page-ins; an fp32 master in the swap files is that copy, and
         # the optimizer's read of it shares one page-in's bytes (see shared_master_reads).

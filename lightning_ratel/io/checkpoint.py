@@ -252,7 +252,7 @@ class ModelState:
                     if future is not None:
                         future.result()
                 else:
-                    flat = shard.compute_view(shard.unit.host[shard.dtype]).float()
+                    flat = self.adam.compute_copy(shard).float()
             else:
                 flat = self.read_flat(shard, "master")
             for sp in shard.params:

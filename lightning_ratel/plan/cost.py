@@ -338,10 +338,10 @@ class CostSettings:
         ranks_on_node: data-parallel ranks training on this node at once, each with its own device and the same
             work. They share the node's SSDs, host-side PCIe, DRAM and CPU cores, so each rank sees ``1 /
             ranks_on_node`` of those rates; each owns ``1 / ranks_on_node`` of the optimizer states and updates
-            (``state_*_bytes_per_param`` count per owned parameter) and reads its share of the compute copies from the
-            SSDs where ``param_cache="ssd"``. Every rank still pages every compute copy in and sends its whole
-            gradient to the host, where the owners add the ranks' copies of their share (one more DRAM read of each
-            peer's copy): the gradient's reduction passes through host memory, as on GPUs without peer-to-peer links.
+            (``state_*_bytes_per_param`` count per owned parameter). Every rank pages every compute copy in (where
+            ``param_cache="ssd"`` each from its own swap files, which hold every copy) and sends its whole gradient to
+            the host, where the owners add the ranks' copies of their share (one more DRAM read of each peer's copy):
+            the gradient's reduction passes through host memory, as on GPUs without peer-to-peer links.
     """
 
     prefetch_depth: int = 1
@@ -453,8 +453,8 @@ class CostModel:
         # The owners read each peer's copy of their share of the gradients once more to add them up.
         self._optimizer_memory = math.ceil(numel * settings.optimizer_memory_bytes_per_param
                                            + self._grad_bytes * (ranks - 1) / ranks)
-        # Compute copies read from the SSDs for each pass.
-        self._param_ssd_bytes = math.ceil(param_bytes / ranks) if param_cache == "ssd" else 0
+        # Compute copies read from the SSDs for each pass: every rank reads each from its own swap files.
+        self._param_ssd_bytes = param_bytes if param_cache == "ssd" else 0
         self._param_ssd = _seconds(self._param_ssd_bytes, hw.ssd_read_bandwidth)
         self.largest_block = max(self.layers, key=lambda layer: layer.param_bytes, default=None)
         # A block's backward materialises all it saved (recomputed outputs included) next to its params and grads.

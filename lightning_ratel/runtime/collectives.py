@@ -66,7 +66,7 @@ import torch.distributed as dist
 
 from lightning_ratel.errors import RatelRankFailed
 from lightning_ratel.runtime.device import DONE
-from lightning_ratel.runtime.hostmem import ALIGNMENT, SharedHostMemory
+from lightning_ratel.runtime.hostmem import ALIGNMENT, SharedHostMemory, aligned_empty
 from lightning_ratel.runtime.optimizer import CpuAdam, Finished, Outcome, StepPlan, finish_step
 from lightning_ratel.runtime.pool import HostPool
 from lightning_ratel.runtime.units import Shard, Unit
@@ -601,6 +601,80 @@ def _compute_copy(shard: Shard) -> torch.Tensor:
     return shard.compute_view(shard.unit.host[shard.dtype])
 
 
+class StoredCopies:
+    """Compute copies in the swap files (``param_cache="ssd"``) of a run on several ranks: every rank keeps the copy
+    of every trainable shard in its own store, where its pager reads them.
+
+    The owner's update writes the copies of the shards it owns, as on one rank. The copy of a shard another rank owns
+    is written here from the owner's broadcast, under the shard's ``compute`` key, also for an fp32 shard (whose
+    master, its copy on the owner, is not here). The ranks of a node thus hold each compute copy once each, on their
+    drives; each state still once.
+
+    Args:
+        store: this rank's swap store.
+        shards: every trainable shard.
+        owns: whether this rank owns a shard.
+    """
+
+    BUFFERS = 2
+    """Host buffers the copies on their way use in turn: one is filled while the write of the other runs."""
+
+    def __init__(self, store: Any, shards: Sequence[Shard], owns: Callable[[Shard], bool]) -> None:
+        self.store = store
+        self._owns = owns
+        size = self.buffer_nbytes(shards) // self.BUFFERS
+        self._buffers = [aligned_empty(size, torch.uint8) for _ in range(self.BUFFERS)]
+        self._writes: list[Future | None] = [None] * self.BUFFERS
+        self._turn = 0
+        for shard in shards:
+            if not owns(shard):
+                shard.unit.ready.place(shard, shard.key("compute"))
+
+    @staticmethod
+    def buffer_nbytes(shards: Sequence[Shard]) -> int:
+        """Host bytes of the buffers the copies of ``shards`` pass through."""
+        largest = max((s.numel * s.dtype.itemsize for s in shards), default=0)
+        return StoredCopies.BUFFERS * round_up(largest, ALIGNMENT)
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes of its buffers."""
+        return sum(b.numel() for b in self._buffers)
+
+    def key(self, shard: Shard) -> str:
+        """Where ``shard``'s current compute copy is in this rank's store."""
+        return shard.unit.ready.compute_key(shard)
+
+    def buffer(self, shard: Shard) -> torch.Tensor:
+        """A host buffer for ``shard``'s copy, the next in turn, once the write that last read it has landed."""
+        turn, self._turn = self._turn, (self._turn + 1) % self.BUFFERS
+        write, self._writes[turn] = self._writes[turn], None
+        if write is not None:
+            write.result()
+        return self._buffers[turn][: shard.numel * shard.dtype.itemsize].view(shard.dtype)
+
+    def read(self, shard: Shard, out: torch.Tensor) -> torch.Tensor:
+        """``shard``'s current copy in this rank's store, into ``out``."""
+        self.store.read(self.key(shard), out, urgent=True).result()
+        return out
+
+    def write(self, shard: Shard, copy: torch.Tensor) -> Future:
+        """Start storing ``copy`` (a :meth:`buffer`) as ``shard``'s copy on a rank that does not own it; the buffer
+        is handed out again once the write has landed."""
+        assert not self._owns(shard)
+        turn = next(i for i, b in enumerate(self._buffers) if b.data_ptr() == copy.data_ptr())
+        write = self.store.write(shard.key("compute"), copy, urgent=True)
+        self._writes[turn] = write
+        return write
+
+    def settle(self) -> None:
+        """Wait for the writes still running (raising the first error)."""
+        for turn, write in enumerate(self._writes):
+            self._writes[turn] = None
+            if write is not None:
+                write.result()
+
+
 @dataclass(frozen=True)
 class _Gradient:
     shard: Shard
@@ -1077,15 +1151,17 @@ class _Publisher:
         faults: where the waits for the broadcasts learn of a failed rank.
         node: the host cache this rank shares with its node, if it does (each copy then reaches each node once, see
             :class:`NodeCache`).
+        copies: where the compute copies are kept when they are in the swap files, not in a host cache.
     """
 
     def __init__(self, owner: dict[int, int], rank: int, group: Any, faults: Faults,
-                 node: NodeCache | None = None) -> None:
+                 node: NodeCache | None = None, copies: StoredCopies | None = None) -> None:
         self._owner = owner
         self._rank = rank
         self._group = group
         self._faults = faults
         self._node = node
+        self._copies = copies
         self._jobs: queue.SimpleQueue[_Publish | _Stop] = queue.SimpleQueue()
         self._cond = threading.Condition()
         self._pending = 0
@@ -1139,9 +1215,19 @@ class _Publisher:
                 # The owner's updates of this step wrote the copies; they were expected when the step was scheduled.
                 unit.ready.wait()
             for shard in shards:
-                self._faults.broadcast(_wire(_compute_copy(shard)), self._owner[shard.index], self._group)
-                if self._owner[shard.index] != self._rank:
-                    unit.ready.complete()
+                owner = self._owner[shard.index]
+                if self._copies is None:
+                    self._faults.broadcast(_wire(_compute_copy(shard)), owner, self._group)
+                    if owner != self._rank:
+                        unit.ready.complete()
+                    continue
+                copy = self._copies.buffer(shard)
+                if owner == self._rank:
+                    self._copies.read(shard, copy)
+                self._faults.broadcast(_wire(copy), owner, self._group)
+                if owner != self._rank:
+                    # The next forward's page-in waits for the write, then reads it back.
+                    unit.ready.complete(self._copies.write(shard, copy))
 
     def _publish_shared(self, node: NodeCache, unit: Unit, shards: Sequence[Shard]) -> None:
         """One unit's new compute copy into the node's shared cache: written there once, by its writer (a unit's
@@ -1215,7 +1301,10 @@ class DataParallelAdam:
                           if exchange == "micro_batch" else
                           _GradientExchange(self.shards, self._owner, ranks, groups[0], self._deliver, self._faults))
         self._node = node
-        self._publisher = _Publisher(self._owner, ranks.rank, groups[1], self._faults, node)
+        # Compute copies in the swap files: every rank keeps each one in its own.
+        self.copies = (StoredCopies(self.local.store, self.shards, self.owns) if self.local.compute_on_store
+                       else None)
+        self._publisher = _Publisher(self._owner, ranks.rank, groups[1], self._faults, node, self.copies)
         # Parameters of every shard in the optimizer's order, for the global norm.
         self._param_count = sum(len(s.params) for s in self.shards)
 
@@ -1234,8 +1323,9 @@ class DataParallelAdam:
 
     @property
     def host_buffer_bytes(self) -> int:
-        """Host bytes of the local optimizer's buffers and of the gradient exchange's window."""
-        return self.local.host_buffer_bytes + self._exchange.nbytes
+        """Host bytes of the local optimizer's buffers, of the gradient exchange's window, and of the buffers compute
+        copies stored in the swap files pass through."""
+        return self.local.host_buffer_bytes + self._exchange.nbytes + (self.copies.nbytes if self.copies else 0)
 
     @property
     def exchange_counts(self) -> dict[str, int]:
@@ -1487,8 +1577,19 @@ class DataParallelAdam:
         """Give every rank the owners' compute copies of all trainable shards (after the model is materialized: the
         owners' masters are the values, as rank 0's are under ``DistributedDataParallel``). With a shared cache the
         owner wrote them on its node while materializing, and each other node's writer receives them; then the node's
-        other ranks may read (every unit's first copy was written by its writer)."""
+        other ranks may read (every unit's first copy was written by its writer). With the copies in the swap files
+        each owner reads its own back and every other rank stores what it receives."""
         node = self._node
+        if self.copies is not None:
+            for shard in self.shards:
+                copy = self.copies.buffer(shard)
+                if self.owns(shard):
+                    self.copies.read(shard, copy)
+                self._faults.broadcast(_wire(copy), self.owner(shard), self._control)
+                if not self.owns(shard):
+                    self.copies.write(shard, copy)
+            self.copies.settle()
+            return
         if node is None:
             for shard in self.shards:
                 self._faults.broadcast(_wire(_compute_copy(shard)), self.owner(shard), self._control)
@@ -1557,8 +1658,22 @@ class DataParallelAdam:
         rank runs the same code that wrote them)."""
         if self.owns(shard):
             self.local.assign(shard, master)
+        elif self.copies is not None:
+            self.barrier()
+            copy = self.copies.buffer(shard)
+            copy.copy_(master)
+            self.copies.write(shard, copy)
+            self.copies.settle()
         else:
             self.barrier()
             # In a shared cache every rank of the node writes the same bytes here: a rank reads the new values once
             # its own copy is made, whichever rank's copy lands last.
             _compute_copy(shard).copy_(master)
+
+    def compute_copy(self, shard: Shard) -> torch.Tensor:
+        """``shard``'s current compute copy on this rank, to read between steps (a buffer reused by the next call
+        where the copies are in the swap files: copy what is kept)."""
+        if self.copies is None:
+            return _compute_copy(shard)
+        self.barrier()
+        return self.copies.read(shard, self.copies.buffer(shard))

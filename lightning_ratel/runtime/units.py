@@ -96,6 +96,12 @@ class UnitReady:
             if shard is not None and compute_key is not None:
                 self._compute_keys[shard.index] = compute_key
 
+    def place(self, shard: Shard, compute_key: str) -> None:
+        """``shard``'s compute copy is kept under ``compute_key`` from now on, not its own key (a rank that does not
+        own an fp32 shard keeps a copy apart from the master, which another rank holds)."""
+        with self._cond:
+            self._compute_keys[shard.index] = compute_key
+
     def compute_key(self, shard: Shard) -> str:
         """The store key of ``shard``'s current compute copy."""
         with self._cond:
