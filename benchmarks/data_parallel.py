@@ -11,7 +11,9 @@ runs the same on a GPU machine (NCCL for Lightning's own collectives).
 
 ``--exchanges window,micro_batch --accumulate 2`` runs RatelStrategy on N processes once per gradient exchange (and
 neither one rank nor ``ddp``): seconds per optimizer step, and rank 0's engine host bytes and those of its gradient
-exchange at the end of fit.
+exchange at the end of fit. ``--param-cache ssd`` pages RatelStrategy's compute copies from the swap files instead of
+a host cache (every rank then keeps and reads its own). The last line gives each run's tokens per second over
+``ddp``'s, where ``ddp`` ran.
 """
 
 from __future__ import annotations
@@ -94,7 +96,8 @@ def _held(trainer: L.Trainer) -> dict[str, int]:
 def _worker(args: argparse.Namespace) -> None:
     swap = Path(args.out) / "swap"
     exchange = {"gradient_exchange": args.exchange} if args.exchange else {}
-    strategy: Any = (RatelStrategy(ssd_paths=[str(swap)], param_cache="host", checkpoint_format="full", **exchange)
+    strategy: Any = (RatelStrategy(ssd_paths=[str(swap)], param_cache=args.param_cache, checkpoint_format="full",
+                                   **exchange)
                      if args.strategy == "ratel" else "ddp")
     clock = _Clock(args.warmup)
     trainer = L.Trainer(accelerator=args.accelerator, devices=args.devices, strategy=strategy,
@@ -122,6 +125,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches")
+    parser.add_argument("--param-cache", default="host", choices=["host", "ssd"], help="RatelStrategy's param_cache")
     parser.add_argument("--exchanges", default="",
                         help="comma-separated gradient exchanges to run RatelStrategy on N ranks with, alone")
     parser.add_argument("--exchange", default="", help=argparse.SUPPRESS)
@@ -133,6 +137,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     runs = ([("ratel", args.devices, exchange) for exchange in args.exchanges.split(",")] if args.exchanges else
             [("ratel", 1, ""), ("ratel", args.devices, ""), ("ddp", args.devices, "")])
+    rates: dict[str, float] = {}
     for strategy, devices, exchange in runs:
         with tempfile.TemporaryDirectory() as out:
             command = [sys.executable, __file__, "--worker", strategy, out, "--devices", str(devices),
@@ -143,8 +148,13 @@ def main(argv: Sequence[str] | None = None) -> None:
             result = json.loads((Path(out) / "result.json").read_text())
         held = "".join(f", {k.removesuffix('_bytes')} {v / 2**20:.1f} MiB" for k, v in result.items()
                        if k.endswith("_bytes"))
-        print(f"{strategy:>5} x{devices}{' ' + exchange if exchange else ''}: {result['tokens_per_s']:10.1f} "
-              f"tokens/s, {result['s_per_step']:.3f} s/step{held}", flush=True)
+        name = f"{strategy} x{devices}{' ' + exchange if exchange else ''}"
+        rates[name] = result["tokens_per_s"]
+        print(f"{name:>7}: {result['tokens_per_s']:10.1f} tokens/s, {result['s_per_step']:.3f} s/step{held}",
+              flush=True)
+    ddp = rates.pop(f"ddp x{args.devices}", None)
+    if ddp:
+        print("tokens/s over ddp's: " + ", ".join(f"{name} {rate / ddp:.2f}" for name, rate in rates.items()))
 
 
 if __name__ == "__main__":

@@ -64,8 +64,9 @@ Run from the repository root on the GPU machine::
 
 With ``--devices N`` every training run (and every attempt of the search for the largest model) launches N ranks
 through Lightning, data parallel: the batch size is each rank's micro-batch, and the figures of a step are the totals
-of all ranks (N x batch sequences per step; the in-GPU block peak is one GPU's, times N). RatelStrategy then keeps the
-compute copies in host memory (``param_cache="host"``, each rank holds them all) and each state once per node.
+of all ranks (N x batch sequences per step; the in-GPU block peak is one GPU's, times N). RatelStrategy then keeps
+each state once per node, and the compute copies where ``param_cache="auto"`` puts them: a host cache the node's
+ranks share, or each rank's own swap files.
 """
 
 from __future__ import annotations
@@ -472,14 +473,12 @@ def zero_infinity_offload(optimizer_dir: str, param_dir: str, largest_param: int
 
 
 def _strategy(system: str, module: Any, shape: ModelShape, swap_dirs: list[str], cap: int,
-              aio: dict[str, Any] | None = None, ratel_states: str = "auto", devices: int = 1) -> Any:
+              aio: dict[str, Any] | None = None, ratel_states: str = "auto") -> Any:
     if system == "ratel":
         from lightning_ratel import RatelStrategy
 
-        # Several ranks keep the compute copies in host memory (each rank holds them all; the states once per node).
-        cache = "host" if devices > 1 else "auto"
         return RatelStrategy(ssd_paths=swap_dirs, device_memory_limit=cap, optimizer_states=ratel_states,
-                             param_cache=cache, param_init_fn=gpt2_initializer(module.model))
+                             param_cache="auto", param_init_fn=gpt2_initializer(module.model))
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
     config = deepspeed_config(system, shape, swap_dirs, aio)
@@ -519,7 +518,7 @@ def train_worker(spec: dict[str, Any]) -> dict[str, Any]:
     trainer = L.Trainer(
         accelerator="gpu" if gpu else "cpu", devices=devices,
         strategy=_strategy(system, module, shape, spec["swap_dirs"], cap, spec.get("ds_aio"),
-                           spec.get("ratel_states", "auto"), devices),
+                           spec.get("ratel_states", "auto")),
         precision="bf16-mixed", max_steps=steps, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, callbacks=[timer],
     )

@@ -1,8 +1,8 @@
 """Data-parallel training on torch.distributed: each unit's states and its update on one owner rank.
 
 Every rank runs forward and backward on its own micro-batch and reads every unit's compute copy (the pager needs it)
-from a host cache that the ranks of its node share (:class:`NodeCache`; each rank keeps its own where they cannot),
-but only the units it owns (:mod:`lightning_ratel.plan.owners`) have their fp32 master and optimizer states in its
+from a host cache that the ranks of its node share (:class:`NodeCache`; each rank keeps its own where they cannot), or
+with ``param_cache="ssd"`` from its own swap files (:class:`StoredCopies`), but only the units it owns (:mod:`lightning_ratel.plan.owners`) have their fp32 master and optimizer states in its
 swap store and their update on its CPU optimizer. :class:`DataParallelAdam` stands where
 :class:`~lightning_ratel.runtime.optimizer.CpuAdam` stands on one rank and takes the same calls:
 
@@ -27,9 +27,9 @@ swap store and their update on its CPU optimizer. :class:`DataParallelAdam` stan
 3. When the training thread finishes the step (:meth:`DataParallelAdam.schedule`) the ranks first agree that every one
    of them got there (a rank that raised never does, and the others then fail in that collective instead of
    committing), then a publisher thread, ``ratel-publish``, broadcasts each updated shard's new compute copy from its
-   owner into every rank's host cache, in the order the next forward needs them, and completes the unit's
-   :class:`~lightning_ratel.runtime.units.UnitReady` there: the pager waits for it as for an update on one rank. With a
-   shared cache the copy reaches each node once (the owner wrote it on its own node) and the node's writer of the unit
+   owner into every rank's host cache (or swap files), in the order the next forward needs them, and completes the
+   unit's :class:`~lightning_ratel.runtime.units.UnitReady` there: the pager waits for it as for an update on one
+   rank. With a shared cache the copy reaches each node once (the owner wrote it on its own node) and the node's writer of the unit
    tells the node's other ranks when it is there. The owner's update may overwrite the shared bytes during backward:
    it runs on the reduced gradient, so after every rank's backward has left the unit.
 
