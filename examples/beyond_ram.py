@@ -37,6 +37,7 @@ Run from the repository root:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import resource
 import shutil
@@ -51,9 +52,13 @@ from text_data import TextDataModule
 from torch.utils.data import DataLoader
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
 from lightning_ratel import RatelProfiler, RatelStrategy
 
 GIB = 2**30
+# With several ranks each process runs this script: the first one reports.
+say = rank_zero_only(print)
 DEFAULT_SWAP = Path("outputs") / "beyond-ram-swap"
 
 
@@ -142,7 +147,7 @@ class StepReport(L.Callback):
         read, written = (now - before for now, before in zip(self._store_io(trainer), self._io))
         row = {"loss": loss, "seconds": seconds, "rss": MemoryWatch.current(), "read": read, "written": written}
         self.rows.append(row)
-        print(
+        say(
             f"step {len(self.rows)}  loss {loss:.4f}  {seconds:6.1f} s  RSS {row['rss'] / GIB:5.2f} GiB  "
             f"store read {read / GIB:5.1f} GiB, written {written / GIB:5.1f} GiB",
             flush=True,
@@ -219,6 +224,9 @@ def main() -> None:
     parser.add_argument("--host-memory-limit", default=None,
                         help="host memory the plan may use, such as 4GiB (RatelStrategy's host_memory_limit); "
                              "a smaller model then still keeps part of its states in the swap files")
+    parser.add_argument("--devices", type=int, default=1,
+                        help="data-parallel ranks (on the CPU, processes sharing its cores); the figures are rank "
+                             "0's, each rank moving its own states and every compute copy through its own swap files")
     parser.add_argument("--read-ahead-sets", type=int, default=None,
                         help="CPU optimizer buffer sets beyond the pipeline's three, reading states ahead of "
                              "their updates (RatelStrategy's read_ahead_sets); default: planned")
@@ -231,18 +239,18 @@ def main() -> None:
         module = RepeatedWindowLM(config, args.lr)
     params = sum(p.numel() for p in module.parameters())
     ram = memory_total()
-    print(f"Llama: {params:,} parameters; model states 16 B x P = {16 * params / 1e9:.1f} GB = "
+    say(f"Llama: {params:,} parameters; model states 16 B x P = {16 * params / 1e9:.1f} GB = "
           f"{16 * params / ram:.2f} x this machine's RAM ({ram / GIB:.1f} GiB)")
 
     created = not args.swap_dir.exists()
     args.swap_dir.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(args.swap_dir).free
-    print(f"swap files in {args.swap_dir} (fp32 master and two Adam moments: {12 * params / 1e9:.1f} GB; "
+    say(f"swap files in {args.swap_dir} (fp32 master and two Adam moments: {12 * params / 1e9:.1f} GB; "
           f"{free / 1e9:.1f} GB free there)")
 
     window = training_window(args.seq_len)
     # Every step sees the same window: repeated memorization shows learning within a handful of steps.
-    loader = DataLoader([window] * args.steps, batch_size=1)
+    loader = DataLoader([window] * args.steps * args.devices, batch_size=1)
     on_gpu = torch.cuda.is_available()
     strategy = RatelStrategy(
         ssd_paths=[str(args.swap_dir)],
@@ -256,7 +264,7 @@ def main() -> None:
     report = StepReport()
     trainer = L.Trainer(
         accelerator="gpu" if on_gpu else "cpu",
-        devices=1,
+        devices=args.devices,
         strategy=strategy,
         precision="bf16-mixed" if on_gpu else "32-true",
         max_steps=args.steps,
@@ -272,16 +280,18 @@ def main() -> None:
             trainer.fit(module, train_dataloaders=loader)
     finally:
         if created and args.swap_dir.exists() and not any(args.swap_dir.iterdir()):
-            args.swap_dir.rmdir()
+            # Ranks started together (torchrun) may each have created it.
+            with contextlib.suppress(FileNotFoundError):
+                args.swap_dir.rmdir()
     total = time.perf_counter() - started
     peak_rusage = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     losses = [row["loss"] for row in report.rows]
     steady = [row["seconds"] for row in report.rows[1:]] or [report.rows[0]["seconds"]]
 
-    print()
-    print(f"losses: {', '.join(f'{x:.4f}' for x in losses)}")
-    print(f"peak RSS: {peak_rusage / GIB:.2f} GiB (getrusage), {watch.peak / GIB:.2f} GiB (sampled VmRSS)")
-    print(f"wall time per step: first {report.rows[0]['seconds']:.1f} s, then {sum(steady) / len(steady):.1f} s "
+    say()
+    say(f"losses: {', '.join(f'{x:.4f}' for x in losses)}")
+    say(f"peak RSS: {peak_rusage / GIB:.2f} GiB (getrusage), {watch.peak / GIB:.2f} GiB (sampled VmRSS)")
+    say(f"wall time per step: first {report.rows[0]['seconds']:.1f} s, then {sum(steady) / len(steady):.1f} s "
           f"on average; {total:.0f} s for the whole run including setup")
     if report.planned and len(report.marks) > 2:
         # Between the starts of steps, after the first two and up to the last: the first step has no moments to read
@@ -291,7 +301,7 @@ def main() -> None:
         first, last = report.marks[skip], report.marks[-1]
         steps = len(report.marks) - 1 - skip
         read, written, shared = ((b - a) / steps for a, b in zip(first, last))
-        print(f"swap-file traffic per step after the first: read {read / GIB:.2f} GiB, written {written / GIB:.2f} "
+        say(f"swap-file traffic per step after the first: read {read / GIB:.2f} GiB, written {written / GIB:.2f} "
               f"GiB, and {shared / GIB:.2f} GiB copied from another read's memory instead of read again; the plan's "
               f"minimum: read {report.planned['read'] / GIB:.2f} GiB, written {report.planned['written'] / GIB:.2f} "
               f"GiB (read {read / max(report.planned['read'], 1):.2f}x, written "
@@ -302,13 +312,13 @@ def main() -> None:
     if len(report.busy) > 1:
         busy = report.busy[1:]
         # Each step's too: the first steps after the first still touch buffers the run allocated (slow on fresh pages).
-        print(f"disk busy: {100 * sum(busy) / len(busy):.0f}% of each step's wall time on average after the first "
+        say(f"disk busy: {100 * sum(busy) / len(busy):.0f}% of each step's wall time on average after the first "
               f"(steps 2-{len(report.busy)}: {', '.join(f'{100 * b:.0f}%' for b in busy)})")
     if len(report.busy_backward) > 1:
         in_backward, outside = (sum(column) / len(column) for column in zip(*report.busy_backward[1:]))
-        print(f"disk busy by phase after the first step: {100 * in_backward:.0f}% of backward, {100 * outside:.0f}% of "
+        say(f"disk busy by phase after the first step: {100 * in_backward:.0f}% of backward, {100 * outside:.0f}% of "
               "the rest (the forward, and the updates after backward that it overlaps)")
-    print(f"disk: {report.disk_bytes:,} bytes in swap files during training; swap files left: "
+    say(f"disk: {report.disk_bytes:,} bytes in swap files during training; swap files left: "
           f"{sorted(os.listdir(args.swap_dir)) if args.swap_dir.exists() else 'none (directory removed)'}")
 
 

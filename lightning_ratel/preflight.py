@@ -198,7 +198,7 @@ def _estimate(module: nn.Module, optimizer: torch.optim.Optimizer, config: Ratel
         return estimate
     window = exchange_window_nbytes(layout.shards)
     budget = config.host_memory_limit
-    if budget is None and config.gradient_exchange == "auto" and accumulate > 1:
+    if budget is None and config.gradient_exchange == "auto":
         budget = available_host_memory() // ranks
     # The bytes the budget check counts for a rank, without the exchange.
     held = estimate.host + (estimate.device if unified else 0)
@@ -284,7 +284,7 @@ def check_host_budget(module: nn.Module, optimizer: torch.optim.Optimizer, confi
         fixes.append("use optimizer_states='ssd' (optimizer states in the swap files)")
     if need.param_cache == "host":
         fixes.append("use param_cache='ssd' (compute copies read from the swap files)")
-    if need.exchange is not None and need.exchange.mode == "window" and accumulate > 1:
+    if need.exchange is not None and need.exchange.mode == "window":
         fixes.append("use gradient_exchange='micro_batch' (no gradient window on each rank)")
     raise RatelPlanError(
         f"RatelStrategy: host_memory_limit ({format_bytes(limit)}) is less than the {format_bytes(total)} the run's "

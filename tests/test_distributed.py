@@ -127,9 +127,12 @@ def test_gradient_exchange_reduces_each_micro_batch_where_host_memory_needs_it()
     """The planner's choice in plain numbers: a rank holding 1000 bytes without the exchange, whose window buffers
     take 400 (a rank's sums of every gradient)."""
     choose = functools.partial(choose_exchange, "auto", 4, 2, 1000, 400)
-    # On one rank nothing is exchanged; without accumulation the window stays unless asked (the same sums either way).
+    # On one rank nothing is exchanged; without accumulation the window stays while it fits (the same sums either
+    # way, and the buckets' memory where it does not).
     assert choose_exchange("micro_batch", 4, 1, 1000, 400).reduces_per_step == 0
-    assert choose_exchange("auto", 1, 2, 1000, 400, host_budget=1).mode == "window"
+    assert choose_exchange("auto", 1, 2, 1000, 400, host_budget=1400).mode == "window"
+    alone = choose_exchange("auto", 1, 2, 1000, 400, host_budget=1399)
+    assert (alone.mode, alone.reduces_per_step) == ("micro_batch", 1) and "the same sums" in alone.describe()
     assert choose_exchange("micro_batch", 1, 2, 1000, 400).reduces_per_step == 1
     # A budget the windows fit: the window (ddp's sums); one they do not fit: reduce each micro-batch.
     assert choose(host_budget=1400).mode == "window"

@@ -125,11 +125,16 @@ def test_several_ranks_count_their_gradient_exchange() -> None:
     tensors = sum(1 for p in lm.parameters() if p.requires_grad)
     assert 4 * two.trainable <= two.exchange_buffers <= 4 * (two.trainable + tensors) + 4096 * tensors
     assert two.host == one.host + two.exchange_buffers and "gradient exchange" in str(two)
-    # A budget that holds one rank's buffers but not those of a rank of two.
-    config = RatelConfig(host_memory_limit=one.host + one.device + two.exchange_buffers // 2, **placed)
+    # A budget that holds one rank's buffers but not those of a rank of two that keeps the window; left to the
+    # planner, a rank of two reduces each micro-batch instead (without accumulation, the same sums).
+    limit = one.host + one.device + two.exchange_buffers // 2
+    config = RatelConfig(host_memory_limit=limit, gradient_exchange="window", **placed)
     check_host_budget(lm, optimizer, config, None, unified=True)
     with pytest.raises(RatelPlanError, match="gradient exchange"):
         check_host_budget(lm, optimizer, config, None, unified=True, ranks=2)
+    need = check_host_budget(lm, optimizer, RatelConfig(host_memory_limit=limit, **placed), None, unified=True,
+                             ranks=2)
+    assert need is not None and need.exchange is not None and need.exchange.mode == "micro_batch"
 
 
 def test_a_host_budget_the_windows_exceed_reduces_each_micro_batch() -> None:
@@ -155,7 +160,8 @@ def test_a_host_budget_the_windows_exceed_reduces_each_micro_batch() -> None:
     with pytest.raises(RatelPlanError, match="gradient_exchange='micro_batch'"):
         check_host_budget(lm, optimizer, RatelConfig(host_memory_limit=limit, gradient_exchange="window", **placed),
                           None, unified=True, ranks=2, accumulate=4)
-    # Without accumulation there is nothing to save: the window stays.
+    # Without accumulation as well: the same sums, one reduce per step either way, and the buckets' memory.
     one_batch = lightning_ratel.estimate(lm, precision="32-true", optimizer=optimizer, ranks=2,
                                          host_memory_limit=limit, **placed)
-    assert one_batch.exchange is not None and one_batch.exchange.mode == "window"
+    assert one_batch.exchange is not None and one_batch.exchange.mode == "micro_batch"
+    assert one_batch.exchange.reduces_per_step == 1 and one_batch.exchange_buffers == tight.exchange_buffers

@@ -12,9 +12,10 @@ Two ways, the same numbers within fp32 rounding (the sum over ranks and micro-ba
 
 Without accumulation both reduce each gradient once, with the same sums; ``"micro_batch"`` then only saves the window
 buffers (it holds two buckets of gradients in flight: up to 25 MiB or half the largest shard, whichever is less, or
-one parameter larger than that), and runs only where asked for. :func:`choose_exchange`
-keeps the window (``ddp``'s very sums) while its buffers fit the host budget, and reduces each micro-batch where they do
-not. Host memory the windows take is not weighed against what it would hold of the states (nor the extra reduces'
+one parameter larger than that; the window's buffers live from a shard's first gradient until its reduce landed, so
+how many are held at once depends on how far the reduces fall behind backward, up to all of them).
+:func:`choose_exchange` keeps the window (``ddp``'s very sums) while all its buffers fit the host budget, and reduces
+each micro-batch where they do not. Host memory the windows take is not weighed against what it would hold of the states (nor the extra reduces'
 time): ``gradient_exchange="micro_batch"`` asks for the node's bytes held once where the windows fit too.
 """
 
@@ -73,8 +74,6 @@ def choose_exchange(requested: str, accumulate: int, ranks: int, rank_host_bytes
         raise RatelConfigError(f"accumulate_grad_batches must be at least 1, got {accumulate}")
     if ranks < 2:
         return ExchangeChoice("window", "one rank: nothing is exchanged", 0)
-    if accumulate == 1 and requested != "micro_batch":
-        return ExchangeChoice("window", "one micro-batch per step: each gradient is reduced once either way", 1)
     window = ExchangeChoice("window", "", 1)
     micro = ExchangeChoice("micro_batch", "", accumulate)
     if requested == "window":
@@ -86,7 +85,10 @@ def choose_exchange(requested: str, accumulate: int, ranks: int, rank_host_bytes
     with_window = rank_host_bytes + window_bytes
     if host_budget is not None and with_window > host_budget:
         return _because(micro, f"the window buffers ({format_bytes(window_bytes)}) would take this rank to "
-                               f"{format_bytes(with_window)}, over its host budget of {format_bytes(host_budget)}")
+                               f"{format_bytes(with_window)}, over its host budget of {format_bytes(host_budget)}"
+                               + ("; one micro-batch per step: the same sums" if accumulate == 1 else ""))
+    if accumulate == 1:
+        return _because(window, "one micro-batch per step: each gradient is reduced once either way")
     return _because(window, f"the window buffers ({format_bytes(window_bytes)}) fit the host budget: ddp's sums; "
                             "'micro_batch' would hold each gradient sum once per node")
 
