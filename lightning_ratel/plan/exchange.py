@@ -15,8 +15,9 @@ buffers (it holds two buckets of gradients in flight: up to 25 MiB or half the l
 one parameter larger than that; the window's buffers live from a shard's first gradient until its reduce landed, so
 how many are held at once depends on how far the reduces fall behind backward, up to all of them).
 :func:`choose_exchange` keeps the window (``ddp``'s very sums) while all its buffers fit the host budget, and reduces
-each micro-batch where they do not. Host memory the windows take is not weighed against what it would hold of the states (nor the extra reduces'
-time): ``gradient_exchange="micro_batch"`` asks for the node's bytes held once where the windows fit too.
+each micro-batch where they do not. Host memory the windows take is not weighed against what it would hold of the
+states (nor the extra reduces' time): ``gradient_exchange="micro_batch"`` asks for the node's bytes held once where the
+windows fit too.
 """
 
 from __future__ import annotations

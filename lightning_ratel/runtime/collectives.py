@@ -2,9 +2,10 @@
 
 Every rank runs forward and backward on its own micro-batch and reads every unit's compute copy (the pager needs it)
 from a host cache that the ranks of its node share (:class:`NodeCache`; each rank keeps its own where they cannot), or
-with ``param_cache="ssd"`` from its own swap files (:class:`StoredCopies`), but only the units it owns (:mod:`lightning_ratel.plan.owners`) have their fp32 master and optimizer states in its
-swap store and their update on its CPU optimizer. :class:`DataParallelAdam` stands where
-:class:`~lightning_ratel.runtime.optimizer.CpuAdam` stands on one rank and takes the same calls:
+with ``param_cache="ssd"`` from its own swap files (:class:`StoredCopies`), but only the units it owns
+(:mod:`lightning_ratel.plan.owners`) have their fp32 master and optimizer states in its swap store and their update on
+its CPU optimizer. :class:`DataParallelAdam` stands where :class:`~lightning_ratel.runtime.optimizer.CpuAdam` stands on
+one rank and takes the same calls:
 
 1. Gradients (autograd's thread) go to a per-rank exchange thread, ``ratel-grad-reduce``, which sums each shard's
    gradients of the accumulation window in an fp32 host buffer. On the boundary micro-batch a shard whose gradients
@@ -29,9 +30,9 @@ swap store and their update on its CPU optimizer. :class:`DataParallelAdam` stan
    committing), then a publisher thread, ``ratel-publish``, broadcasts each updated shard's new compute copy from its
    owner into every rank's host cache (or swap files), in the order the next forward needs them, and completes the
    unit's :class:`~lightning_ratel.runtime.units.UnitReady` there: the pager waits for it as for an update on one
-   rank. With a shared cache the copy reaches each node once (the owner wrote it on its own node) and the node's writer of the unit
-   tells the node's other ranks when it is there. The owner's update may overwrite the shared bytes during backward:
-   it runs on the reduced gradient, so after every rank's backward has left the unit.
+   rank. With a shared cache the copy reaches each node once (the owner wrote it on its own node) and the node's
+   writer of the unit tells the node's other ranks when it is there. The owner's update may overwrite the shared bytes
+   during backward: it runs on the reduced gradient, so after every rank's backward has left the unit.
 
 Each thread issues its collectives on a process group of its own (gloo, on host memory, whatever the default backend),
 so collectives of different threads never interleave differently on two ranks. The training thread's own collectives
