@@ -282,22 +282,13 @@ def test_a_plan_that_does_not_fit_one_rank_stops_every_rank(tmp_path: Path) -> N
     assert not (tmp_path / "rank0.pt").exists()
 
 
-BF16_ACCUMULATE = ["--precision", "bf16-mixed", "--accumulate", "2"]
-
-
-@pytest.fixture(scope="module")
-def ddp_bf16_reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """Plain Lightning ``ddp`` on 2 processes under bf16-mixed, with accumulation over 2 micro-batches."""
-    out = tmp_path_factory.mktemp("ddp_bf16")
-    _ok(_run(out, "--strategy", "ddp", *BF16_ACCUMULATE))
-    return _load(out)
-
-
-def test_bf16_mixed_equals_ddp(tmp_path: Path, ddp_bf16_reference: dict) -> None:
+def test_bf16_mixed_equals_ddp(tmp_path: Path) -> None:
     """16-bit compute copies travel between ranks as bytes (gloo sends no bfloat16 and no int16)."""
-    _ok(_run(tmp_path, *BF16_ACCUMULATE))
+    args = ["--precision", "bf16-mixed", *ACCUMULATE_CLIP]
+    _ok(_run(tmp_path / "ddp", "--strategy", "ddp", *args))
+    _ok(_run(tmp_path / "ratel", *args))
     for rank in (0, 1):
-        _assert_same(ddp_bf16_reference, _load(tmp_path, rank))
+        _assert_same(_load(tmp_path / "ddp"), _load(tmp_path / "ratel", rank))
 
 
 def test_compute_copies_in_the_swap_files_equal_ddp(tmp_path: Path, ddp_reference: dict) -> None:
@@ -326,16 +317,20 @@ def test_compute_copies_in_the_swap_files_equal_ddp(tmp_path: Path, ddp_referenc
     assert [g["exchange_bytes"] for g in got] == [estimate.exchange_buffers] * 2
 
 
-def test_compute_copies_in_the_swap_files_under_bf16_mixed(tmp_path: Path, ddp_bf16_reference: dict) -> None:
-    """The same in bf16-mixed, whose 16-bit copies each owner's update writes and broadcasts as bytes; a step writes
-    what the planner says it does (the owned states, the own and the received compute copies), every byte of it."""
-    _ok(_run(tmp_path, "--param-cache", "ssd", "--states", "ssd", *BF16_ACCUMULATE))
+def test_compute_copies_in_the_swap_files_under_bf16_mixed(tmp_path: Path) -> None:
+    """The same in bf16-mixed, whose 16-bit copies each owner's update writes and broadcasts as bytes; without
+    clipping (nothing redone), a step writes what the planner says it does (the owned states, the own and the received
+    compute copies), every byte of it."""
+    args = ["--precision", "bf16-mixed", "--accumulate", "2"]
+    _ok(_run(tmp_path / "ddp", "--strategy", "ddp", *args))
+    _ok(_run(tmp_path / "ratel", "--param-cache", "ssd", "--states", "ssd", *args))
+    reference = _load(tmp_path / "ddp")
     for rank in (0, 1):
-        got = _load(tmp_path, rank)
-        _assert_same(ddp_bf16_reference, got)
+        got = _load(tmp_path / "ratel", rank)
+        _assert_same(reference, got)
         read = got["read_params"]
         # The owner's master, or elsewhere the value rounded to 16 bits.
-        assert max_rel_err({name: ddp_bf16_reference["params"][name] for name in read}, read) <= 2**-8
+        assert max_rel_err({name: reference["params"][name] for name in read}, read) <= 2**-8
         assert got["state_traffic"]["written"] < got["step_traffic"]["written"]
         assert got["fit_io"]["written"] == 3 * got["step_traffic"]["written"]
 
