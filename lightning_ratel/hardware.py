@@ -27,6 +27,9 @@ class HardwareProfile:
             (where they share a root complex or switch uplink, their traffic contends there); 0: not a limit.
         host_memory_bandwidth: bytes/s of host DRAM, shared by the CPU optimizer and every transfer into or out of
             host memory; 0: not a limit.
+        activation_write_bandwidth: bytes/s the swap files take activations at where they are written from the
+            memory their ops allocated, not page-aligned, through the store's bounce buffers (the CPU as the device;
+            a GPU's activations reach the drives from the host pool, aligned); 0: ``ssd_write_bandwidth``.
     """
 
     device_type: str
@@ -41,6 +44,7 @@ class HardwareProfile:
     per_path: dict[str, dict[str, float]] = field(default_factory=dict)
     host_io_bandwidth: float = 0.0
     host_memory_bandwidth: float = 0.0
+    activation_write_bandwidth: float = 0.0
 
     @property
     def unified_memory(self) -> bool:

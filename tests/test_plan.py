@@ -86,11 +86,13 @@ HAND_PLACEMENT = {
 }
 
 
-def _hand_predict(device_type: str, *, host_io: float = 0.0, dram: float = 0.0, adam_rate: float = 1000, **options):
+def _hand_predict(device_type: str, *, host_io: float = 0.0, dram: float = 0.0, adam_rate: float = 1000,
+                  activation_write: float = 0.0, **options):
     hw = HardwareProfile(device_type=device_type, h2d_bandwidth=1000, d2h_bandwidth=500, ssd_read_bandwidth=100,
                          ssd_write_bandwidth=50, adam_params_per_s=adam_rate, host_memory_free=BIG,
                          device_memory_free=BIG,
-                         host_io_bandwidth=host_io, host_memory_bandwidth=dram)
+                         host_io_bandwidth=host_io, host_memory_bandwidth=dram,
+                         activation_write_bandwidth=activation_write)
     layers = [_hand_layer("b.0", 0), _hand_layer("b.1", 1)]
     settings = CostSettings(prefetch_depth=1, state_read_bytes_per_param=4, state_write_bytes_per_param=2,
                             host_static_bytes=50, **options)
@@ -166,6 +168,19 @@ def test_predict_by_hand_unified_memory():
     assert slow_adam.backward_time == pytest.approx(0.192 + 20 / 5 + slow_adam.backward["ssd"])
     assert p.forward_time == pytest.approx(0.08 + 2.0)
     assert p.memory == {"device": 4950, "host": 4950, "ssd": 100}
+
+
+def test_activations_go_to_the_drives_at_the_rate_of_writes_from_their_ops_memory():
+    """On the CPU an activation is written from where its op put it, not page-aligned, through the store's bounce
+    buffers: the probe's rate of such writes (``activation_write_bandwidth``) times it, and a node's ranks share that
+    rate as they share the drives. Read back into aligned buffers, and with the states' traffic, it keeps the
+    store's own rates."""
+    aligned = _hand_predict("cpu")
+    unaligned = _hand_predict("cpu", activation_write=25)
+    assert unaligned.forward["ssd"] == pytest.approx(100 / 25) and aligned.forward["ssd"] == pytest.approx(100 / 50)
+    assert unaligned.backward["ssd"] == aligned.backward["ssd"]
+    assert unaligned.forward_time == pytest.approx(aligned.forward_time + 100 / 25 - 100 / 50)
+    assert _hand_predict("cpu", activation_write=25, ranks_on_node=2).forward["ssd"] == pytest.approx(100 / 12.5)
 
 
 def test_updates_overlap_backward_only_where_the_optimizer_has_cores_of_its_own():

@@ -388,6 +388,7 @@ def rank_share(hw: HardwareProfile, ranks: int) -> HardwareProfile:
         return hw
     return replace(hw, ssd_read_bandwidth=hw.ssd_read_bandwidth / ranks,
                    ssd_write_bandwidth=hw.ssd_write_bandwidth / ranks,
+                   activation_write_bandwidth=hw.activation_write_bandwidth / ranks,
                    adam_params_per_s=hw.adam_params_per_s / ranks,
                    host_io_bandwidth=hw.host_io_bandwidth / ranks,
                    host_memory_bandwidth=hw.host_memory_bandwidth / ranks)
@@ -549,7 +550,8 @@ class CostModel:
             "compute": self._forward_compute,
             "h2d": self._forward_h2d,
             "d2h": _seconds(swapped, hw.d2h_bandwidth),
-            "ssd": _seconds(per_tier["ssd"], hw.ssd_write_bandwidth) + self._param_ssd + self._state_ahead_ssd,
+            "ssd": (_seconds(per_tier["ssd"], hw.activation_write_bandwidth or hw.ssd_write_bandwidth)
+                    + self._param_ssd + self._state_ahead_ssd),
         }
         backward = {
             "compute": self._backward_compute + recompute,

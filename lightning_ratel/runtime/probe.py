@@ -35,8 +35,11 @@ CACHE_SECONDS = 24 * 3600
 PROBE_REPEATS = 5
 """Timed calls of each probe (after one untimed), of which the median counts (see :func:`median_time`)."""
 
-PROBE_METHOD = 2
+PROBE_METHOD = 3
 """How the speeds are measured; part of what they are kept under, so speeds measured another way are not reused."""
+
+UNALIGNED_OFFSET = 64
+"""Bytes past a page where :func:`disk_bandwidth`'s unaligned writes start (torch's CPU allocator aligns to 64)."""
 
 CACHE_ENV = "RATEL_HARDWARE_CACHE"
 """The file measured speeds are kept in across processes; empty: only within the process."""
@@ -120,16 +123,24 @@ def host_memory_bandwidth(nbytes: int = 256 << 20, repeats: int = 3) -> float:
 
 
 def disk_bandwidth(paths: Sequence[str], nbytes: int = 64 << 20, name: str = "ratel-probe",
-                   store_options: Mapping[str, int] | None = None, repeats: int = 3) -> tuple[float, float]:
+                   store_options: Mapping[str, int] | None = None, repeats: int = 3,
+                   unaligned: bool = False) -> tuple[float, float]:
     """Read and write bytes/s of a :class:`TensorStore` striped over ``paths`` (direct I/O where supported), made
     with ``store_options`` (its ``stripe_bytes`` and ``io_threads_per_path``: the run's, which set how many requests
-    each drive sees and how often a thread wakes)."""
+    each drive sees and how often a thread wakes).
+
+    With ``unaligned`` the bytes start 64 bytes past a page, as a tensor torch allocated does: the store then moves
+    them through its bounce buffers, as it writes activations on the CPU (only the write is timed; the read is 0).
+    """
     # Huge pages like the buffers the store moves in training (they change direct I/O speed a lot).
-    buf = aligned_empty(nbytes // 4, torch.float32, huge=True).fill_(1.0)
+    offset = UNALIGNED_OFFSET if unaligned else 0
+    buf = aligned_empty(nbytes // 4 + offset // 4, torch.float32, huge=True).fill_(1.0)[offset // 4:]
     with TensorStore(paths, name=name, keep_files=False, **(store_options or {})) as store:
         store.reserve("probe", nbytes)
         store.preallocate()
         write = median_time(lambda: store.write("probe", buf).result(), repeats)
+        if unaligned:
+            return 0.0, nbytes / write
         read = median_time(lambda: store.read("probe", buf).result(), repeats)
     return nbytes / read, nbytes / write
 
@@ -273,6 +284,9 @@ def _measure_speeds(device: Device, ssd_paths: Sequence[str], adam_step: Callabl
         "d2h_bandwidth": d2h,
         "ssd_read_bandwidth": read,
         "ssd_write_bandwidth": write,
+        # On the CPU activations go to the drives from where their ops put them, through the store's bounce buffers.
+        "activation_write_bandwidth": (0.0 if device.separate_memory else
+                                       disk_bandwidth(ssd_paths, probe_bytes, name, store_options, unaligned=True)[1]),
         "adam_params_per_s": adam_throughput(adam_step),
         "per_path": paths,
     }
