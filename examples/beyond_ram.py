@@ -48,11 +48,10 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from text_data import TextDataModule
 from torch.utils.data import DataLoader
 from transformers import LlamaConfig, LlamaForCausalLM
-
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from lightning_ratel import RatelProfiler, RatelStrategy
 
@@ -240,13 +239,13 @@ def main() -> None:
     params = sum(p.numel() for p in module.parameters())
     ram = memory_total()
     say(f"Llama: {params:,} parameters; model states 16 B x P = {16 * params / 1e9:.1f} GB = "
-          f"{16 * params / ram:.2f} x this machine's RAM ({ram / GIB:.1f} GiB)")
+        f"{16 * params / ram:.2f} x this machine's RAM ({ram / GIB:.1f} GiB)")
 
     created = not args.swap_dir.exists()
     args.swap_dir.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(args.swap_dir).free
     say(f"swap files in {args.swap_dir} (fp32 master and two Adam moments: {12 * params / 1e9:.1f} GB; "
-          f"{free / 1e9:.1f} GB free there)")
+        f"{free / 1e9:.1f} GB free there)")
 
     window = training_window(args.seq_len)
     # Every step sees the same window: repeated memorization shows learning within a handful of steps.
@@ -292,7 +291,7 @@ def main() -> None:
     say(f"losses: {', '.join(f'{x:.4f}' for x in losses)}")
     say(f"peak RSS: {peak_rusage / GIB:.2f} GiB (getrusage), {watch.peak / GIB:.2f} GiB (sampled VmRSS)")
     say(f"wall time per step: first {report.rows[0]['seconds']:.1f} s, then {sum(steady) / len(steady):.1f} s "
-          f"on average; {total:.0f} s for the whole run including setup")
+        f"on average; {total:.0f} s for the whole run including setup")
     if report.planned and len(report.marks) > 2:
         # Between the starts of steps, after the first two and up to the last: the first step has no moments to read
         # yet, and its updates run after its backward, so more of its write-backs land in the second step than a
@@ -302,24 +301,24 @@ def main() -> None:
         steps = len(report.marks) - 1 - skip
         read, written, shared = ((b - a) / steps for a, b in zip(first, last))
         say(f"swap-file traffic per step after the first: read {read / GIB:.2f} GiB, written {written / GIB:.2f} "
-              f"GiB, and {shared / GIB:.2f} GiB copied from another read's memory instead of read again; the plan's "
-              f"minimum: read {report.planned['read'] / GIB:.2f} GiB, written {report.planned['written'] / GIB:.2f} "
-              f"GiB (read {read / max(report.planned['read'], 1):.2f}x, written "
-              f"{written / max(report.planned['written'], 1):.2f}x that): the model states read and written once "
-              f"({report.states['read'] / GIB:.2f} GiB, {report.states['written'] / GIB:.2f} GiB) and the compute "
-              "copies read for forward and for backward, each fp32 master's update sharing one page-in's bytes, and "
-              "the other page-in's too where a buffer set read the states ahead (activations on the SSD come on top)")
+            f"GiB, and {shared / GIB:.2f} GiB copied from another read's memory instead of read again; the plan's "
+            f"minimum: read {report.planned['read'] / GIB:.2f} GiB, written {report.planned['written'] / GIB:.2f} "
+            f"GiB (read {read / max(report.planned['read'], 1):.2f}x, written "
+            f"{written / max(report.planned['written'], 1):.2f}x that): the model states read and written once "
+            f"({report.states['read'] / GIB:.2f} GiB, {report.states['written'] / GIB:.2f} GiB) and the compute "
+            "copies read for forward and for backward, each fp32 master's update sharing one page-in's bytes, and "
+            "the other page-in's too where a buffer set read the states ahead (activations on the SSD come on top)")
     if len(report.busy) > 1:
         busy = report.busy[1:]
         # Each step's too: the first steps after the first still touch buffers the run allocated (slow on fresh pages).
         say(f"disk busy: {100 * sum(busy) / len(busy):.0f}% of each step's wall time on average after the first "
-              f"(steps 2-{len(report.busy)}: {', '.join(f'{100 * b:.0f}%' for b in busy)})")
+            f"(steps 2-{len(report.busy)}: {', '.join(f'{100 * b:.0f}%' for b in busy)})")
     if len(report.busy_backward) > 1:
         in_backward, outside = (sum(column) / len(column) for column in zip(*report.busy_backward[1:]))
         say(f"disk busy by phase after the first step: {100 * in_backward:.0f}% of backward, {100 * outside:.0f}% of "
-              "the rest (the forward, and the updates after backward that it overlaps)")
+            "the rest (the forward, and the updates after backward that it overlaps)")
     say(f"disk: {report.disk_bytes:,} bytes in swap files during training; swap files left: "
-          f"{sorted(os.listdir(args.swap_dir)) if args.swap_dir.exists() else 'none (directory removed)'}")
+        f"{sorted(os.listdir(args.swap_dir)) if args.swap_dir.exists() else 'none (directory removed)'}")
 
 
 if __name__ == "__main__":
