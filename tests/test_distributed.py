@@ -317,6 +317,18 @@ def test_compute_copies_in_the_swap_files_equal_ddp(tmp_path: Path, ddp_referenc
     assert [g["exchange_bytes"] for g in got] == [estimate.exchange_buffers] * 2
 
 
+def test_compute_copies_in_the_swap_files_through_simulated_streams(tmp_path: Path, ddp_reference: dict) -> None:
+    """The same run with CUDA's streams simulated (a GPU's page-ins through the host pool, whose buffers are poisoned
+    while free): the numbers are still ddp's."""
+    _ok(_run(tmp_path, "--param-cache", "ssd", "--states", "ssd", *ACCUMULATE_CLIP,
+             env=_env(RATEL_SIMULATE_STREAMS="1")))
+    for rank in (0, 1):
+        got = _load(tmp_path, rank)
+        _assert_same(ddp_reference, got)
+        # The page-ins went through the (simulated) pinned pool.
+        assert got["placement"]["pinned"] > 0
+
+
 def test_compute_copies_in_the_swap_files_under_bf16_mixed(tmp_path: Path) -> None:
     """The same in bf16-mixed, whose 16-bit copies each owner's update writes and broadcasts as bytes; without
     clipping (nothing redone), a step writes what the planner says it does (the owned states, the own and the received
