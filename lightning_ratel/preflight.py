@@ -133,7 +133,7 @@ def estimate(model: nn.Module | Any | str | os.PathLike[str], precision: str = "
         optimizer: the optimizer the module's ``configure_optimizers`` returns, for its parameter groups; ``None``:
             one group of every parameter that requires a gradient.
         ranks: the ranks training data parallel, on one node (each holds a gradient exchange's buffers; the other parts
-            are one process's).
+            are one process's, but for the swap files, which with ``param_cache="ssd"`` count every rank's).
         accumulate_grad_batches: the Trainer's, for the choice of gradient exchange with several ranks.
         **strategy_args: the arguments of :class:`~lightning_ratel.RatelStrategy` (``param_cache``,
             ``prefetch_depth``, ``host_memory_limit``, ``checkpoint_format``, ``blocks``, ``pretrained``...).
