@@ -19,7 +19,9 @@ import errno
 import os
 import resource
 import sys
+import threading
 import time
+from concurrent.futures import Future
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -35,6 +37,7 @@ from lightning_ratel.engine.coordinator import RatelEngine
 from lightning_ratel.io import checkpoint, sharded
 from lightning_ratel.io.pretrained import PretrainedFolder
 from lightning_ratel.io.sharded import ShardedReader
+from lightning_ratel.runtime.collectives import StoredCopies
 from lightning_ratel.sizes import path_bytes
 from tests.models import LM, cache_off, final_state, trainer
 
@@ -270,6 +273,21 @@ def _fixed_speeds(slow_node: int | None) -> None:
     planner.measure_hardware = fixed  # type: ignore[assignment]
 
 
+def _fail_copies(rank: int) -> None:
+    """Make rank ``rank``'s swap store fail every write of a compute copy the publisher received from another rank, as a
+    full drive would (the future of the write raises)."""
+    write = StoredCopies.write
+
+    def failing(self: StoredCopies, shard: Any, copy: torch.Tensor) -> Future:
+        if threading.current_thread().name != "ratel-publish" or int(os.environ.get("LOCAL_RANK", "0")) != rank:
+            return write(self, shard, copy)
+        failed: Future = Future()
+        failed.set_exception(OSError(errno.ENOSPC, "No space left on device (injected)"))
+        return failed
+
+    StoredCopies.write = failing  # type: ignore[method-assign]
+
+
 def _claim_device(rank: int, device_type: str) -> None:
     """Make rank ``rank`` tell the others at the rendezvous that it trains on ``device_type``, and make its process
     group one the others can never join (as NCCL's is for ranks on gloo): its ``init_process_group`` never returns."""
@@ -335,6 +353,8 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--fault-timeout", type=float, default=None, help="RatelStrategy's fault_timeout, seconds")
     parser.add_argument("--save-every-step", action="store_true", help="save the checkpoint after every step")
     parser.add_argument("--fail-save", default=None, help="RANK:STEP: that rank fails to write that step's checkpoint")
+    parser.add_argument("--fail-copy", type=int, default=None,
+                        help="that rank's store fails to write the compute copies published to it (--param-cache ssd)")
     parser.add_argument("--pretrained", default=None, help="RatelStrategy's pretrained folder")
     parser.add_argument("--keep-swap", action="store_true", help="RatelStrategy's keep_swap_files")
     parser.add_argument("--export", default=None, help="RatelHFExport's dirpath (fp32, at the end of fit); "
@@ -399,6 +419,8 @@ def main(argv: list[str]) -> None:
         callbacks.append(_TightHost(args.tight_host))
     if args.slow_node is not None or args.same_speeds:
         _fixed_speeds(args.slow_node)
+    if args.fail_copy is not None:
+        _fail_copies(args.fail_copy)
     if args.claim_device:
         claimer, device_type = args.claim_device.split(":")
         _claim_device(int(claimer), device_type)

@@ -774,6 +774,16 @@ def test_checkpoint_of_two_ranks_resumes_at_any_world_size(tmp_path: Path, saved
         assert all(reads)
 
 
+def test_a_drive_refusing_a_published_copy_stops_every_rank(tmp_path: Path) -> None:
+    """``param_cache="ssd"``: rank 1's store cannot write the compute copies the other rank publishes to it (a full
+    drive). Rank 1 stops with the store's error where it waits for that copy, and rank 0 with ``RatelRankFailed`` naming
+    rank 1 and the error; neither finishes."""
+    result = _run(tmp_path, "--param-cache", "ssd", "--states", "ssd", "--fail-copy", "1", timeout=180)
+    _failed(result)
+    assert "rank 1 failed (OSError: [Errno 28] No space left on device (injected)" in result.stderr
+    assert not (tmp_path / "rank0.pt").exists() and not (tmp_path / "rank1.pt").exists()
+
+
 def test_a_checkpoint_resumes_on_three_ranks_with_the_compute_copies_in_the_swap_files(
         tmp_path: Path, saved_by_two: Path, resumed_from_ddp: dict[int, dict]) -> None:
     """Resumed with ``param_cache="ssd"`` on 3 ranks: each rank stores the loaded values of the units other ranks own
