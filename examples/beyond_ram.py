@@ -32,6 +32,7 @@ optimizer state read and written per step, and the model's compute copies read t
 Run from the repository root:
 
     .venv/bin/python examples/beyond_ram.py --swap-dir /mnt/nvme0/ratel-swap
+    .venv/bin/python examples/beyond_ram.py --swap-dir /mnt/nvme0/ratel-swap --devices 2   # two GPUs, data parallel
 """
 
 from __future__ import annotations
