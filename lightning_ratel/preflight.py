@@ -200,13 +200,13 @@ def _estimate(module: nn.Module, optimizer: torch.optim.Optimizer, config: Ratel
     budget = config.host_memory_limit
     if budget is None and config.gradient_exchange == "auto":
         budget = available_host_memory() // ranks
+    # The buffers the published compute copies pass through, held whichever exchange runs.
+    copies = StoredCopies.buffer_nbytes(layout.shards) if on_store else 0
     # The bytes the budget check counts for a rank, without the exchange.
-    held = estimate.host + (estimate.device if unified else 0)
+    held = estimate.host + (estimate.device if unified else 0) + copies
     choice = choose_exchange(config.gradient_exchange, accumulate, ranks, held, window, budget, automatic=automatic)
     nbytes = window if choice.mode == "window" else exchange_micro_batch_nbytes(layout.shards)
-    if on_store:
-        nbytes += StoredCopies.buffer_nbytes(layout.shards)
-    return replace(estimate, exchange_buffers=nbytes, exchange=choice)
+    return replace(estimate, exchange_buffers=nbytes + copies, exchange=choice)
 
 
 def _buffer_sets_bytes(layout: Layout) -> int:

@@ -137,6 +137,25 @@ def test_several_ranks_count_their_gradient_exchange() -> None:
     assert need is not None and need.exchange is not None and need.exchange.mode == "micro_batch"
 
 
+def test_the_window_is_weighed_beside_the_buffers_of_stored_compute_copies() -> None:
+    """Several ranks reading the compute copies from the swap files hold two buffers of the largest shard's copy
+    whichever exchange runs: a budget the window fits only without them makes the planner reduce each micro-batch,
+    and the check passes (weighing the window alone, it kept the window and then refused the budget)."""
+    lm = LM("llama8", n_batches=2)
+    optimizer = lm.configure_optimizers()["optimizer"]
+    placed = {"param_cache": "ssd", "optimizer_states": "ssd", "read_ahead_sets": 0}
+
+    def check(limit: int, exchange: str = "auto") -> Any:
+        config = RatelConfig(host_memory_limit=limit, gradient_exchange=exchange, **placed)
+        return check_host_budget(lm, optimizer, config, None, unified=True, ranks=2)
+
+    window = check(1 << 40, "window")
+    assert window is not None and window.exchange is not None and window.exchange.mode == "window"
+    need = check(window.host + window.device - 1)
+    assert need is not None and need.exchange is not None and need.exchange.mode == "micro_batch"
+    assert need.host + need.device < window.host + window.device
+
+
 def test_a_host_budget_the_windows_exceed_reduces_each_micro_batch() -> None:
     """With accumulation, two ranks whose window buffers would exceed the host budget reduce each micro-batch instead
     (the planner's choice, in the estimate and the budget check alike): the exchange then counts at most the largest
