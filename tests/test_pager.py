@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -178,6 +179,25 @@ def test_failed_update_surfaces_at_page_in() -> None:
     layout.units[layer].ready.expect()
     layout.units[layer].ready.fail(OSError(5, "disk gone"))
     with pytest.raises(OSError, match="disk gone"):
+        pager.acquire(layer)
+
+
+def test_a_failed_write_of_a_compute_copy_surfaces_at_page_in() -> None:
+    """An update whose new compute copy could not be written fails the unit's next page-in, even once the write has
+    ended and another of the unit's updates completed after it (each shard of a unit completes on its own)."""
+    module = Tied()
+    layout, pager, _ = _paged(module)
+    layer = _block(layout, module, "layers.0")
+    ready = layout.units[layer].ready
+    failed: Future = Future()
+    failed.set_exception(OSError(28, "No space left on device"))
+    landed: Future = Future()
+    landed.set_result(None)
+    for write in (failed, landed):
+        ready.expect()
+        ready.complete(write)
+    assert not ready.is_set()
+    with pytest.raises(OSError, match="No space left"):
         pager.acquire(layer)
 
 

@@ -82,7 +82,8 @@ class UnitReady:
         with self._cond:
             self._done += 1
             if write is not None:
-                self._writes = [w for w in self._writes if not w.done()]
+                # A failed write stays: the next wait raises its error instead of paging in the bytes it left behind.
+                self._writes = [w for w in self._writes if not _landed(w)]
                 self._writes.append(write)
             if shard is not None and compute_key is not None:
                 self._compute_keys[shard.index] = compute_key
@@ -114,9 +115,10 @@ class UnitReady:
             self._cond.notify_all()
 
     def is_set(self) -> bool:
-        """Whether the unit can be paged in without waiting."""
+        """Whether the unit can be paged in without waiting (not where a write failed: :meth:`wait` raises its
+        error)."""
         with self._cond:
-            return self._done >= self._expected and all(w.done() for w in self._writes)
+            return self._done >= self._expected and self._error is None and all(map(_landed, self._writes))
 
     def wait(self) -> None:
         """Block until the unit is ready; raise the error of a failed update or store write."""
@@ -128,6 +130,11 @@ class UnitReady:
             writes = list(self._writes)
         for write in writes:
             write.result()
+
+
+def _landed(write: Future) -> bool:
+    """Whether a store write has completed without an error."""
+    return write.done() and not write.cancelled() and write.exception() is None
 
 
 @dataclass(frozen=True, eq=False)
