@@ -278,9 +278,9 @@ def _fail_copies(rank: int) -> None:
     full drive would (the future of the write raises)."""
     write = StoredCopies.write
 
-    def failing(self: StoredCopies, shard: Any, copy: torch.Tensor) -> Future:
+    def failing(self: StoredCopies, turn: int, shard: Any, copy: torch.Tensor) -> Future:
         if threading.current_thread().name != "ratel-publish" or int(os.environ.get("LOCAL_RANK", "0")) != rank:
-            return write(self, shard, copy)
+            return write(self, turn, shard, copy)
         failed: Future = Future()
         failed.set_exception(OSError(errno.ENOSPC, "No space left on device (injected)"))
         return failed

@@ -319,8 +319,8 @@ class RatelEngine:
                 "which updates them on the CPU; give optimizer_states='auto', 'host' or 'ssd', or train on one rank")
         # The ranks of a node page from one host cache (each compute copy held once per node), unless the compute
         # copies are to be read from the swap files.
-        shared = parallel and ranks is not None and config.param_cache != "ssd"
-        node = _node_cache(module, ranks, faults) if shared and ranks is not None else None
+        node = (_node_cache(module, ranks, faults) if parallel and ranks is not None and config.param_cache != "ssd"
+                else None)
         try:
             host_empty = (self.device.host_empty if node is None
                           else functools.partial(self.device.shared_host_empty, node.memory))

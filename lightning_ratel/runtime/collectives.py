@@ -642,31 +642,36 @@ class StoredCopies:
         """Host bytes of its buffers."""
         return sum(b.numel() for b in self._buffers)
 
-    def key(self, shard: Shard) -> str:
-        """Where ``shard``'s current compute copy is in this rank's store."""
-        return shard.unit.ready.compute_key(shard)
+    def publish(self, shard: Shard, mine: bool, broadcast: Callable[[torch.Tensor], None]) -> Future | None:
+        """One shard's copy from its owner into every rank's store: the owner (``mine``) reads its own and sends it,
+        each other rank receives it and starts storing it (``broadcast``: the collective, on the copy's bytes).
 
-    def buffer(self, shard: Shard) -> torch.Tensor:
-        """A host buffer for ``shard``'s copy, the next in turn, once the write that last read it has landed."""
-        turn, self._turn = self._turn, (self._turn + 1) % self.BUFFERS
-        write, self._writes[turn] = self._writes[turn], None
-        if write is not None:
-            write.result()
-        return self._buffers[turn][: shard.numel * shard.dtype.itemsize].view(shard.dtype)
+        Returns:
+            The write's future on a rank that received the copy, ``None`` on the owner.
+        """
+        turn, copy = self._take(shard)
+        if mine:
+            self._read(shard, copy)
+        broadcast(_wire(copy))
+        return None if mine else self.write(turn, shard, copy)
 
-    def read(self, shard: Shard, out: torch.Tensor) -> torch.Tensor:
-        """``shard``'s current copy in this rank's store, into ``out``."""
-        self.store.read(self.key(shard), out, urgent=True).result()
-        return out
+    def store(self, shard: Shard, value: torch.Tensor) -> None:
+        """Store ``value`` as the copy of ``shard``, which another rank owns, and wait for every write."""
+        turn, copy = self._take(shard)
+        copy.copy_(value)
+        self.write(turn, shard, copy)
+        self.settle()
 
-    def write(self, shard: Shard, copy: torch.Tensor) -> Future:
-        """Start storing ``copy`` (a :meth:`buffer`) as ``shard``'s copy on a rank that does not own it; the buffer
-        is handed out again once the write has landed."""
+    def current(self, shard: Shard) -> torch.Tensor:
+        """``shard``'s current copy in this rank's store, in a buffer the next call may reuse."""
+        return self._read(shard, self._take(shard)[1])
+
+    def write(self, turn: int, shard: Shard, copy: torch.Tensor) -> Future:
+        """Start storing ``copy`` (buffer ``turn``) as the copy of ``shard``, which another rank owns; the buffer is
+        handed out again once the write has landed."""
         assert not self._owns(shard)
-        turn = next(i for i, b in enumerate(self._buffers) if b.data_ptr() == copy.data_ptr())
-        write = self.store.write(shard.key("compute"), copy, urgent=True)
-        self._writes[turn] = write
-        return write
+        self._writes[turn] = self.store.write(shard.key("compute"), copy, urgent=True)
+        return self._writes[turn]
 
     def settle(self) -> None:
         """Wait for the writes still running (raising the first error)."""
@@ -674,6 +679,19 @@ class StoredCopies:
             self._writes[turn] = None
             if write is not None:
                 write.result()
+
+    def _take(self, shard: Shard) -> tuple[int, torch.Tensor]:
+        """The buffer next in turn, viewed as ``shard``'s copy, once the write that last read it has landed."""
+        turn, self._turn = self._turn, (self._turn + 1) % self.BUFFERS
+        write, self._writes[turn] = self._writes[turn], None
+        if write is not None:
+            write.result()
+        return turn, self._buffers[turn][: shard.numel * shard.dtype.itemsize].view(shard.dtype)
+
+    def _read(self, shard: Shard, out: torch.Tensor) -> torch.Tensor:
+        """``shard``'s current copy in this rank's store (wherever its compute key is now), into ``out``."""
+        self.store.read(shard.unit.ready.compute_key(shard), out, urgent=True).result()
+        return out
 
 
 @dataclass(frozen=True)
@@ -1222,13 +1240,11 @@ class _Publisher:
                     if owner != self._rank:
                         unit.ready.complete()
                     continue
-                copy = self._copies.buffer(shard)
-                if owner == self._rank:
-                    self._copies.read(shard, copy)
-                self._faults.broadcast(_wire(copy), owner, self._group)
-                if owner != self._rank:
+                write = self._copies.publish(shard, owner == self._rank,
+                                             lambda wire: self._faults.broadcast(wire, owner, self._group))
+                if write is not None:
                     # The next forward's page-in waits for the write, then reads it back.
-                    unit.ready.complete(self._copies.write(shard, copy))
+                    unit.ready.complete(write)
 
     def _publish_shared(self, node: NodeCache, unit: Unit, shards: Sequence[Shard]) -> None:
         """One unit's new compute copy into the node's shared cache: written there once, by its writer (a unit's
@@ -1583,12 +1599,9 @@ class DataParallelAdam:
         node = self._node
         if self.copies is not None:
             for shard in self.shards:
-                copy = self.copies.buffer(shard)
-                if self.owns(shard):
-                    self.copies.read(shard, copy)
-                self._faults.broadcast(_wire(copy), self.owner(shard), self._control)
-                if not self.owns(shard):
-                    self.copies.write(shard, copy)
+                owner = self.owner(shard)
+                self.copies.publish(shard, owner == self.ranks.rank,
+                                    lambda wire: self._faults.broadcast(wire, owner, self._control))
             self.copies.settle()
             return
         if node is None:
@@ -1661,10 +1674,7 @@ class DataParallelAdam:
             self.local.assign(shard, master)
         elif self.copies is not None:
             self.barrier()
-            copy = self.copies.buffer(shard)
-            copy.copy_(master)
-            self.copies.write(shard, copy)
-            self.copies.settle()
+            self.copies.store(shard, master)
         else:
             self.barrier()
             # In a shared cache every rank of the node writes the same bytes here: a rank reads the new values once
@@ -1677,4 +1687,4 @@ class DataParallelAdam:
         if self.copies is None:
             return _compute_copy(shard)
         self.barrier()
-        return self.copies.read(shard, self.copies.buffer(shard))
+        return self.copies.current(shard)
