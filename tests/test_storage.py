@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -720,30 +721,43 @@ def test_a_changed_shared_tensor_fails_the_checksum(ssd: Path) -> None:
         assert info.value.errno == errno.EBADMSG
 
 
-def test_a_read_waits_for_the_shared_read_in_flight_and_urgent_moves_it_ahead(
-        ssd: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A read of a key that a shared read is still filling copies it once that lands; an urgent one moves that read
-    ahead of the background requests queued before it. ``unshare`` hands back the copies still running."""
-    started, release, copying, finish_copy = threading.Event(), threading.Event(), threading.Event(), threading.Event()
-    order: list[str] = []
+def _hold_the_blocker(monkeypatch: pytest.MonkeyPatch, note: Callable[[storage.Request], None]
+                      ) -> tuple[threading.Event, threading.Event]:
+    """Make every chunk transfer of a store call ``note`` with its request first, and hold the transfer of the key
+    ``"blocker"`` (its only I/O thread with it) from ``started`` until ``release``."""
+    started, release = threading.Event(), threading.Event()
     real = TensorStore._transfer_chunk
 
     def gated(self: TensorStore, request: storage.Request, chunk: storage.Chunk) -> Any:
-        if request.source is not None:
-            copying.set()
-            finish_copy.wait(10)
-        else:
-            order.append(request.key)
+        note(request)
         if request.key == "blocker":
             started.set()
             release.wait(10)
         return real(self, request, chunk)
 
+    monkeypatch.setattr(TensorStore, "_transfer_chunk", gated)
+    return started, release
+
+
+def test_a_read_waits_for_the_shared_read_in_flight_and_urgent_moves_it_ahead(
+        ssd: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read of a key that a shared read is still filling copies it once that lands; an urgent one moves that read
+    ahead of the background requests queued before it. ``unshare`` hands back the copies still running."""
+    copying, finish_copy = threading.Event(), threading.Event()
+    order: list[str] = []
+
+    def note(request: storage.Request) -> None:
+        if request.source is not None:
+            copying.set()
+            finish_copy.wait(10)
+        else:
+            order.append(request.key)
+
     data = _random(1024, torch.float32)
     with TensorStore([ssd], stripe_bytes=STRIPE, io_threads_per_path=1) as store:
         for key in ("k", "background"):
             store.write(key, data).result()
-        monkeypatch.setattr(TensorStore, "_transfer_chunk", gated)
+        started, release = _hold_the_blocker(monkeypatch, note)
         blocker = store.write("blocker", data)
         assert started.wait(10)
         background = store.read("background", aligned_empty(1024, torch.float32))
@@ -769,17 +783,7 @@ def test_unshare_moves_the_copies_from_the_memory_ahead_and_offers_says_what_is_
     """The holder of a shared tensor unshares it to reuse the memory and waits for the copies from it: those still
     queued behind background requests move to the urgent lane. ``offers`` says whether reads of some key would copy
     from a tensor's memory: not once unshared, nor once the key was written since."""
-    started, release = threading.Event(), threading.Event()
     order: list[str] = []
-    real = TensorStore._transfer_chunk
-
-    def gated(self: TensorStore, request: storage.Request, chunk: storage.Chunk) -> Any:
-        order.append(request.key + (" copied" if request.source is not None else ""))
-        if request.key == "blocker":
-            started.set()
-            release.wait(10)
-        return real(self, request, chunk)
-
     data = _random(1024, torch.float32)
     with TensorStore([ssd], stripe_bytes=STRIPE, io_threads_per_path=1) as store:
         for key in ("k", "background"):
@@ -787,7 +791,8 @@ def test_unshare_moves_the_copies_from_the_memory_ahead_and_offers_says_what_is_
         holder = aligned_empty(1024, torch.float32)
         store.read("k", holder, share=True).result()
         assert store.offers(holder) and not store.offers(data)
-        monkeypatch.setattr(TensorStore, "_transfer_chunk", gated)
+        started, release = _hold_the_blocker(
+            monkeypatch, lambda request: order.append(request.key + (" copied" if request.source is not None else "")))
         blocker = store.write("blocker", data)
         assert started.wait(10)
         background = store.read("background", aligned_empty(1024, torch.float32))
