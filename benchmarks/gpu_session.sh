@@ -2,7 +2,7 @@
 # The checks of one session on a lent GPU machine, as one prepared script that ends by its own deadline: the CUDA
 # tests with the numbers against plain Lightning (benchmarks/cuda_numerics.py) beside them, then RatelStrategy against
 # plain Lightning and FSDP2 on the GPU benchmark's model (benchmarks/peers.py --model gpu), its phases and traces
-# (benchmarks/gpu_phases.py), then the quick GPU benchmark with what time is left. Logs go to a work folder, packed
+# (benchmarks/gpu_phases.py), then the GPU benchmark's smallest model with what time is left. Logs go to a work folder, packed
 # into OUT/gpu_session.tgz at the end (the device tool brings back a few files only); a summary is printed.
 #
 #   bash benchmarks/gpu_session.sh OUT [SECONDS]
@@ -38,7 +38,8 @@ t=$(budget 200)
 timeout "$t" python3 -m pytest -q -rA -n 4 -p no:cacheprovider tests/test_cuda.py tests/test_gds.py \
     tests/test_flops.py tests/test_gpu_throughput.py --junitxml="$work/junit.xml" > "$work/test_cuda.log" 2>&1 &
 tests=$!
-timeout "$t" python3 -m benchmarks.cuda_numerics --out "$work" > "$work/cuda_numerics.log" 2>&1 &
+# Its runs measure the machine while the tests load it: their speeds must not be kept for the benchmarks below.
+RATEL_HARDWARE_CACHE= timeout "$t" python3 -m benchmarks.cuda_numerics --out "$work" > "$work/cuda_numerics.log" 2>&1 &
 numerics=$!
 wait $tests; echo "tests rc=$? at ${SECONDS}s"
 wait $numerics; echo "cuda_numerics rc=$? at ${SECONDS}s"
@@ -63,8 +64,9 @@ for states in auto host; do
         continue
     fi
     mkdir -p /tmp/ratel-bench "$work/throughput-$states"
-    timeout "$t" python3 -m benchmarks.gpu_throughput --quick --systems ratel --no-search --ssd /tmp/ratel-bench \
-        --ratel-states "$states" --out "$work/throughput-$states" --max-seconds $((t - 5)) \
+    timeout "$t" python3 -m benchmarks.gpu_throughput --models 8x8x1024 --batch-sizes 8 --steps 8 --systems ratel \
+        --no-search --ssd /tmp/ratel-bench --ratel-states "$states" --out "$work/throughput-$states" \
+        --max-seconds $((t - 5)) --run-timeout $((t - 5)) \
         > "$work/gpu_throughput-$states.log" 2>&1
     echo "gpu_throughput ($states) rc=$? at ${SECONDS}s"
 done

@@ -148,6 +148,8 @@ def test_predict_by_hand_cuda():
         "d2h": 1000 / 500,
         "ssd": 100 / 100 + 20 * 4 / 100 + 20 * 2 / 50,
         "cpu_optimizer": 20 / 1000,
+        # b.0's 10 parameters get their gradients last; their update (0.01 s) follows backward's compute.
+        "update_wait": 0.16 + 0.032 + 10 / 1000,
     })
     assert p.forward_time == pytest.approx(2.0)
     assert p.backward_time == pytest.approx(2.6)
@@ -196,17 +198,40 @@ def test_updates_overlap_backward_only_where_the_optimizer_has_cores_of_its_own(
     assert updates_overlap(unified=gpu, gradient_bytes=1001, host_room=4000)
 
 
-def test_work_measured_outside_the_blocks_adds_to_compute():
+def test_work_measured_outside_the_blocks_adds_to_compute_on_the_cpu_and_runs_beside_a_gpu():
     base = _hand_predict("cpu")
     p = _hand_predict("cpu", forward_overhead=0.5, backward_overhead=0.25)
     # The blocks' 0.08 s of forward and 0.16 s of backward (with 0.032 s of recompute) plus what ran around them.
     assert p.forward["compute"] == pytest.approx(0.08 + 0.5)
     assert p.backward["compute"] == pytest.approx(0.192 + 0.25)
+    assert "host" not in p.forward and "host" not in p.backward
     assert p.iteration_time == pytest.approx(base.iteration_time + 0.75)
-    gpu = _hand_predict("cuda", forward_overhead=0.5)
-    assert gpu.forward["compute"] == pytest.approx(0.58)
-    # On a GPU it is one lane among others: the 2 s of page-ins still set the forward's time.
+    # On a GPU the training thread queues kernels while the device runs the ones before: its work around the blocks
+    # is a lane of its own, beside the device's compute and the 2 s of page-ins that set the forward's time.
+    gpu = _hand_predict("cuda", forward_overhead=0.5, backward_overhead=3.0)
+    assert gpu.forward["compute"] == pytest.approx(0.08)
+    assert (gpu.forward["host"], gpu.backward["host"]) == (0.5, 3.0)
     assert gpu.forward_time == pytest.approx(2.0)
+    # Longer than every other lane of backward, it sets that phase's time.
+    assert gpu.backward_time == pytest.approx(3.0)
+
+
+def test_the_device_tiers_updates_run_on_the_compute_lane_and_touch_no_host_memory():
+    """Of 20 updated parameters, 5 on the device tier: 25% of the measured update time moves from the CPU optimizer
+    to compute, and the DRAM traffic of updates is what the settings count per parameter (the planner averages the
+    device tier's none in)."""
+    host = _hand_predict("cuda", update_params_per_s=4, dram=1000)
+    mixed = _hand_predict("cuda", update_params_per_s=4, dram=1000, device_update_share=0.25,
+                          optimizer_memory_bytes_per_param=21)
+    assert host.backward["cpu_optimizer"] == pytest.approx(20 / 4)
+    assert mixed.backward["cpu_optimizer"] == pytest.approx(15 / 4)
+    assert mixed.backward["compute"] == pytest.approx(host.backward["compute"] + 5 / 4)
+    assert mixed.backward["dram"] == pytest.approx(host.backward["dram"] - 20 * (28 - 21) / 1000)
+    on_device = _hand_predict("cuda", update_params_per_s=4, device_update_share=1.0, updates_after_backward=True)
+    assert on_device.forward["cpu_optimizer"] == 0
+    assert on_device.forward["compute"] == pytest.approx(0.08 + 20 / 4)
+    with pytest.raises(RatelConfigError, match="device_update_share"):
+        CostSettings(device_update_share=1.5)
 
 
 def test_a_measured_update_rate_replaces_the_kernels():
@@ -240,6 +265,25 @@ def test_updates_after_backward_are_charged_to_the_next_forward():
     in_backward = _hand_predict("cuda", dram=1000)
     assert dram.forward["dram"] == pytest.approx(in_backward.forward["dram"] + 20 * 28 / 1000)
     assert dram.backward["dram"] == pytest.approx(in_backward.backward["dram"] - 20 * 28 / 1000)
+
+
+def test_the_next_forward_waits_for_the_update_of_the_unit_backward_finishes_last():
+    """Beside a GPU the CPU optimizer updates each unit as its gradients complete; the first block's arrive last, so
+    its update (10 of 20 parameters: half the update time, or its DRAM traffic where that is slower) follows
+    backward's compute. On the CPU the cores' one lane holds every update already."""
+    slow = _hand_predict("cuda", update_params_per_s=40)
+    assert slow.backward["update_wait"] == pytest.approx(0.192 + 10 / 40)
+    assert slow.backward_time == pytest.approx(2.6)
+    slower = _hand_predict("cuda", update_params_per_s=4)
+    assert slower.backward["update_wait"] == pytest.approx(0.192 + 10 / 4)
+    assert slower.backward_time == pytest.approx(max(20 / 4, slower.backward["ssd"]))
+    bus = _hand_predict("cuda", update_params_per_s=40, dram=10)
+    assert bus.backward["update_wait"] == pytest.approx(0.192 + 10 * 28 / 10)
+    # Updates after backward run in forward order while the next forward waits for the first block's.
+    after = _hand_predict("cuda", update_params_per_s=40, updates_after_backward=True)
+    assert after.forward["update_wait"] == pytest.approx(0.08 + 10 / 40)
+    assert "update_wait" not in _hand_predict("cpu", update_params_per_s=40).backward
+    assert "update_wait" not in _hand_predict("cuda", device_update_share=1.0).backward
 
 
 def test_measured_settings_cannot_be_negative():

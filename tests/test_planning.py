@@ -517,6 +517,19 @@ def test_step_traffic_adds_the_page_ins_an_update_does_not_share():
     assert settings.state_read_bytes_per_param == round((states["read"] - 100 * 4) / 170)
 
 
+def test_settings_leave_the_device_tiers_updates_out_of_host_memory():
+    """Of 1000 parameters 250 have their states on the device: they are updated there (a quarter of the updates) and
+    touch no host memory, so the 28 B of an AdamW update count for 750 of the 1000."""
+    shards = [_shard(250, "device"), _shard(500, "host"), _shard(250)]
+    settings = plan_settings(shards, shards, "host", 1, prefetch_depth=1, host_static_bytes=0,  # type: ignore[arg-type]
+                             device_overhead=None)
+    assert settings.device_update_share == 0.25
+    assert settings.optimizer_memory_bytes_per_param == round(OPTIMIZER_MEMORY_BYTES_PER_PARAM * 0.75)
+    on_device = plan_settings(shards[:1], shards[:1], "host", 1, prefetch_depth=1,  # type: ignore[arg-type]
+                              host_static_bytes=0, device_overhead=None)
+    assert (on_device.device_update_share, on_device.optimizer_memory_bytes_per_param) == (1.0, 0)
+
+
 def test_settings_count_the_states_read_ahead_during_forward():
     """Three sets read ahead the states of the last three shards in forward order that are in the swap files (12 B
     a parameter each; the one in host memory is read from there): 12 * (50 + 40 + 20) B of 1000 parameters."""
@@ -541,8 +554,12 @@ def test_settings_count_this_ranks_states_per_parameter_it_owns():
                              device_overhead=None)
     assert settings.ranks_on_node == 2
     assert (settings.state_read_bytes_per_param, settings.state_write_bytes_per_param) == (7, 7)  # 3600 B / 500
-    # The host-tier states' slot copy: 24 B for 200 of 500 owned parameters.
-    assert settings.optimizer_memory_bytes_per_param == OPTIMIZER_MEMORY_BYTES_PER_PARAM + 10
+    # AdamW steps from one slot into the other in its single pass; the generic path first copies the host-tier
+    # states' committed slot: 24 B for 200 of 500 owned parameters.
+    assert settings.optimizer_memory_bytes_per_param == OPTIMIZER_MEMORY_BYTES_PER_PARAM
+    copying = plan_settings(shards, owned, "host", 2, prefetch_depth=1, host_static_bytes=0,  # type: ignore[arg-type]
+                            device_overhead=None, slot_copy=True)
+    assert copying.optimizer_memory_bytes_per_param == OPTIMIZER_MEMORY_BYTES_PER_PARAM + 10
     layer = LayerProfile("blk", 0, 1.0, 2.0, 4000, 2000, 1000, [OpProfile("input", 0.0, 0.0, 0)])
     model = CostModel(_node(ssd=100.0), [layer], settings)
     assert model._state_read == model._state_write == 3500  # 3600 B, rounded to whole bytes per parameter

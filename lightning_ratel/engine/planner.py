@@ -328,7 +328,10 @@ class Planner:
                 ]
             else:
                 ops_ = [OpProfile(CONTAINER_OP, 0.0, 0.0, self.cache.saved_by_block.get(b, 0), [])]
-            param_bytes = sum(self.layout.units[u].nbytes for u in self.blocks.units_of(b))
+            # What is paged in for each pass and what leaves the device as gradients: a unit resident on the device
+            # (the device tier's) neither crosses the link nor takes a paging buffer.
+            param_bytes = sum(self.layout.units[u].nbytes for u in self.blocks.units_of(b)
+                              if not self.layout.units[u].resident)
             saved = sum(op.saved_bytes for op in ops_)
             # On the device: what backward allocated beyond what it found, plus the block's own resident bytes.
             peak = max(t.get("backward_peak", 0.0) for t in passes)
@@ -338,7 +341,7 @@ class Planner:
                 forward_time=forward,
                 backward_time=backward,
                 param_bytes=param_bytes,
-                grad_bytes=sum(s.numel * s.dtype.itemsize for s in owned),
+                grad_bytes=sum(s.numel * s.dtype.itemsize for s in owned if s.state_tier != "device"),
                 trainable_numel=sum(s.numel for s in owned),
                 ops=ops_,
                 op_level=not block.direct_only,
@@ -385,7 +388,7 @@ class Planner:
             self.layout.shards, self.owned_shards(), self.layout.param_cache, self.ranks_on_node,
             prefetch_depth=self.config.prefetch_depth, host_static_bytes=self.accounts.held()["host"],
             device_overhead=self._device_overhead(layers) if self.device.is_cuda else None,
-            read_ahead_sets=self._read_ahead_sets())
+            read_ahead_sets=self._read_ahead_sets(), slot_copy=self.layout.generic is not None)
         return dataclasses.replace(settings, updates_after_backward=not self.updates_overlap, **self._measured)
 
     def _device_tier_bytes(self) -> int:
@@ -592,7 +595,8 @@ def _read_ahead(shards: Sequence[Shard], sets: int, after_backward: bool = False
 
 def plan_settings(shards: Sequence[Shard], owned: Sequence[Shard], param_cache: str, ranks_on_node: int,
                   *, prefetch_depth: int, host_static_bytes: int,
-                  device_overhead: DeviceOverhead | None, read_ahead_sets: int = 0) -> CostSettings:
+                  device_overhead: DeviceOverhead | None, read_ahead_sets: int = 0,
+                  slot_copy: bool = False) -> CostSettings:
     """The cost model's settings for one rank of ``ranks_on_node`` on its node.
 
     The cost model counts the optimizer's state bytes per parameter a rank owns, ``1 / ranks_on_node`` of the
@@ -609,6 +613,8 @@ def plan_settings(shards: Sequence[Shard], owned: Sequence[Shard], param_cache: 
         device_overhead: device memory a step needs beyond its working set (``None``: none counted).
         read_ahead_sets: this rank's whole buffer sets, each reading a shard's states ahead during forward (see
             :func:`read_ahead_traffic`).
+        slot_copy: the update copies a shard's committed state into the other slot before stepping there (the
+            generic optimizer path; AdamW reads one slot and writes the other in its single pass).
     """
     share = (sum(s.numel for s in shards) or 1) / ranks_on_node
     traffic = state_traffic(owned, param_cache)
@@ -619,12 +625,16 @@ def plan_settings(shards: Sequence[Shard], owned: Sequence[Shard], param_cache: 
         # The cost model counts every compute copy's page-ins; an fp32 master in the swap files is that copy, and
         # the optimizer's read of it shares one page-in's bytes (see shared_master_reads).
         traffic["read"] -= shared_master_reads(owned)
-    # States in host memory cost a copy of the committed slot into the other (12 bytes read, 12 written) besides the
-    # update's own traffic.
-    in_host = sum(s.numel for s in owned if s.state_tier == "host")
+    # The device tier's updates touch no host memory. States in host memory updated through a slot copy cost it
+    # (12 bytes read, 12 written) besides the update's own traffic.
+    on_device = sum(s.numel for s in owned if s.state_tier == "device")
+    in_host = sum(s.numel for s in owned if s.state_tier == "host") if slot_copy else 0
+    host_updated = sum(s.numel for s in owned) - on_device
     return CostSettings(
         prefetch_depth=prefetch_depth, host_static_bytes=host_static_bytes,
-        optimizer_memory_bytes_per_param=OPTIMIZER_MEMORY_BYTES_PER_PARAM + round(24 * in_host / share),
+        optimizer_memory_bytes_per_param=round((OPTIMIZER_MEMORY_BYTES_PER_PARAM * host_updated + 24 * in_host)
+                                               / share),
+        device_update_share=on_device / (sum(s.numel for s in owned) or 1),
         state_read_bytes_per_param=round(traffic["read"] / share),
         state_write_bytes_per_param=round(traffic["written"] / share),
         state_read_ahead_bytes_per_param=min(traffic["read"], read_ahead_traffic(owned, read_ahead_sets)) / share,

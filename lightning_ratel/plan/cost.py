@@ -54,7 +54,10 @@ class Prediction:
         spilled: optimizer-state bytes written to the SSDs during the next forward instead of backward.
 
     With ``host_io_bandwidth`` the phases also have ``"host_in"`` and ``"host_out"`` (host-side PCIe, into and out of
-    host memory), with ``host_memory_bandwidth`` a ``"dram"`` resource.
+    host memory), with ``host_memory_bandwidth`` a ``"dram"`` resource. On a GPU each phase also has ``"host"``: the
+    training thread's work outside the blocks where some was measured (:attr:`CostSettings.forward_overhead`), and the
+    phase the CPU optimizer's updates run in has ``"update_wait"``: its compute followed by the update of the unit
+    forward needs first, which backward hands over last.
     """
 
     forward: dict[str, float]
@@ -311,7 +314,8 @@ class CostSettings:
         host_static_bytes: host memory the rest of the run holds (parameter cache, optimizer buffers, ...).
         param_cache: ``"host"``: compute copies are paged to the device from host memory; ``"ssd"``: they are read
             from the SSDs for every use, once in forward and once in backward.
-        optimizer_memory_bytes_per_param: host DRAM bytes one AdamW update touches per parameter (counted only where
+        optimizer_memory_bytes_per_param: host DRAM bytes one AdamW update touches per parameter, averaged over the
+            parameters this rank updates (those on the device tier touch none; counted only where
             ``hw.host_memory_bandwidth`` is set).
         state_spill: optimizer-state writes that do not fit in backward are deferred into the next forward (as much
             as makes the iteration shortest). Reads are never deferred: the update they feed has to finish before
@@ -324,14 +328,18 @@ class CostSettings:
             autocast cache, gradient temporaries, fragmentation); ``None``: nothing more.
         forward_overhead: seconds of a micro-batch's forward outside its blocks' own forwards (the model's code
             between and around them: embeddings without parameters, masks, the loss; the engine's hooks and waits),
-            measured while profiling; charged to compute.
+            measured while profiling on the host's clock. Where the CPU computes it is charged to compute; on a GPU
+            to the training thread's own lane (``"host"``), which queues the kernels and runs beside them.
         backward_overhead: the same for backward: what it runs outside its blocks' backwards (the loss's backward,
-            the gradients' hand-over outside a block), measured while profiling; charged to compute.
+            the gradients' hand-over outside a block), measured while profiling; charged as ``forward_overhead``.
         update_params_per_s: parameters per second this rank's whole optimizer step runs at, measured while profiling
             with the updates run alone after backward (reading the states, the kernel, the new compute copies, the
             write-back copies and checksums on the optimizer's thread); 0: not measured, the hardware's AdamW kernel
             rate (``adam_params_per_s``, which counts the kernel alone) instead. Measured with the node's other ranks
             updating at the same time, so it is not divided among them again.
+        device_update_share: of the parameters this rank updates, the share whose states are on the device tier:
+            their updates run where the model computes (on its lane, at the same measured rate), and they move
+            nothing through host memory.
         updates_after_backward: the optimizer's updates wait for the end of backward and run while the next forward
             starts (that forward pages each unit in only once its update ran): their time is charged to forward. Where
             ``False`` they overlap backward, each as its shard's gradients complete.
@@ -355,6 +363,7 @@ class CostSettings:
     forward_overhead: float = 0.0
     backward_overhead: float = 0.0
     update_params_per_s: float = 0.0
+    device_update_share: float = 0.0
     updates_after_backward: bool = False
     ranks_on_node: int = 1
     state_read_ahead_bytes_per_param: float = 0.0
@@ -364,6 +373,9 @@ class CostSettings:
             raise RatelConfigError(f"measured overheads and rates cannot be negative, got forward_overhead="
                                    f"{self.forward_overhead}, backward_overhead={self.backward_overhead}, "
                                    f"update_params_per_s={self.update_params_per_s}")
+        if not 0.0 <= self.device_update_share <= 1.0:
+            raise RatelConfigError(f"device_update_share is a share of the parameters, between 0 and 1; got "
+                                   f"{self.device_update_share}")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, object]) -> CostSettings:
@@ -433,8 +445,14 @@ class CostModel:
         param_bytes = sum(layer.param_bytes for layer in self.layers)
         # The states, their updates and the compute copies' SSD reads of the units this rank owns.
         numel = sum(layer.trainable_numel for layer in self.layers) / ranks
-        self._forward_compute = sum(layer.forward_time for layer in self.layers) + settings.forward_overhead
-        self._backward_compute = sum(layer.backward_time for layer in self.layers) + settings.backward_overhead
+        self._forward_compute = sum(layer.forward_time for layer in self.layers)
+        self._backward_compute = sum(layer.backward_time for layer in self.layers)
+        # The training thread's work around the blocks: on the CPU it takes the cores from the blocks; on a GPU it
+        # queues the next kernels while the device runs the last ones.
+        self._host = {"forward": settings.forward_overhead, "backward": settings.backward_overhead}
+        if hw.unified_memory:
+            self._forward_compute += self._host.pop("forward")
+            self._backward_compute += self._host.pop("backward")
         self._param_bytes = param_bytes
         self._grad_bytes = sum(layer.grad_bytes for layer in self.layers)
         # What crosses the device's link: nothing on unified memory (see the module docstring).
@@ -448,12 +466,23 @@ class CostModel:
         self._state_write = math.ceil(numel * settings.state_write_bytes_per_param)
         self._state_ssd = (_seconds(self._state_read, hw.ssd_read_bandwidth)
                            + _seconds(self._state_write, hw.ssd_write_bandwidth))
-        # The whole update as measured, else the kernel's probed rate (rank_share divided that one among the ranks).
-        self._cpu_optimizer = _seconds(numel, settings.update_params_per_s or hw.adam_params_per_s)
+        # The whole update as measured, else the kernel's probed rate (rank_share divided that one among the ranks);
+        # the device tier's share runs where the model computes.
+        updates = _seconds(numel, settings.update_params_per_s or hw.adam_params_per_s)
+        self._device_update = updates * settings.device_update_share
+        self._cpu_optimizer = updates - self._device_update
         self._updates_after_backward = settings.updates_after_backward
         # The owners read each peer's copy of their share of the gradients once more to add them up.
         self._optimizer_memory = math.ceil(numel * settings.optimizer_memory_bytes_per_param
                                            + self._grad_bytes * (ranks - 1) / ranks)
+        # The unit forward uses first gets its gradient last in backward; beside a GPU, its update (on the cores or
+        # the memory bus, whichever is slower) starts only then, and the next forward waits for it. On the CPU the
+        # cores' lane already runs every update after the compute it follows.
+        first = next((layer.trainable_numel / ranks for layer in self.layers if layer.trainable_numel), 0.0)
+        self._update_wait = 0.0 if hw.unified_memory or not updates else max(
+            self._cpu_optimizer * first / numel,
+            _seconds(first * settings.optimizer_memory_bytes_per_param, hw.host_memory_bandwidth)
+            if hw.host_memory_bandwidth else 0.0)
         # Compute copies read from the SSDs for each pass: every rank reads each from its own swap files.
         self._param_ssd_bytes = param_bytes if param_cache == "ssd" else 0
         self._param_ssd = _seconds(self._param_ssd_bytes, hw.ssd_read_bandwidth)
@@ -561,9 +590,15 @@ class CostModel:
             "ssd": (_seconds(per_tier["ssd"], hw.ssd_read_bandwidth) + self._state_ssd - self._state_ahead_ssd
                     + self._param_ssd),
         }
+        for name, phase in (("forward", forward), ("backward", backward)):
+            if self._host.get(name):
+                phase["host"] = self._host[name]
         # The updates run in the phase that waits for them: backward where they overlap it, else the next forward.
         updating = forward if self._updates_after_backward else backward
         updating["cpu_optimizer"] = self._cpu_optimizer
+        updating["compute"] += self._device_update
+        if self._update_wait:
+            updating["update_wait"] = updating["compute"] + self._update_wait
         # Host-side traffic: what reaches host memory (from the device or the SSDs) and what leaves it.
         after = self._optimizer_memory if self._updates_after_backward else 0
         self._host_resources(forward, swapped + self._param_ssd_bytes + self._state_ahead,
