@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import json
 import os
+import time
 from types import SimpleNamespace
 
 import lightning as L
@@ -451,6 +452,38 @@ def test_hardware_speeds_are_kept_per_machine_and_filesystem(tmp_path, monkeypat
     measure(second, store_options=options)
     measure(second, store_options=options)
     assert probes == [1, 1, 1]
+
+
+def test_speeds_measured_while_other_work_holds_the_cores_are_not_kept_for_the_next_run(tmp_path, monkeypatch):
+    """An AdamW probe whose thread got a tenth of the time it could have had measured a busy machine: its speeds serve
+    this run only (with a warning) and are not written to the cache other processes read."""
+    from lightning_ratel.runtime import probe
+    from lightning_ratel.runtime.adamw import adamw_step
+    from lightning_ratel.runtime.device import Device
+
+    monkeypatch.setattr(probe, "_measured", {})
+    cache = tmp_path / "hardware.json"
+    monkeypatch.setenv(probe.CACHE_ENV, str(cache))
+    device = Device(torch.device("cpu"))
+    step = adamw_step()
+
+    def starved(*args, **kwargs):
+        # Another process holds the core: the step's thread runs a tenth of the wall time it takes.
+        start = time.perf_counter()
+        step(*args, **kwargs)
+        time.sleep(9 * (time.perf_counter() - start))
+
+    with pytest.warns(UserWarning, match="other work held the CPU"):
+        busy = probe.measure_hardware(device, [str(tmp_path)], starved, probe_bytes=1 << 20, threads=1)
+    assert busy.adam_params_per_s > 0
+    assert not cache.exists()
+    # Within the process they are kept for this run's later plans.
+    assert probe.measure_hardware(device, [str(tmp_path)], starved, probe_bytes=1 << 20,
+                                  threads=1).adam_params_per_s == busy.adam_params_per_s
+    # A probe that had its core measured the machine: kept for the next process.
+    monkeypatch.setattr(probe, "_measured", {})
+    probe.measure_hardware(device, [str(tmp_path)], step, probe_bytes=1 << 20, threads=1)
+    assert cache.exists()
 
 
 def test_a_probe_counts_the_median_of_its_calls_after_an_untimed_one(monkeypatch):

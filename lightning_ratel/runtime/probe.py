@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
 from lightning_ratel.hardware import HardwareProfile
 from lightning_ratel.runtime.adamw import GroupHyper
@@ -43,6 +44,11 @@ UNALIGNED_OFFSET = 64
 
 CACHE_ENV = "RATEL_HARDWARE_CACHE"
 """The file measured speeds are kept in across processes; empty: only within the process."""
+
+BUSY_CPU_SHARE = 0.5
+"""Of the CPU time its threads could have had, the least the AdamW probe must get for its speeds to be kept for other
+processes: below it other work held the cores while it ran, and its rate (up to ten times too slow, seen on a GPU
+machine whose tests ran beside it) would mislead every plan made from the cache for a day."""
 
 # Measured speeds by cache key: (time measured, the profile's speed fields).
 _measured: dict[str, tuple[float, dict[str, Any]]] = {}
@@ -194,8 +200,15 @@ def measure_hardware(
     key = _cache_key(device, ssd_paths, probe_bytes, per_path, threads, options)
     speeds = None if fresh else _cached(key)
     if speeds is None:
-        speeds = _measure_speeds(device, ssd_paths, adam_step, probe_bytes, per_path, name, options)
-        _remember(key, speeds)
+        team = min(threads or torch.get_num_threads(), len(os.sched_getaffinity(0)))
+        speeds, cpu_share = _measure_speeds(device, ssd_paths, adam_step, probe_bytes, per_path, name, options, team)
+        busy = cpu_share < BUSY_CPU_SHARE
+        _remember(key, speeds, persist=not busy)
+        if busy and cache_file() is not None:
+            rank_zero_warn(
+                f"RatelProfiler: other work held the CPU while its speed was measured (the optimizer's {team} "
+                f"threads got {cpu_share:.0%} of the time they could have had): the plan of this run may underrate "
+                f"the CPU optimizer, and the speeds measured are not kept for the next run.")
     speeds = dict(speeds)
     # Kept by position: the same filesystems under other directory names.
     speeds["per_path"] = dict(zip(map(str, ssd_paths), speeds["per_path"]))
@@ -246,10 +259,11 @@ def _read_cache_file() -> dict[str, tuple[float, dict[str, Any]]]:
         return {}
 
 
-def _remember(key: str, speeds: dict[str, Any]) -> None:
+def _remember(key: str, speeds: dict[str, Any], persist: bool = True) -> None:
+    """Keep ``speeds`` in this process and, with ``persist``, in :func:`cache_file` for the next."""
     _measured[key] = (time.time(), speeds)
     path = cache_file()
-    if path is None:
+    if path is None or not persist:
         return
     entries = {k: v for k, v in _read_cache_file().items() if time.time() - v[0] <= CACHE_SECONDS}
     entries[key] = _measured[key]
@@ -264,10 +278,14 @@ def _remember(key: str, speeds: dict[str, Any]) -> None:
 
 
 def _measure_speeds(device: Device, ssd_paths: Sequence[str], adam_step: Callable[..., None], probe_bytes: int,
-                    per_path: bool, name: str = "ratel-probe",
-                    store_options: Mapping[str, int] | None = None) -> dict[str, Any]:
+                    per_path: bool, name: str = "ratel-probe", store_options: Mapping[str, int] | None = None,
+                    threads: int = 1) -> tuple[dict[str, Any], float]:
     """The fields of a :class:`HardwareProfile` that describe the machine's speeds (``per_path`` as a list in the
-    order of ``ssd_paths``)."""
+    order of ``ssd_paths``), and the share of its ``threads``' time the AdamW probe got on the cores (process CPU
+    time over wall time times ``threads``; capped at 1)."""
+    cpu, wall = time.process_time(), time.perf_counter()
+    adam = adam_throughput(adam_step)
+    cpu_share = min(1.0, (time.process_time() - cpu) / max((time.perf_counter() - wall) * threads, 1e-9))
     h2d, d2h = link_bandwidth(device, probe_bytes)
     read, write = disk_bandwidth(ssd_paths, probe_bytes, name, store_options)
     paths = []
@@ -287,6 +305,6 @@ def _measure_speeds(device: Device, ssd_paths: Sequence[str], adam_step: Callabl
         # On the CPU activations go to the drives from where their ops put them, through the store's bounce buffers.
         "activation_write_bandwidth": (0.0 if device.separate_memory else
                                        disk_bandwidth(ssd_paths, probe_bytes, name, store_options, unaligned=True)[1]),
-        "adam_params_per_s": adam_throughput(adam_step),
+        "adam_params_per_s": adam,
         "per_path": paths,
-    }
+    }, cpu_share
