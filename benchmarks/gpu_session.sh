@@ -13,7 +13,7 @@ out=${1:?usage: gpu_session.sh OUT [SECONDS]}
 deadline=$((SECONDS + ${2:-460}))
 work=/tmp/gpu-session
 rm -rf "$work" && mkdir -p "$work" "$out"
-export PYTHONUNBUFFERED=1 CUBLAS_WORKSPACE_CONFIG=:4096:8
+export PYTHONUNBUFFERED=1 CUBLAS_WORKSPACE_CONFIG=:4096:8 COLUMNS=200
 
 # Seconds a stage may take: its own share, never past the deadline less what packing the logs needs.
 budget() { local left=$((deadline - SECONDS - 10)); echo $(( $1 < left ? $1 : (left > 0 ? left : 1) )); }
@@ -78,5 +78,5 @@ grep -E "^(FAILED|ERROR)" "$work/test_cuda.log" | head -30
 tail -25 "$work/cuda_numerics.log"
 sed -n '/RatelStrategy and its peers/,$p' "$work/peers.log"
 grep -E "^(plain|ratel)" "$work/gpu_phases.log" | cut -c1-100
-tail -12 "$work"/gpu_throughput-*.log 2>/dev/null
+tail -22 "$work"/gpu_throughput-*.log 2>/dev/null
 echo "done at ${SECONDS}s"

@@ -9,7 +9,9 @@ What one run measures, for GPT-style decoders (transformers GPT-2 blocks) at seq
 - the in-GPU peak of one transformer block at the same batch size (forward and backward of one block with all of its
   data resident: Ratel's "green line") and each system's hardware TFLOPS as a fraction of it;
 - the largest model (layers of the same width) each system trains at batch size 1 under the same caps, found by a
-  doubling-then-bisection search over the layer count.
+  doubling-then-bisection search over the layer count;
+- for RatelStrategy, its cost model's predicted step, forward and backward against the measured ones (issue 22: within
+  15%), the phases measured over :data:`PHASE_STEPS` more steps synchronised at each phase's end.
 
 Model construction. Under RatelStrategy the model is built on the meta device and the strategy materializes it one
 block at a time (``param_init_fn``: GPT-2's own initialization, module by module), writing each block to the swap
@@ -78,6 +80,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -396,7 +399,7 @@ def _step_timer(skip: int, last: int, drain: Callable[[Any], None],
                 self.start = time.perf_counter()
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-            if self.start is None:
+            if self.start is None or batch_idx > last:
                 return
             self.steps += 1
             if batch_idx == last:
@@ -411,6 +414,49 @@ def _step_timer(skip: int, last: int, drain: Callable[[Any], None],
             return (self.end - self.start) / self.steps
 
     return StepTimer()
+
+
+PHASE_STEPS = 4
+"""Steps a RatelStrategy run trains after its timed ones, each synchronised at batch start, where backward starts and
+at batch end: their medians split a step into forward and the rest, to set against the cost model's phases (the timed
+steps run without those synchronisations)."""
+
+
+def _phase_clock(first: int, synchronize: Callable[[], None] = torch.cuda.synchronize) -> Any:
+    import lightning as L
+
+    class PhaseClock(L.Callback):
+        """Forward (batch start to backward's start) and whole-step seconds of each batch from ``first`` on."""
+
+        def __init__(self) -> None:
+            self.phases: list[tuple[float, float]] = []
+            self._timing = False
+            self._start = self._forward = 0.0
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            self._timing = batch_idx >= first
+            if self._timing:
+                synchronize()
+                self._start = time.perf_counter()
+
+        def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+            if self._timing:
+                synchronize()
+                self._forward = time.perf_counter() - self._start
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            if self._timing:
+                synchronize()
+                self.phases.append((self._forward, time.perf_counter() - self._start))
+
+        def medians(self) -> dict[str, float]:
+            """``measured_forward`` and ``measured_backward`` (the step after forward), median seconds."""
+            if not self.phases:
+                return {}
+            return {"measured_forward": statistics.median(f for f, _ in self.phases),
+                    "measured_backward": statistics.median(step - f for f, step in self.phases)}
+
+    return PhaseClock()
 
 
 def deepspeed_nvme_dirs(swap_dirs: Sequence[str]) -> tuple[str, str]:
@@ -511,16 +557,20 @@ def train_worker(spec: dict[str, Any]) -> dict[str, Any]:
     if gpu:
         _cap_device_memory(cap)
     deepspeed = system in DEEPSPEED_SYSTEMS
-    steps = spec["warmup"] + spec["steps"]
+    timed = spec["warmup"] + spec["steps"]
+    synchronize = torch.cuda.synchronize if gpu else lambda: None
+    clock = _phase_clock(timed, synchronize) if system == "ratel" else None
+    steps = timed + (PHASE_STEPS if clock is not None else 0)
     # Every rank reads its own part of the data (Lightning's distributed sampler): `steps` batches each.
     module = _bench_module(shape, spec["batch"], steps * devices, deepspeed, deepspeed and spec["ds_checkpointing"])
-    timer = _step_timer(spec["warmup"], steps - 1, _drain, torch.cuda.synchronize if gpu else lambda: None)
+    timer = _step_timer(spec["warmup"], timed - 1, _drain, synchronize)
     trainer = L.Trainer(
         accelerator="gpu" if gpu else "cpu", devices=devices,
         strategy=_strategy(system, module, shape, spec["swap_dirs"], cap, spec.get("ds_aio"),
                            spec.get("ratel_states", "auto")),
         precision="bf16-mixed", max_steps=steps, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, callbacks=[timer],
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        callbacks=[timer, *([clock] if clock is not None else [])],
     )
     if gpu:
         torch.cuda.reset_peak_memory_stats(_local_device())
@@ -536,12 +586,20 @@ def train_worker(spec: dict[str, Any]) -> dict[str, Any]:
     if not result["ok"]:
         result["error"] = f"no step was timed (ran {trainer.global_step} steps, warmup {spec['warmup']})"
     if system == "ratel":
+        from lightning_ratel.plan.cost import bottleneck
+
         result["optimizer_states"] = trainer.strategy.state_placement()
         profiler = trainer.strategy.profiler
         plan = profiler.plan if profiler is not None else None
         if plan is not None:
             result["recompute_flops"] = plan_recompute_flops(plan)
             result["predicted_seconds_per_step"] = plan.predicted_iteration_time
+            result["predicted_forward"] = plan.predicted_forward_time
+            result["predicted_backward"] = plan.predicted_backward_time
+            result["bound"] = {phase: bottleneck(resources, unified=not gpu)
+                               for phase, resources in plan.resource_times.items()}
+            assert clock is not None
+            result.update(clock.medians())
             # The profile and hardware the prediction came from, so that it can be predicted again offline.
             result["plan"] = json.loads(plan.to_json())
             result["placement"] = {tier: sum(1 for t in plan.activation_placement.values() if t == tier)
@@ -725,7 +783,8 @@ def throughput_row(shape: ModelShape, batch: int, system: str, result: dict[str,
     if block and block.get("ok") and "hardware_tflops" in row:
         row["block_peak_tflops"] = block["tflops"] * devices
         row["of_block_peak"] = row["hardware_tflops"] / row["block_peak_tflops"]
-    for key in ("predicted_seconds_per_step", "placement", "plan"):
+    for key in ("predicted_seconds_per_step", "predicted_forward", "predicted_backward", "measured_forward",
+                "measured_backward", "bound", "placement", "plan"):
         if key in result:
             row[key] = result[key]
     return row
@@ -888,6 +947,25 @@ def _print_tables(report: dict[str, Any]) -> None:
             row.get("error", ""),
         )
     console.print(table)
+    predicted = [row for row in report["throughput"] if "predicted_seconds_per_step" in row]
+    if predicted:
+        table = Table(title="RatelStrategy's cost model against the measured steps (seconds; x = measured / predicted)",
+                      caption=f"step: the timed steps' mean; forward and backward (the step after forward): medians "
+                              f"of {PHASE_STEPS} steps after them, synchronised at each phase's end")
+        for column in ("model", "batch", "step predicted", "measured", "x", "forward predicted", "measured", "x",
+                       "backward predicted", "measured", "x", "bound (fwd, bwd)"):
+            table.add_column(column)
+        for row in predicted:
+            cells = []
+            for p, m in (("predicted_seconds_per_step", "seconds_per_step"), ("predicted_forward", "measured_forward"),
+                         ("predicted_backward", "measured_backward")):
+                guess, seen = row.get(p), row.get(m)
+                cells += [fmt(guess, "{:.4f}"), fmt(seen, "{:.4f}"),
+                          fmt(seen / guess if guess and seen is not None else None, "{:.2f}")]
+            bound = row.get("bound", {})
+            table.add_row(row["model"], str(row["batch"]), *cells,
+                          f"{bound.get('forward', '-')}, {bound.get('backward', '-')}")
+        console.print(table)
     if report["largest"]:
         table = Table(title="Largest model trained at batch size 1 (layers of the same width)")
         for column in ("system", "layers", "parameters", "attempts", "note"):

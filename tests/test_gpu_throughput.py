@@ -369,6 +369,28 @@ def test_strategy_hands_deepspeed_the_config(monkeypatch):
 # ---------------------------------------------------------------------------------------------------- Ratel on meta
 
 
+def test_a_ratel_run_sets_the_cost_models_phases_against_measured_ones(tmp_path, capsys):
+    """On the CPU, in this process: after its timed steps a RatelStrategy run trains PHASE_STEPS more, synchronised
+    at each phase's end, whose forward and backward medians stand beside the plan's predicted phases; the report
+    prints them with the ratio."""
+    shape = ModelShape(layers=2, heads=2, hidden=32, vocab=50, seq=16)
+    result = bench.train_worker({"kind": "train", "system": "ratel", "shape": dataclasses.asdict(shape), "batch": 2,
+                                 "warmup": 3, "steps": 2, "device_memory": 1 << 30, "ds_checkpointing": False,
+                                 "swap_dirs": [str(tmp_path)], "accelerator": "cpu"})
+    assert result["ok"] and result["timed_steps"] == 2
+    for key in ("predicted_forward", "predicted_backward", "measured_forward", "measured_backward"):
+        assert result[key] > 0, key
+    assert result["predicted_forward"] + result["predicted_backward"] == pytest.approx(
+        result["predicted_seconds_per_step"])
+    assert set(result["bound"]) == {"forward", "backward"}
+    row = bench.throughput_row(shape, 2, "ratel", result, False, None)
+    bench._print_tables({"config": {"seq": shape.seq}, "machine": {"device_memory_cap": 1 << 30},
+                         "throughput": [row], "largest": {}, "notes": []})
+    printed = capsys.readouterr().out
+    assert "cost model against the measured steps" in printed
+    assert f"{result['measured_forward'] / result['predicted_forward']:.2f}" in printed
+
+
 def test_ratel_model_starts_on_meta_and_the_strategy_materializes_it(tmp_path):
     import lightning as L
 
