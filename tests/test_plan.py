@@ -283,6 +283,10 @@ def test_the_next_forward_waits_for_the_update_of_the_unit_backward_finishes_las
     after = _hand_predict("cuda", update_params_per_s=40, updates_after_backward=True)
     assert after.forward["update_wait"] == pytest.approx(0.08 + 10 / 40)
     assert "update_wait" not in _hand_predict("cpu", update_params_per_s=40).backward
+    # Two ranks each update half of the 20 parameters; one owns b.0's 10 whole, and the next forward waits for them.
+    two = _hand_predict("cuda", update_params_per_s=40, ranks_on_node=2)
+    assert two.backward["cpu_optimizer"] == pytest.approx(10 / 40)
+    assert two.backward["update_wait"] == pytest.approx(0.192 + 10 / 40)
     assert "update_wait" not in _hand_predict("cuda", device_update_share=1.0).backward
 
 

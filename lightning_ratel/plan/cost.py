@@ -477,8 +477,9 @@ class CostModel:
                                            + self._grad_bytes * (ranks - 1) / ranks)
         # The unit forward uses first gets its gradient last in backward; beside a GPU, its update (on the cores or
         # the memory bus, whichever is slower) starts only then, and the next forward waits for it. On the CPU the
-        # cores' lane already runs every update after the compute it follows.
-        first = next((layer.trainable_numel / ranks for layer in self.layers if layer.trainable_numel), 0.0)
+        # cores' lane already runs every update after the compute it follows. With several ranks one owns that unit
+        # whole and updates it at its own share of the node's rates.
+        first = next((layer.trainable_numel for layer in self.layers if layer.trainable_numel), 0)
         self._update_wait = 0.0 if hw.unified_memory or not updates else max(
             self._cpu_optimizer * first / numel,
             _seconds(first * settings.optimizer_memory_bytes_per_param, hw.host_memory_bandwidth)

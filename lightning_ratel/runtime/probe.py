@@ -200,7 +200,8 @@ def measure_hardware(
     key = _cache_key(device, ssd_paths, probe_bytes, per_path, threads, options)
     speeds = None if fresh else _cached(key)
     if speeds is None:
-        team = min(threads or torch.get_num_threads(), len(os.sched_getaffinity(0)))
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        team = min(threads or torch.get_num_threads(), cores)
         speeds, cpu_share = _measure_speeds(device, ssd_paths, adam_step, probe_bytes, per_path, name, options, team)
         busy = cpu_share < BUSY_CPU_SHARE
         _remember(key, speeds, persist=not busy)
