@@ -369,7 +369,7 @@ def test_strategy_hands_deepspeed_the_config(monkeypatch):
 # ---------------------------------------------------------------------------------------------------- Ratel on meta
 
 
-def test_a_ratel_run_sets_the_cost_models_phases_against_measured_ones(tmp_path, capsys):
+def test_a_ratel_run_sets_the_cost_models_phases_against_measured_ones(tmp_path, capsys, monkeypatch):
     """On the CPU, in this process: after its timed steps a RatelStrategy run trains PHASE_STEPS more, synchronised
     at each phase's end, whose forward and backward medians stand beside the plan's predicted phases; the report
     prints them with the ratio."""
@@ -384,6 +384,8 @@ def test_a_ratel_run_sets_the_cost_models_phases_against_measured_ones(tmp_path,
         result["predicted_seconds_per_step"])
     assert set(result["bound"]) == {"forward", "backward"}
     row = bench.throughput_row(shape, 2, "ratel", result, False, None)
+    # Wide enough that rich prints every column whole.
+    monkeypatch.setenv("COLUMNS", "250")
     bench._print_tables({"config": {"seq": shape.seq}, "machine": {"device_memory_cap": 1 << 30},
                          "throughput": [row], "largest": {}, "notes": []})
     printed = capsys.readouterr().out
