@@ -25,7 +25,7 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
 from lightning_ratel.hardware import HardwareProfile
-from lightning_ratel.runtime.adamw import GroupHyper
+from lightning_ratel.runtime.adamw import GroupHyper, native_matches_torch
 from lightning_ratel.runtime.device import Device
 from lightning_ratel.runtime.hostmem import aligned_empty
 from lightning_ratel.runtime.storage import TensorStore
@@ -201,7 +201,9 @@ def measure_hardware(
     speeds = None if fresh else _cached(key)
     if speeds is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        team = min(threads or torch.get_num_threads(), cores)
+        # The native kernel runs the optimizer's threads; torch's step (where the kernel does not match it) runs
+        # torch's own pool.
+        team = min(threads if threads and native_matches_torch() else torch.get_num_threads(), cores)
         speeds, cpu_share = _measure_speeds(device, ssd_paths, adam_step, probe_bytes, per_path, name, options, team)
         busy = cpu_share < BUSY_CPU_SHARE
         _remember(key, speeds, persist=not busy)
