@@ -150,6 +150,7 @@ class RatelProfiler(Callback):
         planner = _planner(trainer)
         if planner is None:
             return
+        planner.micro_batch_ended()
         breakdown = planner.breakdown.take(self._step_start, time.perf_counter())
         breakdown["step"] = float(trainer.global_step)
         breakdown["profiling"] = float(planner.profiling)

@@ -379,6 +379,25 @@ def test_chrome_trace_on_request(tmp_path):
     assert trace["traceEvents"]
 
 
+def test_a_traced_profiled_step_does_not_charge_the_traces_export_to_backward(tmp_path, monkeypatch):
+    """The trace of the second profiled step (the one whose times the plan keeps) is written at that batch's end;
+    writing it (half a second here) is not work of the step, and the backward the plan measured outside its blocks
+    holds none of it."""
+    export = torch.profiler.profile.export_chrome_trace
+
+    def slow_export(self, path):
+        time.sleep(0.5)
+        return export(self, path)
+
+    monkeypatch.setattr(torch.profiler.profile, "export_chrome_trace", slow_export)
+    t = trainer(RatelStrategy(ssd_paths=[str(tmp_path)]),
+                callbacks=[RatelProfiler(trace_step=1, output_dir=str(tmp_path / "out"))])
+    t.fit(LM("llama"))
+    assert (tmp_path / "out" / "ratel_trace_step1.json").is_file()
+    settings = _profiler(t).plan.settings
+    assert settings is not None and settings.backward_overhead < 0.25, settings
+
+
 def test_activation_policy_turns_planning_off(tmp_path):
     t = trainer(RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy="host"))
     t.fit(LM("llama"))

@@ -106,6 +106,8 @@ class Planner:
         self._updates: list[tuple[float, int]] = []
         # This micro-batch's updates' seconds, which its backward's wall time holds but its blocks do not.
         self._step_updates = 0.0
+        # When this profiled micro-batch's own work ended (see micro_batch_ended), if it was marked.
+        self._ended: float | None = None
         # What profiling measured outside the blocks, for the cost model's settings (see end_profile).
         self._measured: dict[str, float] = {}
         # Bytes and elements of each block's output in the profiled passes (the last block's are the logits).
@@ -161,17 +163,26 @@ class Planner:
             if numel:
                 self._updates.append((seconds, numel))
 
+    def micro_batch_ended(self) -> None:
+        """The work of a training micro-batch ended, its optimizer step included: while profiling, its backward is
+        timed to here rather than to :meth:`micro_batch_done`, so that what runs in between at batch end (the
+        profiler's logging and the export of a trace) is not charged to it."""
+        if self._timer is not None:
+            self.device.synchronize()
+            self._ended = time.perf_counter()
+
     def micro_batch_done(self) -> Plan | None:
         """A training micro-batch ended; after the last profiled one, plan and apply. Returns the new plan then."""
         if not self.profiling:
             return None
         assert self._timer is not None
         self.device.synchronize()
+        ended, self._ended = self._ended if self._ended is not None else time.perf_counter(), None
         if self._outside and "backward_from" in self._outside[-1]:
-            # The backward's wall time ends here (finishing the step included), less its blocks' and the updates'.
+            # The backward's wall time ends with the micro-batch's work (finishing the step included), less its
+            # blocks' and the updates'.
             last = self._outside[-1]
-            last["backward"] = (time.perf_counter() - last.pop("backward_from") - last.pop("backward_blocks")
-                                - self._step_updates)
+            last["backward"] = ended - last.pop("backward_from") - last.pop("backward_blocks") - self._step_updates
         self._profiled_steps += 1
         if self._profiled_steps < self._profile_steps:
             return None
