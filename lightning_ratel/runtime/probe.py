@@ -151,8 +151,11 @@ def disk_bandwidth(paths: Sequence[str], nbytes: int = 64 << 20, name: str = "ra
     return nbytes / read, nbytes / write
 
 
-def adam_throughput(step: Callable[..., None], numel: int = 1 << 22, repeats: int = PROBE_REPEATS) -> float:
-    """Parameters per second of ``step`` (an AdamW step with the optimizer's signature) on fp32 states."""
+def adam_throughput(step: Callable[..., None], numel: int = 1 << 22, repeats: int = PROBE_REPEATS,
+                    threads: int = 1) -> tuple[float, float]:
+    """Parameters per second of ``step`` (an AdamW step with the optimizer's signature) on fp32 states, and the share
+    of the time its ``threads`` could have had on the cores that they got while it ran (process CPU time over wall
+    time times ``threads``, at most 1): well below 1, other work held the cores."""
     # A generator of its own: drawing from the global one would change the user's data order and dropout masks.
     generator = torch.Generator().manual_seed(0)
     master = torch.randn(numel, generator=generator)
@@ -164,7 +167,11 @@ def adam_throughput(step: Callable[..., None], numel: int = 1 << 22, repeats: in
     def run() -> None:
         step(master, grad, m, v, None, hyper, step=1)
 
-    return numel / median_time(run, repeats)
+    # Only the step's own calls count towards the share: making the states above runs on fewer threads.
+    cpu, wall = time.process_time(), time.perf_counter()
+    seconds = median_time(run, repeats)
+    share = (time.process_time() - cpu) / max((time.perf_counter() - wall) * threads, 1e-9)
+    return numel / seconds, min(1.0, share)
 
 
 def measure_hardware(
@@ -284,11 +291,9 @@ def _measure_speeds(device: Device, ssd_paths: Sequence[str], adam_step: Callabl
                     per_path: bool, name: str = "ratel-probe", store_options: Mapping[str, int] | None = None,
                     threads: int = 1) -> tuple[dict[str, Any], float]:
     """The fields of a :class:`HardwareProfile` that describe the machine's speeds (``per_path`` as a list in the
-    order of ``ssd_paths``), and the share of its ``threads``' time the AdamW probe got on the cores (process CPU
-    time over wall time times ``threads``; capped at 1)."""
-    cpu, wall = time.process_time(), time.perf_counter()
-    adam = adam_throughput(adam_step)
-    cpu_share = min(1.0, (time.process_time() - cpu) / max((time.perf_counter() - wall) * threads, 1e-9))
+    order of ``ssd_paths``), and the share of its ``threads``' time the AdamW probe got on the cores (see
+    :func:`adam_throughput`)."""
+    adam, cpu_share = adam_throughput(adam_step, threads=threads)
     h2d, d2h = link_bandwidth(device, probe_bytes)
     read, write = disk_bandwidth(ssd_paths, probe_bytes, name, store_options)
     paths = []
