@@ -422,43 +422,6 @@ at batch end: their medians split a step into forward and the rest, to set again
 steps run without those synchronisations)."""
 
 
-def _phase_clock(first: int, synchronize: Callable[[], None] = torch.cuda.synchronize) -> Any:
-    import lightning as L
-
-    class PhaseClock(L.Callback):
-        """Forward (batch start to backward's start) and whole-step seconds of each batch from ``first`` on."""
-
-        def __init__(self) -> None:
-            self.phases: list[tuple[float, float]] = []
-            self._timing = False
-            self._start = self._forward = 0.0
-
-        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-            self._timing = batch_idx >= first
-            if self._timing:
-                synchronize()
-                self._start = time.perf_counter()
-
-        def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
-            if self._timing:
-                synchronize()
-                self._forward = time.perf_counter() - self._start
-
-        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-            if self._timing:
-                synchronize()
-                self.phases.append((self._forward, time.perf_counter() - self._start))
-
-        def medians(self) -> dict[str, float]:
-            """``measured_forward`` and ``measured_backward`` (the step after forward), median seconds."""
-            if not self.phases:
-                return {}
-            return {"measured_forward": statistics.median(f for f, _ in self.phases),
-                    "measured_backward": statistics.median(step - f for f, step in self.phases)}
-
-    return PhaseClock()
-
-
 def deepspeed_nvme_dirs(swap_dirs: Sequence[str]) -> tuple[str, str]:
     """ZeRO-Infinity's (optimizer directory, parameter directory): the first two swap directories, or the one."""
     return swap_dirs[0], swap_dirs[1] if len(swap_dirs) > 1 else swap_dirs[0]
@@ -549,6 +512,8 @@ def train_worker(spec: dict[str, Any]) -> dict[str, Any]:
     """
     import lightning as L
 
+    from benchmarks.plan_accuracy import StepClock
+
     shape = ModelShape(**spec["shape"])
     system = spec["system"]
     cap = spec["device_memory"]
@@ -558,12 +523,12 @@ def train_worker(spec: dict[str, Any]) -> dict[str, Any]:
         _cap_device_memory(cap)
     deepspeed = system in DEEPSPEED_SYSTEMS
     timed = spec["warmup"] + spec["steps"]
-    synchronize = torch.cuda.synchronize if gpu else lambda: None
-    clock = _phase_clock(timed, synchronize) if system == "ratel" else None
+    # The phases are timed as plan_accuracy times its points, synchronised at each one's end.
+    clock = StepClock(first=timed) if system == "ratel" else None
     steps = timed + (PHASE_STEPS if clock is not None else 0)
     # Every rank reads its own part of the data (Lightning's distributed sampler): `steps` batches each.
     module = _bench_module(shape, spec["batch"], steps * devices, deepspeed, deepspeed and spec["ds_checkpointing"])
-    timer = _step_timer(spec["warmup"], timed - 1, _drain, synchronize)
+    timer = _step_timer(spec["warmup"], timed - 1, _drain, torch.cuda.synchronize if gpu else lambda: None)
     trainer = L.Trainer(
         accelerator="gpu" if gpu else "cpu", devices=devices,
         strategy=_strategy(system, module, shape, spec["swap_dirs"], cap, spec.get("ds_aio"),
@@ -599,7 +564,9 @@ def train_worker(spec: dict[str, Any]) -> dict[str, Any]:
             result["bound"] = {phase: bottleneck(resources, unified=not gpu)
                                for phase, resources in plan.resource_times.items()}
             assert clock is not None
-            result.update(clock.medians())
+            if clock.steps:
+                result["measured_forward"] = statistics.median(forward for _, _, forward in clock.steps)
+                result["measured_backward"] = statistics.median(wall - forward for wall, _, forward in clock.steps)
             # The profile and hardware the prediction came from, so that it can be predicted again offline.
             result["plan"] = json.loads(plan.to_json())
             result["placement"] = {tier: sum(1 for t in plan.activation_placement.values() if t == tier)

@@ -153,11 +153,14 @@ class Point:
 
 
 class StepClock(L.Callback):
-    """Wall time, process CPU time (all threads) and forward's wall time of each training step, batch start to batch
-    end; forward ends where backward starts (``on_before_backward``), so the rest, optimizer included, is backward."""
+    """Wall time, process CPU time (all threads) and forward's wall time of each training step from batch ``first``
+    on, batch start to batch end; forward ends where backward starts (``on_before_backward``), so the rest, optimizer
+    included, is backward. The batches before ``first`` run without the clock's synchronisations."""
 
-    def __init__(self) -> None:
+    def __init__(self, first: int = 0) -> None:
+        self.first = first
         self.steps: list[tuple[float, float, float]] = []
+        self._timing = False
         self._start = (0.0, 0.0)
         self._forward = 0.0
 
@@ -171,15 +174,19 @@ class StepClock(L.Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: object,
                              batch_idx: int) -> None:
-        self._start = self._now(trainer)
+        self._timing = batch_idx >= self.first
+        if self._timing:
+            self._start = self._now(trainer)
 
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
-        self._forward = self._now(trainer)[0] - self._start[0]
+        if self._timing:
+            self._forward = self._now(trainer)[0] - self._start[0]
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: object, batch: object,
                            batch_idx: int) -> None:
-        wall, cpu = self._now(trainer)
-        self.steps.append((wall - self._start[0], cpu - self._start[1], self._forward))
+        if self._timing:
+            wall, cpu = self._now(trainer)
+            self.steps.append((wall - self._start[0], cpu - self._start[1], self._forward))
 
 
 class Runner:
