@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -64,7 +63,7 @@ from lightning_ratel.runtime.hostmem import ALIGNMENT
 from lightning_ratel.runtime.hoststore import HostStore, TieredStore
 from lightning_ratel.runtime.optimizer import CpuAdam, StepPlan
 from lightning_ratel.runtime.pager import ParameterPager
-from lightning_ratel.runtime.probe import available_host_memory, free_device_memory
+from lightning_ratel.runtime.probe import available_cores, available_host_memory, free_device_memory
 from lightning_ratel.runtime.storage import TensorStore
 from lightning_ratel.runtime.timeline import Timeline
 from lightning_ratel.runtime.units import Layout, Shard
@@ -144,11 +143,6 @@ def rank_threads(is_cuda: bool, local_world: int, cores: int) -> tuple[int, int]
     return share, max(1, min(4, share // 4))
 
 
-def _cores() -> int:
-    """The cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 def _state_store(device: Device, config: RatelConfig, shards: list[Shard], local_world: int, io: StoreIO
                  ) -> TieredStore:
     """The model-state store: the swap files (moving chunks as ``io`` says), and host or device memory for the states
@@ -157,7 +151,7 @@ def _state_store(device: Device, config: RatelConfig, shards: list[Shard], local
     # The stripe is recorded in the files' headers and a kept store's index: stores kept with another one still open.
     disk = TensorStore(config.ssd_paths, name=config.name, keep_files=config.keep_swap_files,
                        stripe_bytes=io.stripe_bytes, io_threads_per_path=io.threads_per_path)
-    threads = rank_threads(device.is_cuda, local_world, _cores())[1]
+    threads = rank_threads(device.is_cuda, local_world, available_cores())[1]
     host_keys = [key for shard in shards if shard.state_tier == "host" for key in shard.state_keys()]
     device_keys = [key for shard in shards if shard.state_tier == "device" for key in shard.state_keys()]
     return TieredStore(disk, HostStore(f"{config.name}-states", threads=threads), host_keys,
@@ -360,7 +354,7 @@ class RatelEngine:
         self._reduces = False
         self._switches = FitSwitches(module) if optimizer is not None else None
         local_world = ranks.local_world if ranks is not None else 1
-        io = store_io(self.device.is_cuda, _cores())
+        io = store_io(self.device.is_cuda, available_cores())
         # Host bytes of backward's page-ins the pool keeps for the updates (see KEPT_MASTER_SHARDS).
         kept = 0
         try:
@@ -371,7 +365,7 @@ class RatelEngine:
                 largest = max((s.numel for s in self.layout.shards), default=0)
                 # One rank alone keeps torch's thread count on a GPU.
                 threads = None if self.device.is_cuda and ranks is None else rank_threads(
-                    self.device.is_cuda, local_world, _cores())[0]
+                    self.device.is_cuda, local_world, available_cores())[0]
 
                 # The ranks of a node split one process's pipeline sets between them; each keeps the sets planned
                 # to read ahead in its own budget.

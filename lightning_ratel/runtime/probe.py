@@ -66,6 +66,11 @@ def available_host_memory() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def available_cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def free_device_memory(device: Device, host_free: int | None = None) -> int:
     """Bytes of ``device`` memory free now (on the CPU: the host's, ``host_free`` where already read)."""
     if device.is_cuda:
@@ -207,10 +212,9 @@ def measure_hardware(
     key = _cache_key(device, ssd_paths, probe_bytes, per_path, threads, options)
     speeds = None if fresh else _cached(key)
     if speeds is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         # The native kernel runs the optimizer's threads; torch's step (where the kernel does not match it) runs
         # torch's own pool.
-        team = min(threads if threads and native_matches_torch() else torch.get_num_threads(), cores)
+        team = min(threads if threads and native_matches_torch() else torch.get_num_threads(), available_cores())
         speeds, cpu_share = _measure_speeds(device, ssd_paths, adam_step, probe_bytes, per_path, name, options, team)
         busy = cpu_share < BUSY_CPU_SHARE
         _remember(key, speeds, persist=not busy)
