@@ -638,14 +638,14 @@ def plan_settings(shards: Sequence[Shard], owned: Sequence[Shard], param_cache: 
         traffic["read"] -= shared_master_reads(owned)
     # The device tier's updates touch no host memory. States in host memory updated through a slot copy cost it
     # (12 bytes read, 12 written) besides the update's own traffic.
+    updated = sum(s.numel for s in owned)
     on_device = sum(s.numel for s in owned if s.state_tier == "device")
     in_host = sum(s.numel for s in owned if s.state_tier == "host") if slot_copy else 0
-    host_updated = sum(s.numel for s in owned) - on_device
     return CostSettings(
         prefetch_depth=prefetch_depth, host_static_bytes=host_static_bytes,
-        optimizer_memory_bytes_per_param=round((OPTIMIZER_MEMORY_BYTES_PER_PARAM * host_updated + 24 * in_host)
-                                               / share),
-        device_update_share=on_device / (sum(s.numel for s in owned) or 1),
+        optimizer_memory_bytes_per_param=round((OPTIMIZER_MEMORY_BYTES_PER_PARAM * (updated - on_device)
+                                                + 24 * in_host) / share),
+        device_update_share=on_device / (updated or 1),
         state_read_bytes_per_param=round(traffic["read"] / share),
         state_write_bytes_per_param=round(traffic["written"] / share),
         state_read_ahead_bytes_per_param=min(traffic["read"], read_ahead_traffic(owned, read_ahead_sets)) / share,
