@@ -7,6 +7,7 @@ setup(
         Extension(
             "lightning_ratel._C",
             ["csrc/adamw.c"],
+            depends=["csrc/checksum.h"],
             # No -march=native: the kernel picks AVX-512, AVX2 or scalar code at run time. Contraction stays off
             # so that only the explicit FMAs (where torch uses one) fuse; no errno lets sqrtf be one instruction.
             extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"],

@@ -18,7 +18,10 @@ Run from the repository root::
 With ``--slots`` two more rows time a shard's update as the optimizer runs it on states in host memory, which keep
 the committed step's master and moments in one slot and write the next step's into the other: copying the committed
 slot into the other first and stepping there in place, or reading one slot and writing the other in the kernel's
-single pass (same numbers, 12 bytes per parameter less read and written).
+single pass (same numbers, 12 bytes per parameter less read and written). Two more time that update as the swap store
+needs it, with a checksum of every 4096 bytes written: added up by the kernel while the values are in registers (what
+the optimizer does), or taken afterwards by one thread over the written states with xxHash, as the store's I/O thread
+did before the kernel computed them.
 
 DeepSpeedCPUAdam joins the table when ``import deepspeed`` works (it JIT-compiles its op with ninja on first use);
 otherwise the table says why it was skipped.
@@ -33,14 +36,18 @@ import time
 from collections.abc import Callable
 
 import torch
+import xxhash
 from rich.console import Console
 from rich.table import Table
 
 from lightning_ratel.runtime import adamw as ops
+from lightning_ratel.runtime import checksum
 
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-4, (0.9, 0.999), 1e-8, 0.01
 HYPER = ops.GroupHyper(lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY, decoupled=True)
 """The step's hyperparameters as the native kernel takes them (AdamW)."""
+# Bytes per checksum of the store's chunks (a GPU run's stripe); the hashing's cost hardly depends on it.
+STORE_STRIPE = 1 << 20
 
 Step = Callable[[], None]
 MakeOptimizer = Callable[[torch.nn.Parameter], torch.optim.Optimizer]
@@ -78,12 +85,16 @@ def fused_step(grad: torch.Tensor, threads: int, ieee_sqrt: bool) -> Step:
     return run
 
 
-def slot_step(grad: torch.Tensor, threads: int, copy_first: bool) -> Step:
+def slot_step(grad: torch.Tensor, threads: int, copy_first: bool, checksums: str | None = None) -> Step:
     """The job on states in two slots, each step reading the slot the last one wrote and writing the other: after a
-    copy of master and moments into that slot (``copy_first``, torch's parallel copy), or from the kernel's sources."""
+    copy of master and moments into that slot (``copy_first``, torch's parallel copy), or from the kernel's sources;
+    with ``checksums`` ``"kernel"`` the kernel also returns the written states' block checksums, with ``"after"`` one
+    thread takes xxHash's of the written states once it is done."""
     slots = [[_filled(grad.numel(), torch.float32, torch.Generator().manual_seed(1)),
               torch.zeros(grad.numel()), torch.zeros(grad.numel())] for _ in range(2)]
     out = torch.zeros_like(grad)
+    sums = torch.zeros((3, -(-grad.numel() * 4 // checksum.BLOCK_BYTES)), dtype=torch.int64)
+    views = [[memoryview(state.view(torch.uint8).numpy()) for state in slot] for slot in slots]
     step = 0
 
     def run() -> None:
@@ -96,7 +107,12 @@ def slot_step(grad: torch.Tensor, threads: int, copy_first: bool) -> Step:
             ops.fused_adamw_(target[0], grad, target[1], target[2], out, HYPER, step=step, num_threads=threads)
         else:
             ops.fused_adamw_(target[0], grad, target[1], target[2], out, HYPER, step=step, num_threads=threads,
-                             param_src=source[0], exp_avg_src=source[1], exp_avg_sq_src=source[2])
+                             param_src=source[0], exp_avg_src=source[1], exp_avg_sq_src=source[2],
+                             sums=sums if checksums == "kernel" else None)
+        if checksums == "after":
+            for view in views[step % 2]:
+                for start in range(0, len(view), STORE_STRIPE):
+                    xxhash.xxh3_64_intdigest(view[start : start + STORE_STRIPE])
 
     return run
 
@@ -190,6 +206,11 @@ def main() -> None:
                   f"fused_adamw_ ({ops.isa()}), two slots: one slot into the other"]
         notes += ["12 B/param more read and written", "same numbers, no copy"]
         steps += [slot_step(grad, args.threads, copy_first=True), slot_step(grad, args.threads, copy_first=False)]
+        names += [f"fused_adamw_ ({ops.isa()}), one slot into the other, checksums by the kernel",
+                  f"fused_adamw_ ({ops.isa()}), one slot into the other, then xxHash of the states"]
+        notes += ["the optimizer's update for the swap store", "the store's I/O thread before: one thread"]
+        steps += [slot_step(grad, args.threads, copy_first=False, checksums="kernel"),
+                  slot_step(grad, args.threads, copy_first=False, checksums="after")]
 
     # Contenders take turns within each round, so drifting machine load (other tenants, memory bandwidth) hits
     # them alike instead of whichever happened to run during a slow spell.
@@ -226,8 +247,11 @@ def main() -> None:
     if torch_sqrt and seconds[0] and seconds[ieee_row]:
         ratio = seconds[0] / seconds[ieee_row]
         print(f"torch's sqrt per chunk vs IEEE sqrt in one pass: {ratio:.2f}x the time per step")
-    if args.slots and seconds[-2] and seconds[-1]:
-        print(f"two slots, one slot into the other vs copy then in place: {seconds[-1] / seconds[-2]:.2f}x the time")
+    if args.slots and all(seconds[-4:]):
+        copy, apart, kernel, after = seconds[-4:]
+        print(f"two slots, one slot into the other vs copy then in place: {apart / copy:.2f}x the time")
+        print(f"checksums by the kernel vs none: {kernel / apart:.3f}x the time; vs xxHash after the step: "
+              f"{kernel / after:.3f}x")
     ops.set_native_sqrt()
 
 

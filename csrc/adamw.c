@@ -1,6 +1,9 @@
 /*
  * lightning_ratel._C: one-pass Adam/AdamW step on host memory.
  *
+ * The step can also add up the swap store's checksums (checksum.h) of the states it writes, per 4096-byte block,
+ * while the new values are still in registers: their writes then need no second pass to checksum them.
+ *
  * Each element is read from and written to main memory once: the gradient (fp32, bf16 or fp16) is unscaled, the
  * fp32 master weight and both fp32 moments are updated, in place or from a source copy into a destination (a state
  * slot into the other, in the same single pass, so that keeping the old state costs no copy), and the weight is
@@ -41,6 +44,8 @@
 #include <immintrin.h>
 #endif
 
+#include "checksum.h"
+
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_NONE = 3 };
 
 /* What one pass over a range does: the whole step with the inline sqrt, or one of the two halves around an
@@ -58,6 +63,8 @@ typedef void (*vector_sqrt_fn)(int64_t n, const float *a, float *r, int64_t mode
  * made here from threads outside torch's OpenMP team; a local count of 1 keeps each call on its caller. */
 typedef int (*threads_local_fn)(int n);
 
+/* 64-bit lanes of the carried checksums per state: an AVX-512 vector's. */
+#define SUM_LANES 8
 /* Below this many elements per thread, waking the thread team costs more than it saves. */
 #define MIN_PER_THREAD 32768
 /* Thread ranges are multiples of this, so only the last range has a partial vector. */
@@ -107,7 +114,37 @@ typedef struct {
     int64_t vector_sqrt_mode;
     /* NULL where the sqrt has no such setting. */
     threads_local_fn threads_local;
+    /* Per SUM_BLOCK elements, the checksums (checksum.h) of the new param, exp_avg and exp_avg_sq; NULL: none.
+     * Threads then split the step on block boundaries, so each block is one thread's, and the chunks around an
+     * external sqrt lie within one block. base is the job's first element's index in the whole step, which the
+     * weights and blocks count from. carry: the calling thread's sums of the block it is in, not yet added, per state
+     * SUM_LANES 64-bit lanes (a vector path adds its lanes without summing them across; the flush does, once). */
+    uint64_t *sums[3];
+    int64_t base;
+    uint64_t *carry;
 } adam_job;
+
+/* Adds the carried sums of the block holding element index (of the job) to the job's per-block sums. */
+static inline void sums_flush(const adam_job *job, int64_t index) {
+    const int64_t block = (job->base + index) / SUM_BLOCK;
+    for (int k = 0; k < 3; ++k) {
+        uint64_t total = 0;
+        for (int lane = 0; lane < SUM_LANES; ++lane) total += job->carry[k * SUM_LANES + lane];
+        job->sums[k][block] += total;
+    }
+    memset(job->carry, 0, 3 * SUM_LANES * sizeof(uint64_t));
+}
+
+static inline void sums_carry(const adam_job *job, uint64_t p, uint64_t m, uint64_t v) {
+    job->carry[0] += p;
+    job->carry[SUM_LANES] += m;
+    job->carry[2 * SUM_LANES] += v;
+}
+
+/* The first index (of the job) past begin's block. */
+static inline int64_t sums_boundary(const adam_job *job, int64_t begin) {
+    return (job->base + begin) / SUM_BLOCK * SUM_BLOCK + SUM_BLOCK - job->base;
+}
 
 /* One stage over [begin, end); root holds the roots of that range for STAGE_APPLY, else NULL. */
 typedef void (*range_fn)(const adam_job *job, int stage, int64_t begin, int64_t end, const float *root);
@@ -216,7 +253,17 @@ ALWAYS_INLINE void range_scalar_t(const adam_job *job, int stage, int64_t begin,
     const adam_job h = *job;
     const float lerp_coeff = 1.0f - h.lerp_weight;
     const int move_moments = stage == STAGE_APPLY && h.src_exp_avg != h.exp_avg;
+    /* MOMENTS and FUSED sum the final moments, APPLY and FUSED the final weights. */
+    uint64_t sp = 0, sm = 0, sv = 0;
+    int64_t boundary = h.carry ? sums_boundary(&h, begin) : -1;
     for (int64_t i = begin; i < end; ++i) {
+        if (i == boundary) {
+            sums_carry(&h, sp, sm, sv);
+            sums_flush(&h, i - 1);
+            sp = sm = sv = 0;
+            boundary += SUM_BLOCK;
+        }
+        const uint64_t weight = sum_weight((uint64_t)(h.base + i));
         float p = h.src_param[i];
         float m = h.src_exp_avg[i];
         float r;
@@ -239,6 +286,8 @@ ALWAYS_INLINE void range_scalar_t(const adam_job *job, int stage, int64_t begin,
             v = v + h.one_minus_beta2 * g * g;
             h.exp_avg[i] = m;
             h.exp_avg_sq[i] = v;
+            sm += weight * f32_bits(m);
+            sv += weight * f32_bits(v);
             if (stage == STAGE_MOMENTS) {
                 h.param[i] = p;
                 continue;
@@ -248,8 +297,10 @@ ALWAYS_INLINE void range_scalar_t(const adam_job *job, int stage, int64_t begin,
         float denom = r / h.bias_correction2_sqrt + h.eps;
         p = p + h.neg_step_size * m / denom;
         h.param[i] = p;
+        sp += weight * f32_bits(p);
         store_scalar(h.out, i, odt, p);
     }
+    if (h.carry) sums_carry(&h, sp, sm, sv);
 }
 
 static void range_scalar(const adam_job *job, int stage, int64_t begin, int64_t end, const float *root) {
@@ -300,10 +351,16 @@ ALWAYS_INLINE TARGET_AVX2 void store_state8(float *dst, __m256 x, int stream) {
     else _mm256_storeu_ps(dst, x);
 }
 
-/* Loads from the *_in pointers, stores to the others (the same memory for a step in place). */
+/* A range's running checksums (checksum.h) of the new weights and moments; w: the weights of the next 8 elements. */
+typedef struct {
+    __m256i w, p, m, v;
+} sums8;
+
+/* Loads from the *_in pointers, stores to the others (the same memory for a step in place); adds the final values
+ * to s unless it is NULL. */
 ALWAYS_INLINE TARGET_AVX2 void step8(const consts8 *c, int stage, const float *param_in, const float *exp_avg_in,
                                      const float *exp_avg_sq_in, const void *grad, const float *root, float *param,
-                                     float *exp_avg, float *exp_avg_sq, void *out, int gdt, int odt) {
+                                     float *exp_avg, float *exp_avg_sq, void *out, int gdt, int odt, sums8 *s) {
     __m256 p = _mm256_loadu_ps(param_in);
     __m256 m = _mm256_loadu_ps(exp_avg_in);
     __m256 r;
@@ -325,6 +382,10 @@ ALWAYS_INLINE TARGET_AVX2 void step8(const consts8 *c, int stage, const float *p
         v = _mm256_fmadd_ps(_mm256_mul_ps(c->one_minus_beta2, g), g, v);
         store_state8(exp_avg, m, c->stream_moments);
         store_state8(exp_avg_sq, v, c->stream_moments);
+        if (s) {
+            s->m = sum_words8(s->m, _mm256_castps_si256(m), s->w);
+            s->v = sum_words8(s->v, _mm256_castps_si256(v), s->w);
+        }
         if (stage == STAGE_MOMENTS) {
             store_state8(param, p, c->stream_param);
             return;
@@ -335,6 +396,29 @@ ALWAYS_INLINE TARGET_AVX2 void step8(const consts8 *c, int stage, const float *p
     p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(c->neg_step_size, m), denom));
     store_state8(param, p, c->stream_param);
     store8(out, odt, p);
+    if (s) s->p = sum_words8(s->p, _mm256_castps_si256(p), s->w);
+}
+
+/* Adds a range's lanes to the carried ones. */
+ALWAYS_INLINE TARGET_AVX2 void sums_carry8(const adam_job *job, const sums8 *s) {
+    const __m256i lanes[3] = {s->p, s->m, s->v};
+    for (int k = 0; k < 3; ++k) {
+        __m256i *carry = (__m256i *)(job->carry + k * SUM_LANES);
+        _mm256_storeu_si256(carry, _mm256_add_epi64(_mm256_loadu_si256(carry), lanes[k]));
+    }
+}
+
+/* Carries the sums of the first rest final values of a zero-padded tail at element index i of the job. */
+ALWAYS_INLINE void sums_tail(const adam_job *job, int stage, int64_t i, int64_t rest, const float *p, const float *m,
+                             const float *v) {
+    for (int64_t j = 0; j < rest; ++j) {
+        const uint64_t weight = sum_weight((uint64_t)(job->base + i + j));
+        if (stage != STAGE_MOMENTS) job->carry[0] += weight * f32_bits(p[j]);
+        if (stage != STAGE_APPLY) {
+            job->carry[SUM_LANES] += weight * f32_bits(m[j]);
+            job->carry[2 * SUM_LANES] += weight * f32_bits(v[j]);
+        }
+    }
 }
 
 ALWAYS_INLINE TARGET_AVX2 void range_avx2_t(const adam_job *job, int stage, int64_t begin, int64_t end,
@@ -355,11 +439,29 @@ ALWAYS_INLINE TARGET_AVX2 void range_avx2_t(const adam_job *job, int stage, int6
         stage == STAGE_APPLY && h.src_exp_avg != h.exp_avg,
     };
     const int64_t gsize = dtype_size(gdt), osize = dtype_size(odt);
+    const __m256i advance = _mm256_set1_epi32((int)(8u * SUM_GOLDEN));
+    sums8 sums = {sum_weights8((uint64_t)(h.base + begin)), _mm256_setzero_si256(), _mm256_setzero_si256(),
+                  _mm256_setzero_si256()};
+    sums8 *s = h.carry ? &sums : NULL;
+    int64_t boundary = s ? sums_boundary(&h, begin) : -1;
     int64_t i = begin;
-    for (; i + 8 <= end; i += 8)
+    for (; i + 8 <= end; i += 8) {
+        if (i == boundary) {
+            sums_carry8(&h, &sums);
+            sums_flush(&h, i - 1);
+            sums.p = sums.m = sums.v = _mm256_setzero_si256();
+            boundary += SUM_BLOCK;
+        }
         step8(&c, stage, h.src_param + i, h.src_exp_avg + i, h.src_exp_avg_sq + i, (const char *)h.grad + i * gsize,
               stage == STAGE_APPLY ? root + (i - begin) : NULL, h.param + i, h.exp_avg + i, h.exp_avg_sq + i,
-              odt == DT_NONE ? NULL : (char *)h.out + i * osize, gdt, odt);
+              odt == DT_NONE ? NULL : (char *)h.out + i * osize, gdt, odt, s);
+        sums.w = _mm256_add_epi32(sums.w, advance);
+    }
+    if (s && i == boundary && i < end) {
+        sums_carry8(&h, &sums);
+        sums_flush(&h, i - 1);
+        sums.p = sums.m = sums.v = _mm256_setzero_si256();
+    }
     if (i < end) {
         /* The last partial vector goes through a zero-padded copy, so it takes the same instructions. */
         float p[8] = {0}, m[8] = {0}, v[8] = {0}, r[8] = {0};
@@ -373,12 +475,14 @@ ALWAYS_INLINE TARGET_AVX2 void range_avx2_t(const adam_job *job, int stage, int6
         /* Its stores go to the stack (no streaming); APPLY's moments are copied below in any case. */
         consts8 local = c;
         local.stream_param = local.stream_moments = local.move_moments = 0;
-        step8(&local, stage, p, m, v, g, r, p, m, v, o, gdt, odt);
+        step8(&local, stage, p, m, v, g, r, p, m, v, o, gdt, odt, NULL);
+        if (s) sums_tail(&h, stage, i, rest, p, m, v);
         memcpy(h.param + i, p, (size_t)rest * 4);
         memcpy(h.exp_avg + i, m, (size_t)rest * 4);
         memcpy(h.exp_avg_sq + i, v, (size_t)rest * 4);
         if (osize) memcpy((char *)h.out + i * osize, o, (size_t)(rest * osize));
     }
+    if (s) sums_carry8(&h, &sums);
 }
 
 static TARGET_AVX2 void range_avx2(const adam_job *job, int stage, int64_t begin, int64_t end, const float *root) {
@@ -423,10 +527,23 @@ ALWAYS_INLINE TARGET_AVX512 void store_state16(float *dst, __m512 x, int stream)
     else _mm512_storeu_ps(dst, x);
 }
 
+/* As sums8, over 16 lanes. */
+typedef struct {
+    __m512i w, p, m, v;
+} sums16;
+
+ALWAYS_INLINE TARGET_AVX512 void sums_carry16(const adam_job *job, const sums16 *s) {
+    const __m512i lanes[3] = {s->p, s->m, s->v};
+    for (int k = 0; k < 3; ++k) {
+        void *carry = job->carry + k * SUM_LANES;
+        _mm512_storeu_si512(carry, _mm512_add_epi64(_mm512_loadu_si512(carry), lanes[k]));
+    }
+}
+
 ALWAYS_INLINE TARGET_AVX512 void step16(const consts16 *c, int stage, const float *param_in,
                                         const float *exp_avg_in, const float *exp_avg_sq_in, const void *grad,
                                         const float *root, float *param, float *exp_avg, float *exp_avg_sq,
-                                        void *out, int gdt, int odt) {
+                                        void *out, int gdt, int odt, sums16 *s) {
     __m512 p = _mm512_loadu_ps(param_in);
     __m512 m = _mm512_loadu_ps(exp_avg_in);
     __m512 r;
@@ -448,6 +565,10 @@ ALWAYS_INLINE TARGET_AVX512 void step16(const consts16 *c, int stage, const floa
         v = _mm512_fmadd_ps(_mm512_mul_ps(c->one_minus_beta2, g), g, v);
         store_state16(exp_avg, m, c->stream_moments);
         store_state16(exp_avg_sq, v, c->stream_moments);
+        if (s) {
+            s->m = sum_words16(s->m, _mm512_castps_si512(m), s->w);
+            s->v = sum_words16(s->v, _mm512_castps_si512(v), s->w);
+        }
         if (stage == STAGE_MOMENTS) {
             store_state16(param, p, c->stream_param);
             return;
@@ -458,6 +579,7 @@ ALWAYS_INLINE TARGET_AVX512 void step16(const consts16 *c, int stage, const floa
     p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(c->neg_step_size, m), denom));
     store_state16(param, p, c->stream_param);
     store16(out, odt, p);
+    if (s) s->p = sum_words16(s->p, _mm512_castps_si512(p), s->w);
 }
 
 ALWAYS_INLINE TARGET_AVX512 void range_avx512_t(const adam_job *job, int stage, int64_t begin, int64_t end,
@@ -477,11 +599,29 @@ ALWAYS_INLINE TARGET_AVX512 void range_avx512_t(const adam_job *job, int stage, 
         stage == STAGE_APPLY && h.src_exp_avg != h.exp_avg,
     };
     const int64_t gsize = dtype_size(gdt), osize = dtype_size(odt);
+    const __m512i advance = _mm512_set1_epi32((int)(16u * SUM_GOLDEN));
+    sums16 sums = {sum_weights16((uint64_t)(h.base + begin)), _mm512_setzero_si512(), _mm512_setzero_si512(),
+                   _mm512_setzero_si512()};
+    sums16 *s = h.carry ? &sums : NULL;
+    int64_t boundary = s ? sums_boundary(&h, begin) : -1;
     int64_t i = begin;
-    for (; i + 16 <= end; i += 16)
+    for (; i + 16 <= end; i += 16) {
+        if (i == boundary) {
+            sums_carry16(&h, &sums);
+            sums_flush(&h, i - 1);
+            sums.p = sums.m = sums.v = _mm512_setzero_si512();
+            boundary += SUM_BLOCK;
+        }
         step16(&c, stage, h.src_param + i, h.src_exp_avg + i, h.src_exp_avg_sq + i, (const char *)h.grad + i * gsize,
                stage == STAGE_APPLY ? root + (i - begin) : NULL, h.param + i, h.exp_avg + i, h.exp_avg_sq + i,
-               odt == DT_NONE ? NULL : (char *)h.out + i * osize, gdt, odt);
+               odt == DT_NONE ? NULL : (char *)h.out + i * osize, gdt, odt, s);
+        sums.w = _mm512_add_epi32(sums.w, advance);
+    }
+    if (s && i == boundary && i < end) {
+        sums_carry16(&h, &sums);
+        sums_flush(&h, i - 1);
+        sums.p = sums.m = sums.v = _mm512_setzero_si512();
+    }
     if (i < end) {
         float p[16] = {0}, m[16] = {0}, v[16] = {0}, r[16] = {0};
         unsigned char g[64] = {0}, o[64] = {0};
@@ -494,12 +634,14 @@ ALWAYS_INLINE TARGET_AVX512 void range_avx512_t(const adam_job *job, int stage, 
         /* Its stores go to the stack (no streaming); APPLY's moments are copied below in any case. */
         consts16 local = c;
         local.stream_param = local.stream_moments = local.move_moments = 0;
-        step16(&local, stage, p, m, v, g, r, p, m, v, o, gdt, odt);
+        step16(&local, stage, p, m, v, g, r, p, m, v, o, gdt, odt, NULL);
+        if (s) sums_tail(&h, stage, i, rest, p, m, v);
         memcpy(h.param + i, p, (size_t)rest * 4);
         memcpy(h.exp_avg + i, m, (size_t)rest * 4);
         memcpy(h.exp_avg_sq + i, v, (size_t)rest * 4);
         if (osize) memcpy((char *)h.out + i * osize, o, (size_t)(rest * osize));
     }
+    if (s) sums_carry16(&h, &sums);
 }
 
 static TARGET_AVX512 void range_avx512(const adam_job *job, int stage, int64_t begin, int64_t end,
@@ -566,6 +708,7 @@ static adam_job job_part(const adam_job *job, int64_t begin, int64_t len) {
     part.grad = (const char *)job->grad + begin * dtype_size(job->grad_dtype);
     if (job->out) part.out = (char *)job->out + begin * dtype_size(job->out_dtype);
     part.n = len;
+    part.base = job->base + begin;
     return part;
 }
 
@@ -579,9 +722,14 @@ static void end_streaming(const adam_job *job) {
 }
 
 /* One thread's share of the step. */
-static void run_range(range_fn fn, const adam_job *job, int64_t begin, int64_t end) {
+static void run_range(range_fn fn, const adam_job *shared, int64_t begin, int64_t end) {
+    uint64_t carry[3 * SUM_LANES] = {0};
+    adam_job own = *shared;
+    own.carry = shared->sums[0] ? carry : NULL;
+    const adam_job *job = &own;
     if (!job->vector_sqrt) {
         fn(job, STAGE_FUSED, begin, end, NULL);
+        if (job->carry) sums_flush(job, end - 1);
         end_streaming(job);
         return;
     }
@@ -594,6 +742,8 @@ static void run_range(range_fn fn, const adam_job *job, int64_t begin, int64_t e
     /* Restored afterwards: thread 0 is the caller's own thread, which may go on to run torch (and MKL) code. */
     const int previous = job->threads_local ? job->threads_local(1) : 0;
     for (int64_t chunk = begin; chunk < end; chunk += SQRT_CHUNK) {
+        /* A chunk lies within one block of the sums (SQRT_CHUNK divides SUM_BLOCK). */
+        if (job->carry && chunk > begin && (job->base + chunk) % SUM_BLOCK == 0) sums_flush(job, chunk - 1);
         const int64_t len = chunk + SQRT_CHUNK < end ? SQRT_CHUNK : end - chunk;
         const adam_job part = job_part(job, chunk, len);
         adam_job moments = part;
@@ -611,6 +761,7 @@ static void run_range(range_fn fn, const adam_job *job, int64_t begin, int64_t e
         apply.src_exp_avg_sq = moments.exp_avg_sq;
         fn(&apply, STAGE_APPLY, 0, len, root);
     }
+    if (job->carry) sums_flush(job, end - 1);
     end_streaming(job);
     if (job->threads_local) job->threads_local(previous);
 }
@@ -622,13 +773,14 @@ static void run_job(range_fn fn, const adam_job *job, int num_threads) {
     if (num_threads > useful) num_threads = (int)useful;
 #ifdef _OPENMP
     if (num_threads > 1) {
-        const int64_t blocks = (n + SPLIT_ALIGN - 1) / SPLIT_ALIGN;
+        const int64_t align = job->sums[0] ? SUM_BLOCK : SPLIT_ALIGN;
+        const int64_t blocks = (n + align - 1) / align;
 #pragma omp parallel num_threads(num_threads)
         {
             const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
             /* One contiguous range per thread keeps the hardware prefetchers streaming. */
-            const int64_t begin = blocks * t / nt * SPLIT_ALIGN;
-            int64_t end = blocks * (t + 1) / nt * SPLIT_ALIGN;
+            const int64_t begin = blocks * t / nt * align;
+            int64_t end = blocks * (t + 1) / nt * align;
             if (end > n) end = n;
             if (begin < end) run_range(fn, job, begin, end);
         }
@@ -648,17 +800,18 @@ static int overlaps(uint64_t a, int64_t a_bytes, uint64_t b, int64_t b_bytes) {
 static PyObject *py_adamw(PyObject *self, PyObject *args, PyObject *kwargs) {
     static char *kwlist[] = {"param", "grad", "exp_avg", "exp_avg_sq", "out", "n", "grad_dtype", "out_dtype",
                              "lr", "beta1", "beta2", "eps", "weight_decay", "step", "decoupled", "inv_scale",
-                             "num_threads", "src_param", "src_exp_avg", "src_exp_avg_sq", NULL};
+                             "num_threads", "src_param", "src_exp_avg", "src_exp_avg_sq", "sums", NULL};
     unsigned long long param, grad, exp_avg, exp_avg_sq, out;
     unsigned long long src[3] = {0, 0, 0};
+    unsigned long long sums = 0;
     long long n, step;
     int grad_dtype, out_dtype, decoupled, num_threads;
     double lr, beta1, beta2, eps, weight_decay, inv_scale;
     (void)self;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KKKKKLiidddddLpdi|$KKK:adamw", kwlist, &param, &grad, &exp_avg,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "KKKKKLiidddddLpdi|$KKKK:adamw", kwlist, &param, &grad, &exp_avg,
                                      &exp_avg_sq, &out, &n, &grad_dtype, &out_dtype, &lr, &beta1, &beta2, &eps,
                                      &weight_decay, &step, &decoupled, &inv_scale, &num_threads, &src[0], &src[1],
-                                     &src[2]))
+                                     &src[2], &sums))
         return NULL;
     if (n < 0 || step < 1 || num_threads < 1) {
         PyErr_SetString(PyExc_ValueError, "adamw: need n >= 0, step >= 1 and num_threads >= 1");
@@ -729,6 +882,12 @@ static PyObject *py_adamw(PyObject *self, PyObject *args, PyObject *kwargs) {
     job.stream_moments = stream && job.src_exp_avg != job.exp_avg && job.src_exp_avg_sq != job.exp_avg_sq &&
                          (uintptr_t)job.exp_avg % 64 == 0 && (uintptr_t)job.exp_avg_sq % 64 == 0;
 
+    const int64_t blocks = (n + SUM_BLOCK - 1) / SUM_BLOCK;
+    if (sums) {
+        for (int k = 0; k < 3; ++k) job.sums[k] = (uint64_t *)(uintptr_t)sums + k * blocks;
+        memset(job.sums[0], 0, (size_t)(3 * blocks) * sizeof(uint64_t));
+    }
+
     const range_fn fn = active_isa->fn;
     Py_BEGIN_ALLOW_THREADS
     run_job(fn, &job, num_threads);
@@ -794,15 +953,49 @@ static PyObject *py_sqrt(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_checksum(PyObject *self, PyObject *args) {
+    unsigned long long address, first;
+    long long nbytes;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "KLK:checksum", &address, &nbytes, &first)) return NULL;
+    if (nbytes < 0 || (nbytes > 0 && !address)) {
+        PyErr_SetString(PyExc_ValueError, "checksum: need nbytes >= 0 and a non-null address");
+        return NULL;
+    }
+    const int64_t count = nbytes / 4, rest = nbytes % 4;
+    const uint32_t *words = (const uint32_t *)(uintptr_t)address;
+    uint64_t total;
+    Py_BEGIN_ALLOW_THREADS
+#ifdef RATEL_X86
+    if (active_isa->fn == range_avx512) total = checksum_avx512(words, count, first);
+    else if (active_isa->fn == range_avx2) total = checksum_avx2(words, count, first);
+    else
+#endif
+        total = checksum_scalar(words, count, first);
+    if (rest) {
+        uint32_t tail = 0;
+        memcpy(&tail, words + count, (size_t)rest);
+        total += checksum_scalar(&tail, 1, first + (uint64_t)count);
+    }
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLongLong((long long)total);
+}
+
 static PyMethodDef methods[] = {
     {"adamw", (PyCFunction)(void (*)(void))py_adamw, METH_VARARGS | METH_KEYWORDS,
      "adamw(param, grad, exp_avg, exp_avg_sq, out, n, grad_dtype, out_dtype, lr, beta1, beta2, eps, "
-     "weight_decay, step, decoupled, inv_scale, num_threads, *, src_param=0, src_exp_avg=0, src_exp_avg_sq=0)"
+     "weight_decay, step, decoupled, inv_scale, num_threads, *, src_param=0, src_exp_avg=0, src_exp_avg_sq=0, "
+     "sums=0)"
      "\n--\n\n"
      "One Adam (decoupled=False) or AdamW step over n elements at raw addresses. out is 0 with out_dtype "
      "NONE for no copy. Each src_* (0: its destination, in place) is read instead of its destination, which is "
-     "then only written; it must be the destination or share no byte with any destination or out. The GIL is "
-     "released while the threads run."},
+     "then only written; it must be the destination or share no byte with any destination or out. sums (0: "
+     "none) receives 3 rows of ceil(n / 1024) 64-bit checksums (see checksum) of the new param, exp_avg and "
+     "exp_avg_sq, one per 4096 bytes. The GIL is released while the threads run."},
+    {"checksum", py_checksum, METH_VARARGS,
+     "checksum(address, nbytes, first_word)\n--\n\nThe weighted sum modulo 2^64 (as a signed 64-bit integer) of "
+     "the 32-bit words of nbytes bytes at address, the first of them word number first_word of its key (a "
+     "partial last word padded with zeros)."},
     {"set_isa", py_set_isa, METH_O,
      "set_isa(name)\n--\n\nUse 'avx512', 'avx2' or 'scalar'; returns False, changing nothing, if this CPU lacks it."},
     {"isa", py_isa, METH_NOARGS, "isa()\n--\n\nName of the code path in use."},
@@ -816,8 +1009,8 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "lightning_ratel._C", "Fused host-side Adam/AdamW step.", -1, methods,
-    NULL, NULL, NULL, NULL,
+    PyModuleDef_HEAD_INIT, "lightning_ratel._C", "Fused host-side Adam/AdamW step and the swap store's checksum.", -1,
+    methods, NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit__C(void) {

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from lightning_ratel.runtime import adamw as ops
+from lightning_ratel.runtime import checksum
 
 SIZES = (1, 7, 15, 16, 17, 1023, 100_003)
 OFFSETS = (0, 1, 3)
@@ -710,3 +711,51 @@ def test_kernel_refuses_overlapping_addresses():
     assert torch.equal(storage, before)
     ops._C.adamw(*args, src_param=param.data_ptr())
     assert not torch.equal(param, before[0:16])
+
+
+@pytest.mark.parametrize("n", [1, 17, 1024, 1025, 3 * 32768 + 77])
+@pytest.mark.parametrize("apart", [False, True], ids=["in_place", "slots"])
+def test_kernel_checksums_the_new_states_as_the_store_would(native_isa, native_sqrt, n, apart):
+    """The block checksums the kernel adds up on the way are those of the bytes it wrote (each state a key of its
+    own, one sum per 4096 bytes), for every code path, sqrt, length around the vectors and blocks, in place or from
+    the other slot, on one thread or three; and asking for them changes no bit of the step."""
+    gen = torch.Generator().manual_seed(n)
+    param, exp_avg, exp_avg_sq = torch.randn(n, generator=gen), torch.randn(n, generator=gen), torch.rand(n)
+    grad = torch.randn(n, generator=gen).bfloat16()
+    hyper = ops.GroupHyper(lr=1e-3, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY,
+                           decoupled=True)
+    blocks = -(-n * 4 // checksum.BLOCK_BYTES)
+    for num_threads in (1, 3):
+        results = []
+        for sums in (None, torch.full((3, blocks), 7, dtype=torch.int64)):
+            states = [t.clone() for t in (param, exp_avg, exp_avg_sq)]
+            out = torch.empty(n, dtype=torch.bfloat16)
+            if apart:
+                sources = dict(zip(("param_src", "exp_avg_src", "exp_avg_sq_src"), states))
+                states = [torch.empty(n) for _ in range(3)]
+            else:
+                sources = {}
+            filled = ops.fused_adamw_(*states[:1], grad, *states[1:], out, hyper, step=3, num_threads=num_threads,
+                                      sums=sums, **sources)
+            assert filled == (sums is not None)
+            results.append((states, out, sums))
+        (plain, plain_out, _), (summed, summed_out, sums) = results
+        for name, a, b in zip(("param", "exp_avg", "exp_avg_sq"), summed, plain):
+            assert_bitwise(a, b, name)
+        assert_bitwise(summed_out, plain_out, "param_out")
+        for row, state in zip(sums, summed):
+            raw = memoryview(state.view(torch.uint8).numpy())
+            expected = [checksum.weighted32_checksum(raw[b * 4096 : (b + 1) * 4096], b * 4096) for b in range(blocks)]
+            assert row.tolist() == expected, f"{num_threads} threads"
+
+
+def test_kernel_checksums_need_room_for_every_block():
+    """A sums tensor of the wrong shape or dtype is refused before the kernel writes through its address."""
+    if ops._C is None:
+        pytest.skip("lightning_ratel._C is not built")
+    n = 2049
+    state = [torch.zeros(n) for _ in range(3)]
+    hyper = ops.GroupHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True)
+    for bad in (torch.zeros(3, 2, dtype=torch.int64), torch.zeros(3, 3), torch.zeros(3, 6, dtype=torch.int64)[:, ::2]):
+        with pytest.raises(ValueError, match="sums must be"):
+            ops.fused_adamw_(state[0], torch.zeros(n), state[1], state[2], None, hyper, step=1, sums=bad)

@@ -13,7 +13,9 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_ratel.runtime import storage
 from lightning_ratel.runtime.accumulation import GradientBudget
+from lightning_ratel.runtime.adamw import adamw_step, fused_adamw_
 from lightning_ratel.runtime.hostmem import aligned_empty
 from lightning_ratel.runtime.hoststore import HostStore, TieredStore
 from lightning_ratel.runtime.optimizer import CpuAdam, GroupHyper, StepPlan
@@ -382,8 +384,9 @@ class _HeldMasters:
         self.reads.append((key, urgent))
         return self.store.read(key, out, urgent=urgent, share=share)
 
-    def write(self, key: str, tensor: torch.Tensor, *, urgent: bool = False, share: bool = False) -> Future:
-        written = self.store.write(key, tensor, urgent=urgent, share=share)
+    def write(self, key: str, tensor: torch.Tensor, *, urgent: bool = False, share: bool = False,
+              sums: torch.Tensor | None = None) -> Future:
+        written = self.store.write(key, tensor, urgent=urgent, share=share, sums=sums)
         if not (self.holding and ".master" in key):
             return written
         self.held += 1
@@ -710,6 +713,73 @@ def test_a_host_tier_update_that_does_not_commit_leaves_the_committed_slot(tmp_p
                 adam.undo_speculation(None)
         for key, before in committed.items():
             assert torch.equal(store.host.view(key, torch.uint8), before), key
+    finally:
+        adam.close()
+        store.close()
+
+
+class _RecordedWrites:
+    """A store that records, per key written, whether the writer handed in its block checksums."""
+
+    def __init__(self, store: TensorStore) -> None:
+        self.store = store
+        self.sums: dict[str, bool] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+    def write(self, key: str, tensor: torch.Tensor, **kwargs: Any) -> Future:
+        self.sums[key] = kwargs.get("sums") is not None
+        return self.store.write(key, tensor, **kwargs)
+
+
+def test_updates_hand_the_kernels_checksums_to_the_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the native kernel steps a whole shard, the writes of its new master and moments carry the checksums the
+    kernel computed, so the store's I/O threads checksum none of their bytes; the states read back verified in the
+    next step and are torch's AdamW's."""
+    if adamw_step() is not fused_adamw_:
+        pytest.skip("the native kernel is not built or does not match torch here")
+    adam, shards, params, store = _pipeline(tmp_path, 2)
+    recorded = _RecordedWrites(store)
+    adam.store = recorded
+    reference = [nn.Parameter(p.detach().clone()) for p in params]
+    torch_adamw = torch.optim.AdamW(reference, lr=HYPER.lr, betas=(HYPER.beta1, HYPER.beta2), eps=HYPER.eps,
+                                    weight_decay=HYPER.weight_decay)
+    # Checksums the I/O threads take while writing, by key.
+    hashed_writes: list[str] = []
+    writing = threading.local()
+    real_transfer, real_checksum = storage.TensorStore._transfer_chunk, storage.host_checksum
+
+    def transfer(self: TensorStore, request: Any, chunk: Any) -> int | None:
+        writing.key = request.key if request.is_write else None
+        try:
+            return real_transfer(self, request, chunk)
+        finally:
+            writing.key = None
+
+    def checksum(algorithm: str, data: memoryview, key_offset: int = 0) -> int:
+        if getattr(writing, "key", None) is not None:
+            hashed_writes.append(writing.key)
+        return real_checksum(algorithm, data, key_offset)
+
+    monkeypatch.setattr(storage.TensorStore, "_transfer_chunk", transfer)
+    monkeypatch.setattr(storage, "host_checksum", checksum)
+    generator = torch.Generator().manual_seed(2)
+    try:
+        for _ in range(3):
+            grads = [torch.randn(n, generator=generator) for n in SIZES]
+            _step(adam, shards, grads, list(range(len(SIZES))))
+            for p, g in zip(reference, grads):
+                p.grad = g.clone()
+            torch_adamw.step()
+            assert all(recorded.sums.values()) and len(recorded.sums) >= 3 * len(SIZES)
+            assert hashed_writes == []
+        for shard, p in zip(shards, reference):
+            assert torch.equal(shard.unit.host[torch.float32], p.detach()), shard.index
+            for what in ("exp_avg", "exp_avg_sq"):
+                out = torch.empty(shard.numel)
+                store.read(adam.state_key(shard, what), out).result()
+                assert torch.equal(out, torch_adamw.state[p][what]), (shard.index, what)
     finally:
         adam.close()
         store.close()

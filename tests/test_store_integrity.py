@@ -17,7 +17,8 @@ import torch
 
 from lightning_ratel.engine.coordinator import store_io
 from lightning_ratel.errors import RatelConfigError, RatelStoreError
-from lightning_ratel.runtime import storage
+from lightning_ratel.runtime import checksum, storage
+from lightning_ratel.runtime.adamw import GroupHyper, fused_adamw_
 from lightning_ratel.runtime.hostmem import aligned_empty
 from lightning_ratel.runtime.kept import KeptStore
 from lightning_ratel.runtime.storage import Chunk, TensorStore
@@ -492,3 +493,132 @@ def test_open_kept_refuses_a_store_that_was_not_kept(tmp_path: Path) -> None:
     (ssd / "foreign" / "ratel.swap").write_bytes(b"no header")
     with pytest.raises(RatelConfigError, match="not a swap file of store 'ratel'"):
         KeptStore([ssd / "foreign"])
+
+
+def _words_checksum(data: bytes, key_offset: int) -> int:
+    """WEIGHTED32 from its definition, word by word in Python."""
+    padded = data + bytes(-len(data) % 4)
+    total = 0
+    for i in range(0, len(padded), 4):
+        k = key_offset // 4 + i // 4
+        weight = ((k * 0x9E3779B1) % 2**32) | 1
+        total += int.from_bytes(padded[i : i + 4], "little") * weight
+    total %= 2**64
+    return total - 2**64 if total >= 2**63 else total
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+def test_the_stores_checksum_is_its_definition(native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The swap store's checksum, natively on every code path and with torch where the extension is not built, is
+    the weighted sum its docstring defines, for lengths around the vectors and words and wherever the bytes start in
+    their key (weights wrap after 2**32 words)."""
+    isas = ("avx512", "avx2", "scalar")
+    if native and checksum._C is None:
+        pytest.skip("lightning_ratel._C is not built")
+    if not native:
+        monkeypatch.setattr(checksum, "_C", None)
+        isas = ("torch",)
+    data = bytearray(random.Random(3).getrandbits(8) for _ in range(5000))
+    try:
+        for isa in isas:
+            if native and not checksum._C.set_isa(isa):
+                continue
+            for length in (0, 1, 3, 4, 5, 63, 64, 65, 255, 257, 4096, 5000):
+                for key_offset in (0, 4, 4096, 2**34 - 4096):
+                    expected = _words_checksum(bytes(data[:length]), key_offset)
+                    assert checksum.weighted32_checksum(memoryview(data[:length]), key_offset) == expected, (
+                        isa, length, key_offset)
+    finally:
+        if native:
+            checksum._C.set_isa("avx512") or checksum._C.set_isa("avx2")
+
+
+def test_the_stores_checksum_sees_any_change_to_a_word_and_where_words_are() -> None:
+    """Every flipped bit changes the checksum, and so do swapped words and a chunk checked at another key offset."""
+    words = torch.randint(-2**31, 2**31, (256,), generator=torch.Generator().manual_seed(1), dtype=torch.int64)
+    raw = words.to(torch.int32).view(torch.uint8)
+    original = checksum.weighted32_checksum(memoryview(raw.numpy()))
+    for byte in (0, 3, 517, 1023):
+        for bit in range(8):
+            flipped = raw.clone()
+            flipped[byte] ^= 1 << bit
+            assert checksum.weighted32_checksum(memoryview(flipped.numpy())) != original
+    swapped = raw.view(torch.int32).clone()
+    swapped[[10, 200]] = swapped[[200, 10]]
+    assert checksum.weighted32_checksum(memoryview(swapped.view(torch.uint8).numpy())) != original
+    assert checksum.weighted32_checksum(memoryview(raw.numpy()), 4096) != original
+
+
+def _kernel_states(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One AdamW step's new master and moments (the kernel's outputs), and their block checksums."""
+    gen = torch.Generator().manual_seed(n)
+    master, exp_avg, exp_avg_sq = torch.randn(n, generator=gen), torch.zeros(n), torch.zeros(n)
+    sums = torch.empty((3, -(-n * 4 // checksum.BLOCK_BYTES)), dtype=torch.int64)
+    hyper = GroupHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True)
+    if not fused_adamw_(master, torch.randn(n, generator=gen), exp_avg, exp_avg_sq, None, hyper, step=1,
+                        sums=sums):
+        pytest.skip("lightning_ratel._C is not built")
+    return master, exp_avg, exp_avg_sq, sums
+
+
+def test_writes_take_the_kernels_checksums_and_reads_verify_them(tmp_path: Path, io_mode: bool,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write handed the AdamW kernel's block checksums stores its bytes without the I/O thread reading them to
+    checksum them; reading back verifies them like any other write's, and damage on the drive is caught."""
+    master, exp_avg, exp_avg_sq, sums = _kernel_states(NUMEL)
+    counted: list[bool] = []
+    real = storage.host_checksum
+
+    def counting(algorithm: str, data: memoryview, key_offset: int = 0) -> int:
+        counted.append(True)
+        return real(algorithm, data, key_offset)
+
+    monkeypatch.setattr(storage, "host_checksum", counting)
+    with TensorStore(_dirs(tmp_path, 2), stripe_bytes=STRIPE, direct=io_mode) as store:
+        assert store._algorithm == checksum.WEIGHTED32
+        for name, (value, row) in {"master": (master, sums[0]), "exp_avg": (exp_avg, sums[1]),
+                                   "exp_avg_sq": (exp_avg_sq, sums[2])}.items():
+            store.write(name, value, sums=row).result()
+        assert not counted
+        chunks = len(store._extents["master"].chunks)
+        for name, value in {"master": master, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}.items():
+            assert torch.equal(store.read(name, torch.empty(NUMEL)).result(), value)
+        assert len(counted) == 3 * chunks
+        path, offset, chunk = _locate(store, "exp_avg_sq", STRIPE + 12)
+        _patch(path, offset, b"\x01")
+        with pytest.raises(RatelStoreError) as info:
+            store.read("exp_avg_sq", torch.empty(NUMEL)).result()
+        assert info.value.errno == errno.EBADMSG
+        _assert_names(info.value, path, "exp_avg_sq", chunk)
+
+
+def test_wrong_checksums_handed_in_fail_the_read_loudly(tmp_path: Path) -> None:
+    """Checksums that do not belong to the bytes written (a writer's mistake) never pass silently: the read fails."""
+    master, exp_avg, _, sums = _kernel_states(NUMEL)
+    with TensorStore(_dirs(tmp_path, 1), stripe_bytes=STRIPE) as store:
+        store.write("exp_avg", exp_avg, sums=sums[0]).result()
+        with pytest.raises(RatelStoreError) as info:
+            store.read("exp_avg", torch.empty(NUMEL)).result()
+        assert info.value.errno == errno.EBADMSG
+        with pytest.raises(ValueError, match="block sums"):
+            store.write("master", master, sums=sums[0, :-1])
+
+
+def test_kept_store_verifies_its_checksums_without_the_extension(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Files kept by a run with the native checksum are verified where the extension is not built (torch computes the
+    same sums), and damage is still caught there."""
+    if checksum._C is None:
+        pytest.skip("lightning_ratel._C is not built")
+    paths = _dirs(tmp_path, 2)
+    written = _kept_store(paths)
+    monkeypatch.setattr(checksum, "_C", None)
+    with KeptStore(paths) as kept:
+        assert kept.verify and kept._algorithm == checksum.WEIGHTED32
+        for key, value in written.items():
+            out = kept.read(key, aligned_empty(value.numel(), value.dtype)).result()
+            assert torch.equal(out.view(torch.uint8), value.view(torch.uint8))
+        path, offset, _ = _locate(kept, "master.0", 7)
+        _patch(path, offset, b"\xee")
+        with pytest.raises(RatelStoreError, match="checksum mismatch"):
+            kept.read("master.0", torch.empty(NUMEL)).result()

@@ -44,6 +44,9 @@ _DTYPE_CODES = (
 _fallback_warned = False
 _STATES = ("param", "exp_avg", "exp_avg_sq")
 
+# fp32 elements per block of the kernel's checksums (checksum.BLOCK_BYTES).
+_SUM_BLOCK_ELEMENTS = 1024
+
 # The mode torch's at::vml::vsqrt passes to vmsSqrt: VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE.
 VML_SQRT_MODE = 0x2 | 0x140000 | 0x100
 
@@ -150,7 +153,8 @@ def fused_adamw_(
     param_src: torch.Tensor | None = None,
     exp_avg_src: torch.Tensor | None = None,
     exp_avg_sq_src: torch.Tensor | None = None,
-) -> None:
+    sums: torch.Tensor | None = None,
+) -> bool:
     """Applies one Adam or AdamW step, in a single pass over host memory: in place, or from source states into
     ``param``, ``exp_avg`` and ``exp_avg_sq`` (the same numbers as copying the sources there first and stepping in
     place, without the copy's pass).
@@ -172,6 +176,13 @@ def fused_adamw_(
         param_src: fp32 master weights the step reads instead of ``param`` (``None``: ``param`` itself); only read.
         exp_avg_src: The same for ``exp_avg``.
         exp_avg_sq_src: The same for ``exp_avg_sq``.
+        sums: An int64 tensor of shape ``(3, ceil(param.numel() * 4 / 4096))`` that receives, where the native kernel
+            runs, the :data:`~lightning_ratel.runtime.checksum.WEIGHTED32` checksums of each 4096-byte block of the
+            new ``param``, ``exp_avg`` and ``exp_avg_sq`` (as keys of their own), summed while the values are still
+            in registers.
+
+    Returns:
+        Whether ``sums`` was filled (never without the native kernel).
 
     Raises:
         TypeError: A tensor argument is not a tensor or has an unsupported dtype.
@@ -195,7 +206,13 @@ def fused_adamw_(
             )
             _fallback_warned = True
         _torch_step(param, grad, exp_avg, exp_avg_sq, param_out, hyper, step, inv_scale, sources)
-        return
+        return False
+    if sums is not None:
+        blocks = -(-param.numel() // _SUM_BLOCK_ELEMENTS)
+        if sums.dtype != torch.int64 or sums.device.type != "cpu" or not sums.is_contiguous() or sums.shape != (
+                3, blocks):
+            raise ValueError(f"sums must be a contiguous CPU int64 tensor of shape (3, {blocks}), got {sums.dtype} "
+                             f"{tuple(sums.shape)} on {sums.device}")
 
     _C.adamw(
         param.data_ptr(),
@@ -218,12 +235,14 @@ def fused_adamw_(
         src_param=sources[0].data_ptr(),
         src_exp_avg=sources[1].data_ptr(),
         src_exp_avg_sq=sources[2].data_ptr(),
+        sums=0 if sums is None else sums.data_ptr(),
     )
     # The kernel wrote through raw pointers; autograd must still see these tensors as modified in place. One call
     # per tensor because older torch releases take a single tensor here.
     for written in (param, exp_avg, exp_avg_sq, param_out):
         if written is not None:
             torch.autograd.graph.increment_version(written)
+    return sums is not None
 
 
 def torch_adamw_(
@@ -240,14 +259,16 @@ def torch_adamw_(
     param_src: torch.Tensor | None = None,
     exp_avg_src: torch.Tensor | None = None,
     exp_avg_sq_src: torch.Tensor | None = None,
-) -> None:
+    sums: torch.Tensor | None = None,
+) -> bool:
     """The step of :func:`fused_adamw_` done by torch's own single-tensor Adam(W), bit for bit what
     ``torch.optim.AdamW`` computes on CPU; same arguments (``num_threads`` is accepted and ignored: torch's own
     thread pool runs it, sized by the calling thread's ``torch.set_num_threads``; sources are copied into their
-    destinations first)."""
+    destinations first; ``sums`` is never filled, so it returns ``False``)."""
     sources = _sources(param, exp_avg, exp_avg_sq, param_src, exp_avg_src, exp_avg_sq_src)
     _validate(param, grad, exp_avg, exp_avg_sq, param_out, hyper, step, grad_scale, sources)
     _torch_step(param, grad, exp_avg, exp_avg_sq, param_out, hyper, step, 1.0 / grad_scale, sources)
+    return False
 
 
 def device_adamw_(

@@ -303,13 +303,14 @@ class TieredStore:
         self.host.preallocate()
         self.disk.preallocate()
 
-    def write(self, key: str, tensor: torch.Tensor, *, urgent: bool = False, share: bool = False
-              ) -> concurrent.futures.Future[None]:
-        """Write ``key`` where it lives; ``share`` applies to the swap files' keys (see :meth:`TensorStore.write
-        <lightning_ratel.runtime.storage.TensorStore.write>`): a read of a key in host memory is a copy anyway."""
+    def write(self, key: str, tensor: torch.Tensor, *, urgent: bool = False, share: bool = False,
+              sums: torch.Tensor | None = None) -> concurrent.futures.Future[None]:
+        """Write ``key`` where it lives; ``share`` and ``sums`` apply to the swap files' keys (see
+        :meth:`TensorStore.write <lightning_ratel.runtime.storage.TensorStore.write>`): a read of a key in host memory
+        is a copy anyway, and nothing checksums it."""
         if key in self.host_keys or key in self.device_keys:
             return self._route(key).write(key, tensor, urgent=urgent)
-        return self.disk.write(key, tensor, urgent=urgent, share=share)
+        return self.disk.write(key, tensor, urgent=urgent, share=share, sums=sums)
 
     def shares(self, key: str) -> bool:
         """See :meth:`TensorStore.shares <lightning_ratel.runtime.storage.TensorStore.shares>` (never for a key in

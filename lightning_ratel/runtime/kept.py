@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_ratel.errors import RatelConfigError
-from lightning_ratel.runtime.checksum import INT64_WEIGHTED, XXH3_64
+from lightning_ratel.runtime.checksum import INT64_WEIGHTED, WEIGHTED32, XXH3_64
 from lightning_ratel.runtime.hostmem import ALIGNMENT
 from lightning_ratel.runtime.storage import UNDEFINED, Chunk, Extent, PriorityPool, TensorStore
 from lightning_ratel.runtime.swapfile import (
@@ -124,7 +124,7 @@ class KeptStore(TensorStore):
         if stripe != header.stripe_bytes or len(index.get("directories", ())) != header.files:
             raise invalid("its stripe size or number of directories differs from the file headers")
         algorithm = index.get("checksum")
-        if algorithm not in (XXH3_64, INT64_WEIGHTED, None):
+        if algorithm not in (XXH3_64, WEIGHTED32, INT64_WEIGHTED, None):
             raise invalid(f"checksum algorithm {algorithm!r} is unknown")
         self._stripe_bytes = stripe
         self._verify = algorithm is not None

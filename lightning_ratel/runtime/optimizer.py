@@ -64,6 +64,7 @@ import torch
 
 from lightning_ratel.runtime.accumulation import GradientAccumulator, GradientBudget
 from lightning_ratel.runtime.adamw import GroupHyper, adamw_step
+from lightning_ratel.runtime.checksum import BLOCK_BYTES
 from lightning_ratel.runtime.generic import GenericUpdate
 from lightning_ratel.runtime.hostmem import aligned_empty
 from lightning_ratel.runtime.ledger import StepLedger
@@ -333,6 +334,9 @@ class CpuAdam:
         # The newest step committed, for the training thread (the device tier commits its updates with it).
         self._committed_step = 0
         self._committed_cond = threading.Condition()
+        # The AdamW kernel's checksums of the new master and moments of one shard, handed to the store with their
+        # writes (worker thread); allocated once, for the largest shard, on first use.
+        self._block_sums: torch.Tensor | None = None
         self.counts: Counter[str] = Counter()
         """Updates by how they were queued: ``overlapped`` (during backward), ``deferred`` (when the step was finished,
         a redo included); and speculative updates undone: ``redone`` (the norm clipped), ``dropped`` (an overflow).
@@ -940,6 +944,7 @@ class CpuAdam:
         out = self._compute_out(shard, b)
         with_grad = self.accumulator.with_grad(shard)
         steps = list(version.steps)
+        sums: dict[str, torch.Tensor] = {}
         if self.generic is not None:
             states = {"state": b.state[: self.generic.nbytes(shard)]}
             settings = plan.hyper[shard.group]
@@ -952,20 +957,23 @@ class CpuAdam:
         else:
             states = {"exp_avg": b.exp_avg[:n], "exp_avg_sq": b.exp_avg_sq[:n]}
             sources = b.source if isinstance(b, SlotViews) else {}
-            self._adamw_shard(shard, plan, master, grad, states, out, with_grad, steps, version.moments, sources)
+            sums = self._adamw_shard(shard, plan, master, grad, states, out, with_grad, steps, version.moments,
+                                     sources)
         for i in with_grad:
             steps[i] += 1
         slot = self.ledger.ran(shard, step, steps).slot
         if step != self._keep_step:
             self.accumulator.clear(shard)
         self.timeline.record(f"update_end:{shard.index}")
-        writes = [self.store.write(shard.key(what, slot), flat) for what, flat in states.items() if flat.numel()]
+        writes = [self.store.write(shard.key(what, slot), flat, **self._sums_of(sums, what))
+                  for what, flat in states.items() if flat.numel()]
         # The new compute copy and master stay offered from the buffer set until it is reused (StateBuffers.read):
         # the next forward's page-in of the unit, which follows right behind updates run after backward, copies them
         # instead of reading back what was just written.
         if out is not None and self.compute_on_store:
             writes.append(self.store.write(shard.compute_key, out, share=True))
-        writes.append(self.store.write(shard.key("master", slot), master, share=not shard.master_in_host))
+        writes.append(self.store.write(shard.key("master", slot), master, share=not shard.master_in_host,
+                                       **self._sums_of(sums, "master")))
         # A master in the host cache (written last) does not hold the buffer set: the set goes back without waiting
         # for it, so the next update's reads need not queue behind it.
         done = self._joined(writes, b, len(writes) - 1 if shard.master_in_host else len(writes))
@@ -981,11 +989,13 @@ class CpuAdam:
 
     def _adamw_shard(self, shard: Shard, plan: StepPlan, master: torch.Tensor, grad: torch.Tensor,
                      moments: dict[str, torch.Tensor], out: torch.Tensor | None, with_grad: list[int],
-                     steps: list[int], written: bool, sources: dict[str, torch.Tensor]) -> None:
+                     steps: list[int], written: bool, sources: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The fused AdamW step of a shard: in one call where every parameter has a gradient and the same step
         count, else parameter by parameter. ``sources`` holds the states it reads from elsewhere (the latest slot,
         :attr:`~lightning_ratel.runtime.state_buffers.SlotViews.source`) instead of from ``master`` and ``moments``,
-        which it then only writes."""
+        which it then only writes. Returns the checksums of the new master and moments' blocks that the native kernel
+        computed on the way, by state (empty where it did not), for their writes (:meth:`TensorStore.write
+        <lightning_ratel.runtime.storage.TensorStore.write>`'s ``sums``)."""
         exp_avg, exp_avg_sq = moments["exp_avg"], moments["exp_avg_sq"]
         if not written:
             exp_avg.zero_()
@@ -995,9 +1005,11 @@ class CpuAdam:
         states = {"master": master, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
         source_args = {"master": "param_src", "exp_avg": "exp_avg_src", "exp_avg_sq": "exp_avg_sq_src"}
         if len(with_grad) == len(shard.params) and len({steps[i] for i in with_grad}) == 1:
-            self._adamw(master, grad, exp_avg, exp_avg_sq, out, hyper, steps[0] + 1,
-                        **{source_args[what]: src for what, src in sources.items()})
-            return
+            sums = self._sums_buffer(shard.numel)
+            if self._adamw(master, grad, exp_avg, exp_avg_sq, out, hyper, steps[0] + 1, sums=sums,
+                           **{source_args[what]: src for what, src in sources.items()}):
+                return dict(zip(("master", "exp_avg", "exp_avg_sq"), sums.unbind()))
+            return {}
         # Parameters without a gradient keep their states: the slot this update writes gets them as they are.
         stepped = set(with_grad)
         for i in (i for i in range(len(shard.params)) if i not in stepped):
@@ -1012,6 +1024,21 @@ class CpuAdam:
             sl = slice(sp.offset, sp.offset + sp.numel)
             self._adamw(master[sl], grad[sl], exp_avg[sl], exp_avg_sq[sl], out[sl] if out is not None else None,
                         hyper, steps[i] + 1, **{source_args[what]: src[sl] for what, src in sources.items()})
+        return {}
+
+    def _sums_buffer(self, numel: int) -> torch.Tensor:
+        """Room for the kernel's block checksums of a shard of ``numel`` elements (three states), reused: the store
+        turns them into its chunks' checksums before :meth:`_update`'s writes return."""
+        blocks = -(-numel // (BLOCK_BYTES // 4))
+        if self._block_sums is None:
+            most = max(shard.numel for shard in self.shards)
+            self._block_sums = torch.empty(3 * -(-most // (BLOCK_BYTES // 4)), dtype=torch.int64)
+        return self._block_sums[: 3 * blocks].view(3, blocks)
+
+    @staticmethod
+    def _sums_of(sums: dict[str, torch.Tensor], what: str) -> dict[str, torch.Tensor]:
+        """The ``sums`` argument of a state's write, where the update computed its checksums."""
+        return {"sums": sums[what]} if what in sums else {}
 
     def _joined(self, writes: list[Future], buffers: StateBufferSet | SlotViews, holding: int) -> Future:
         """A future that completes when every write has (with the first error). The first ``holding`` writes read
@@ -1054,8 +1081,8 @@ class CpuAdam:
         return b.compute.view(shard.dtype)[: shard.numel]
 
     def _adamw(self, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-               out: torch.Tensor | None, h: GroupHyper, step: int, **sources: torch.Tensor) -> None:
-        adamw_step()(master, grad, exp_avg, exp_avg_sq, out, h, step=step, num_threads=self.threads, **sources)
+               out: torch.Tensor | None, h: GroupHyper, step: int, **kwargs: torch.Tensor) -> bool:
+        return adamw_step()(master, grad, exp_avg, exp_avg_sq, out, h, step=step, num_threads=self.threads, **kwargs)
 
     def _writing(self) -> bool:
         """Whether a write-back is still running; one whose buffer set came back already wakes the worker when it

@@ -7,9 +7,9 @@ lets the store use ``O_DIRECT`` and move data straight between the drive and the
 through the page cache. Reads and writes run on a thread pool and return futures.
 
 Every chunk written gets a checksum (:mod:`lightning_ratel.runtime.checksum`), computed on the I/O thread just before
-the write and kept in memory beside the layout; every read verifies it, so data the drive or another process changed
-surfaces as :class:`RatelStoreError` (``EBADMSG``) naming the file, the key and the offset instead of as silently
-wrong weights.
+the write (or handed in by the writer, who computed it while producing the bytes) and kept in memory beside the layout;
+every read verifies it, so data the drive or another process changed surfaces as :class:`RatelStoreError`
+(``EBADMSG``) naming the file, the key and the offset instead of as silently wrong weights.
 
 The files themselves (header, exclusive creation, locks, stale files) are :mod:`lightning_ratel.runtime.swapfile`'s;
 the memory the store reads into and writes from, :mod:`lightning_ratel.runtime.hostmem`'s. A store kept at close
@@ -43,7 +43,14 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 
 from lightning_ratel.errors import RatelConfigError, RatelStoreError
 from lightning_ratel.runtime import swapfile
-from lightning_ratel.runtime.checksum import XXH3_64, checksum_of_zeros, host_checksum
+from lightning_ratel.runtime.checksum import (
+    WEIGHTED32,
+    XXH3_64,
+    block_checksums,
+    checksum_of_zeros,
+    host_checksum,
+    native_checksum,
+)
 from lightning_ratel.runtime.hostmem import ALIGNMENT, aligned_empty, raw_memory
 from lightning_ratel.runtime.swapfile import (
     FILE_MODE,
@@ -145,10 +152,12 @@ class Request:
 class _HostRequest(Request):
     """A request on a CPU tensor, with its memory as raw bytes for ``pread``/``pwrite``."""
 
-    __slots__ = ("address", "aligned", "view")
+    __slots__ = ("address", "aligned", "view", "sums")
 
     def __init__(self, key: str, is_write: bool, tensor: torch.Tensor, nbytes: int) -> None:
         super().__init__(key, is_write, tensor)
+        # A write's checksum per chunk, where the writer handed them in (see TensorStore.write).
+        self.sums: list[int] | None = None
         self.address = tensor.data_ptr()
         self.aligned = self.address % ALIGNMENT == 0
         span = nbytes
@@ -281,9 +290,11 @@ class TensorStore:
     as one from :func:`aligned_empty` or a slice of one starting at a multiple of 4096 bytes. The last partial
     block of such a slice, and all of a tensor that is not aligned, go through a per-thread bounce buffer instead.
 
-    With ``verify`` (the default) each chunk's checksum (:data:`XXH3_64` of exactly the key's bytes in it) is taken on
-    the I/O thread right before the write and published once the write has returned; a read checks the bytes it
-    got and raises :class:`RatelStoreError` with ``EBADMSG`` on a mismatch. The checksums live in memory beside the
+    With ``verify`` (the default) each chunk's checksum (:data:`~lightning_ratel.runtime.checksum.WEIGHTED32` of
+    exactly the key's bytes in it, or :data:`~lightning_ratel.runtime.checksum.XXH3_64` without the native extension)
+    is taken on the I/O thread right before the write, unless the writer handed it in (``sums``), and published once
+    the write has returned; a read checks the bytes it got and raises :class:`RatelStoreError` with ``EBADMSG`` on a
+    mismatch. The checksums live in memory beside the
     layout (and in the index of a kept store). A key reserved but never written reads as zeros, verified like written
     data; where nothing was written or preallocated up to the end of the file, its read fails with ``EIO``.
 
@@ -312,7 +323,7 @@ class TensorStore:
 
     device_tensors = False
     """Whether the tensors it reads and writes are device tensors (moved without host staging)."""
-    _checksum_algorithm = XXH3_64
+    _checksum_algorithm = WEIGHTED32 if native_checksum() else XXH3_64
 
     def __init__(
         self,
@@ -609,8 +620,8 @@ class TensorStore:
                         exc.errno, f"preallocate of {size} bytes failed for {swap.path}: {exc.strerror}", str(swap.path)
                     ) from exc
 
-    def write(self, key: str, tensor: torch.Tensor, *, urgent: bool = False, share: bool = False
-              ) -> concurrent.futures.Future[None]:
+    def write(self, key: str, tensor: torch.Tensor, *, urgent: bool = False, share: bool = False,
+              sums: torch.Tensor | None = None) -> concurrent.futures.Future[None]:
         """Start writing ``tensor`` as ``key``; an unknown key is reserved with the tensor's size.
 
         Keep ``tensor`` alive and unchanged until the returned future is done.
@@ -624,6 +635,11 @@ class TensorStore:
                 read of ``key`` may then start before this write has landed: while the tensor is offered, it waits
                 for the write and copies. The caller must not change ``tensor`` until it unshares it, and must wait
                 for the futures :meth:`unshare` returns before reusing its memory.
+            sums: The :data:`~lightning_ratel.runtime.checksum.WEIGHTED32` checksums of ``tensor``'s 4096-byte
+                blocks, as the CPU AdamW kernel computes them while it writes the bytes
+                (:func:`~lightning_ratel.runtime.checksum.block_checksums`); the I/O threads then do not read the
+                bytes to checksum them. Ignored where the store does not verify or uses another checksum. A wrong
+                one is never silent: the next read of the key fails its check.
 
         Returns:
             A future that resolves to ``None`` once every byte is written, or raises :class:`RatelStoreError`.
@@ -633,7 +649,10 @@ class TensorStore:
             RuntimeError: If the store is closed.
             RatelStoreError: If the store is read-only (``EROFS``).
         """
-        return self._submit(key, tensor, is_write=True, urgent=urgent, share=share)
+        chunk_sums = None
+        if sums is not None and self._verify and self._algorithm == WEIGHTED32:
+            chunk_sums = block_checksums(sums, tensor.numel() * tensor.element_size(), self._stripe_bytes)
+        return self._submit(key, tensor, is_write=True, urgent=urgent, share=share, sums=chunk_sums)
 
     def read(self, key: str, out: torch.Tensor, *, urgent: bool = False, share: bool = False
              ) -> concurrent.futures.Future[torch.Tensor]:
@@ -847,8 +866,10 @@ class TensorStore:
 
     def _request(self, key: str, is_write: bool, tensor: torch.Tensor, nbytes: int, **extra: Any) -> Request:
         """The in-flight record of one read or write, which the chunk transfers work from (``extra``: what a
-        subclass's requests carry besides)."""
-        return _HostRequest(key, is_write, tensor, nbytes)
+        subclass's requests carry besides; here a write's checksums per chunk, ``sums``)."""
+        request = _HostRequest(key, is_write, tensor, nbytes)
+        request.sums = extra.get("sums")
+        return request
 
     def _submit(self, key: str, tensor: torch.Tensor, *, is_write: bool, urgent: bool = False, share: bool = False,
                 **extra: Any) -> concurrent.futures.Future:
@@ -985,13 +1006,16 @@ class TensorStore:
         if request.source is not None:
             # Another read's tensor holds the key's bytes: copied, then verified as if read from the drive.
             ctypes.memmove(request.address + chunk.key_offset, request.source + chunk.key_offset, chunk.length)
-            return host_checksum(self._algorithm, data) if self._verify else None
+            return host_checksum(self._algorithm, data, chunk.key_offset) if self._verify else None
         if self._verify and request.is_write:
-            # Right before the write, while the bytes are hot in cache for it.
-            checksum = host_checksum(self._algorithm, data)
+            if request.sums is not None:
+                checksum = request.sums[chunk.key_offset // self._stripe_bytes]
+            else:
+                # Right before the write, while the bytes are hot in cache for it.
+                checksum = host_checksum(self._algorithm, data, chunk.key_offset)
         self._move_chunk(request, chunk)
         if self._verify and not request.is_write:
-            checksum = host_checksum(self._algorithm, data)
+            checksum = host_checksum(self._algorithm, data, chunk.key_offset)
         return checksum
 
     def _move_chunk(self, request: _HostRequest, chunk: Chunk) -> None:
