@@ -142,7 +142,6 @@ class RatelProfiler(Callback):
             self._trace.__enter__()
         planner.breakdown.begin()
         self._step_start = time.perf_counter()
-        planner.step_started()
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
@@ -150,7 +149,6 @@ class RatelProfiler(Callback):
         planner = _planner(trainer)
         if planner is None:
             return
-        planner.micro_batch_ended()
         breakdown = planner.breakdown.take(self._step_start, time.perf_counter())
         breakdown["step"] = float(trainer.global_step)
         breakdown["profiling"] = float(planner.profiling)

@@ -398,6 +398,32 @@ def test_a_traced_profiled_step_does_not_charge_the_traces_export_to_backward(tm
     assert settings is not None and settings.backward_overhead < 0.25, settings
 
 
+class _SlowBatchEdges(L.Callback):
+    """A user's callback that spends ``seconds`` at every batch start and end (logging, a checkpoint every step)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_train_batch_start(self, *args) -> None:
+        time.sleep(self.seconds)
+
+    def on_train_batch_end(self, *args) -> None:
+        time.sleep(self.seconds)
+
+
+def test_the_profiled_steps_leave_out_other_callbacks_work_whatever_their_order(tmp_path):
+    """The forward and backward a profiled micro-batch measures outside its blocks run from its training_step to the
+    end of its backward and step: callbacks before and after the profiler, busy for 0.3 s at each batch's start and
+    end, add nothing to them (before, the ones after the profiler's batch start counted in forward, the ones before
+    its batch end in backward)."""
+    t = trainer(RatelStrategy(ssd_paths=[str(tmp_path)]),
+                callbacks=[_SlowBatchEdges(0.3), RatelProfiler(), _SlowBatchEdges(0.3)])
+    t.fit(LM("llama"))
+    settings = _profiler(t).plan.settings
+    assert settings is not None
+    assert settings.forward_overhead < 0.2 and settings.backward_overhead < 0.2, settings
+
+
 def test_activation_policy_turns_planning_off(tmp_path):
     t = trainer(RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy="host"))
     t.fit(LM("llama"))

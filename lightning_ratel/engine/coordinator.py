@@ -616,6 +616,9 @@ class RatelEngine:
 
     def begin_micro_batch(self) -> None:
         """Called before each training_step: forget stale activations and tell the optimizer what this pass is."""
+        # A profiled micro-batch is timed from here to the end of its backward or step (Planner.micro_batch_ended):
+        # the work of callbacks and loggers around it is no part of it, whichever their order.
+        self.planner.step_started()
         # Values written between steps land before the step begins (its updates start from them).
         self.reads.flush()
         if self.adam is not None:
@@ -700,6 +703,7 @@ class RatelEngine:
     def post_backward(self) -> None:
         """Lightning's backward hook returned."""
         self.backward_calls.close()
+        self.planner.micro_batch_ended()
 
     def backward_stopped(self) -> None:
         """Lightning's backward hook raised."""
@@ -779,6 +783,7 @@ class RatelEngine:
             self.adam.barrier()
             numel = sum(s.numel for s in self.planner.owned_shards())
             self.planner.record_updates(time.perf_counter() - start, numel)
+        self.planner.micro_batch_ended()
         return finished.taken
 
     def abort_step(self) -> None:

@@ -150,7 +150,8 @@ class Planner:
         )
 
     def step_started(self) -> None:
-        """A training micro-batch starts (Lightning's batch start): while profiling, its forward is timed from here."""
+        """A training micro-batch starts (its training_step is called): while profiling, its forward is timed from
+        here."""
         if self._timer is not None:
             self._timer.step_start()
             self._step_updates = 0.0
@@ -164,9 +165,9 @@ class Planner:
                 self._updates.append((seconds, numel))
 
     def micro_batch_ended(self) -> None:
-        """The work of a training micro-batch ended, its optimizer step included: while profiling, its backward is
-        timed to here rather than to :meth:`micro_batch_done`, so that what runs in between at batch end (the
-        profiler's logging and the export of a trace) is not charged to it."""
+        """The backward or the optimizer step of a training micro-batch ended (the last call counts): while
+        profiling, its backward is timed to here rather than to :meth:`micro_batch_done`, so that what runs in
+        between at batch end (callbacks, loggers, the profiler's export of a trace) is not charged to it."""
         if self._timer is not None:
             self.device.synchronize()
             self._ended = time.perf_counter()
