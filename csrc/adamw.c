@@ -729,7 +729,7 @@ static void run_range(range_fn fn, const adam_job *shared, int64_t begin, int64_
     const adam_job *job = &own;
     if (!job->vector_sqrt) {
         fn(job, STAGE_FUSED, begin, end, NULL);
-        if (job->carry) sums_flush(job, end - 1);
+        if (job->carry && begin < end) sums_flush(job, end - 1);
         end_streaming(job);
         return;
     }
@@ -761,7 +761,7 @@ static void run_range(range_fn fn, const adam_job *shared, int64_t begin, int64_
         apply.src_exp_avg_sq = moments.exp_avg_sq;
         fn(&apply, STAGE_APPLY, 0, len, root);
     }
-    if (job->carry) sums_flush(job, end - 1);
+    if (job->carry && begin < end) sums_flush(job, end - 1);
     end_streaming(job);
     if (job->threads_local) job->threads_local(previous);
 }

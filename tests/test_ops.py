@@ -759,3 +759,11 @@ def test_kernel_checksums_need_room_for_every_block():
     for bad in (torch.zeros(3, 2, dtype=torch.int64), torch.zeros(3, 3), torch.zeros(3, 6, dtype=torch.int64)[:, ::2]):
         with pytest.raises(ValueError, match="sums must be"):
             ops.fused_adamw_(state[0], torch.zeros(n), state[1], state[2], None, hyper, step=1, sums=bad)
+    # An empty step has no block: it writes nothing, not even past the end of its empty sums.
+    around = torch.full((12,), 7, dtype=torch.int64)
+    for ieee in (True, False):
+        ops.set_native_sqrt(ieee=ieee)
+        empty = [torch.empty(0) for _ in range(4)]
+        assert ops.fused_adamw_(*empty[:1], empty[1], *empty[2:], None, hyper, step=1, sums=around[:0].view(3, 0))
+    ops.set_native_sqrt()
+    assert bool((around == 7).all())
