@@ -622,3 +622,22 @@ def test_kept_store_verifies_its_checksums_without_the_extension(tmp_path: Path,
         _patch(path, offset, b"\xee")
         with pytest.raises(RatelStoreError, match="checksum mismatch"):
             kept.read("master.0", torch.empty(NUMEL)).result()
+
+
+def test_kept_store_of_an_xxh3_run_still_verifies(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Files kept by a run whose store checksummed with xxh3 (before WEIGHTED32, or without the extension) read back
+    verified with xxh3, whatever the store of this run uses, and damage is caught."""
+    paths = _dirs(tmp_path, 2)
+    monkeypatch.setattr(TensorStore, "_checksum_algorithm", checksum.XXH3_64)
+    written = _kept_store(paths)
+    monkeypatch.undo()
+    assert json.loads((paths[0] / "ratel.index.json").read_text())["checksum"] == checksum.XXH3_64
+    with KeptStore(paths) as kept:
+        assert kept.verify and kept._algorithm == checksum.XXH3_64
+        for key, value in written.items():
+            out = kept.read(key, aligned_empty(value.numel(), value.dtype)).result()
+            assert torch.equal(out.view(torch.uint8), value.view(torch.uint8))
+        path, offset, _ = _locate(kept, "exp_avg.0", 40)
+        _patch(path, offset, b"\x5a")
+        with pytest.raises(RatelStoreError, match="checksum mismatch"):
+            kept.read("exp_avg.0", torch.empty(1001)).result()
