@@ -33,11 +33,11 @@ static uint64_t checksum_scalar(const uint32_t *words, int64_t count, uint64_t f
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 
-/* The weights of the 8 words from k on (k even: then adding 8 * SUM_GOLDEN gives the next 8 words' weights, as the
- * parity of k * SUM_GOLDEN, which the low bit set by sum_weight depends on, is k's). */
 /* lane * SUM_GOLDEN, a constant. */
 #define SUM_LANE(j) ((int)((uint32_t)(j) * SUM_GOLDEN))
 
+/* The weights of the 8 words from k on. Adding 8 * SUM_GOLDEN (even) to a lane gives the weight 8 words further: the
+ * low bit sum_weight sets is already set exactly where k * SUM_GOLDEN is even, which adding an even number keeps. */
 static inline __attribute__((target("avx2"))) __m256i sum_weights8(uint64_t k) {
     const __m256i lanes = _mm256_setr_epi32(SUM_LANE(0), SUM_LANE(1), SUM_LANE(2), SUM_LANE(3), SUM_LANE(4),
                                             SUM_LANE(5), SUM_LANE(6), SUM_LANE(7));
@@ -59,8 +59,6 @@ static inline __attribute__((target("avx2"))) uint64_t sum_lanes_total8(__m256i 
 
 static __attribute__((target("avx2"))) uint64_t checksum_avx2(const uint32_t *words, int64_t count,
                                                               uint64_t first) {
-    if (first % 2 && count)
-        return checksum_scalar(words, 1, first) + checksum_avx2(words + 1, count - 1, first + 1);
     const __m256i step = _mm256_set1_epi32((int)(8u * SUM_GOLDEN));
     __m256i w[4], acc[4];
     w[0] = sum_weights8(first);
@@ -108,8 +106,6 @@ static inline __attribute__((target("avx512f"))) uint64_t sum_lanes_total16(__m5
 
 static __attribute__((target("avx512f"))) uint64_t checksum_avx512(const uint32_t *words, int64_t count,
                                                                    uint64_t first) {
-    if (first % 2 && count)
-        return checksum_scalar(words, 1, first) + checksum_avx512(words + 1, count - 1, first + 1);
     const __m512i step = _mm512_set1_epi32((int)(16u * SUM_GOLDEN));
     __m512i w[4], acc[4];
     w[0] = sum_weights16(first);
