@@ -28,6 +28,8 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.optim.adam import adam as _functional_adam
 from torch.optim.adamw import adamw as _functional_adamw
 
+from lightning_ratel.runtime.checksum import blocks_of
+
 try:
     from lightning_ratel import _C
 except ImportError:
@@ -43,9 +45,6 @@ _DTYPE_CODES = (
 )
 _fallback_warned = False
 _STATES = ("param", "exp_avg", "exp_avg_sq")
-
-# fp32 elements per block of the kernel's checksums (checksum.BLOCK_BYTES).
-_SUM_BLOCK_ELEMENTS = 1024
 
 # The mode torch's at::vml::vsqrt passes to vmsSqrt: VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE.
 VML_SQRT_MODE = 0x2 | 0x140000 | 0x100
@@ -208,7 +207,7 @@ def fused_adamw_(
         _torch_step(param, grad, exp_avg, exp_avg_sq, param_out, hyper, step, inv_scale, sources)
         return False
     if sums is not None:
-        blocks = -(-param.numel() // _SUM_BLOCK_ELEMENTS)
+        blocks = blocks_of(param.numel() * 4)
         if sums.dtype != torch.int64 or sums.device.type != "cpu" or not sums.is_contiguous() or sums.shape != (
                 3, blocks):
             raise ValueError(f"sums must be a contiguous CPU int64 tensor of shape (3, {blocks}), got {sums.dtype} "

@@ -33,6 +33,13 @@ summed modulo 2**64; the host store's where the native extension is built."""
 BLOCK_BYTES = 4096
 """Bytes of a key each of :func:`block_checksums`' sums covers (the store's chunks start on multiples of it)."""
 
+
+
+def blocks_of(nbytes: int) -> int:
+    """How many :data:`BLOCK_BYTES` blocks (the last one partial) a key of ``nbytes`` has: one block sum each."""
+    return -(-nbytes // BLOCK_BYTES)
+
+
 # 2**32 divided by the golden ratio (csrc/checksum.h's SUM_GOLDEN).
 _GOLDEN32 = 0x9E3779B1
 
@@ -108,7 +115,7 @@ def weighted32_checksum(data: memoryview, key_offset: int = 0) -> int:
 def block_checksums(sums: torch.Tensor, nbytes: int, stripe_bytes: int) -> list[int]:
     """Per chunk of ``stripe_bytes`` of a key of ``nbytes``, its :data:`WEIGHTED32` checksum from ``sums``, the
     checksums of the key's :data:`BLOCK_BYTES` blocks (as the AdamW kernel reports them)."""
-    blocks = -(-nbytes // BLOCK_BYTES)
+    blocks = blocks_of(nbytes)
     if sums.dtype != torch.int64 or sums.numel() != blocks or stripe_bytes % BLOCK_BYTES:
         raise ValueError(f"need {blocks} int64 block sums of a key of {nbytes} bytes and a stripe of whole blocks")
     per_chunk = stripe_bytes // BLOCK_BYTES

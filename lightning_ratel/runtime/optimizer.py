@@ -64,7 +64,7 @@ import torch
 
 from lightning_ratel.runtime.accumulation import GradientAccumulator, GradientBudget
 from lightning_ratel.runtime.adamw import GroupHyper, adamw_step
-from lightning_ratel.runtime.checksum import BLOCK_BYTES
+from lightning_ratel.runtime.checksum import blocks_of
 from lightning_ratel.runtime.generic import GenericUpdate
 from lightning_ratel.runtime.hostmem import aligned_empty
 from lightning_ratel.runtime.ledger import StepLedger
@@ -965,7 +965,7 @@ class CpuAdam:
         if step != self._keep_step:
             self.accumulator.clear(shard)
         self.timeline.record(f"update_end:{shard.index}")
-        writes = [self.store.write(shard.key(what, slot), flat, **self._sums_of(sums, what))
+        writes = [self.store.write(shard.key(what, slot), flat, sums=sums.get(what))
                   for what, flat in states.items() if flat.numel()]
         # The new compute copy and master stay offered from the buffer set until it is reused (StateBuffers.read):
         # the next forward's page-in of the unit, which follows right behind updates run after backward, copies them
@@ -973,7 +973,7 @@ class CpuAdam:
         if out is not None and self.compute_on_store:
             writes.append(self.store.write(shard.compute_key, out, share=True))
         writes.append(self.store.write(shard.key("master", slot), master, share=not shard.master_in_host,
-                                       **self._sums_of(sums, "master")))
+                                       sums=sums.get("master")))
         # A master in the host cache (written last) does not hold the buffer set: the set goes back without waiting
         # for it, so the next update's reads need not queue behind it.
         done = self._joined(writes, b, len(writes) - 1 if shard.master_in_host else len(writes))
@@ -1029,16 +1029,11 @@ class CpuAdam:
     def _sums_buffer(self, numel: int) -> torch.Tensor:
         """Room for the kernel's block checksums of a shard of ``numel`` elements (three states), reused: the store
         turns them into its chunks' checksums before :meth:`_update`'s writes return."""
-        blocks = -(-numel // (BLOCK_BYTES // 4))
+        blocks = blocks_of(numel * 4)
         if self._block_sums is None:
-            most = max(shard.numel for shard in self.shards)
-            self._block_sums = torch.empty(3 * -(-most // (BLOCK_BYTES // 4)), dtype=torch.int64)
+            self._block_sums = torch.empty(3 * blocks_of(max(shard.numel for shard in self.shards) * 4),
+                                           dtype=torch.int64)
         return self._block_sums[: 3 * blocks].view(3, blocks)
-
-    @staticmethod
-    def _sums_of(sums: dict[str, torch.Tensor], what: str) -> dict[str, torch.Tensor]:
-        """The ``sums`` argument of a state's write, where the update computed its checksums."""
-        return {"sums": sums[what]} if what in sums else {}
 
     def _joined(self, writes: list[Future], buffers: StateBufferSet | SlotViews, holding: int) -> Future:
         """A future that completes when every write has (with the first error). The first ``holding`` writes read
