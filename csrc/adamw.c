@@ -253,9 +253,10 @@ ALWAYS_INLINE void range_scalar_t(const adam_job *job, int stage, int64_t begin,
     const adam_job h = *job;
     const float lerp_coeff = 1.0f - h.lerp_weight;
     const int move_moments = stage == STAGE_APPLY && h.src_exp_avg != h.exp_avg;
-    /* MOMENTS and FUSED sum the final moments, APPLY and FUSED the final weights. */
+    /* MOMENTS and FUSED sum the final moments, APPLY and FUSED the final weights; only where asked to. */
+    const int summing = h.carry != NULL;
     uint64_t sp = 0, sm = 0, sv = 0;
-    int64_t boundary = h.carry ? sums_boundary(&h, begin) : -1;
+    int64_t boundary = summing ? sums_boundary(&h, begin) : -1;
     for (int64_t i = begin; i < end; ++i) {
         if (i == boundary) {
             sums_carry(&h, sp, sm, sv);
@@ -263,7 +264,7 @@ ALWAYS_INLINE void range_scalar_t(const adam_job *job, int stage, int64_t begin,
             sp = sm = sv = 0;
             boundary += SUM_BLOCK;
         }
-        const uint64_t weight = sum_weight((uint64_t)(h.base + i));
+        const uint64_t weight = summing ? sum_weight((uint64_t)(h.base + i)) : 0;
         float p = h.src_param[i];
         float m = h.src_exp_avg[i];
         float r;
@@ -286,8 +287,10 @@ ALWAYS_INLINE void range_scalar_t(const adam_job *job, int stage, int64_t begin,
             v = v + h.one_minus_beta2 * g * g;
             h.exp_avg[i] = m;
             h.exp_avg_sq[i] = v;
-            sm += weight * f32_bits(m);
-            sv += weight * f32_bits(v);
+            if (summing) {
+                sm += weight * f32_bits(m);
+                sv += weight * f32_bits(v);
+            }
             if (stage == STAGE_MOMENTS) {
                 h.param[i] = p;
                 continue;
@@ -297,10 +300,10 @@ ALWAYS_INLINE void range_scalar_t(const adam_job *job, int stage, int64_t begin,
         float denom = r / h.bias_correction2_sqrt + h.eps;
         p = p + h.neg_step_size * m / denom;
         h.param[i] = p;
-        sp += weight * f32_bits(p);
+        if (summing) sp += weight * f32_bits(p);
         store_scalar(h.out, i, odt, p);
     }
-    if (h.carry) sums_carry(&h, sp, sm, sv);
+    if (summing) sums_carry(&h, sp, sm, sv);
 }
 
 static void range_scalar(const adam_job *job, int stage, int64_t begin, int64_t end, const float *root) {
