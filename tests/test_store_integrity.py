@@ -613,15 +613,22 @@ def test_kept_store_verifies_its_checksums_without_the_extension(tmp_path: Path,
     paths = _dirs(tmp_path, 2)
     written = _kept_store(paths)
     monkeypatch.setattr(checksum, "_C", None)
+    _verifies_and_catches_damage(paths, written, checksum.WEIGHTED32, "master.0", 7)
+
+
+def _verifies_and_catches_damage(paths: list[Path], written: dict[str, torch.Tensor], algorithm: str, key: str,
+                                 key_byte: int) -> None:
+    """The kept store in ``paths`` checks with ``algorithm``, reads back what was ``written``, and fails the read of
+    ``key`` once its byte ``key_byte`` is changed on the drive."""
     with KeptStore(paths) as kept:
-        assert kept.verify and kept._algorithm == checksum.WEIGHTED32
-        for key, value in written.items():
-            out = kept.read(key, aligned_empty(value.numel(), value.dtype)).result()
+        assert kept.verify and kept._algorithm == algorithm
+        for name, value in written.items():
+            out = kept.read(name, aligned_empty(value.numel(), value.dtype)).result()
             assert torch.equal(out.view(torch.uint8), value.view(torch.uint8))
-        path, offset, _ = _locate(kept, "master.0", 7)
+        path, offset, _ = _locate(kept, key, key_byte)
         _patch(path, offset, b"\xee")
         with pytest.raises(RatelStoreError, match="checksum mismatch"):
-            kept.read("master.0", torch.empty(NUMEL)).result()
+            kept.read(key, torch.empty_like(written[key])).result()
 
 
 def test_kept_store_of_an_xxh3_run_still_verifies(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -632,12 +639,4 @@ def test_kept_store_of_an_xxh3_run_still_verifies(tmp_path: Path, monkeypatch: p
     written = _kept_store(paths)
     monkeypatch.undo()
     assert json.loads((paths[0] / "ratel.index.json").read_text())["checksum"] == checksum.XXH3_64
-    with KeptStore(paths) as kept:
-        assert kept.verify and kept._algorithm == checksum.XXH3_64
-        for key, value in written.items():
-            out = kept.read(key, aligned_empty(value.numel(), value.dtype)).result()
-            assert torch.equal(out.view(torch.uint8), value.view(torch.uint8))
-        path, offset, _ = _locate(kept, "exp_avg.0", 40)
-        _patch(path, offset, b"\x5a")
-        with pytest.raises(RatelStoreError, match="checksum mismatch"):
-            kept.read("exp_avg.0", torch.empty(1001)).result()
+    _verifies_and_catches_damage(paths, written, checksum.XXH3_64, "exp_avg.0", 40)
