@@ -60,8 +60,8 @@ class Estimate:
             fp32 sum of every trainable shard (4 bytes per trainable parameter) until it is reduced onto its owner; at
             most all of them at once (between the boundary micro-batches of gradient accumulation). Under
             ``"micro_batch"`` two buckets of gradients in flight, each one owner's fp32 gradients of consecutive
-            parameters and a flag per parameter, up to 25 MiB or half the largest shard, whichever is less, unless one
-            parameter takes more (:func:`~lightning_ratel.runtime.collectives.exchange_micro_batch_nbytes`). With
+            parameters (a larger one in parts) and a flag per item, up to 25 MiB or half the largest shard, whichever
+            is less (:func:`~lightning_ratel.runtime.collectives.exchange_micro_batch_nbytes`). With
             ``param_cache="ssd"`` also the two buffers of the largest shard's compute copy that copies published
             between ranks pass through (:class:`~lightning_ratel.runtime.collectives.StoredCopies`). 0 on one rank.
         exchange: with several ranks, the gradient exchange the planner chooses

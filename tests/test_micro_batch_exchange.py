@@ -1,9 +1,10 @@
 """The gradient exchange that reduces each micro-batch onto the owners (``gradient_exchange="micro_batch"``), on two
-spawned gloo processes with a hand-made layout: each bucket of one owner's parameters goes in one collective, the
-sums the owner receives are bit for bit those of reducing each parameter's gradient by itself (16-bit, missing and
-non-contiguous gradients included; over three or more ranks gloo orders the sums otherwise), the bucket buffers are
-allocated once for every micro-batch, a buffer the owner's optimizer has not taken in yet is never reused, and a rank
-that fails is named instead of hanging the other."""
+spawned gloo processes with a hand-made layout: each bucket of one owner's parameters goes in one collective, a
+parameter larger than a bucket goes in parts, the sums the owner receives are bit for bit those of reducing each
+parameter's gradient by itself (16-bit, missing and non-contiguous gradients included; over three or more ranks gloo
+orders the sums otherwise), the bucket buffers are allocated once for every micro-batch and hold no more than the cap
+whatever the largest parameter, a buffer the owner's optimizer has not taken in yet is never reused, and a rank that
+fails is named instead of hanging the other."""
 
 from __future__ import annotations
 
@@ -38,10 +39,13 @@ TIMEOUT = timedelta(minutes=10)
 SIZES = [[300, 200, 50], [40, 30], [500], [10, 10, 10]]
 # Units 0 and 1 belong to rank 0, units 2 and 3 to rank 1.
 OWNERS = {0: 0, 1: 0, 2: 1, 3: 1}
-# Backward's order (last shard first), one owner's consecutive parameters up to the cap, a larger one alone:
-# [s3: 10 10 10] [s2: 500] | [s1: 40 30] [s0: 300] [s0: 200 50].
-BUCKETS = 5
-LARGEST_BUCKET = 501
+# Backward's order (last shard first), one owner's consecutive parameters up to the cap, a larger one in parts of
+# 276 elements and a flag, its last part opening the next bucket:
+# [s3: 10 10 10] [s2: 500 0-275] [s2: 500 276-499] | [s1: 40 30] [s0: 300 0-275] [s0: 300 276-299, 200, 50].
+BUCKETS = 6
+LARGEST_BUCKET = 277
+# Parts each owner receives per micro-batch (rank 0 those of s0's 300, rank 1 those of s2's 500).
+PARTS = 2
 MICRO_BATCHES = 3
 
 
@@ -94,23 +98,31 @@ def _per_parameter(shards: list[Shard], rank: int, micro_batch: int, group: obje
 
 
 class _Optimizer:
-    """The owner's optimizer as the exchange sees it: views delivered are held until taken in, then copied."""
+    """The owner's optimizer as the exchange sees it: views delivered are held until taken in, then copied (parts
+    into their place of a parameter's gradient, NaN where none came)."""
 
     def __init__(self) -> None:
-        self.held: list[tuple[Shard, int, torch.Tensor]] = []
+        self.held: list[tuple[Shard, int, torch.Tensor, int | None]] = []
         self.taken: dict[tuple[int, int], torch.Tensor] = {}
         self.take_ins = 0
+        self.parts = 0
 
-    def deliver(self, shard: Shard, position: int, grad: torch.Tensor) -> None:
-        self.held.append((shard, position, grad))
+    def deliver(self, shard: Shard, position: int, grad: torch.Tensor, start: int | None) -> None:
+        self.held.append((shard, position, grad, start))
 
     def begin(self, plan: object) -> None:
         pass
 
     def take_in(self) -> None:
         self.take_ins += 1
-        for shard, position, grad in self.held:
-            self.taken[(shard.index, position)] = grad.clone()
+        for shard, position, grad, start in self.held:
+            if start is None:
+                self.taken[(shard.index, position)] = grad.clone()
+                continue
+            sp = shard.params[position]
+            whole = self.taken.setdefault((shard.index, position), torch.full(sp.shape, float("nan")))
+            whole.view(-1)[start : start + grad.numel()] = grad
+            self.parts += 1
         self.held.clear()
 
 
@@ -155,6 +167,7 @@ def _worker(rank: int, init: str, scenario: str) -> None:
                 assert torch.equal(optimizer.taken[key], tensor), (micro_batch, key)
             optimizer.taken.clear()
         assert exchange.reduces == MICRO_BATCHES * BUCKETS
+        assert optimizer.parts == MICRO_BATCHES * PARTS
         buffer = round_up(LARGEST_BUCKET * 4, ALIGNMENT)
         # Two buffers for every bucket of every micro-batch: allocated once, within the estimate.
         assert exchange.nbytes == MICRO_BATCH_BUCKETS * buffer <= exchange_micro_batch_nbytes(shards)

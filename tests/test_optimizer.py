@@ -663,6 +663,47 @@ def test_host_tier_updates_read_the_committed_slot_and_copy_nothing(tmp_path: Pa
         store.close()
 
 
+def test_gradients_handed_over_in_parts_give_the_bits_of_whole_ones(tmp_path: Path) -> None:
+    """A parameter's gradient handed over in flat parts (as the micro-batch exchange delivers a parameter larger than
+    its buckets), over an accumulation window of three micro-batches, updates to the same bits as the whole gradient;
+    a shard waits for a parameter's last part before it counts as complete."""
+    for name in ("whole", "parts"):
+        (tmp_path / name).mkdir()
+    whole_adam, whole_shards, _, whole_store = _host_pipeline(tmp_path / "whole", HOST_SIZES, HOST_MASTERS)
+    parts_adam, parts_shards, _, parts_store = _host_pipeline(tmp_path / "parts", HOST_SIZES, HOST_MASTERS)
+    generator = torch.Generator().manual_seed(9)
+    try:
+        for step in range(2):
+            for micro_batch in range(3):
+                plan = StepPlan([HYPER], overlap=True) if micro_batch == 2 else None
+                whole_adam.begin(plan)
+                parts_adam.begin(plan)
+                for whole, parts in zip(whole_shards, parts_shards):
+                    for position, sp in enumerate(whole.params):
+                        grad = torch.randn(sp.shape, generator=generator)
+                        whole_adam.gradient(whole, position, grad, _Landed())
+                        inner = torch.randint(1, sp.numel, (2,), generator=generator).tolist() if sp.numel > 1 else []
+                        starts = sorted({0, *inner})
+                        flat = grad.reshape(-1)
+                        for start, end in zip(starts, [*starts[1:], sp.numel]):
+                            parts_adam.gradient(parts, position, flat[start:end], _Landed(), start)
+                if plan is not None:
+                    whole_adam.schedule(plan, whole_shards)
+                    parts_adam.schedule(plan, parts_shards)
+            for adam in (whole_adam, parts_adam):
+                adam.barrier(include_writes=True)
+            assert parts_adam.counts == whole_adam.counts
+            for whole, parts in zip(whole_shards, parts_shards):
+                for what in ("master", "exp_avg", "exp_avg_sq"):
+                    got = parts_store.host.view(parts_adam.state_key(parts, what), torch.float32)
+                    want = whole_store.host.view(whole_adam.state_key(whole, what), torch.float32)
+                    assert torch.equal(got, want), (step, whole.index, what)
+    finally:
+        for adam, store in ((whole_adam, whole_store), (parts_adam, parts_store)):
+            adam.close()
+            store.close()
+
+
 @pytest.mark.parametrize("ending", ["abort", "overflow", "failure"])
 def test_a_host_tier_update_that_does_not_commit_leaves_the_committed_slot(tmp_path: Path,
                                                                             monkeypatch: pytest.MonkeyPatch,

@@ -11,8 +11,8 @@ Two ways, the same numbers within fp32 rounding (the sum over ranks and micro-ba
   node holds each gradient sum once; the price is ``accumulate - 1`` more reduces of the gradients per step.
 
 Without accumulation both reduce each gradient once, with the same sums; ``"micro_batch"`` then only saves the window
-buffers (it holds two buckets of gradients in flight: up to 25 MiB or half the largest shard, whichever is less, or
-one parameter larger than that; the window's buffers live from a shard's first gradient until its reduce landed, so
+buffers (it holds two buckets of gradients in flight: up to 25 MiB or half the largest shard, whichever is less; a
+larger parameter goes in parts; the window's buffers live from a shard's first gradient until its reduce landed, so
 how many are held at once depends on how far the reduces fall behind backward, up to all of them).
 :func:`choose_exchange` keeps the window (``ddp``'s very sums) while all its buffers fit the host budget, and reduces
 each micro-batch where they do not. Host memory the windows take is not weighed against what it would hold of the

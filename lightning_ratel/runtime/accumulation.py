@@ -45,20 +45,28 @@ class GradientAccumulator:
             self._seen[index] = [False] * len(seen)
             self._arrived[index] = 0
 
-    def add(self, shard: Shard, position: int, grad: torch.Tensor) -> bool:
-        """Accumulate the gradient of ``shard.params[position]``; returns whether every parameter of the shard has
-        now delivered its gradient in this micro-batch."""
+    def add(self, shard: Shard, position: int, grad: torch.Tensor, start: int | None = None) -> bool:
+        """Accumulate the gradient of ``shard.params[position]``, or with ``start`` the flat part of it from that
+        element on (the parts of a parameter arrive in order within a micro-batch, see
+        :class:`~lightning_ratel.runtime.collectives._MicroBatchExchange`); returns whether every parameter of the
+        shard has now delivered its whole gradient in this micro-batch."""
         index = shard.index
         buffer = self._grad[index]
         if buffer is None:
             buffer = self._grad[index] = self.pool.take(shard.numel, torch.float32)
-        view = shard.params[position].view(buffer)
+        sp = shard.params[position]
+        if start is None:
+            view, last = sp.view(buffer), True
+        else:
+            view = buffer[sp.offset + start : sp.offset + start + grad.numel()]
+            last = start + grad.numel() == sp.numel
         if self._has[index][position]:
             view.add_(grad)
         else:
             view.copy_(grad)
-            self._has[index][position] = True
-        if not self._seen[index][position]:
+            # Set with the last part only: the parts before it in this micro-batch were copied, not added.
+            self._has[index][position] = last
+        if last and not self._seen[index][position]:
             self._seen[index][position] = True
             self._arrived[index] += 1
         return self._arrived[index] == len(shard.params)

@@ -585,7 +585,7 @@ class NodeCache:
 
 MICRO_BATCH_BUCKET_BYTES = 25 * 2**20
 """The most fp32 gradient bytes :class:`_MicroBatchExchange` reduces in one collective (``DistributedDataParallel``'s
-default bucket), unless one parameter alone takes more."""
+default bucket); a larger parameter is reduced in parts."""
 
 MICRO_BATCH_BUCKETS = 2
 """Buckets :class:`_MicroBatchExchange` holds at once: one filled while the other's reduce runs."""
@@ -902,18 +902,30 @@ class _GradientExchange:
 
 
 @dataclass(frozen=True)
+class _Item:
+    """A parameter's gradient in a bucket, or a part of it: ``numel`` elements of ``shard.params[position]``, flat
+    from element ``start`` (``None``: the whole parameter), at element ``offset`` of the bucket."""
+
+    shard: Shard
+    position: int
+    offset: int
+    start: int | None
+    numel: int
+
+
+@dataclass(frozen=True)
 class _Bucket:
-    """Gradients of one owner reduced in one collective: the parameters' fp32 gradients end to end, then one flag
-    per parameter (1 where this rank has its gradient, summed over the ranks by the reduce).
+    """Gradients of one owner reduced in one collective: the parameters' fp32 gradients (or parts of them) end to end,
+    then one flag per item (1 where this rank has the parameter's gradient, summed over the ranks by the reduce).
 
     Attributes:
         owner: the rank the bucket is reduced onto.
-        items: each parameter's shard, position in it and first element in the bucket.
+        items: what it holds, in order.
         numel: elements of the gradients (the flags follow).
     """
 
     owner: int
-    items: tuple[tuple[Shard, int, int], ...]
+    items: tuple[_Item, ...]
     numel: int
 
     @property
@@ -930,44 +942,56 @@ class _BucketReducing:
 
 
 def _bucket_cap(params: Sequence[Sequence[int]]) -> int:
-    """Elements a bucket holds at most, unless one parameter alone takes more (``params``: each trainable shard's
-    parameter sizes): ``MICRO_BATCH_BUCKET_BYTES`` of fp32, or half the largest shard, so that the two buckets in
-    flight hold no more than the largest shard's gradients where parameters are smaller than half a shard."""
+    """Elements a bucket holds at most, flags included (``params``: each trainable shard's parameter sizes):
+    ``MICRO_BATCH_BUCKET_BYTES`` of fp32, or half the largest shard, so that the two buckets in flight hold no more
+    than the largest shard's gradients; at least 2 (a part and its flag)."""
     largest = max((sum(numels) + len(numels) for numels in params), default=0)
-    return max(1, min(MICRO_BATCH_BUCKET_BYTES // 4, -(-largest // 2)))
+    return max(2, min(MICRO_BATCH_BUCKET_BYTES // 4, -(-largest // 2)))
 
 
 def _buckets(order: Sequence[Shard], positions: dict[int, list[int]], owner: dict[int, int]) -> list[_Bucket]:
     """The buckets of one micro-batch: the parameters in ``order`` (each shard's ``positions``), cut where the owner
-    changes or where the next parameter would take a bucket over :func:`_bucket_cap` (a larger parameter goes
-    alone). Every rank cuts the same buckets."""
+    changes or where the next parameter would take a bucket over :func:`_bucket_cap`. A parameter larger than the cap
+    is cut into parts that fill a bucket each, its last part opening the next bucket. Every rank cuts the same
+    buckets."""
     cap = _bucket_cap([[s.params[p].numel for p in positions[s.index]] for s in order])
     buckets: list[_Bucket] = []
-    items: list[tuple[Shard, int, int]] = []
+    items: list[_Item] = []
     numel = 0
+
+    def close() -> None:
+        nonlocal items, numel
+        if items:
+            buckets.append(_Bucket(owner[items[0].shard.index], tuple(items), numel))
+        items, numel = [], 0
+
     for shard in order:
         for position in positions[shard.index]:
             size = shard.params[position].numel
-            if items and (owner[items[0][0].index] != owner[shard.index] or numel + size + len(items) + 1 > cap):
-                buckets.append(_Bucket(owner[items[0][0].index], tuple(items), numel))
-                items, numel = [], 0
-            items.append((shard, position, numel))
-            numel += size
-    if items:
-        buckets.append(_Bucket(owner[items[0][0].index], tuple(items), numel))
+            if items and (owner[items[0].shard.index] != owner[shard.index] or numel + size + len(items) + 1 > cap):
+                close()
+            if size + 1 <= cap:
+                items.append(_Item(shard, position, numel, None, size))
+                numel += size
+                continue
+            # Each part but the last fills a bucket of its own (with its flag); the last opens the next bucket.
+            for start in range(0, size, cap - 1):
+                close()
+                items.append(_Item(shard, position, 0, start, min(cap - 1, size - start)))
+                numel = items[0].numel
+    close()
     return buckets
 
 
 def exchange_micro_batch_nbytes(shards: Sequence[Shard]) -> int:
     """The most host memory a rank's gradient exchange holds when it reduces each micro-batch's gradients
     (:class:`_MicroBatchExchange`): ``MICRO_BATCH_BUCKETS`` buffers of its largest bucket, at most the cap of
-    :func:`_bucket_cap` or the largest parameter, and at most every gradient of ``shards`` (the trainable ones)."""
+    :func:`_bucket_cap` and at most every gradient of ``shards`` (the trainable ones) with their flags."""
     sizes = [[sp.numel for sp in s.params] for s in shards]
-    items = [numel + 1 for numels in sizes for numel in numels]
-    if not items:
+    total = sum(numel + 1 for numels in sizes for numel in numels)
+    if not total:
         return 0
-    largest = min(max(_bucket_cap(sizes), max(items)), sum(items))
-    return MICRO_BATCH_BUCKETS * round_up(largest * 4, ALIGNMENT)
+    return MICRO_BATCH_BUCKETS * round_up(min(_bucket_cap(sizes), total) * 4, ALIGNMENT)
 
 
 class _MicroBatchExchange(_GradientExchange):
@@ -976,26 +1000,28 @@ class _MicroBatchExchange(_GradientExchange):
 
     Within a micro-batch, shards go in the fixed order of :class:`_GradientExchange`, each as soon as backward
     completed it here (the ones before it first). Their parameters' gradients are copied, as fp32, into buckets
-    (:func:`_buckets`: consecutive parameters of one owner, up to a cap, the same on every rank), zeros where this rank
-    has none, with a flag per parameter after them; a full bucket is multiplied by ``1 / world_size`` and reduced onto
-    its owner in one collective, which then hands each parameter that any rank flagged to its optimizer, as a view of
-    the bucket. On two ranks the sums are bit for bit those of reducing each parameter's gradient by itself; over three
-    or more, gloo's reduce orders an element's sum over the ranks by the element's place in the buffer, so the bits
-    may differ there (within rounding, as either order may). A bucket's memory comes from a pool of
-    ``MICRO_BATCH_BUCKETS`` buffers of the largest bucket, taken once and reused: a buffer is taken again once its
-    reduce landed and, on the owner, once the optimizer took in the views. The next micro-batch's start (or the step's
-    flush) reduces what is left, and only then starts the local optimizer's micro-batch, so that its count of a
-    shard's gradients per micro-batch stays right.
+    (:func:`_buckets`: consecutive parameters of one owner, up to a cap, the same on every rank; a parameter larger
+    than the cap in parts, so that the buffers stay at the cap whatever the largest parameter, such as a large
+    vocabulary's embedding), zeros where this rank has none, with a flag per item after them; a full bucket is
+    multiplied by ``1 / world_size`` and reduced onto its owner in one collective, which then hands each parameter (or
+    part) that any rank flagged to its optimizer, as a view of the bucket. On two ranks the sums are bit for bit those
+    of reducing each parameter's gradient by itself; over three or more, gloo's reduce orders an element's sum over
+    the ranks by the element's place in the buffer, so the bits may differ there (within rounding, as either order
+    may). A bucket's memory comes from a pool of ``MICRO_BATCH_BUCKETS`` buffers of the largest bucket, taken once
+    and reused: a buffer is taken again once its reduce landed and, on the owner, once the optimizer took in the
+    views. The next micro-batch's start (or the step's flush) reduces what is left, and only then starts the local
+    optimizer's micro-batch, so that its count of a shard's gradients per micro-batch stays right.
 
     Args:
         shards, owner, ranks, group, faults: as for :class:`_GradientExchange`.
-        deliver: called on the owner with a shard, a parameter's position and its reduced gradient.
+        deliver: called on the owner with a shard, a parameter's position, its reduced gradient (or a flat part of it)
+            and the part's first element (``None`` for the whole gradient).
         begin: starts a micro-batch on the local optimizer (``CpuAdam.begin``), given the step's plan on its boundary.
         take_in: waits until the local optimizer took in the gradients delivered so far (``CpuAdam.take_in``).
     """
 
     def __init__(self, shards: Sequence[Shard], owner: dict[int, int], ranks: Ranks, group: Any,
-                 deliver: Callable[[Shard, int, torch.Tensor], None], faults: Faults,
+                 deliver: Callable[[Shard, int, torch.Tensor, int | None], None], faults: Faults,
                  begin: Callable[[StepPlan | None], None], take_in: Callable[[], None]) -> None:
         self._deliver_param = deliver
         self._begin_local = begin
@@ -1012,8 +1038,8 @@ class _MicroBatchExchange(_GradientExchange):
         # Each shard's parameters: (bucket, item) in the order they are packed.
         self._places: dict[int, list[tuple[int, int]]] = {}
         for b, bucket in enumerate(self._buckets):
-            for i, (shard, _, _) in enumerate(bucket.items):
-                self._places.setdefault(shard.index, []).append((b, i))
+            for i, item in enumerate(bucket.items):
+                self._places.setdefault(item.shard.index, []).append((b, i))
         self._buffer_numel = max((b.size for b in self._buckets), default=0)
         self._limit = MICRO_BATCH_BUCKETS * round_up(self._buffer_numel * 4, ALIGNMENT)
 
@@ -1079,14 +1105,17 @@ class _MicroBatchExchange(_GradientExchange):
         for b, i in self._places.get(shard.index, ()):
             bucket = self._buckets[b]
             buffer = self._bucket_buffer(b)
-            _, position, offset = bucket.items[i]
-            sp = shard.params[position]
-            target = buffer[offset : offset + sp.numel]
-            grad = held.pop(position, None)
+            item = bucket.items[i]
+            target = buffer[item.offset : item.offset + item.numel]
+            grad = held.get(item.position)
             if grad is None:
                 target.zero_()
+            elif item.start is None:
+                target.view(grad.shape).copy_(grad)
             else:
-                target.view(sp.shape).copy_(grad)
+                if not grad.is_contiguous():
+                    grad = held[item.position] = grad.contiguous()
+                target.copy_(grad.view(-1)[item.start : item.start + item.numel])
             buffer[bucket.numel + i] = 0.0 if grad is None else 1.0
             if i == len(bucket.items) - 1:
                 self._reduce(bucket, buffer)
@@ -1132,10 +1161,12 @@ class _MicroBatchExchange(_GradientExchange):
             self.pool.give(item.buffer)
             return
         flags = item.buffer[bucket.numel : bucket.size].tolist()
-        for (shard, position, offset), flag in zip(bucket.items, flags):
+        for part, flag in zip(bucket.items, flags):
             if flag > 0:
-                sp = shard.params[position]
-                self._deliver_param(shard, position, item.buffer[offset : offset + sp.numel].view(sp.shape))
+                grad = item.buffer[part.offset : part.offset + part.numel]
+                if part.start is None:
+                    grad = grad.view(part.shard.params[part.position].shape)
+                self._deliver_param(part.shard, part.position, grad, part.start)
         # Given back once the local optimizer took the views in (it holds them until their shard is complete).
         self._delivered.append(item.buffer)
 
@@ -1374,9 +1405,10 @@ class DataParallelAdam:
             if flags[position] > 0:
                 self.local.gradient(shard, position, sp.view(grad), DONE)
 
-    def _deliver_param(self, shard: Shard, position: int, grad: torch.Tensor) -> None:
-        """One parameter's reduced gradient of a micro-batch reaches the local optimizer (exchange thread)."""
-        self.local.gradient(shard, position, grad, DONE)
+    def _deliver_param(self, shard: Shard, position: int, grad: torch.Tensor, start: int | None) -> None:
+        """One parameter's reduced gradient of a micro-batch (or with ``start`` a flat part of it) reaches the local
+        optimizer (exchange thread)."""
+        self.local.gradient(shard, position, grad, DONE, start)
 
     # ------------------------------------------------------------------ the step (training thread)
 

@@ -176,6 +176,7 @@ class _Gradient:
     position: int
     grad: torch.Tensor
     event: Any
+    start: int | None = None
 
 
 @dataclass(frozen=True)
@@ -377,15 +378,20 @@ class CpuAdam:
 
     # ------------------------------------------------------------------ autograd thread
 
-    def gradient(self, shard: Shard, position: int, grad: torch.Tensor, event: Any) -> None:
-        """Hand over the gradient of ``shard.params[position]``, already on (or travelling to) host memory.
+    def gradient(self, shard: Shard, position: int, grad: torch.Tensor, event: Any, start: int | None = None
+                 ) -> None:
+        """Hand over the gradient of ``shard.params[position]``, already on (or travelling to) host memory; with
+        ``start``, the flat part of it from that element on (a parameter's parts come in order, and it counts as
+        delivered with its last one).
 
         The worker gets it with the other gradients held once this one completes its shard (or before the next job
         of any other kind); handing them over waits first while the gradients held exceed the budget (see
         :class:`~lightning_ratel.runtime.accumulation.GradientBudget`)."""
         self._window.add(shard.index)
         with self._held_lock:
-            self._held.append(_Gradient(shard, position, grad, event))
+            self._held.append(_Gradient(shard, position, grad, event, start))
+            if start is not None and start + grad.numel() < shard.params[position].numel:
+                return
             positions = self._held_positions.setdefault(shard.index, set())
             positions.add(position)
             if len(positions) == len(shard.params):
@@ -759,7 +765,7 @@ class CpuAdam:
                 f"a gradient of {shard.params[position].name} arrived after its shard was updated; RatelStrategy "
                 "expects each parameter's gradient once per backward pass"
             )
-        complete = self.accumulator.add(shard, position, grad)
+        complete = self.accumulator.add(shard, position, grad, job.start)
         if overlap and complete:
             assert plan is not None
             if plan.inv_scale is not None:
