@@ -123,6 +123,10 @@ class StepReport(L.Callback):
         # The swap store's counters (read, written, shared) at the start of each step: a step's write-backs land
         # during the next one, so a step is measured from its start to the next one's.
         self.marks: list[tuple[int, int, int]] = []
+        # Every rank's RSS at the end of each step, and every rank's swap-file bytes (one node's ranks: their sums are
+        # the node's, to hold against one rank's run).
+        self.rank_rss: list[list[int]] = []
+        self.rank_disk_bytes: list[int] = []
         self.busy: list[float] = []
         # Per step: the disk's busy share of backward, and of the rest of the step.
         self.busy_backward: list[tuple[float, float]] = []
@@ -141,14 +145,22 @@ class StepReport(L.Callback):
         io = trainer.strategy.io_bytes()
         self.marks.append((io["read"], io["written"], io["shared"]))
 
+    @staticmethod
+    def _every_rank(trainer: L.Trainer, value: int) -> list[int]:
+        """``value`` of every rank (a collective: every rank calls it at the same point)."""
+        gathered = trainer.strategy.all_gather(torch.tensor([value], dtype=torch.int64))
+        return [int(v) for v in gathered.reshape(-1).tolist()]
+
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any) -> None:
         loss = float(outputs["loss"])
         seconds = time.perf_counter() - self._started
         read, written = (now - before for now, before in zip(self._store_io(trainer), self._io))
         row = {"loss": loss, "seconds": seconds, "rss": MemoryWatch.current(), "read": read, "written": written}
         self.rows.append(row)
+        self.rank_rss.append(self._every_rank(trainer, row["rss"]))
+        node = f" (the {trainer.world_size} ranks {sum(self.rank_rss[-1]) / GIB:.2f})" if trainer.world_size > 1 else ""
         say(
-            f"step {len(self.rows)}  loss {loss:.4f}  {seconds:6.1f} s  RSS {row['rss'] / GIB:5.2f} GiB  "
+            f"step {len(self.rows)}  loss {loss:.4f}  {seconds:6.1f} s  RSS {row['rss'] / GIB:5.2f} GiB{node}  "
             f"store read {read / GIB:5.1f} GiB, written {written / GIB:5.1f} GiB",
             flush=True,
         )
@@ -156,6 +168,7 @@ class StepReport(L.Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # Read before teardown removes the swap files.
         self.disk_bytes = trainer.strategy.byte_placement()["disk"]
+        self.rank_disk_bytes = self._every_rank(trainer, self.disk_bytes)
         profiler = next((c for c in trainer.callbacks if isinstance(c, RatelProfiler)), None)
         if profiler is not None:
             self.busy = [s["ssd"] / s["wall"] for s in profiler.steps if s.get("wall")]
@@ -226,7 +239,8 @@ def main() -> None:
                              "a smaller model then still keeps part of its states in the swap files")
     parser.add_argument("--devices", type=int, default=1,
                         help="data-parallel ranks (on the CPU, processes sharing its cores); the figures are rank "
-                             "0's, each rank moving its own states and every compute copy through its own swap files")
+                             "0's, each rank moving its own states and every compute copy through its own swap files, "
+                             "and the summary adds up every rank's RSS and swap files")
     parser.add_argument("--read-ahead-sets", type=int, default=None,
                         help="CPU optimizer buffer sets beyond the pipeline's three, reading states ahead of "
                              "their updates (RatelStrategy's read_ahead_sets); default: planned")
@@ -291,6 +305,10 @@ def main() -> None:
     say()
     say(f"losses: {', '.join(f'{x:.4f}' for x in losses)}")
     say(f"peak RSS: {peak_rusage / GIB:.2f} GiB (getrusage), {watch.peak / GIB:.2f} GiB (sampled VmRSS)")
+    if args.devices > 1 and report.rank_rss:
+        last = report.rank_rss[-1]
+        say(f"RSS of the {args.devices} ranks at the end of the last step: {sum(last) / GIB:.2f} GiB together "
+            f"({', '.join(f'{r / GIB:.2f}' for r in last)} GiB; hold the sum against a run with --devices 1)")
     say(f"wall time per step: first {report.rows[0]['seconds']:.1f} s, then {sum(steady) / len(steady):.1f} s "
         f"on average; {total:.0f} s for the whole run including setup")
     if report.planned and len(report.marks) > 2:
@@ -318,6 +336,9 @@ def main() -> None:
         in_backward, outside = (sum(column) / len(column) for column in zip(*report.busy_backward[1:]))
         say(f"disk busy by phase after the first step: {100 * in_backward:.0f}% of backward, {100 * outside:.0f}% of "
             "the rest (the forward, and the updates after backward that it overlaps)")
+    if args.devices > 1 and report.rank_disk_bytes:
+        say(f"disk of the {args.devices} ranks: {sum(report.rank_disk_bytes):,} bytes in swap files together "
+            f"({', '.join(f'{b:,}' for b in report.rank_disk_bytes)})")
     say(f"disk: {report.disk_bytes:,} bytes in swap files during training; swap files left: "
         f"{sorted(os.listdir(args.swap_dir)) if args.swap_dir.exists() else 'none (directory removed)'}")
 
