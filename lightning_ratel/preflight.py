@@ -44,9 +44,11 @@ class Estimate:
         checkpoint_format: ``"full"`` or ``"sharded"`` (``"auto"`` resolved).
         disk: the swap files: the fp32 master and two moments in two slots (24 bytes) of each trainable parameter whose
             states are not in host memory, and with ``param_cache="ssd"`` the 16-bit and frozen compute copies
-            (with several ranks, the files of all of them: each also keeps every trainable compute copy, see
-            :class:`~lightning_ratel.runtime.collectives.StoredCopies`). Activations a plan sends to the SSD, and the
-            own-dtype copies of frozen values bf16 would round, come on top.
+            (with several ranks, the files of all of them: the ranks read each other's trainable compute copies, see
+            :class:`~lightning_ratel.runtime.collectives.NodeCopies`, but for fp32 masters held in host memory, of
+            which each other rank keeps a copy, see :class:`~lightning_ratel.runtime.collectives.StoredCopies`).
+            Activations a plan sends to the SSD, and the own-dtype copies of frozen values bf16 would round, come on
+            top.
         host_cache: the host cache of compute copies (``param_cache="host"``).
         host_states: the optimizer states kept in host memory (``optimizer_states``), both slots.
         optimizer_buffers: the CPU AdamW's buffer sets (master and moments of the largest shard whose states are in
@@ -62,8 +64,9 @@ class Estimate:
             ``"micro_batch"`` two buckets of gradients in flight, each one owner's fp32 gradients of consecutive
             parameters (a larger one in parts) and a flag per item, up to 25 MiB or half the largest shard, whichever
             is less (:func:`~lightning_ratel.runtime.collectives.exchange_micro_batch_nbytes`). With
-            ``param_cache="ssd"`` also the two buffers of the largest shard's compute copy that copies published
-            between ranks pass through (:class:`~lightning_ratel.runtime.collectives.StoredCopies`). 0 on one rank.
+            ``param_cache="ssd"`` and fp32 masters held in host memory also the two buffers of the largest one's
+            compute copy that copies published between ranks pass through
+            (:class:`~lightning_ratel.runtime.collectives.StoredCopies`). 0 on one rank.
         exchange: with several ranks, the gradient exchange the planner chooses
             (:func:`~lightning_ratel.plan.exchange.choose_exchange`) from the host budget (``host_memory_limit``, else
             a rank's part of the memory available now) and the other host bytes; ``None`` on one rank.
@@ -168,10 +171,12 @@ def _estimate(module: nn.Module, optimizer: torch.optim.Optimizer, config: Ratel
                           optimizer_states=config.states_request, read_ahead=config.read_ahead_sets)
     on_store = layout.param_cache == "ssd"
     disk = sum(state_bytes(s.numel) for s in layout.shards if s.state_tier == "ssd")
+    # With the compute copies in the swap files, the ranks of the node read those in their owners' files (NodeCopies),
+    # but for fp32 masters held in host memory: every other rank keeps a copy of those in its own (StoredCopies).
+    stored = [s for s in layout.shards if s.dtype == torch.float32 and s.state_tier != "ssd"] if on_store else []
     if on_store:
         disk += sum(s.numel * s.dtype.itemsize for s in layout.all_shards if s.dtype != torch.float32 or s.group < 0)
-        # Every other rank keeps every trainable compute copy in its own files too (StoredCopies).
-        disk += (ranks - 1) * sum(s.numel * s.dtype.itemsize for s in layout.shards)
+        disk += (ranks - 1) * sum(s.numel * 4 for s in stored)
     checkpoint_format = choose_checkpoint_format(config.checkpoint_format, module, optimizer,
                                                  config.host_memory_limit)
     if checkpoint_format == "full":
@@ -201,7 +206,7 @@ def _estimate(module: nn.Module, optimizer: torch.optim.Optimizer, config: Ratel
     if budget is None and config.gradient_exchange == "auto":
         budget = available_host_memory() // ranks
     # The buffers the published compute copies pass through, held whichever exchange runs.
-    copies = StoredCopies.buffer_nbytes(layout.shards) if on_store else 0
+    copies = StoredCopies.buffer_nbytes(stored)
     # The bytes the budget check counts for a rank, without the exchange.
     held = estimate.host + (estimate.device if unified else 0) + copies
     choice = choose_exchange(config.gradient_exchange, accumulate, ranks, held, window, budget, automatic=automatic)

@@ -38,6 +38,7 @@ from lightning_ratel.io import checkpoint, sharded
 from lightning_ratel.io.pretrained import PretrainedFolder
 from lightning_ratel.io.sharded import ShardedReader
 from lightning_ratel.runtime.collectives import StoredCopies
+from lightning_ratel.runtime.peerstore import PeerStore
 from lightning_ratel.sizes import path_bytes
 from tests.models import LM, cache_off, final_state, trainer
 
@@ -288,6 +289,30 @@ def _fail_copies(rank: int) -> None:
     StoredCopies.write = failing  # type: ignore[method-assign]
 
 
+def _damage_peer_copies(rank: int) -> None:
+    """On rank ``rank``, damage one byte of the first compute copy another rank announces to it, in that rank's swap
+    file (what a failing drive would do to it) once the announcement is in: the next read of it must fail."""
+    announce = PeerStore.announce
+    damaged: list[str] = []
+
+    def damaging(self: PeerStore, key: str, sums: Any) -> None:
+        announce(self, key, sums)
+        if int(os.environ.get("LOCAL_RANK", "0")) != rank or damaged:
+            return
+        chunk = self.extent(key).chunks[0]
+        path = self.swap_files[chunk.file].path
+        fd = os.open(path, os.O_RDWR)
+        try:
+            byte = os.pread(fd, 1, chunk.file_offset)
+            os.pwrite(fd, bytes([byte[0] ^ 0x10]), chunk.file_offset)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        damaged.append(key)
+
+    PeerStore.announce = damaging  # type: ignore[method-assign]
+
+
 def _claim_device(rank: int, device_type: str) -> None:
     """Make rank ``rank`` tell the others at the rendezvous that it trains on ``device_type``, and make its process
     group one the others can never join (as NCCL's is for ranks on gloo): its ``init_process_group`` never returns."""
@@ -355,6 +380,8 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--fail-save", default=None, help="RANK:STEP: that rank fails to write that step's checkpoint")
     parser.add_argument("--fail-copy", type=int, default=None,
                         help="that rank's store fails to write the compute copies published to it (--param-cache ssd)")
+    parser.add_argument("--damage-peer-copy", type=int, default=None,
+                        help="that rank damages the first compute copy it reads from another rank's swap files")
     parser.add_argument("--pretrained", default=None, help="RatelStrategy's pretrained folder")
     parser.add_argument("--keep-swap", action="store_true", help="RatelStrategy's keep_swap_files")
     parser.add_argument("--export", default=None, help="RatelHFExport's dirpath (fp32, at the end of fit); "
@@ -421,6 +448,8 @@ def main(argv: list[str]) -> None:
         _fixed_speeds(args.slow_node)
     if args.fail_copy is not None:
         _fail_copies(args.fail_copy)
+    if args.damage_peer_copy is not None:
+        _damage_peer_copies(args.damage_peer_copy)
     if args.claim_device:
         claimer, device_type = args.claim_device.split(":")
         _claim_device(int(claimer), device_type)

@@ -21,6 +21,7 @@ from lightning_ratel.runtime import checksum, storage
 from lightning_ratel.runtime.adamw import GroupHyper, fused_adamw_
 from lightning_ratel.runtime.hostmem import aligned_empty
 from lightning_ratel.runtime.kept import KeptStore
+from lightning_ratel.runtime.peerstore import PeerStore
 from lightning_ratel.runtime.storage import Chunk, TensorStore
 from lightning_ratel.runtime.swapfile import HEADER_BYTES
 from tests.test_storage import STRIPE, _buffer, _random
@@ -640,3 +641,49 @@ def test_kept_store_of_an_xxh3_run_still_verifies(tmp_path: Path, monkeypatch: p
     monkeypatch.undo()
     assert json.loads((paths[0] / "ratel.index.json").read_text())["checksum"] == checksum.XXH3_64
     _verifies_and_catches_damage(paths, written, checksum.XXH3_64, "exp_avg.0", 40)
+
+
+@pytest.mark.parametrize("ndirs", [1, 2])
+def test_another_ranks_store_reads_only_what_its_owner_announced(tmp_path: Path, io_mode: bool, ndirs: int) -> None:
+    """A :class:`PeerStore` on another store's live files (a rank reading the compute copies its node's other ranks
+    own): a key reads back only once its owner announced its checksums, then verified like the owner's own reads; a
+    rewrite not announced yet, or damage on the drive, fails the check naming the owner's file; nothing can be
+    written; a file of another run is refused; closing it leaves the owner's files as they are."""
+    dirs = _dirs(tmp_path, ndirs)
+    value = _random(NUMEL, torch.float32, seed=1)
+    with TensorStore(dirs, name="ratel-rank0", stripe_bytes=STRIPE, direct=io_mode) as owner:
+        owner.write("copy", value).result()
+        with pytest.raises(RatelConfigError, match="not the swap file of store 'ratel-rank0' of run nope"):
+            PeerStore(owner.paths, owner.name, "nope", owner.stripe_bytes, owner.checksum_algorithm)
+        peer = PeerStore(owner.paths, owner.name, owner.run_id, owner.stripe_bytes, owner.checksum_algorithm,
+                         direct=io_mode or None)
+        try:
+            peer.adopt("rank0/copy", owner.extent("copy"))
+            out = _buffer(NUMEL, torch.float32, aligned=True)
+            with pytest.raises(RatelStoreError, match="has not announced a write of it yet"):
+                peer.read("rank0/copy", out).result()
+            peer.announce("rank0/copy", owner.checksums("copy"))
+            assert torch.equal(peer.read("rank0/copy", out).result(), value)
+            # The owner rewrites the key: until it announces the new checksums, a read fails instead of passing.
+            newer = _random(NUMEL, torch.float32, seed=2)
+            owner.write("copy", newer).result()
+            with pytest.raises(RatelStoreError, match="checksum mismatch") as caught:
+                peer.read("rank0/copy", out).result()
+            assert caught.value.errno == errno.EBADMSG
+            peer.announce("rank0/copy", owner.checksums("copy"))
+            assert torch.equal(peer.read("rank0/copy", out).result(), newer)
+            path, offset, chunk = _locate(owner, "copy", 5 * 4)
+            # One bit of the owner's file flipped on the drive.
+            before = _patch(path, offset, b"\0")
+            _patch(path, offset, bytes([before[0] ^ 0x40]))
+            with pytest.raises(RatelStoreError, match="checksum mismatch") as caught:
+                peer.read("rank0/copy", out).result()
+            _assert_names(caught.value, path, "rank0/copy", chunk)
+            with pytest.raises(RatelStoreError) as refused:
+                peer.write("rank0/copy", newer).result()
+            assert refused.value.errno == errno.EROFS
+        finally:
+            peer.close()
+        assert all(f.path.exists() for f in owner.swap_files)
+        owner.write("copy", value).result()
+        assert torch.equal(owner.read("copy", torch.empty(NUMEL)).result(), value)

@@ -53,7 +53,15 @@ from lightning_ratel.runtime import gds
 from lightning_ratel.runtime.activations import ActivationCache, PlaceholderRead
 from lightning_ratel.runtime.adamw import GroupHyper
 from lightning_ratel.runtime.buffers import BufferBroadcast
-from lightning_ratel.runtime.collectives import DataParallelAdam, Faults, NodeCache, Ranks, SharedCacheUnavailable
+from lightning_ratel.runtime.collectives import (
+    DataParallelAdam,
+    Faults,
+    NodeCache,
+    NodeCopies,
+    Ranks,
+    SharedCacheUnavailable,
+    SharedCopiesUnavailable,
+)
 from lightning_ratel.runtime.device import Device
 from lightning_ratel.runtime.device_adam import DeviceAdam, DeviceStates, TieredAdam
 from lightning_ratel.runtime.escapes import Escape, EscapeDetector
@@ -182,6 +190,24 @@ def _node_cache(module: nn.Module, ranks: Ranks, faults: Faults | None) -> NodeC
                 f"RatelStrategy: the {ranks.local_world} ranks on each node keep a host cache of the compute copies "
                 f"each, {ranks.local_world}x the host memory of one: {err}. Give /dev/shm room for one copy (docker: "
                 "--shm-size) to hold it once per node.")
+        return None
+
+
+def _node_copies(ranks: Ranks, store: TieredStore, layout: Layout, owned: set[int], faults: Faults | None
+                 ) -> NodeCopies | None:
+    """With the compute copies in the swap files, the ones the node's ranks read from their owners' files (collective
+    over every rank, watching ``faults``), or ``None``: each rank stores every copy, with a warning why where several
+    ranks share the node."""
+    # An fp32 master is its shard's copy, in the swap files where its states are; a 16-bit copy always is.
+    on_disk = [s.index for s in layout.shards
+               if s.index in owned and (s.dtype != torch.float32 or s.state_tier == "ssd")]
+    try:
+        return NodeCopies.open(ranks, store, on_disk, faults)
+    except SharedCopiesUnavailable as err:
+        if ranks.local_world > 1:
+            rank_zero_warn(
+                f"RatelStrategy: the {ranks.local_world} ranks on each node keep a copy of every compute copy in their "
+                f"own swap files (param_cache='ssd'), {ranks.local_world}x the disk space of one: {err}.")
         return None
 
 
@@ -358,8 +384,13 @@ class RatelEngine:
         # Host bytes of backward's page-ins the pool keeps for the updates (see KEPT_MASTER_SHARDS).
         kept = 0
         try:
+            node_copies = None
             if optimizer is not None:
                 self.store = _state_store(self.device, config, self.layout.shards, local_world, io)
+                if owned is not None and ranks is not None and self.layout.param_cache == "ssd":
+                    node_copies = _node_copies(ranks, self.store, self.layout, owned, faults)
+                    if node_copies is not None:
+                        materializer.shared = set(node_copies.shared) - owned
             materializer.load(self.store)
             if self.store is not None:
                 largest = max((s.numel for s in self.layout.shards), default=0)
@@ -390,7 +421,7 @@ class RatelEngine:
                     assert ranks is not None
                     assert self.exchange is not None
                     self.adam = DataParallelAdam(cpu_adam, self.layout.shards, owners, ranks, node, faults,
-                                                 self.exchange.mode)
+                                                 self.exchange.mode, node_copies)
                     self.adam.sync_compute_copies()
                     # The training thread's own gloo group, whose waits watch for a failed rank (and which the ranks
                     # replace when they meet after a failure), also on CUDA.

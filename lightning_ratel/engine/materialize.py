@@ -155,6 +155,9 @@ class Materializer:
         self.source = source
         self.progress = progress
         self.owned = owned
+        # Trainable shards another rank owns whose compute copies this rank reads from the owner's swap files (see
+        # NodeCopies): nothing of them goes into this rank's.
+        self.shared: set[int] = set()
         self._default = DefaultInit(module, fallback=source is not None) if param_init_fn is None else None
         self.init: Callable[[nn.Module], None] = param_init_fn or self._default  # type: ignore[assignment]
         self._meta = {id(s.param) for s in layout.slots if s.param.is_meta}
@@ -266,6 +269,8 @@ class Materializer:
                 if not shard.master_in_host:
                     store.reserve(shard.key("master"), shard.numel * 4)
             for shard in layout.all_shards if compute_on_store else ():
+                if shard.index in self.shared:
+                    continue
                 if shard.dtype != torch.float32 or shard.group < 0:
                     store.reserve(shard.compute_key, shard.numel * shard.dtype.itemsize)
                 elif self.owned is not None and shard.index not in self.owned:

@@ -384,7 +384,12 @@ class Planner:
         owned = self.owned_shards()
         others = [s for s in self.layout.shards if s not in owned]
         return step_traffic(owned, self.layout.frozen_shards, self.layout.param_cache, self._read_ahead_sets(),
-                            after_backward, others)
+                            after_backward, others, self._stored_copies())
+
+    def _stored_copies(self) -> list[Shard]:
+        """The trainable shards other ranks own whose compute copies this rank keeps in its own swap files."""
+        parallel = self._parallel
+        return [s for s in self.layout.shards if parallel is not None and parallel.stores_copy(s)]
 
     def host_room(self, nodes: Sequence[HardwareProfile]) -> int:
         """Host bytes this rank's budget leaves beyond what it holds now (see :func:`plan_budgets`), given every node's
@@ -400,7 +405,8 @@ class Planner:
             self.layout.shards, self.owned_shards(), self.layout.param_cache, self.ranks_on_node,
             prefetch_depth=self.config.prefetch_depth, host_static_bytes=self.accounts.held()["host"],
             device_overhead=self._device_overhead(layers) if self.device.is_cuda else None,
-            read_ahead_sets=self._read_ahead_sets(), slot_copy=self.layout.generic is not None)
+            read_ahead_sets=self._read_ahead_sets(), slot_copy=self.layout.generic is not None,
+            stored_copies=self._stored_copies())
         return dataclasses.replace(settings, updates_after_backward=not self.updates_overlap, **self._measured)
 
     def _device_tier_bytes(self) -> int:
@@ -538,8 +544,8 @@ def state_traffic(shards: Sequence[Shard], param_cache: str) -> dict[str, int]:
 
 
 def step_traffic(shards: Sequence[Shard], frozen_shards: Sequence[Shard], param_cache: str,
-                 read_ahead_sets: int = 0, after_backward: bool = False, others: Sequence[Shard] = ()
-                 ) -> dict[str, int]:
+                 read_ahead_sets: int = 0, after_backward: bool = False, others: Sequence[Shard] = (),
+                 stored: Sequence[Shard] | None = None) -> dict[str, int]:
     """The least a training step moves through the swap files: :func:`state_traffic` of ``shards``, and where the
     pager reads compute copies from the swap files (``param_cache="ssd"``), each unit's copies read for its forward
     and again for its backward, except where a page-in and the optimizer use the same bytes (an fp32 shard whose
@@ -555,7 +561,10 @@ def step_traffic(shards: Sequence[Shard], frozen_shards: Sequence[Shard], param_
         after_backward: the updates run after backward, in forward order, so the sets read the first shards ahead
             (``False``: they overlap backward, which updates the last shards first).
         others: the trainable shards other ranks own. Where the pager reads compute copies from the swap files, this
-            rank stores the copy of each once a step (see :func:`others_copies`) and pages it in like a frozen one.
+            rank pages the copy of each in like a frozen one, from its own swap files or from its owner's (see
+            :class:`~lightning_ratel.runtime.collectives.NodeCopies`).
+        stored: those of ``others`` whose copies this rank stores in its own swap files, once a step (see
+            :func:`others_copies`); ``None``: all of them.
 
     Returns:
         ``{"read": bytes, "written": bytes}``.
@@ -569,14 +578,15 @@ def step_traffic(shards: Sequence[Shard], frozen_shards: Sequence[Shard], param_
     forward = sum(s.numel * s.dtype.itemsize for s in on_disk) + others_copies(others, param_cache)
     shared = shared_master_reads(shards) + shared_master_reads(_read_ahead(shards, read_ahead_sets, after_backward))
     return {"read": traffic["read"] + 2 * forward - shared,
-            "written": traffic["written"] + others_copies(others, param_cache)}
+            "written": traffic["written"] + others_copies(others if stored is None else stored, param_cache)}
 
 
 def others_copies(others: Sequence[Shard], param_cache: str) -> int:
-    """Bytes of the compute copies a rank stores each step for the trainable shards ``others`` that other ranks own:
-    where the pager reads compute copies from the swap files (``param_cache="ssd"``) every rank keeps every copy in
-    its own (:class:`~lightning_ratel.runtime.collectives.StoredCopies`), written from the owner's broadcast once a
-    step and read for each forward and backward; none otherwise."""
+    """Bytes of the compute copies of ``others``, trainable shards other ranks own, where the pager reads compute
+    copies from the swap files (``param_cache="ssd"``): what a rank reads of them for each forward and backward, and
+    where it keeps them in its own files (:class:`~lightning_ratel.runtime.collectives.StoredCopies`: not where its
+    node's ranks share them, :class:`~lightning_ratel.runtime.collectives.NodeCopies`) what it writes from the owner's
+    broadcast once a step; none otherwise."""
     return sum(s.numel * s.dtype.itemsize for s in others) if param_cache == "ssd" else 0
 
 
@@ -608,7 +618,7 @@ def _read_ahead(shards: Sequence[Shard], sets: int, after_backward: bool = False
 def plan_settings(shards: Sequence[Shard], owned: Sequence[Shard], param_cache: str, ranks_on_node: int,
                   *, prefetch_depth: int, host_static_bytes: int,
                   device_overhead: DeviceOverhead | None, read_ahead_sets: int = 0,
-                  slot_copy: bool = False) -> CostSettings:
+                  slot_copy: bool = False, stored_copies: Sequence[Shard] | None = None) -> CostSettings:
     """The cost model's settings for one rank of ``ranks_on_node`` on its node.
 
     The cost model counts the optimizer's state bytes per parameter a rank owns, ``1 / ranks_on_node`` of the
@@ -627,12 +637,16 @@ def plan_settings(shards: Sequence[Shard], owned: Sequence[Shard], param_cache: 
             :func:`read_ahead_traffic`).
         slot_copy: the update copies a shard's committed state into the other slot before stepping there (the
             generic optimizer path; AdamW reads one slot and writes the other in its single pass).
+        stored_copies: the shards of other ranks whose compute copies this rank keeps in its own swap files;
+            ``None``: every one it does not own.
     """
     share = (sum(s.numel for s in shards) or 1) / ranks_on_node
     traffic = state_traffic(owned, param_cache)
     mine = {id(s) for s in owned}
     # The copies of other ranks' shards this rank stores each step travel with its own state writes.
-    traffic["written"] += others_copies([s for s in shards if id(s) not in mine], param_cache)
+    if stored_copies is None:
+        stored_copies = [s for s in shards if id(s) not in mine]
+    traffic["written"] += others_copies(stored_copies, param_cache)
     if param_cache == "ssd":
         # The cost model counts every compute copy's page-ins; an fp32 master in the swap files is that copy, and
         # the optimizer's read of it shares one page-in's bytes (see shared_master_reads).

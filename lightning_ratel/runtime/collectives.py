@@ -2,7 +2,8 @@
 
 Every rank runs forward and backward on its own micro-batch and reads every unit's compute copy (the pager needs it)
 from a host cache that the ranks of its node share (:class:`NodeCache`; each rank keeps its own where they cannot), or
-with ``param_cache="ssd"`` from its own swap files (:class:`StoredCopies`), but only the units it owns
+with ``param_cache="ssd"`` from the swap files of the unit's owner, which the node's ranks read (:class:`NodeCopies`),
+or where they cannot from its own (:class:`StoredCopies`), but only the units it owns
 (:mod:`lightning_ratel.plan.owners`) have their fp32 master and optimizer states in its swap store and their update on
 its CPU optimizer. :class:`DataParallelAdam` stands where :class:`~lightning_ratel.runtime.optimizer.CpuAdam` stands on
 one rank and takes the same calls:
@@ -31,8 +32,9 @@ one rank and takes the same calls:
    owner into every rank's host cache (or swap files), in the order the next forward needs them, and completes the
    unit's :class:`~lightning_ratel.runtime.units.UnitReady` there: the pager waits for it as for an update on one
    rank. With a shared cache the copy reaches each node once (the owner wrote it on its own node) and the node's
-   writer of the unit tells the node's other ranks when it is there. The owner's update may overwrite the shared bytes
-   during backward: it runs on the reduced gradient, so after every rank's backward has left the unit.
+   writer of the unit tells the node's other ranks when it is there; with the copies shared in the swap files the
+   owner announces where the new copy is and its checksums instead of sending it. The owner's update may overwrite the
+   shared bytes during backward: it runs on the reduced gradient, so after every rank's backward has left the unit.
 
 Each thread issues its collectives on a process group of its own (gloo, on host memory, whatever the default backend),
 so collectives of different threads never interleave differently on two ranks. The training thread's own collectives
@@ -65,10 +67,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_ratel.errors import RatelRankFailed
+from lightning_ratel.errors import RatelConfigError, RatelRankFailed
 from lightning_ratel.runtime.device import DONE
 from lightning_ratel.runtime.hostmem import ALIGNMENT, SharedHostMemory, aligned_empty
+from lightning_ratel.runtime.hoststore import TieredStore
 from lightning_ratel.runtime.optimizer import CpuAdam, Finished, Outcome, StepPlan, finish_step
+from lightning_ratel.runtime.peerstore import PeerStore
 from lightning_ratel.runtime.pool import HostPool
 from lightning_ratel.runtime.units import Shard, Unit
 from lightning_ratel.sizes import round_up
@@ -694,6 +698,115 @@ class StoredCopies:
         return out
 
 
+class SharedCopiesUnavailable(Exception):
+    """The ranks of a node cannot read each other's swap files (:meth:`NodeCopies.open`); the message says why."""
+
+
+class NodeCopies:
+    """The compute copies in the swap files (``param_cache="ssd"``) that the ranks of one node share: each trainable
+    shard's copy is in its owner's swap files only, and the node's other ranks read it there, through a read-only
+    :class:`~lightning_ratel.runtime.peerstore.PeerStore` of the owner's files.
+
+    After each write of a copy (a step's update, an assignment between steps, the first values) the owner announces
+    on a collective the key that holds it (an fp32 master moves between the state slots), where that key lives and
+    its chunks' checksums; a rank reads the copy only after that (the unit's
+    :class:`~lightning_ratel.runtime.units.UnitReady`), verified against those checksums, so bytes the owner is
+    rewriting never pass. The owner rewrites a copy only in its update, which runs on the gradient reduced from every
+    rank, once every rank's backward has left the unit. Shards whose copy is not in the owner's swap files (an fp32
+    master in host memory) and runs of several nodes go as :class:`StoredCopies` does.
+
+    Args:
+        store: this rank's store.
+        rank: this rank.
+        peers: a read-only store of each other rank of the node, by rank.
+        shared: the trainable shards, by index, whose copies the ranks share this way.
+    """
+
+    def __init__(self, store: TieredStore, rank: int, peers: dict[int, PeerStore], shared: set[int]) -> None:
+        self.store = store
+        self.rank = rank
+        self.peers = peers
+        self.shared = frozenset(shared)
+
+    @classmethod
+    def open(cls, ranks: Ranks, store: TieredStore, on_disk: Sequence[int], faults: Faults | None = None
+             ) -> NodeCopies:
+        """Collective over every rank: open the other ranks' swap files read-only.
+
+        Args:
+            ranks: this rank's place.
+            store: this rank's store (its swap files exist).
+            on_disk: the shards this rank owns, by index, whose compute copy is in its swap files.
+            faults: where the waits watch for a failed rank (``None``: a watch of its own).
+
+        Raises:
+            SharedCopiesUnavailable: on every rank alike, where the ranks are not all on one node, or any rank cannot
+                open another's files; nothing is left open.
+        """
+        if ranks.nodes != 1 or ranks.world < 2:
+            raise SharedCopiesUnavailable("the ranks are on several nodes" if ranks.nodes != 1 else "one rank")
+        world = dist.new_group(backend="gloo", timeout=ranks.timeout)
+        if faults is None:
+            faults = Faults(ranks, f"ratel-faults/{world.group_name}")
+        disk = store.disk
+        peers: dict[int, PeerStore] = {}
+        try:
+            mine = ([str(p) for p in disk.paths], disk.name, disk.run_id, disk.stripe_bytes, disk.checksum_algorithm,
+                    sorted(on_disk))
+            described = faults.gather_objects(mine, world)
+            reason = ""
+            for rank, (paths, name, run_id, stripe, algorithm, _) in enumerate(described):
+                if rank == ranks.rank:
+                    continue
+                try:
+                    peers[rank] = PeerStore(paths, name, run_id, stripe, algorithm, direct=disk.direct or None)
+                except (OSError, RatelConfigError) as err:
+                    reason = f"rank {ranks.rank} could not open rank {rank}'s swap files ({err})"
+                    break
+            failed = torch.tensor([1 if reason else 0])
+            faults.all_reduce(failed, dist.ReduceOp.MAX, world)
+            if failed.item():
+                raise SharedCopiesUnavailable(reason or "another rank could not open this node's swap files")
+        except BaseException:
+            for peer in peers.values():
+                peer.close()
+            raise
+        finally:
+            dist.destroy_process_group(world)
+        for peer in peers.values():
+            store.attach_peer(peer)
+        return cls(store, ranks.rank, peers, {index for entry in described for index in entry[5]})
+
+    def shares(self, shard: Shard) -> bool:
+        """Whether ``shard``'s copy is read from its owner's swap files."""
+        return shard.index in self.shared
+
+    def publish(self, shard: Shard, owner: int, broadcast: Callable[[Any], Any]) -> None:
+        """One shard's new copy announced by its owner (``broadcast``: the collective of a picklable object from
+        the owner) and, on the other ranks, read from the owner's files from now on. The owner's write of it must have
+        landed."""
+        message = None
+        if owner == self.rank:
+            shard.unit.ready.wait_stored()
+            key = shard.unit.ready.compute_key(shard)
+            message = (key, self.store.disk.extent(key), self.store.disk.checksums(key))
+        key, extent, sums = broadcast(message)
+        if owner == self.rank:
+            return
+        peer = self.peers[owner]
+        name = f"rank{owner}/{key}"
+        if self.store.peer_of(name) is None:
+            self.store.adopt(peer, name, extent)
+        peer.announce(name, sums)
+        shard.unit.ready.place(shard, name)
+
+    def read(self, shard: Shard) -> torch.Tensor:
+        """``shard``'s current copy, read from its owner's files into a new tensor (between steps)."""
+        out = aligned_empty(shard.numel * shard.dtype.itemsize, torch.uint8).view(shard.dtype)
+        self.store.read(shard.unit.ready.compute_key(shard), out, urgent=True).result()
+        return out
+
+
 @dataclass(frozen=True)
 class _Gradient:
     shard: Shard
@@ -1202,16 +1315,19 @@ class _Publisher:
         node: the host cache this rank shares with its node, if it does (each copy then reaches each node once, see
             :class:`NodeCache`).
         copies: where the compute copies are kept when they are in the swap files, not in a host cache.
+        node_copies: the copies the node's ranks read from their owners' swap files (announced here, not sent).
     """
 
     def __init__(self, owner: dict[int, int], rank: int, group: Any, faults: Faults,
-                 node: NodeCache | None = None, copies: StoredCopies | None = None) -> None:
+                 node: NodeCache | None = None, copies: StoredCopies | None = None,
+                 node_copies: NodeCopies | None = None) -> None:
         self._owner = owner
         self._rank = rank
         self._group = group
         self._faults = faults
         self._node = node
         self._copies = copies
+        self._node_copies = node_copies
         self._jobs: queue.SimpleQueue[_Publish | _Stop] = queue.SimpleQueue()
         self._cond = threading.Condition()
         self._pending = 0
@@ -1266,6 +1382,12 @@ class _Publisher:
                 unit.ready.wait()
             for shard in shards:
                 owner = self._owner[shard.index]
+                if self._node_copies is not None and self._node_copies.shares(shard):
+                    self._node_copies.publish(
+                        shard, owner, lambda message: self._faults.broadcast_object(message, owner, self._group))
+                    if owner != self._rank:
+                        unit.ready.complete()
+                    continue
                 if self._copies is None:
                     self._faults.broadcast(_wire(_compute_copy(shard)), owner, self._group)
                     if owner != self._rank:
@@ -1324,11 +1446,13 @@ class DataParallelAdam:
             (:class:`_GradientExchange`); ``"micro_batch"``: each micro-batch's gradients are reduced onto their owners
             and summed there (:class:`_MicroBatchExchange`). The planner's choice
             (:func:`~lightning_ratel.plan.exchange.choose_exchange`).
+        node_copies: with the compute copies in the swap files, those the node's ranks read from their owners' files
+            (:class:`NodeCopies`, opened before the model was materialized); the others every rank stores.
     """
 
     def __init__(self, make: Callable[[list[Shard]], CpuAdam], shards: Sequence[Shard], owners: dict[int, int],
                  ranks: Ranks, node: NodeCache | None = None, faults: Faults | None = None,
-                 exchange: str = "window") -> None:
+                 exchange: str = "window", node_copies: NodeCopies | None = None) -> None:
         self.shards = list(shards)
         self.ranks = ranks
         self._owner = {s.index: owners[s.unit.index] for s in self.shards}
@@ -1349,16 +1473,26 @@ class DataParallelAdam:
                           if exchange == "micro_batch" else
                           _GradientExchange(self.shards, self._owner, ranks, groups[0], self._deliver, self._faults))
         self._node = node
-        # Compute copies in the swap files: every rank keeps each one in its own.
-        self.copies = (StoredCopies(self.local.store, self.shards, self.owns) if self.local.compute_on_store
+        # Compute copies in the swap files: read from the owner's where the node's ranks share them, else every rank
+        # keeps each one in its own.
+        self._node_copies = node_copies
+        stored = [s for s in self.shards if node_copies is None or not node_copies.shares(s)]
+        self.copies = (StoredCopies(self.local.store, stored, self.owns) if self.local.compute_on_store and stored
                        else None)
-        self._publisher = _Publisher(self._owner, ranks.rank, groups[1], self._faults, node, self.copies)
+        self._publisher = _Publisher(self._owner, ranks.rank, groups[1], self._faults, node, self.copies,
+                                     node_copies)
         # Parameters of every shard in the optimizer's order, for the global norm.
         self._param_count = sum(len(s.params) for s in self.shards)
 
     def owns(self, shard: Shard) -> bool:
         """Whether this rank holds ``shard``'s states and runs its update."""
         return self._owner[shard.index] == self.ranks.rank
+
+    def stores_copy(self, shard: Shard) -> bool:
+        """Whether this rank keeps ``shard``'s compute copy in its own swap files, written from its owner's broadcast
+        (:class:`StoredCopies`; not the shards it owns, nor those its node's ranks share)."""
+        return self.copies is not None and not self.owns(shard) and (
+            self._node_copies is None or not self._node_copies.shares(shard))
 
     def owner(self, shard: Shard) -> int:
         """The rank holding ``shard``'s states."""
@@ -1629,12 +1763,18 @@ class DataParallelAdam:
         other ranks may read (every unit's first copy was written by its writer). With the copies in the swap files
         each owner reads its own back and every other rank stores what it receives."""
         node = self._node
-        if self.copies is not None:
+        if self.local.compute_on_store:
             for shard in self.shards:
                 owner = self.owner(shard)
-                self.copies.publish(shard, owner == self.ranks.rank,
-                                    lambda wire: self._faults.broadcast(wire, owner, self._control))
-            self.copies.settle()
+                if self._node_copies is not None and self._node_copies.shares(shard):
+                    self._node_copies.publish(
+                        shard, owner, lambda message: self._faults.broadcast_object(message, owner, self._control))
+                else:
+                    assert self.copies is not None
+                    self.copies.publish(shard, owner == self.ranks.rank,
+                                        lambda wire: self._faults.broadcast(wire, owner, self._control))
+            if self.copies is not None:
+                self.copies.settle()
             return
         if node is None:
             for shard in self.shards:
@@ -1702,7 +1842,13 @@ class DataParallelAdam:
     def assign(self, shard: Shard, master: torch.Tensor) -> None:
         """Give ``shard`` new values between steps: its master on the owner, its compute copy on every rank (each
         rank runs the same code that wrote them)."""
-        if self.owns(shard):
+        if self._node_copies is not None and self._node_copies.shares(shard):
+            if self.owns(shard):
+                self.local.assign(shard, master)
+            owner = self.owner(shard)
+            self._node_copies.publish(shard, owner,
+                                      lambda message: self._faults.broadcast_object(message, owner, self._control))
+        elif self.owns(shard):
             self.local.assign(shard, master)
         elif self.copies is not None:
             self.barrier()
@@ -1716,6 +1862,9 @@ class DataParallelAdam:
     def compute_copy(self, shard: Shard) -> torch.Tensor:
         """``shard``'s current compute copy on this rank, to read between steps (a buffer reused by the next call
         where the copies are in the swap files: copy what is kept)."""
+        if self._node_copies is not None and self._node_copies.shares(shard):
+            self.barrier()
+            return self._node_copies.read(shard)
         if self.copies is None:
             return _compute_copy(shard)
         self.barrier()

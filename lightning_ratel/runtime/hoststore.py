@@ -25,7 +25,8 @@ import torch
 
 from lightning_ratel.errors import RatelConfigError
 from lightning_ratel.runtime.hostmem import ALIGNMENT, aligned_empty
-from lightning_ratel.runtime.storage import Gather, TensorStore
+from lightning_ratel.runtime.peerstore import PeerStore
+from lightning_ratel.runtime.storage import Extent, Gather, TensorStore
 from lightning_ratel.sizes import format_bytes, round_up
 
 COPY_PIECE_BYTES = 64 << 20
@@ -259,8 +260,9 @@ class TieredStore:
     swap files (:class:`~lightning_ratel.runtime.storage.TensorStore`) otherwise.
 
     Reads and writes follow the key; reserving and preallocating go to both. Whatever concerns the swap files (their
-    paths, keeping them at close, their metadata, the bytes moved to and from the drives and when) is the swap
-    store's: attributes not defined here are looked up on it.
+    paths, keeping them at close, their metadata) is the swap store's: attributes not defined here are looked up on
+    it. Keys another rank of the node writes into its own swap files (:meth:`attach_peer`) are read from there; the
+    bytes moved to and from the drives, and when, count those reads too.
 
     Args:
         disk: the swap store.
@@ -277,12 +279,44 @@ class TieredStore:
         self.host_keys = frozenset(host_keys)
         self.device = device
         self.device_keys = frozenset(device_keys) if device is not None else frozenset()
+        self.peers: list[PeerStore] = []
+        self._peer_keys: dict[str, PeerStore] = {}
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for attributes this class lacks: the swap store's.
-        if name in ("disk", "host", "host_keys", "device", "device_keys"):
+        if name in ("disk", "host", "host_keys", "device", "device_keys", "peers", "_peer_keys"):
             raise AttributeError(name)
         return getattr(self.disk, name)
+
+    def attach_peer(self, peer: PeerStore) -> None:
+        """Read the keys ``peer`` adopts (another rank's swap files) from it; it closes with this store."""
+        self.peers.append(peer)
+
+    def adopt(self, peer: PeerStore, key: str, extent: Extent) -> None:
+        """Read ``key`` from ``peer`` (attached), where ``extent`` says it is (:meth:`PeerStore.adopt`)."""
+        peer.adopt(key, extent)
+        self._peer_keys[key] = peer
+
+    def peer_of(self, key: str) -> PeerStore | None:
+        """The other rank's store ``key`` is read from, ``None`` for a key of this rank's."""
+        return self._peer_keys.get(key)
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes read from the drives: this rank's swap files and other ranks' (see :meth:`attach_peer`)."""
+        return self.disk.bytes_read + sum(p.bytes_read for p in self.peers)
+
+    @property
+    def bytes_shared(self) -> int:
+        """Bytes reads copied from another read's memory instead of reading the drives."""
+        return self.disk.bytes_shared + sum(p.bytes_shared for p in self.peers)
+
+    def take_busy_intervals(self) -> list[tuple[float, float]]:
+        """Intervals during which a transfer ran, this rank's swap files or other ranks' (since the last call)."""
+        busy = self.disk.take_busy_intervals()
+        for peer in self.peers:
+            busy.extend(peer.take_busy_intervals())
+        return busy
 
     def in_host(self, key: str) -> bool:
         """Whether ``key`` lives in host memory."""
@@ -315,6 +349,9 @@ class TieredStore:
     def shares(self, key: str) -> bool:
         """See :meth:`TensorStore.shares <lightning_ratel.runtime.storage.TensorStore.shares>` (never for a key in
         host memory)."""
+        peer = self._peer_keys.get(key)
+        if peer is not None:
+            return peer.shares(key)
         return key not in self.host_keys and key not in self.device_keys and self.disk.shares(key)
 
     def read(self, key: str, out: torch.Tensor, *, urgent: bool = False, share: bool = False
@@ -323,18 +360,22 @@ class TieredStore:
         <lightning_ratel.runtime.storage.TensorStore.read>`): a key in host memory is a copy anyway."""
         if key in self.host_keys or key in self.device_keys:
             return self._route(key).read(key, out, urgent=urgent)
-        return self.disk.read(key, out, urgent=urgent, share=share)
+        return self._peer_keys.get(key, self.disk).read(key, out, urgent=urgent, share=share)
 
     def unshare(self, tensor: torch.Tensor) -> list[concurrent.futures.Future]:
         """See :meth:`TensorStore.unshare <lightning_ratel.runtime.storage.TensorStore.unshare>`."""
-        return self.disk.unshare(tensor)
+        copies = self.disk.unshare(tensor)
+        for peer in self.peers:
+            copies += peer.unshare(tensor)
+        return copies
 
     def offers(self, tensor: torch.Tensor) -> bool:
         """See :meth:`TensorStore.offers <lightning_ratel.runtime.storage.TensorStore.offers>`."""
-        return self.disk.offers(tensor)
+        return self.disk.offers(tensor) or any(peer.offers(tensor) for peer in self.peers)
 
     def nbytes(self, key: str) -> int:
-        return self._route(key).nbytes(key)
+        peer = self._peer_keys.get(key)
+        return peer.nbytes(key) if peer is not None else self._route(key).nbytes(key)
 
     def keys(self) -> list[str]:
         return self.disk.keys() + self.host.keys() + (self.device.keys() if self.device is not None else [])
@@ -375,6 +416,8 @@ class TieredStore:
             if self.device is not None:
                 self.device.close()
             self.host.close()
+            for peer in self.peers:
+                peer.close()
         finally:
             self.disk.close()
 

@@ -990,7 +990,8 @@ class CpuAdam:
         compute_key = shard.key("master", slot) if shard.dtype == torch.float32 else shard.compute_key
         moved = compute_key if self.compute_on_store and shard.dtype == torch.float32 else None
         offered = self.compute_on_store and self.store.shares(compute_key)
-        shard.unit.ready.complete(done if self.compute_on_store and not offered else None, shard, moved)
+        shard.unit.ready.complete(done if self.compute_on_store and not offered else None, shard, moved,
+                                  stored=done if self.compute_on_store else None)
         self.budget.updates_queued(-1)
 
     def _adamw_shard(self, shard: Shard, plan: StepPlan, master: torch.Tensor, grad: torch.Tensor,

@@ -435,9 +435,19 @@ class TensorStore:
         )
 
     @property
+    def name(self) -> str:
+        """The base name of the swap files (``<path>/<name>.swap``)."""
+        return self._name
+
+    @property
     def paths(self) -> tuple[Path, ...]:
         """The swap directories, resolved to absolute paths, in the order of their files' numbers."""
         return self._paths
+
+    @property
+    def checksum_algorithm(self) -> str:
+        """The checksum its chunks are verified with (:mod:`lightning_ratel.runtime.checksum`)."""
+        return self._algorithm
 
     @property
     def swap_files(self) -> tuple[SwapFile, ...]:
@@ -509,6 +519,34 @@ class TensorStore:
         if extent is None:
             raise KeyError(f"Key {key!r} was never reserved or written")
         return extent.nbytes
+
+    def extent(self, key: str) -> Extent:
+        """Where ``key`` lives in the swap files (for :class:`~lightning_ratel.runtime.peerstore.PeerStore`, which
+        reads it from another process); its checksums are :meth:`checksums`'s.
+
+        Raises:
+            KeyError: If ``key`` was never reserved or written.
+        """
+        with self._lock:
+            extent = self._extents.get(key)
+        if extent is None:
+            raise KeyError(f"Key {key!r} was never reserved or written")
+        return extent
+
+    def checksums(self, key: str) -> list[int | str | None]:
+        """The checksum of each chunk of ``key`` as its last write left it: an int, ``None`` where it was never
+        written (zeros), or the code of :data:`UNDEFINED` where the write failed or two overlapped.
+
+        Raises:
+            KeyError: If ``key`` was never reserved or written.
+            RuntimeError: If a write of ``key`` is in flight: wait for its future first.
+        """
+        extent = self.extent(key)
+        with self._sums_lock:
+            sums = list(extent.sums)
+        if any(isinstance(entry, Request) for entry in sums):
+            raise RuntimeError(f"a write of key {key!r} is in flight; its checksums are not known yet")
+        return [entry.code if isinstance(entry, _Undefined) else entry for entry in sums]
 
     @property
     def metadata(self) -> dict[str, Any]:

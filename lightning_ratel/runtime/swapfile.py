@@ -475,6 +475,28 @@ def open_kept_file(path: Path, name: str, direct: bool | None) -> tuple[SwapFile
     return _swap_file(path, fd, direct_fd), header
 
 
+def open_peer_file(path: Path, name: str, run_id: str, direct: bool | None) -> SwapFile:
+    """Open, read-only, a swap file another process of this run has open (a rank of the same node), and check that
+    it is that store's file of that run.
+
+    Raises:
+        OSError: If the file cannot be opened (missing, no permission, a link).
+        RatelConfigError: If its header is not that of store ``name`` of run ``run_id``, in use.
+    """
+    fd = open_file(str(path), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:
+        decoded = decode_header(os.pread(fd, HEADER_BYTES, 0))
+        header = None if decoded is None else header_from(decoded)
+        if header is None or (header.name, header.run_id) != (name, run_id) or header.state not in (IN_USE,
+                                                                                                     IN_USE_TO_KEEP):
+            raise RatelConfigError(f"{path} is not the swap file of store {name!r} of run {run_id} in use")
+        direct_fd = None if direct is False else _reopen_direct(path, fd, direct, header=None)
+    except BaseException:
+        os.close(fd)
+        raise
+    return _swap_file(path, fd, direct_fd)
+
+
 def check_free_space(paths: Sequence[str | os.PathLike[str]], nbytes_per_path: Sequence[int]) -> None:
     """Check that each filesystem has room for what will still be written to it.
 

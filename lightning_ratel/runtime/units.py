@@ -67,6 +67,8 @@ class UnitReady:
         self._expected = 0
         self._done = 0
         self._writes: list[Future] = []
+        # The store writes of the new compute copies, also those this rank's pager copies from memory meanwhile.
+        self._stored: list[Future] = []
         self._error: BaseException | None = None
         self._compute_keys: dict[int, str] = {}
 
@@ -75,16 +77,21 @@ class UnitReady:
         with self._cond:
             self._expected += 1
 
-    def complete(self, write: Future | None = None, shard: Shard | None = None, compute_key: str | None = None
-                 ) -> None:
-        """An update of the unit ran; ``write`` is the store write of its new compute copy, if it goes there, and
-        ``compute_key`` the key it went to, if not ``shard``'s own."""
+    def complete(self, write: Future | None = None, shard: Shard | None = None, compute_key: str | None = None,
+                 stored: Future | None = None) -> None:
+        """An update of the unit ran; ``write`` is the store write of its new compute copy that a page-in waits for,
+        if it goes there, ``compute_key`` the key it went to, if not ``shard``'s own, and ``stored`` that write even
+        where a page-in copies the copy from memory instead (other ranks read it from the drive:
+        :meth:`wait_stored`)."""
         with self._cond:
             self._done += 1
             if write is not None:
                 # A failed write stays: the next wait raises its error instead of paging in the bytes it left behind.
                 self._writes = [w for w in self._writes if not _landed(w)]
                 self._writes.append(write)
+            if stored is not None:
+                self._stored = [w for w in self._stored if not _landed(w)]
+                self._stored.append(stored)
             if shard is not None and compute_key is not None:
                 self._compute_keys[shard.index] = compute_key
             self._cond.notify_all()
@@ -129,6 +136,14 @@ class UnitReady:
                 raise self._error
             writes = list(self._writes)
         for write in writes:
+            write.result()
+
+    def wait_stored(self) -> None:
+        """After :meth:`wait`: block until the new compute copies are in the store, not only in memory a page-in
+        copies; raise a write's error."""
+        with self._cond:
+            stored = list(self._stored)
+        for write in stored:
             write.result()
 
 
