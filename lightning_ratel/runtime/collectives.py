@@ -752,14 +752,16 @@ class NodeCopies:
         peers: dict[int, PeerStore] = {}
         try:
             mine = ([str(p) for p in disk.paths], disk.name, disk.run_id, disk.stripe_bytes, disk.checksum_algorithm,
-                    sorted(on_disk))
+                    disk.direct, sorted(on_disk))
             described = faults.gather_objects(mine, world)
             reason = ""
-            for rank, (paths, name, run_id, stripe, algorithm, _) in enumerate(described):
+            for rank, (paths, name, run_id, stripe, algorithm, direct, _) in enumerate(described):
                 if rank == ranks.rank:
                     continue
                 try:
-                    peers[rank] = PeerStore(paths, name, run_id, stripe, algorithm, direct=disk.direct or None)
+                    # As the owner moves them: a direct read of a file written through the page cache could miss
+                    # what is still there.
+                    peers[rank] = PeerStore(paths, name, run_id, stripe, algorithm, direct=direct)
                 except (OSError, RatelConfigError) as err:
                     reason = f"rank {ranks.rank} could not open rank {rank}'s swap files ({err})"
                     break
@@ -775,7 +777,7 @@ class NodeCopies:
             dist.destroy_process_group(world)
         for peer in peers.values():
             store.attach_peer(peer)
-        return cls(store, ranks.rank, peers, {index for entry in described for index in entry[5]})
+        return cls(store, ranks.rank, peers, {index for entry in described for index in entry[6]})
 
     def shares(self, shard: Shard) -> bool:
         """Whether ``shard``'s copy is read from its owner's swap files."""

@@ -344,7 +344,8 @@ class TieredStore:
         is a copy anyway, and nothing checksums it."""
         if key in self.host_keys or key in self.device_keys:
             return self._route(key).write(key, tensor, urgent=urgent)
-        return self.disk.write(key, tensor, urgent=urgent, share=share, sums=sums)
+        # Another rank's key refuses the write (read-only) rather than becoming one of this rank's.
+        return self._peer_keys.get(key, self.disk).write(key, tensor, urgent=urgent, share=share, sums=sums)
 
     def shares(self, key: str) -> bool:
         """See :meth:`TensorStore.shares <lightning_ratel.runtime.storage.TensorStore.shares>` (never for a key in
