@@ -339,8 +339,12 @@ def main() -> None:
     if args.devices > 1 and report.rank_disk_bytes:
         say(f"disk of the {args.devices} ranks: {sum(report.rank_disk_bytes):,} bytes in swap files together "
             f"({', '.join(f'{b:,}' for b in report.rank_disk_bytes)})")
+    left = sorted(os.listdir(args.swap_dir)) if args.swap_dir.exists() else None
+    if left is not None and args.devices > 1:
+        # This rank's own: the others may still be closing theirs.
+        left = [name for name in left if name.startswith("ratel-rank0.")]
     say(f"disk: {report.disk_bytes:,} bytes in swap files during training; swap files left: "
-        f"{sorted(os.listdir(args.swap_dir)) if args.swap_dir.exists() else 'none (directory removed)'}")
+        f"{'none (directory removed)' if left is None else left or 'none'}")
 
 
 if __name__ == "__main__":
