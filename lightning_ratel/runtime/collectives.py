@@ -753,6 +753,8 @@ class NodeCopies:
         try:
             mine = ([str(p) for p in disk.paths], disk.name, disk.run_id, disk.stripe_bytes, disk.checksum_algorithm,
                     disk.direct, sorted(on_disk))
+            # Page-ins from another rank's files want the queue depth this rank's own get.
+            threads = disk.io_threads_per_path
             described = faults.gather_objects(mine, world)
             reason = ""
             for rank, (paths, name, run_id, stripe, algorithm, direct, _) in enumerate(described):
@@ -761,7 +763,8 @@ class NodeCopies:
                 try:
                     # As the owner moves them: a direct read of a file written through the page cache could miss
                     # what is still there.
-                    peers[rank] = PeerStore(paths, name, run_id, stripe, algorithm, direct=direct)
+                    peers[rank] = PeerStore(paths, name, run_id, stripe, algorithm, io_threads_per_path=threads,
+                                            direct=direct)
                 except (OSError, RatelConfigError) as err:
                     reason = f"rank {ranks.rank} could not open rank {rank}'s swap files ({err})"
                     break
@@ -784,9 +787,9 @@ class NodeCopies:
         return shard.index in self.shared
 
     def publish(self, shard: Shard, owner: int, broadcast: Callable[[Any], Any]) -> None:
-        """One shard's new copy announced by its owner (``broadcast``: the collective of a picklable object from
-        the owner) and, on the other ranks, read from the owner's files from now on. The owner's write of it must have
-        landed."""
+        """One shard's new copy announced by its owner, once its write has landed there (``broadcast``: the
+        collective of a picklable object from the owner), and on the other ranks read from the owner's files from now
+        on."""
         message = None
         if owner == self.rank:
             shard.unit.ready.wait_stored()

@@ -256,6 +256,11 @@ class PriorityPool:
         for thread in self._threads:
             thread.start()
 
+    @property
+    def workers(self) -> int:
+        """Its worker threads."""
+        return len(self._threads)
+
     def submit(self, urgent: bool, call: Callable[..., None], *args: Any) -> None:
         self._queue.put((0 if urgent else 1, next(self._order), call, args))
 
@@ -443,6 +448,11 @@ class TensorStore:
     def paths(self) -> tuple[Path, ...]:
         """The swap directories, resolved to absolute paths, in the order of their files' numbers."""
         return self._paths
+
+    @property
+    def io_threads_per_path(self) -> int:
+        """I/O threads per directory."""
+        return self._pool.workers // len(self._paths) if self._pool is not None else 0
 
     @property
     def checksum_algorithm(self) -> str:
