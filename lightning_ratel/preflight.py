@@ -20,7 +20,7 @@ from torch import nn
 from lightning_ratel.config import RatelConfig
 from lightning_ratel.engine.blocks import discover_blocks
 from lightning_ratel.engine.coordinator import GRAD_BUDGET_SHARDS
-from lightning_ratel.engine.layout import build_layout, set_needs
+from lightning_ratel.engine.layout import buffer_sets, build_layout, set_needs
 from lightning_ratel.errors import RatelConfigError, RatelPlanError
 from lightning_ratel.io.checkpoint import choose_checkpoint_format, gathered_checkpoint_bytes
 from lightning_ratel.plan.exchange import ExchangeChoice, choose_exchange
@@ -28,7 +28,7 @@ from lightning_ratel.plan.states import state_bytes
 from lightning_ratel.precision import RatelPrecision
 from lightning_ratel.runtime.collectives import StoredCopies, exchange_micro_batch_nbytes, exchange_window_nbytes
 from lightning_ratel.runtime.probe import available_host_memory
-from lightning_ratel.runtime.state_buffers import BUFFER_SETS, set_bytes, set_capacities
+from lightning_ratel.runtime.state_buffers import set_bytes, set_capacities
 from lightning_ratel.runtime.units import Layout
 from lightning_ratel.sizes import format_bytes
 
@@ -52,7 +52,8 @@ class Estimate:
         host_cache: the host cache of compute copies (``param_cache="host"``).
         host_states: the optimizer states kept in host memory (``optimizer_states``), both slots.
         optimizer_buffers: the CPU AdamW's buffer sets (master and moments of the largest shard whose states are in
-            the swap files, each set): the pipeline's three and ``read_ahead_sets``.
+            the swap files, each set): the pipeline's three (with several ranks on the node, a rank's part of them)
+            and ``read_ahead_sets``.
         gradient_buffers: the gradients backward may hold in host memory before an update frees some (the largest
             shards' worth the gradient budget allows; with fp32 masters read from the swap files, part of it keeps
             backward's page-ins of masters for their updates instead). Not counted: with gradient accumulation, or
@@ -165,7 +166,7 @@ def estimate(model: nn.Module | Any | str | os.PathLike[str], precision: str = "
 
 def _estimate(module: nn.Module, optimizer: torch.optim.Optimizer, config: RatelConfig,
               half_dtype: torch.dtype | None, ranks: int = 1, accumulate: int = 1, unified: bool = False,
-              automatic: bool = True) -> Estimate:
+              automatic: bool = True, ranks_on_node: int | None = None) -> Estimate:
     layout = build_layout(module, discover_blocks(module, config.blocks), optimizer, half_dtype, config.param_cache,
                           config.host_memory_limit, _meta_empty, announce=False,
                           optimizer_states=config.states_request, read_ahead=config.read_ahead_sets)
@@ -193,7 +194,7 @@ def _estimate(module: nn.Module, optimizer: torch.optim.Optimizer, config: Ratel
         disk=disk,
         host_cache=sum(u.host_nbytes for u in layout.units.values()),
         host_states=sum(state_bytes(s.numel) for s in layout.shards if s.state_tier == "host"),
-        optimizer_buffers=_buffer_sets_bytes(layout),
+        optimizer_buffers=_buffer_sets_bytes(layout, ranks_on_node or ranks),
         gradient_buffers=GRAD_BUDGET_SHARDS * max((s.numel for s in layout.shards), default=0) * 4,
         device=(config.prefetch_depth + 1) * largest_unit,
         checkpoint=checkpoint,
@@ -214,11 +215,13 @@ def _estimate(module: nn.Module, optimizer: torch.optim.Optimizer, config: Ratel
     return replace(estimate, exchange_buffers=nbytes + copies, exchange=choice)
 
 
-def _buffer_sets_bytes(layout: Layout) -> int:
-    """The CPU AdamW's buffer sets of one process (as :class:`~lightning_ratel.runtime.optimizer.CpuAdam` allocates
-    them): the pipeline's and those planned to read ahead."""
+def _buffer_sets_bytes(layout: Layout, ranks_on_node: int = 1) -> int:
+    """The CPU AdamW's buffer sets of one process of ``ranks_on_node`` on a node (as
+    :class:`~lightning_ratel.runtime.optimizer.CpuAdam` allocates them, sized for the largest shard): its part of the
+    pipeline's (:func:`~lightning_ratel.engine.layout.buffer_sets`) and those planned to read ahead."""
     needs = set_needs(layout.shards, layout)
-    return sum(map(set_bytes, set_capacities(needs, BUFFER_SETS + layout.read_ahead_sets))) if needs else 0
+    depth = buffer_sets(ranks_on_node) + layout.read_ahead_sets
+    return sum(map(set_bytes, set_capacities(needs, depth))) if needs else 0
 
 
 def _buffer_bytes(module: nn.Module) -> int:
@@ -256,7 +259,7 @@ def _from_config(config: Any) -> nn.Module:
 
 def check_host_budget(module: nn.Module, optimizer: torch.optim.Optimizer, config: RatelConfig,
                       half_dtype: torch.dtype | None, unified: bool, ranks: int = 1, accumulate: int = 1,
-                      automatic: bool = True) -> Estimate | None:
+                      automatic: bool = True, ranks_on_node: int | None = None) -> Estimate | None:
     """Refuse a ``host_memory_limit`` that the run's own buffers exceed, before any of them is allocated; with several
     ranks, plan their gradient exchange on the way.
 
@@ -269,6 +272,8 @@ def check_host_budget(module: nn.Module, optimizer: torch.optim.Optimizer, confi
         ranks: the ranks training data parallel (see :func:`estimate`).
         accumulate: the Trainer's ``accumulate_grad_batches``.
         automatic: Lightning's automatic optimization (see :func:`~lightning_ratel.plan.exchange.choose_exchange`).
+        ranks_on_node: of those, the ranks on each node, which split one process's optimizer buffer sets (``None``:
+            all of them).
 
     Returns:
         The estimate the check used (its ``exchange`` the plan of several ranks); ``None`` where one rank had no limit
@@ -280,7 +285,7 @@ def check_host_budget(module: nn.Module, optimizer: torch.optim.Optimizer, confi
     limit = config.host_memory_limit
     if limit is None and ranks < 2:
         return None
-    need = _estimate(module, optimizer, config, half_dtype, ranks, accumulate, unified, automatic)
+    need = _estimate(module, optimizer, config, half_dtype, ranks, accumulate, unified, automatic, ranks_on_node)
     total = need.host + (need.device if unified else 0)
     if limit is None or total <= limit:
         return need

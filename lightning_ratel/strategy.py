@@ -615,7 +615,7 @@ class RatelStrategy(ParallelStrategy):
             need = check_host_budget(module, optimizer, self.config, self.precision_plugin.half_dtype,
                                      unified=self.root_device.type == "cpu", ranks=self.world_size,
                                      accumulate=trainer.accumulate_grad_batches,
-                                     automatic=module.automatic_optimization)
+                                     automatic=module.automatic_optimization, ranks_on_node=self.num_processes)
             exchange = need.exchange if need is not None else None
             if self._world is not None and need is not None:
                 # Every rank exchanges and pages alike: rank 0's choices (each measured its own free memory).

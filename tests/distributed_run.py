@@ -126,6 +126,7 @@ class _Measure(L.Callback):
             if local is not None:
                 # What the gradient exchange holds, in the engine's host accounting.
                 self.figures["exchange_bytes"] = engine.adam.host_buffer_bytes - local.host_buffer_bytes
+                self.figures["buffer_sets_bytes"] = local.buffers.nbytes
                 self.figures["exchange_counts"] = engine.adam.exchange_counts
             self.figures["state_traffic"] = trainer.strategy.state_traffic()
             self.figures["step_traffic"] = trainer.strategy.step_traffic()

@@ -314,6 +314,10 @@ def test_compute_copies_in_the_swap_files_equal_ddp(tmp_path: Path, ddp_referenc
                                         ranks=2, param_cache="ssd", optimizer_states="ssd")
     assert estimate.disk == sum(g["placement"]["disk"] for g in got)
     assert [g["exchange_bytes"] for g in got] == [estimate.exchange_buffers] * 2
+    # Each rank's optimizer buffer sets, its part of one process's: within the estimate, which counts that part.
+    one = lightning_ratel.estimate(lm, precision="32-true", optimizer=lm.configure_optimizers()["optimizer"],
+                                   param_cache="ssd", optimizer_states="ssd")
+    assert max(g["buffer_sets_bytes"] for g in got) <= estimate.optimizer_buffers < one.optimizer_buffers
 
 
 def test_compute_copies_in_the_swap_files_through_simulated_streams(tmp_path: Path, ddp_reference: dict) -> None:

@@ -113,7 +113,7 @@ def test_host_budget_refused_before_the_model_is_built(tmp_path: Path) -> None:
 def test_several_ranks_count_their_gradient_exchange() -> None:
     """Each of several ranks sums the window's gradients of every trainable shard in fp32 before reducing it onto its
     owner: 4 bytes per trainable parameter (and a flag per tensor), counted in its host memory and checked against the
-    budget; one rank holds none."""
+    budget; one rank holds none. The ranks of a node split one process's optimizer buffer sets."""
     lm = LM("llama8", n_batches=2)
     optimizer = lm.configure_optimizers()["optimizer"]
     # Where the states and the compute copies live, and the sets reading ahead, chosen, so that a host budget does not
@@ -124,10 +124,12 @@ def test_several_ranks_count_their_gradient_exchange() -> None:
     assert one.exchange_buffers == 0 and "gradient exchange" not in str(one)
     tensors = sum(1 for p in lm.parameters() if p.requires_grad)
     assert 4 * two.trainable <= two.exchange_buffers <= 4 * (two.trainable + tensors) + 4096 * tensors
-    assert two.host == one.host + two.exchange_buffers and "gradient exchange" in str(two)
+    assert two.optimizer_buffers < one.optimizer_buffers
+    assert two.host == one.host - one.optimizer_buffers + two.optimizer_buffers + two.exchange_buffers
+    assert "gradient exchange" in str(two)
     # A budget that holds one rank's buffers but not those of a rank of two that keeps the window; left to the
     # planner, a rank of two reduces each micro-batch instead (without accumulation, the same sums).
-    limit = one.host + one.device + two.exchange_buffers // 2
+    limit = two.host - two.exchange_buffers // 2 + two.device
     config = RatelConfig(host_memory_limit=limit, gradient_exchange="window", **placed)
     check_host_budget(lm, optimizer, config, None, unified=True)
     with pytest.raises(RatelPlanError, match="gradient exchange"):
@@ -138,12 +140,13 @@ def test_several_ranks_count_their_gradient_exchange() -> None:
 
 
 def test_the_window_is_weighed_beside_the_buffers_of_stored_compute_copies() -> None:
-    """Several ranks reading the compute copies from the swap files hold two buffers of the largest shard's copy
-    whichever exchange runs: a budget the window fits only without them makes the planner reduce each micro-batch,
-    and the check passes (weighing the window alone, it kept the window and then refused the budget)."""
+    """Several ranks reading the compute copies from the swap files with the fp32 masters in host memory (so each
+    stores the copies of the others' units) hold two buffers of the largest shard's copy whichever exchange runs: a
+    budget the window fits only without them makes the planner reduce each micro-batch, and the check passes
+    (weighing the window alone, it kept the window and then refused the budget)."""
     lm = LM("llama8", n_batches=2)
     optimizer = lm.configure_optimizers()["optimizer"]
-    placed = {"param_cache": "ssd", "optimizer_states": "ssd", "read_ahead_sets": 0}
+    placed = {"param_cache": "ssd", "optimizer_states": "host", "read_ahead_sets": 0}
 
     def check(limit: int, exchange: str = "auto") -> Any:
         config = RatelConfig(host_memory_limit=limit, gradient_exchange=exchange, **placed)
