@@ -890,3 +890,22 @@ def test_lora_on_two_ranks_checkpoint_refers_to_the_pretrained_folder(tmp_path: 
     converted = torch.load(tmp_path / "converted.ckpt", weights_only=False)["state_dict"]
     for name, value in runs[0]["params"].items():
         assert torch.equal(converted[name], value), name
+
+
+def test_lora_with_the_compute_copies_in_the_swap_files_holds_the_frozen_weights_once(tmp_path: Path) -> None:
+    """LoRA on two ranks with the compute copies in the swap files: the frozen weights' copies are rank 0's to write
+    and rank 1 reads them from rank 0's files, as it reads the adapters' from their owners': the two ranks' swap files
+    hold what one rank's do, and the trained adapters are those of the same run with the copies in host memory."""
+    pytest.importorskip("peft")
+    folder = tmp_path / "pretrained"
+    LM("llama").model.save_pretrained(folder, safe_serialization=True)
+    lora = ["--lora", "--pretrained", str(folder), "--states", "ssd"]
+    _ok(_run(tmp_path / "ssd", *lora, "--param-cache", "ssd"))
+    _ok(_run(tmp_path / "host", *lora, "--param-cache", "host"))
+    _ok(_run(tmp_path / "one", *lora, "--param-cache", "ssd", "--devices", "1"))
+    one = _load(tmp_path / "one")["placement"]["disk"]
+    assert sum(_load(tmp_path / "ssd", rank)["placement"]["disk"] for rank in (0, 1)) == one
+    for rank in (0, 1):
+        got, reference = _load(tmp_path / "ssd", rank), _load(tmp_path / "host", rank)
+        for name, value in reference["params"].items():
+            assert torch.equal(got["params"][name], value), (rank, name)

@@ -198,9 +198,12 @@ def _node_copies(ranks: Ranks, store: TieredStore, layout: Layout, owned: set[in
     """With the compute copies in the swap files, the ones the node's ranks read from their owners' files (collective
     over every rank, watching ``faults``), or ``None``: each rank stores every copy, with a warning why where several
     ranks share the node."""
-    # An fp32 master is its shard's copy, in the swap files where its states are; a 16-bit copy always is.
+    # An fp32 master is its shard's copy, in the swap files where its states are; a 16-bit copy always is. Frozen
+    # copies are one rank's to write.
     on_disk = [s.index for s in layout.shards
                if s.index in owned and (s.dtype != torch.float32 or s.state_tier == "ssd")]
+    if ranks.rank == NodeCopies.FROZEN_WRITER:
+        on_disk += [s.index for s in layout.frozen_shards]
     try:
         return NodeCopies.open(ranks, store, on_disk, faults)
     except SharedCopiesUnavailable as err:
@@ -390,7 +393,9 @@ class RatelEngine:
                 if owned is not None and ranks is not None and self.layout.param_cache == "ssd":
                     node_copies = _node_copies(ranks, self.store, self.layout, owned, faults)
                     if node_copies is not None:
-                        materializer.shared = set(node_copies.shared) - owned
+                        mine = owned | ({s.index for s in self.layout.frozen_shards}
+                                        if ranks.rank == NodeCopies.FROZEN_WRITER else set())
+                        materializer.shared = set(node_copies.shared) - mine
             materializer.load(self.store)
             if self.store is not None:
                 largest = max((s.numel for s in self.layout.shards), default=0)
@@ -422,7 +427,7 @@ class RatelEngine:
                     assert self.exchange is not None
                     self.adam = DataParallelAdam(cpu_adam, self.layout.shards, owners, ranks, node, faults,
                                                  self.exchange.mode, node_copies)
-                    self.adam.sync_compute_copies()
+                    self.adam.sync_compute_copies(self.layout.frozen_shards)
                     # The training thread's own gloo group, whose waits watch for a failed rank (and which the ranks
                     # replace when they meet after a failure), also on CUDA.
                     self._buffers = BufferBroadcast(module, group=self.adam.control_group, wait=self.adam.wait)

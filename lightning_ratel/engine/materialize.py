@@ -155,8 +155,8 @@ class Materializer:
         self.source = source
         self.progress = progress
         self.owned = owned
-        # Trainable shards another rank owns whose compute copies this rank reads from the owner's swap files (see
-        # NodeCopies): nothing of them goes into this rank's.
+        # Shards whose compute copies this rank reads from another rank's swap files (see NodeCopies): a trainable
+        # one's owner, a frozen one's writer. Their copies do not go into this rank's.
         self.shared: set[int] = set()
         self._default = DefaultInit(module, fallback=source is not None) if param_init_fn is None else None
         self.init: Callable[[nn.Module], None] = param_init_fn or self._default  # type: ignore[assignment]
@@ -277,7 +277,7 @@ class Materializer:
                     # Another rank's fp32 master: this rank keeps its compute copy apart (see StoredCopies).
                     store.reserve(shard.key("compute"), shard.numel * 4)
             store.preallocate()
-        writer = _ShardWriter(store, layout, compute_on_store, self.owned, self.writes)
+        writer = _ShardWriter(store, layout, compute_on_store, self.owned, self.writes, self.shared)
         unit_shards = layout.unit_shards()
         def nbytes(slots: Sequence[ParamSlot]) -> int:
             return sum(s.numel * layout.orig_dtype[id(s.param)].itemsize for s in slots)
@@ -379,15 +379,18 @@ class _ShardWriter:
         compute_copies: also write compute copies (the pager reads them from the store).
         owned: the trainable shards this rank keeps states of, by index (``None``: all).
         writes: the units whose host cache this rank fills (``None``: all); another rank may be filling the others.
+        shared: the frozen shards whose compute copies another rank writes into its swap files, which this rank reads.
     """
 
     def __init__(self, store: TensorStore | None, layout: Layout, compute_copies: bool,
-                 owned: set[int] | None = None, writes: set[int] | None = None) -> None:
+                 owned: set[int] | None = None, writes: set[int] | None = None, shared: set[int] | None = None
+                 ) -> None:
         self.store = store
         self.layout = layout
         self.compute_copies = compute_copies
         self.owned = owned
         self.writes = writes
+        self.shared = shared or set()
         shards = layout.all_shards if store is not None else []
         largest = round_up(max((s.numel * 4 for s in shards), default=0), ALIGNMENT)
         # A compute copy of its own: 16-bit trainable shards and every frozen shard (an fp32 master is its own copy).
@@ -447,7 +450,8 @@ class _ShardWriter:
             copy = half_buf.view(shard.dtype)[: shard.numel]
             for sp in shard.params:
                 sp.view(copy).copy_(values[id(sp.param)].tensor)
-            futures.append(self.store.write(shard.compute_key, copy))
+            if shard.index not in self.shared:
+                futures.append(self.store.write(shard.compute_key, copy))
         elif self.writes is None or shard.unit.index in self.writes:
             copy = shard.compute_view(shard.unit.host[shard.dtype])
         else:

@@ -139,7 +139,8 @@ class ModelState:
             elif shard.unit.host:
                 return None, shard.compute_view(shard.unit.host[shard.dtype])
             else:
-                key = shard.compute_key
+                # Another rank's files where the node's ranks share the copies.
+                key = shard.unit.ready.compute_key(shard)
             assert self.store is not None
             return self.store.read(key, flat), flat
         assert self.store is not None and self.adam is not None
@@ -309,6 +310,8 @@ class ModelState:
             self.store.write(frozen.key(shard), exact).result()
         if shard.unit.host:
             shard.compute_view(shard.unit.host[shard.dtype]).copy_(compute)
+        elif isinstance(self.adam, DataParallelAdam):
+            self.adam.share_frozen_copy(shard, lambda: self.store.write(shard.compute_key, compute).result())
         else:
             self.store.write(shard.compute_key, compute).result()
 

@@ -713,13 +713,15 @@ class NodeCopies:
     :class:`~lightning_ratel.runtime.units.UnitReady`), verified against those checksums, so bytes the owner is
     rewriting never pass. The owner rewrites a copy only in its update, which runs on the gradient reduced from every
     rank, once every rank's backward has left the unit. Shards whose copy is not in the owner's swap files (an fp32
-    master in host memory) and runs of several nodes go as :class:`StoredCopies` does.
+    master in host memory) and runs of several nodes go as :class:`StoredCopies` does. The copies of frozen shards,
+    written once at setup (and where code between steps gives them new values), are rank 0's to write and announce
+    alike.
 
     Args:
         store: this rank's store.
         rank: this rank.
         peers: a read-only store of each other rank of the node, by rank.
-        shared: the trainable shards, by index, whose copies the ranks share this way.
+        shared: the shards, by index, whose copies the ranks share this way (trainable and frozen).
     """
 
     def __init__(self, store: TieredStore, rank: int, peers: dict[int, PeerStore], shared: set[int]) -> None:
@@ -727,6 +729,9 @@ class NodeCopies:
         self.rank = rank
         self.peers = peers
         self.shared = frozenset(shared)
+
+    FROZEN_WRITER = 0
+    """The rank that writes the frozen shards' copies (its kept store then holds them, as one rank's would)."""
 
     @classmethod
     def open(cls, ranks: Ranks, store: TieredStore, on_disk: Sequence[int], faults: Faults | None = None
@@ -736,7 +741,8 @@ class NodeCopies:
         Args:
             ranks: this rank's place.
             store: this rank's store (its swap files exist).
-            on_disk: the shards this rank owns, by index, whose compute copy is in its swap files.
+            on_disk: the shards, by index, whose compute copy this rank writes into its swap files: the trainable ones
+                it owns whose copy is there, and on :attr:`FROZEN_WRITER` the frozen ones.
             faults: where the waits watch for a failed rank (``None``: a watch of its own).
 
         Raises:
@@ -1761,14 +1767,17 @@ class DataParallelAdam:
 
     # ------------------------------------------------------------------ state (whole-model passes)
 
-    def sync_compute_copies(self) -> None:
+    def sync_compute_copies(self, frozen: Sequence[Shard] = ()) -> None:
         """Give every rank the owners' compute copies of all trainable shards (after the model is materialized: the
         owners' masters are the values, as rank 0's are under ``DistributedDataParallel``). With a shared cache the
         owner wrote them on its node while materializing, and each other node's writer receives them; then the node's
         other ranks may read (every unit's first copy was written by its writer). With the copies in the swap files
-        each owner reads its own back and every other rank stores what it receives."""
+        each owner reads its own back and every other rank stores what it receives, or reads it from the owner's files
+        where the node's ranks share them, the copies of the ``frozen`` shards too (see :class:`NodeCopies`)."""
         node = self._node
         if self.local.compute_on_store:
+            for shard in frozen:
+                self.share_frozen_copy(shard)
             for shard in self.shards:
                 owner = self.owner(shard)
                 if self._node_copies is not None and self._node_copies.shares(shard):
@@ -1863,6 +1872,20 @@ class DataParallelAdam:
             # In a shared cache every rank of the node writes the same bytes here: a rank reads the new values once
             # its own copy is made, whichever rank's copy lands last.
             _compute_copy(shard).copy_(master)
+
+    def share_frozen_copy(self, shard: Shard, write: Callable[[], None] | None = None) -> None:
+        """Collective: a frozen shard's compute copy, written into the swap files by ``write`` (``None``: already
+        written), on every rank: where the node's ranks share them, written by one rank and announced to the others
+        (:class:`NodeCopies`), else by each rank into its own."""
+        copies = self._node_copies
+        if copies is None or not copies.shares(shard):
+            if write is not None:
+                write()
+            return
+        if write is not None and self.ranks.rank == NodeCopies.FROZEN_WRITER:
+            write()
+        copies.publish(shard, NodeCopies.FROZEN_WRITER,
+                       lambda message: self._faults.broadcast_object(message, NodeCopies.FROZEN_WRITER, self._control))
 
     def compute_copy(self, shard: Shard) -> torch.Tensor:
         """``shard``'s current compute copy on this rank, to read between steps (a buffer reused by the next call
