@@ -607,17 +607,18 @@ def _compute_copy(shard: Shard) -> torch.Tensor:
 
 
 class StoredCopies:
-    """Compute copies in the swap files (``param_cache="ssd"``) of a run on several ranks: every rank keeps the copy
-    of every trainable shard in its own store, where its pager reads them.
+    """Compute copies in the swap files (``param_cache="ssd"``) of a run on several ranks that the node's ranks do not
+    share (:class:`NodeCopies`: an fp32 master held in host memory, ranks on several nodes, files another rank cannot
+    open): every rank keeps the copy of each of these shards in its own store, where its pager reads them.
 
     The owner's update writes the copies of the shards it owns, as on one rank. The copy of a shard another rank owns
     is written here from the owner's broadcast, under the shard's ``compute`` key, also for an fp32 shard (whose
-    master, its copy on the owner, is not here). The ranks of a node thus hold each compute copy once each, on their
-    drives; each state still once.
+    master, its copy on the owner, is not here). The ranks of a node thus hold each of these copies once each, on
+    their drives; each state still once.
 
     Args:
         store: this rank's swap store.
-        shards: every trainable shard.
+        shards: the trainable shards whose copies go this way.
         owns: whether this rank owns a shard.
     """
 
