@@ -366,11 +366,16 @@ def test_speculation_that_stands_equals_ddp(tmp_path: Path) -> None:
         assert counts.get("overlapped", 0) > 0 and not counts.get("redone") and not counts.get("deferred"), counts
 
 
-def test_fp16_overflow_on_one_rank_drops_the_speculative_updates_of_all(tmp_path: Path) -> None:
+@pytest.mark.parametrize("copies", ["host", "ssd"])
+def test_fp16_overflow_on_one_rank_drops_the_speculative_updates_of_all(tmp_path: Path, copies: str) -> None:
     """fp16 loss scaling: at step 1 only rank 1's embedding gradient overflows, so only that shard's owner sees it;
     every rank drops its speculative updates and skips the step, on the very bits of the deferred path (Lightning
-    runs no fp16 on the CPU under ``ddp``; the deferred path equals ``ddp`` in the tests above)."""
+    runs no fp16 on the CPU under ``ddp``; the deferred path equals ``ddp`` in the tests above). With the compute
+    copies in the swap files, the owners' undo writes back the 16-bit copies their speculative updates replaced, which
+    the other rank reads from the owners' files: it reads them only once the undo landed and was announced."""
     args = ["--precision", "16-mixed", "--overflow", "1:1"]
+    if copies == "ssd":
+        args += ["--param-cache", "ssd", "--states", "ssd"]
     _ok(_run(tmp_path / "deferred", "--no-speculate", *args))
     _ok(_run(tmp_path / "speculative", *args))
     for rank in (0, 1):

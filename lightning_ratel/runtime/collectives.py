@@ -1665,6 +1665,7 @@ class DataParallelAdam:
         finite, grads, indices = self.local.kept_gradients(self._mine(shards))
         if not self._all_finite(finite):
             self.local.undo_speculation(None)
+            self._announce_undone(shards)
             return "skip"
         if max_norm is None:
             return "stand"
@@ -1673,6 +1674,19 @@ class DataParallelAdam:
             return "stand"
         self.local.undo_speculation(coef)
         return "redo"
+
+    def _announce_undone(self, shards: Sequence[Shard]) -> None:
+        """Collective, after a skipped step's undo: announce again the 16-bit copies of ``shards`` that the node's
+        ranks share. The owners' speculative updates replaced them in place and the undo wrote them back; the step
+        publishes nothing, so without this a rank could page one in while its owner still rewrites it."""
+        copies = self._node_copies
+        if copies is None:
+            return
+        for shard in shards:
+            if shard.dtype != torch.float32 and copies.shares(shard):
+                owner = self.owner(shard)
+                copies.publish(shard, owner,
+                               lambda message: self._faults.broadcast_object(message, owner, self._control))
 
     def finish(self, plan: StepPlan, unit_order: Sequence[int], loss_scale: torch.Tensor | None = None,
                clip: tuple[float, str] | None = None) -> Finished:
