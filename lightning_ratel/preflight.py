@@ -26,7 +26,12 @@ from lightning_ratel.io.checkpoint import choose_checkpoint_format, gathered_che
 from lightning_ratel.plan.exchange import ExchangeChoice, choose_exchange
 from lightning_ratel.plan.states import state_bytes
 from lightning_ratel.precision import RatelPrecision
-from lightning_ratel.runtime.collectives import StoredCopies, exchange_micro_batch_nbytes, exchange_window_nbytes
+from lightning_ratel.runtime.collectives import (
+    NodeCopies,
+    StoredCopies,
+    exchange_micro_batch_nbytes,
+    exchange_window_nbytes,
+)
 from lightning_ratel.runtime.probe import available_host_memory
 from lightning_ratel.runtime.state_buffers import set_bytes, set_capacities
 from lightning_ratel.runtime.units import Layout
@@ -174,7 +179,7 @@ def _estimate(module: nn.Module, optimizer: torch.optim.Optimizer, config: Ratel
     disk = sum(state_bytes(s.numel) for s in layout.shards if s.state_tier == "ssd")
     # With the compute copies in the swap files, the ranks of the node read those in their owners' files (NodeCopies),
     # but for fp32 masters held in host memory: every other rank keeps a copy of those in its own (StoredCopies).
-    stored = [s for s in layout.shards if s.dtype == torch.float32 and s.state_tier != "ssd"] if on_store else []
+    stored = [s for s in layout.shards if not NodeCopies.in_swap_files(s)] if on_store else []
     if on_store:
         disk += sum(s.numel * s.dtype.itemsize for s in layout.all_shards if s.dtype != torch.float32 or s.group < 0)
         disk += (ranks - 1) * sum(s.numel * 4 for s in stored)

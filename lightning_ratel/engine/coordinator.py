@@ -198,12 +198,7 @@ def _node_copies(ranks: Ranks, store: TieredStore, layout: Layout, owned: set[in
     """With the compute copies in the swap files, the ones the node's ranks read from their owners' files (collective
     over every rank, watching ``faults``), or ``None``: each rank stores every copy, with a warning why where several
     ranks share the node."""
-    # An fp32 master is its shard's copy, in the swap files where its states are; a 16-bit copy always is. Frozen
-    # copies are one rank's to write.
-    on_disk = [s.index for s in layout.shards
-               if s.index in owned and (s.dtype != torch.float32 or s.state_tier == "ssd")]
-    if ranks.rank == NodeCopies.FROZEN_WRITER:
-        on_disk += [s.index for s in layout.frozen_shards]
+    on_disk = NodeCopies.written_by(ranks.rank, layout.shards, layout.frozen_shards, owned)
     try:
         return NodeCopies.open(ranks, store, on_disk, faults)
     except SharedCopiesUnavailable as err:
@@ -393,9 +388,7 @@ class RatelEngine:
                 if owned is not None and ranks is not None and self.layout.param_cache == "ssd":
                     node_copies = _node_copies(ranks, self.store, self.layout, owned, faults)
                     if node_copies is not None:
-                        mine = owned | ({s.index for s in self.layout.frozen_shards}
-                                        if ranks.rank == NodeCopies.FROZEN_WRITER else set())
-                        materializer.shared = set(node_copies.shared) - mine
+                        materializer.shared = node_copies.read_elsewhere
             materializer.load(self.store)
             if self.store is not None:
                 largest = max((s.numel for s in self.layout.shards), default=0)

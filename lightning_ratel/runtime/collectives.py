@@ -725,14 +725,29 @@ class NodeCopies:
         shared: the shards, by index, whose copies the ranks share this way (trainable and frozen).
     """
 
-    def __init__(self, store: TieredStore, rank: int, peers: dict[int, PeerStore], shared: set[int]) -> None:
+    def __init__(self, store: TieredStore, rank: int, peers: dict[int, PeerStore], shared: set[int],
+                 written_here: set[int]) -> None:
         self.store = store
         self.rank = rank
         self.peers = peers
         self.shared = frozenset(shared)
+        self.written_here = frozenset(written_here)
 
     FROZEN_WRITER = 0
     """The rank that writes the frozen shards' copies (its kept store then holds them, as one rank's would)."""
+
+    @staticmethod
+    def in_swap_files(shard: Shard) -> bool:
+        """Whether ``shard``'s compute copy is in its writer's swap files, so that the node's ranks can share it: a
+        16-bit or frozen copy always is; an fp32 master, a trainable shard's copy, where its states are."""
+        return shard.dtype != torch.float32 or shard.group < 0 or shard.state_tier == "ssd"
+
+    @classmethod
+    def written_by(cls, rank: int, shards: Sequence[Shard], frozen: Sequence[Shard], owned: set[int]) -> list[int]:
+        """The shards, by index, whose compute copies ``rank`` writes into its swap files for the node's ranks: the
+        trainable ones it owns (``owned``) whose copies are there, and on :attr:`FROZEN_WRITER` the frozen ones."""
+        return [s.index for s in [*shards, *(frozen if rank == cls.FROZEN_WRITER else ())]
+                if (s.group < 0 or s.index in owned) and cls.in_swap_files(s)]
 
     @classmethod
     def open(cls, ranks: Ranks, store: TieredStore, on_disk: Sequence[int], faults: Faults | None = None
@@ -742,8 +757,8 @@ class NodeCopies:
         Args:
             ranks: this rank's place.
             store: this rank's store (its swap files exist).
-            on_disk: the shards, by index, whose compute copy this rank writes into its swap files: the trainable ones
-                it owns whose copy is there, and on :attr:`FROZEN_WRITER` the frozen ones.
+            on_disk: the shards, by index, whose compute copy this rank writes into its swap files
+                (:meth:`written_by`).
             faults: where the waits watch for a failed rank (``None``: a watch of its own).
 
         Raises:
@@ -787,11 +802,16 @@ class NodeCopies:
             dist.destroy_process_group(world)
         for peer in peers.values():
             store.attach_peer(peer)
-        return cls(store, ranks.rank, peers, {index for entry in described for index in entry[6]})
+        return cls(store, ranks.rank, peers, {index for entry in described for index in entry[6]}, set(on_disk))
 
     def shares(self, shard: Shard) -> bool:
         """Whether ``shard``'s copy is read from its owner's swap files."""
         return shard.index in self.shared
+
+    @property
+    def read_elsewhere(self) -> set[int]:
+        """The shards, by index, whose copies this rank reads from another rank's swap files."""
+        return set(self.shared - self.written_here)
 
     def publish(self, shard: Shard, owner: int, broadcast: Callable[[Any], Any]) -> None:
         """One shard's new copy announced by its owner, once its write has landed there (``broadcast``: the
@@ -1684,9 +1704,7 @@ class DataParallelAdam:
             return
         for shard in shards:
             if shard.dtype != torch.float32 and copies.shares(shard):
-                owner = self.owner(shard)
-                copies.publish(shard, owner,
-                               lambda message: self._faults.broadcast_object(message, owner, self._control))
+                self._announce(shard, self.owner(shard))
 
     def finish(self, plan: StepPlan, unit_order: Sequence[int], loss_scale: torch.Tensor | None = None,
                clip: tuple[float, str] | None = None) -> Finished:
@@ -1796,8 +1814,7 @@ class DataParallelAdam:
             for shard in self.shards:
                 owner = self.owner(shard)
                 if self._node_copies is not None and self._node_copies.shares(shard):
-                    self._node_copies.publish(
-                        shard, owner, lambda message: self._faults.broadcast_object(message, owner, self._control))
+                    self._announce(shard, owner)
                 else:
                     assert self.copies is not None
                     self.copies.publish(shard, owner == self.ranks.rank,
@@ -1874,9 +1891,7 @@ class DataParallelAdam:
         if self._node_copies is not None and self._node_copies.shares(shard):
             if self.owns(shard):
                 self.local.assign(shard, master)
-            owner = self.owner(shard)
-            self._node_copies.publish(shard, owner,
-                                      lambda message: self._faults.broadcast_object(message, owner, self._control))
+            self._announce(shard, self.owner(shard))
         elif self.owns(shard):
             self.local.assign(shard, master)
         elif self.copies is not None:
@@ -1887,6 +1902,13 @@ class DataParallelAdam:
             # In a shared cache every rank of the node writes the same bytes here: a rank reads the new values once
             # its own copy is made, whichever rank's copy lands last.
             _compute_copy(shard).copy_(master)
+
+    def _announce(self, shard: Shard, writer: int) -> None:
+        """Collective on the training thread's group: ``shard``'s copy in ``writer``'s files, announced by it to the
+        ranks that read it there (:meth:`NodeCopies.publish`)."""
+        assert self._node_copies is not None
+        self._node_copies.publish(shard, writer,
+                                  lambda message: self._faults.broadcast_object(message, writer, self._control))
 
     def share_frozen_copy(self, shard: Shard, write: Callable[[], None] | None = None) -> None:
         """Collective: a frozen shard's compute copy, written into the swap files by ``write`` (``None``: already
@@ -1899,8 +1921,7 @@ class DataParallelAdam:
             return
         if write is not None and self.ranks.rank == NodeCopies.FROZEN_WRITER:
             write()
-        copies.publish(shard, NodeCopies.FROZEN_WRITER,
-                       lambda message: self._faults.broadcast_object(message, NodeCopies.FROZEN_WRITER, self._control))
+        self._announce(shard, NodeCopies.FROZEN_WRITER)
 
     def compute_copy(self, shard: Shard) -> torch.Tensor:
         """``shard``'s current compute copy on this rank, to read between steps (a buffer reused by the next call

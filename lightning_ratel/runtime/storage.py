@@ -524,11 +524,7 @@ class TensorStore:
         Raises:
             KeyError: If ``key`` was never reserved or written.
         """
-        with self._lock:
-            extent = self._extents.get(key)
-        if extent is None:
-            raise KeyError(f"Key {key!r} was never reserved or written")
-        return extent.nbytes
+        return self.extent(key).nbytes
 
     def extent(self, key: str) -> Extent:
         """Where ``key`` lives in the swap files (for :class:`~lightning_ratel.runtime.peerstore.PeerStore`, which
