@@ -14,7 +14,7 @@ from torch import nn
 
 from lightning_ratel import RatelModelError, RatelStrategy
 from lightning_ratel.engine.coordinator import RatelEngine
-from tests.models import LM, MLP, MODELS, VOCAB, final_state, max_rel_err, trainer
+from tests.models import LM, MLP, MODELS, VOCAB, compare_states, final_state, max_rel_err, trainer
 
 
 class WeightEMA(L.Callback):
@@ -117,13 +117,27 @@ MODELS["late-cross-block-read"] = LateCrossBlockRead
 MODELS["late-cross-block-add"] = lambda: LateCrossBlockRead(through_matmul=False)
 
 
-def test_a_late_read_of_another_blocks_weight_raises_at_the_read(tmp_path: Path) -> None:
+@pytest.mark.parametrize("activations", ["host", "keep"])
+def test_a_late_read_of_another_blocks_weight_raises_at_the_read(tmp_path: Path, activations: str) -> None:
     module = LM("late-cross-block-read")
     with pytest.raises(RatelModelError, match=r"block model\.late\.0 read parameter model\.layers\.0\.1\.weight"
                                                r".*blocks="):
-        trainer(RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy="host")).fit(module)
+        trainer(RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy=activations)).fit(module)
     # The first step committed; the failed pass left nothing half-applied.
     assert all(torch.isfinite(p).all() for p in module.parameters())
+
+
+@pytest.mark.parametrize("model", ["late-cross-block-read", "late-cross-block-add"])
+def test_a_late_read_of_a_resident_unit_reads_its_values(tmp_path: Path, model: str) -> None:
+    """With every unit resident on the device and every activation kept, a pass holds every unit throughout: a read
+    of another block's parameter, however late, reads its values, and the run ends on plain Lightning's numbers."""
+    plain = LM(model)
+    t = trainer()
+    t.fit(plain)
+    module = LM(model)
+    r = trainer(RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy="keep", optimizer_states="device"))
+    r.fit(module)
+    compare_states(final_state(plain, t), final_state(module, r), 0.0)
 
 
 def test_a_nan_loss_after_unwatched_forwards_is_reported_and_the_next_pass_watched(
@@ -152,13 +166,18 @@ class RebindsWeights(L.Callback):
         weight.data = torch.full_like(weight, 0.01)
 
 
+@pytest.mark.parametrize("states", ["auto", "device"])
 @pytest.mark.parametrize("callback", [WritesThroughARead, RebindsWeights])
-def test_a_write_through_a_read_or_a_rebinding_reaches_the_master_like_plain(tmp_path: Path, callback: type) -> None:
+def test_a_write_through_a_read_or_a_rebinding_reaches_the_master_like_plain(tmp_path: Path, callback: type,
+                                                                             states: str) -> None:
+    """Also where every unit is resident on the device and every activation kept (passes that hold every unit)."""
     plain = LM("llama")
     t = trainer(callbacks=[callback()])
     t.fit(plain)
     module = LM("llama")
-    r = trainer(RatelStrategy(ssd_paths=[str(tmp_path)]), callbacks=[callback()])
+    policy = "keep" if states == "device" else None
+    r = trainer(RatelStrategy(ssd_paths=[str(tmp_path)], optimizer_states=states, activation_policy=policy),
+                callbacks=[callback()])
     r.fit(module)
     assert max_rel_err(final_state(plain, t)[0], final_state(module, r)[0]) <= 1e-5
 

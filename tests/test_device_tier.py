@@ -66,10 +66,11 @@ class _Seen:
         self.placement = strategy.state_placement()
 
 
+@pytest.mark.parametrize("activations", ["host", "keep"])
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
-def test_device_tier_matches_plain_and_host(tmp_path: Path, precision: str):
+def test_device_tier_matches_plain_and_host(tmp_path: Path, precision: str, activations: str):
     """Accumulation and clipping by norm (which clips here): the device tier ends on plain Lightning's numbers and on
-    the host tier's, bit for bit."""
+    the host tier's, bit for bit; with every activation kept, on passes that hold every unit throughout."""
     kwargs = dict(precision=precision, accumulate_grad_batches=2, gradient_clip_val=0.05, max_steps=3)
     ref = LM("llama")
     t = trainer("auto", **kwargs)
@@ -80,16 +81,86 @@ def test_device_tier_matches_plain_and_host(tmp_path: Path, precision: str):
     th.fit(host)
     seen = _Seen()
     lm = LM("llama")
-    strategy = RatelStrategy(ssd_paths=[str(tmp_path / "d")], activation_policy="host", optimizer_states="device")
+    strategy = RatelStrategy(ssd_paths=[str(tmp_path / "d")], activation_policy=activations,
+                             optimizer_states="device")
     lm.on_train_start = lambda: seen(strategy)  # type: ignore[method-assign]
+    bound: list[bool] = []
+    lm.on_before_backward = lambda loss: bound.append(strategy.engine.scheduler.bound)  # type: ignore[method-assign]
     got = trainer(strategy, **kwargs)
     got.fit(lm)
     assert set(seen.tiers) == {"device"} and all(seen.resident) and seen.cpu_shards == 0
+    # With every activation kept, every pass held every unit.
+    assert bound == [activations == "keep"] * 6
     # Both slots of every master and moment, on the device; nothing in host memory or the swap files.
     numel = sum(p.numel() for p in lm.parameters())
     assert seen.placement == {"device": 2 * 12 * numel, "host": 0, "ssd": 0}
     compare_states(final_state(ref, t), final_state(lm, got), 0.0)
     compare_states(final_state(host, th), final_state(lm, got), 0.0)
+
+
+class _ReadingLM(LM):
+    """Reads every parameter between forward and backward (``on_before_backward``), and counts the passes that held
+    every unit."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.read: list[list[torch.Tensor]] = []
+        self.bound: list[bool] = []
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        strategy = self.trainer.strategy
+        if isinstance(strategy, RatelStrategy):
+            self.bound.append(strategy.engine.scheduler.bound)
+        return super().training_step(batch, batch_idx)
+
+    def on_before_backward(self, loss: torch.Tensor) -> None:
+        self.read.append([p.detach().clone() for p in self.parameters()])
+
+
+@pytest.mark.parametrize(("precision", "policy"), [("32-true", "keep"), ("bf16-mixed", "keep"), ("32-true", None)])
+def test_a_pass_holding_every_unit_matches_plain(tmp_path: Path, precision: str, policy: str | None):
+    """GPT-2 ties its head to the embedding (a parameter used by two blocks); with every state on the device and every
+    activation kept (forced, or the plan's choice after the profiled passes), passes hold every unit from forward to
+    backward: the hooks and callbacks between the two still read the committed values in the parameters' own dtype,
+    evaluation passes run between the steps, and the run ends on plain Lightning's numbers bit for bit."""
+    kwargs = dict(precision=precision, max_steps=5, limit_val_batches=2, val_check_interval=2)
+    ref = _ReadingLM("gpt2")
+    t = trainer("auto", **kwargs)
+    t.fit(ref)
+    lm = _ReadingLM("gpt2")
+    strategy = RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy=policy, optimizer_states="device")
+    got = trainer(strategy, **kwargs)
+    got.fit(lm)
+    # Planned, the profiled passes page block by block; the plan keeps every activation on this model.
+    assert lm.bound == [True] * 5 if policy == "keep" else (not lm.bound[0] and lm.bound[-1])
+    assert len(lm.read) == len(ref.read) == 5
+    for mine, plain in zip(lm.read, ref.read):
+        for a, b in zip(mine, plain):
+            assert a.dtype == b.dtype == torch.float32
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert got.callback_metrics["val_loss"] == t.callback_metrics["val_loss"]
+    compare_states(final_state(ref, t), final_state(lm, got), 0.0)
+
+
+class _RaisingLM(LM):
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        if batch_idx == 3:
+            self.model(input_ids=batch)
+            raise RuntimeError("forward failed")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_pass_holding_every_unit_lets_go_of_them_when_it_raises(tmp_path: Path):
+    """A forward that raises in a pass holding every unit leaves them released: the parameters hold their
+    placeholders again and read the committed values, as after any failed step."""
+    lm = _RaisingLM("llama")
+    strategy = RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy="keep", optimizer_states="device")
+    with pytest.raises(RuntimeError, match="forward failed"):
+        trainer(strategy, max_steps=6).fit(lm)
+    ref = LM("llama")
+    trainer("auto", max_steps=3).fit(ref)
+    for (name, a), b in zip(lm.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
 
 
 class _SkipLM(LM):

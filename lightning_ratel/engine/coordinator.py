@@ -532,7 +532,8 @@ class RatelEngine:
         use a parameter elsewhere only when training, only in evaluation, or only from some step on, and its
         placeholder must never reach compute. A block's own forward is watched the first time it runs; after that
         only the code around the blocks is (where a parent's forward reads a head or an embedding), since a watched
-        op costs a few microseconds and the blocks run most ops.
+        op costs a few microseconds and the blocks run most ops. A pass with every unit resident on the device and
+        every activation kept holds all the units instead, and has nothing to watch (:meth:`_resident_pass`).
 
         Args:
             training: a backward follows, which may read the parameters paged in on the spot; otherwise they are
@@ -546,6 +547,51 @@ class RatelEngine:
             self._check_last_loss()
         if self._buffers is not None and self._buffers_due:
             self._buffers.broadcast()
+        # Under manual optimization the step runs its backward passes itself, `loss.backward()` as well as
+        # `self.manual_backward(loss)`.
+        manual = training and not getattr(self.module, "automatic_optimization", True)
+        if not manual and self._resident_pass():
+            with self._bound_pass(training):
+                yield
+            self._unwatched_ran = False
+        else:
+            with self._watched_pass(training, manual):
+                yield
+        if self._buffers is not None:
+            # DistributedDataParallel's rule: the next forward broadcasts the buffers after one with gradients enabled
+            # that reduces them (not an accumulating micro-batch, not an evaluation pass).
+            self._buffers_due = training and torch.is_grad_enabled() and self._reduces
+
+    def _resident_pass(self) -> bool:
+        """Whether the next pass can hold every unit from its start to the end of its backward: each is resident on
+        the device (nothing to page in, no placeholder for a read to meet, so nothing to watch), every block keeps
+        its activations as they are (nothing to place), and no profile is being taken. The plan a model gets when its
+        whole job fits the device."""
+        return (self.scheduler.observer is None and all(u.resident for u in self.pager.units.values())
+                and all(p == "device" for p in self.cache.placements))
+
+    @contextlib.contextmanager
+    def _bound_pass(self, training: bool) -> Iterator[None]:
+        """A forward with every unit held (see :meth:`_resident_pass`). The blocks' hooks step aside: on a GPU the
+        host queues a small model's kernels barely ahead of the device, so their work would be the device's wait.
+        The units are released when the forward ends, as between steps (Lightning's ``on_before_backward`` reads the
+        committed values, see :mod:`~lightning_ratel.engine.reads`), and held again for the backward."""
+        self.scheduler.bound = True
+        self.reads.pause()
+        self.pager.hold_all()
+        try:
+            yield
+        except BaseException:
+            self.scheduler.bound = False
+            raise
+        finally:
+            self.pager.release_all()
+            self.reads.resume()
+        self.scheduler.bound = training
+
+    @contextlib.contextmanager
+    def _watched_pass(self, training: bool, manual: bool) -> Iterator[None]:
+        """A forward whose parameters are paged in block by block, watched for parameters used outside their block."""
         # A block's forward is watched until it has run once (see EscapeDetector); what runs between and around the
         # blocks always is.
         unwatched = [b.module for b in self.blocks if not b.direct_only and id(b.module) in self._ran_watched]
@@ -554,9 +600,6 @@ class RatelEngine:
         # whose forward never runs just before another module reads its parameters, and hide that use.
         self.scheduler.prefetching = bool(self._ran_watched)
         self.cache.unwatched = {b.index for b in self.blocks if id(b.module) in {id(m) for m in unwatched}}
-        # Under manual optimization the step runs its backward passes itself, `loss.backward()` as well as
-        # `self.manual_backward(loss)`.
-        manual = training and not getattr(self.module, "automatic_optimization", True)
         self.reads.pause()
         if manual:
             self.backward_calls.open()
@@ -582,10 +625,6 @@ class RatelEngine:
             self.scheduler.prefetching = True
             self.cache.unwatched = set()
             self.reads.resume()
-        if self._buffers is not None:
-            # DistributedDataParallel's rule: the next forward broadcasts the buffers after one with gradients enabled
-            # that reduces them (not an accumulating micro-batch, not an evaluation pass).
-            self._buffers_due = training and torch.is_grad_enabled() and self._reduces
         self._unwatched_ran = any(id(m) in detector.ran for m in unwatched)
         self._ran_watched |= detector.ran
         if detector.escapes:

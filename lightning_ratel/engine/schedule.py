@@ -178,6 +178,9 @@ class BlockScheduler:
         self._current: int | None = None
         # Told where each block's forward and backward start and end (the planner's timer while it profiles).
         self.observer: BlockObserver | None = None
+        # Every unit is held through the pass (see ``RatelEngine.watch_forward``): the blocks' hooks have nothing to
+        # page in, place or learn.
+        self.bound = False
         # Off while the engine looks for parameters used outside their block (see ``RatelEngine.watch_forward``).
         self.prefetching = True
         self._handles: list[Any] = []
@@ -231,6 +234,8 @@ class BlockScheduler:
 
     def _pre_forward(self, b: int, module: nn.Module, args: Any, kwargs: Any) -> None:
         self._check()
+        if self.bound:
+            return
         waiting = time.perf_counter()
         self.pager.acquire(b)
         if self.observer is not None:
@@ -273,6 +278,8 @@ class BlockScheduler:
         self._hook_stack.append((b, contexts))
 
     def _post_forward(self, b: int, module: nn.Module, args: Any, output: Any) -> None:
+        if self.bound:
+            return
         self._path_call = None
         if self._hook_stack and self._hook_stack[-1][0] == b:
             for context in reversed(self._hook_stack.pop()[1]):
@@ -281,7 +288,11 @@ class BlockScheduler:
                 self.observer.forward_ended(b, output)
             self.cache.end_record(b)
             outputs = [t for t in tensor_leaves(output) if t.requires_grad]
-            if outputs:
+            if len(outputs) == 1:
+                # The hook torch's multi-tensor one would place, without its per-call set-up (a tenth of the host time
+                # of each block's forward end).
+                outputs[0].register_hook(functools.partial(self._pre_backward, b))
+            elif outputs:
                 torch.autograd.graph.register_multi_grad_hook(
                     outputs, functools.partial(self._pre_backward, b), mode="any")
         self.pager.release(b)
@@ -291,6 +302,8 @@ class BlockScheduler:
     def begin_backward(self) -> None:
         """Backward of a micro-batch is about to run."""
         self.timeline.record("backward_start")
+        if self.bound:
+            self.pager.hold_all()
         self.state = TrainingState.BACKWARD
         if self.observer is not None:
             self.observer.backward_started()
@@ -325,6 +338,7 @@ class BlockScheduler:
         self._held.clear()
         self._current = None
         self.pager.release_all()
+        self.bound = False
         if self._order_pass:
             order = list(dict.fromkeys(self._order_pass))
             if len(order) == len(self.blocks) or len(order) > len(self.order):
@@ -354,5 +368,6 @@ class BlockScheduler:
         self._handles.clear()
         self._held.clear()
         self._current = None
+        self.bound = False
         self.pager.release_all()
         self.state = TrainingState.IDLE

@@ -28,6 +28,7 @@ thread reads once, then uses its local copy).
 
 from __future__ import annotations
 
+import functools
 import time
 import weakref
 from collections.abc import Callable
@@ -174,6 +175,10 @@ class ActivationCache:
 
     def hooks(self, block: int) -> torch.autograd.graph.saved_tensors_hooks:
         """The saved-tensor hooks context for one forward pass of ``block``."""
+        if self.placements[block] == "device":
+            # A forward saves hundreds of tensors: where every one stays as it is, the short path (on a GPU the host
+            # queues the blocks' kernels, and these hooks are part of its time).
+            return torch.autograd.graph.saved_tensors_hooks(functools.partial(self._keep, block), self._unpack)
         return torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(block, t), self._unpack)
 
     def add_block(self, placement: Placement = "device") -> None:
@@ -229,6 +234,17 @@ class ActivationCache:
             return self._place(block, record, t)
         finally:
             record.paused = False
+
+    def _keep(self, block: int, t: torch.Tensor) -> Any:
+        """:meth:`_place` for an untracked block whose activations stay on the device."""
+        located = self.pager.param_view(t.untyped_storage().data_ptr())
+        if located is not None:
+            return _ParamRef(block, located[0], located[1], t.storage_offset(), tuple(t.size()), tuple(t.stride()))
+        if block in self.unwatched:
+            placeholder = self.pager.placeholder_slot(t)
+            if placeholder is not None:
+                raise PlaceholderRead(block, placeholder[1].name)
+        return self._pack_as(block, t, "device")
 
     def _place(self, block: int, record: ForwardRecord | None, t: torch.Tensor) -> Any:
         if block in self.unwatched:

@@ -162,6 +162,11 @@ class ParameterPager:
         if state.event is not None:
             self.device.wait(state.event)
 
+    def hold_all(self) -> None:
+        """:meth:`hold` every unit (a pass that keeps them all resident throughout)."""
+        for unit in self.units:
+            self.hold(unit)
+
     def take_stall_seconds(self) -> float:
         """Seconds page-ins waited for pending optimizer updates, since the last call."""
         stall, self._stall = self._stall, 0.0
