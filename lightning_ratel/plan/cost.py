@@ -45,7 +45,8 @@ class Prediction:
         forward: resource -> busy seconds in forward: ``"compute"``, ``"h2d"``, ``"d2h"``, ``"ssd"``, and
             ``"cpu_optimizer"`` where the updates run after backward (:attr:`CostSettings.updates_after_backward`).
         backward: resource -> busy seconds in backward: ``"compute"`` (recompute included), ``"recompute"``,
-            ``"h2d"``, ``"d2h"``, ``"ssd"``, and ``"cpu_optimizer"`` where the updates overlap backward.
+            ``"h2d"``, ``"d2h"``, ``"ssd"``, and ``"cpu_optimizer"`` where the updates overlap backward (beside a GPU,
+            all but the one the next forward waits for).
         forward_time: predicted seconds of forward.
         backward_time: predicted seconds of backward.
         iteration_time: ``forward_time + backward_time``.
@@ -55,9 +56,9 @@ class Prediction:
 
     With ``host_io_bandwidth`` the phases also have ``"host_in"`` and ``"host_out"`` (host-side PCIe, into and out of
     host memory), with ``host_memory_bandwidth`` a ``"dram"`` resource. On a GPU each phase also has ``"host"``: the
-    training thread's work outside the blocks where some was measured (:attr:`CostSettings.forward_overhead`), and the
-    phase the CPU optimizer's updates run in has ``"update_wait"``: its compute followed by the update of the unit
-    forward needs first, which backward hands over last.
+    training thread's work outside the blocks where some was measured (:attr:`CostSettings.forward_overhead`), and
+    forward has ``"update_wait"`` where the CPU optimizer updates: the wait for the update of the unit it needs first
+    (backward hands its gradients over last, and the step ends without waiting for it), then forward's compute.
     """
 
     forward: dict[str, float]
@@ -480,8 +481,9 @@ class CostModel:
         # cores' lane already runs every update after the compute it follows. With several ranks one owns that unit
         # whole and updates it at its own share of the node's rates.
         first = next((layer.trainable_numel for layer in self.layers if layer.trainable_numel), 0)
+        self._first_update = self._cpu_optimizer * first / numel if updates else 0.0
         self._update_wait = 0.0 if hw.unified_memory or not updates else max(
-            self._cpu_optimizer * first / numel,
+            self._first_update,
             _seconds(first * settings.optimizer_memory_bytes_per_param, hw.host_memory_bandwidth)
             if hw.host_memory_bandwidth else 0.0)
         # Compute copies read from the SSDs for each pass: every rank reads each from its own swap files.
@@ -599,7 +601,11 @@ class CostModel:
         updating["cpu_optimizer"] = self._cpu_optimizer
         updating["compute"] += self._device_update
         if self._update_wait:
-            updating["update_wait"] = updating["compute"] + self._update_wait
+            # The step ends without waiting for the last update, that of the unit the next forward needs first: that
+            # forward starts by waiting for it. Where the updates overlap backward, that one is no part of it.
+            forward["update_wait"] = forward["compute"] + self._update_wait
+            if not self._updates_after_backward:
+                backward["cpu_optimizer"] -= self._first_update
         # Host-side traffic: what reaches host memory (from the device or the SSDs) and what leaves it.
         after = self._optimizer_memory if self._updates_after_backward else 0
         self._host_resources(forward, swapped + self._param_ssd_bytes + self._state_ahead,
