@@ -163,6 +163,37 @@ def test_a_pass_holding_every_unit_lets_go_of_them_when_it_raises(tmp_path: Path
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
 
 
+def test_a_pass_that_fails_to_hold_every_unit_lets_go_of_those_it_held(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch):
+    """A unit that cannot be held (here: made to raise) at the start of a pass holding every unit: the pass raises,
+    and the units held before it are released (their parameters hold placeholders again)."""
+    from lightning_ratel.runtime.pager import ParameterPager
+
+    hold = ParameterPager.hold
+    holds: list[int] = []
+
+    def failing_hold(self: ParameterPager, unit: int) -> None:
+        holds.append(unit)
+        if len(holds) == 2 * len(self.units) + 2:
+            raise OSError("cannot hold")
+        hold(self, unit)
+
+    monkeypatch.setattr(ParameterPager, "hold", failing_hold)
+    lm = LM("llama")
+    strategy = RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy="keep", optimizer_states="device")
+    left: list[Any] = []
+
+    class Look(L.Callback):
+        def on_exception(self, trainer: L.Trainer, module: L.LightningModule, err: BaseException) -> None:
+            engine = strategy.engine
+            left.append((engine.scheduler.bound, [engine.pager.holds_placeholder(p) for p in module.parameters()]))
+
+    with pytest.raises(OSError, match="cannot hold"):
+        trainer(strategy, max_steps=3, callbacks=[Look()]).fit(lm)
+    # The second step's forward held one unit, then failed on the next.
+    assert left == [(False, [True] * len(list(lm.parameters())))]
+
+
 class _SkipLM(LM):
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor | None:
         loss = super().training_step(batch, batch_idx)

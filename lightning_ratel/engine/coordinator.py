@@ -578,8 +578,8 @@ class RatelEngine:
         committed values, see :mod:`~lightning_ratel.engine.reads`), and held again for the backward."""
         self.scheduler.bound = True
         self.reads.pause()
-        self.pager.hold_all()
         try:
+            self.pager.hold_all()
             yield
         except BaseException:
             self.scheduler.bound = False
