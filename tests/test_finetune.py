@@ -614,6 +614,25 @@ def test_lora_trains_like_plain_without_fp32_copies_of_frozen_weights(tmp_path: 
     assert sum(frozen_keys.values()) <= frozen_numel * 4
 
 
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_lora_with_every_unit_on_the_device_trains_like_plain(tmp_path: Path, precision: str) -> None:
+    """LoRA with every state on the device and every activation kept: the frozen weights' units are resident too, and
+    the passes hold every unit from forward to backward."""
+    folder = save_llama(tmp_path / "hf", torch.bfloat16)
+    reference = lora_lm(folder)
+    t = trainer("auto", precision=precision)
+    t.fit(reference)
+    module = lora_lm(folder)
+    strategy = RatelStrategy(ssd_paths=[swap(tmp_path)], optimizer_states="device", activation_policy="keep",
+                             pretrained=str(folder))
+    bound: list[bool] = []
+    module.on_before_backward = lambda loss: bound.append(strategy.engine.scheduler.bound)  # type: ignore[method-assign]
+    t2 = trainer(strategy, precision=precision)
+    t2.fit(module)
+    assert bound and all(bound)
+    compare_states(final_state(reference, t), final_state(module, t2), 1e-5)
+
+
 def test_lora_adapter_exported_in_peft_format(tmp_path: Path) -> None:
     folder = save_llama(tmp_path / "hf", torch.bfloat16)
     module = lora_lm(folder, meta=True)
