@@ -321,22 +321,26 @@ def test_late_updates_copy_the_masters_backward_paged_in_on_cuda(tmp_path, monke
     late.assert_at_most_two_reads(range(1, 4))
 
 
-@pytest.mark.parametrize("states", ["device", "auto"])
+@pytest.mark.parametrize(("states", "policy"), [("device", None), ("auto", None), ("device", "keep")])
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
-def test_device_tier_matches_plain_lightning_on_cuda(tmp_path, precision, states):
+def test_device_tier_matches_plain_lightning_on_cuda(tmp_path, precision, states, policy):
     """The device tier's update is torch's foreach AdamW on the GPU, plain Lightning's own there: every state on the
     device (and ``"auto"``, which puts these small models there whole) gives plain Lightning's numbers, with
-    accumulation and clipping by norm (one norm over every gradient, on the GPU)."""
+    accumulation and clipping by norm (one norm over every gradient, on the GPU); with every activation kept, on
+    passes that hold every unit from forward to backward."""
     kwargs = dict(accumulate_grad_batches=2, gradient_clip_val=0.05)
     with reproducible():
         ref = _on_host(final_state(*_fit_with(gpu_trainer("auto", precision=precision, **kwargs), LM("llama"))))
-        strategy = RatelStrategy(ssd_paths=swap_dirs(tmp_path), optimizer_states=states)
+        strategy = RatelStrategy(ssd_paths=swap_dirs(tmp_path), optimizer_states=states, activation_policy=policy)
         t = gpu_trainer(strategy, precision=precision, **kwargs)
         module = LM("llama")
         tiers: list[str] = []
         module.on_train_start = lambda: tiers.extend(s.state_tier for s in strategy.engine.layout.shards)
+        bound: list[bool] = []
+        module.on_before_backward = lambda loss: bound.append(strategy.engine.scheduler.bound)
         got = _on_host(final_state(*_fit_with(t, module)))
     assert set(tiers) == {"device"}
+    assert bound and all(bound) == (policy == "keep")
     error = max_rel_err(ref[0], got[0])
     assert error <= SAME_ARITHMETIC[precision], f"parameters differ from plain Lightning's by {error:.3g}"
     assert _moment_error(ref[1], got[1]) <= SAME_ARITHMETIC[precision]
