@@ -34,6 +34,11 @@ def test_auto_chooses_whole_units_cheapest_first_within_the_budget():
     assert on_device(shard_bytes, units, unit_bytes, 30) == [True, True, True, False]
     assert on_device(shard_bytes, units, unit_bytes, 19) == [False, False, True, False]
     assert place_states([1, 1, 1, 1], "auto", 1, [True, True, True, False]) == ["device"] * 3 + ["host"]
+    # The unit the next forward needs first goes before the others where it fits (2: 40 bytes), whatever its size;
+    # where it does not (0 in 19 bytes), the cheapest first as before.
+    assert on_device(shard_bytes, units, unit_bytes, 46, first=2) == [False, False, True, True]
+    assert on_device(shard_bytes, units, unit_bytes, 19, first=0) == [False, False, True, False]
+    assert on_device(shard_bytes, units, unit_bytes, 30, first=0) == [True, True, True, False]
     # Half the device budget, less the pager's blocks in flight; nothing without a known budget.
     assert device_states_budget(1000, 100) == 400
     assert device_states_budget(100, 400) == 0

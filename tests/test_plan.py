@@ -224,9 +224,10 @@ def test_the_device_tiers_updates_run_on_the_compute_lane_and_touch_no_host_memo
     host = _hand_predict("cuda", update_params_per_s=4, dram=1000)
     mixed = _hand_predict("cuda", update_params_per_s=4, dram=1000, device_update_share=0.25,
                           optimizer_memory_bytes_per_param=21)
-    # Of what the CPU optimizer updates, half is b.0's (10 of 20 parameters), which the next forward waits for.
-    assert host.backward["cpu_optimizer"] == pytest.approx(20 / 4 / 2)
-    assert mixed.backward["cpu_optimizer"] == pytest.approx(15 / 4 / 2)
+    # Of what the CPU optimizer updates, b.0's 10 parameters (at 4/s) are the update the next forward waits for.
+    assert host.backward["cpu_optimizer"] == pytest.approx((20 - 10) / 4)
+    assert mixed.backward["cpu_optimizer"] == pytest.approx((15 - 10) / 4)
+    assert mixed.forward["update_wait"] == pytest.approx(0.08 + 10 / 4)
     assert mixed.backward["compute"] == pytest.approx(host.backward["compute"] + 5 / 4)
     assert mixed.backward["dram"] == pytest.approx(host.backward["dram"] - 20 * (28 - 21) / 1000)
     on_device = _hand_predict("cuda", update_params_per_s=4, device_update_share=1.0, updates_after_backward=True)
@@ -295,6 +296,10 @@ def test_the_next_forward_waits_for_the_update_of_the_unit_backward_finishes_las
     assert two.backward["cpu_optimizer"] == pytest.approx(0)
     assert two.forward["update_wait"] == pytest.approx(0.08 + 10 / 40)
     assert "update_wait" not in _hand_predict("cuda", device_update_share=1.0).forward
+    # b.0 updated on the device: ready at once; forward computes it (0.04 s), then waits for b.1's CPU update.
+    first_on_device = _hand_predict("cuda", update_params_per_s=40, device_update_share=0.5, device_updated=("b.0",))
+    assert first_on_device.forward["update_wait"] == pytest.approx(0.08 + 10 / 40 - 0.04)
+    assert first_on_device.backward["cpu_optimizer"] == pytest.approx(0)
 
 
 def test_measured_settings_cannot_be_negative():

@@ -31,7 +31,7 @@ from lightning_ratel.engine.planner import (
 )
 from lightning_ratel.hardware import HardwareProfile
 from lightning_ratel.plan import LayerProfile, OpProfile
-from lightning_ratel.plan.cost import OPTIMIZER_MEMORY_BYTES_PER_PARAM, CostModel, recompute_ops
+from lightning_ratel.plan.cost import OPTIMIZER_MEMORY_BYTES_PER_PARAM, CostModel, CostSettings, recompute_ops
 from lightning_ratel.runtime import recompute
 from lightning_ratel.sizes import parse_bytes
 from tests.models import LM, final_state, max_rel_err, trainer
@@ -606,6 +606,16 @@ def test_settings_leave_the_device_tiers_updates_out_of_host_memory():
     on_device = plan_settings(shards[:1], shards[:1], "host", 1, prefetch_depth=1,  # type: ignore[arg-type]
                               host_static_bytes=0, device_overhead=None)
     assert (on_device.device_update_share, on_device.optimizer_memory_bytes_per_param) == (1.0, 0)
+    # The blocks named as updated on the device: those whose every shard is on the device tier.
+    units = [0, 1, 1]
+    for shard, unit in zip(shards, units):
+        shard.unit = SimpleNamespace(index=unit)
+    shards.append(SimpleNamespace(numel=10, dtype=torch.float32, state_tier="device", master_in_host=False,
+                                  unit=SimpleNamespace(index=2)))
+    named = plan_settings(shards, shards, "host", 1, prefetch_depth=1, host_static_bytes=0,  # type: ignore[arg-type]
+                          device_overhead=None, block_names={0: "embed", 1: "layers.0", 2: "norm"})
+    assert named.device_updated == ("embed", "norm")
+    assert CostSettings.from_dict(dataclasses.asdict(named)) == named
 
 
 def test_settings_count_the_states_read_ahead_during_forward():

@@ -385,8 +385,10 @@ def with_state_tiers(layout: Layout, requested: OptimizerStates, host_memory_lim
     per_param = SET_BYTES_PER_PARAM * max(1.0, base) + GRADIENT_BYTES_PER_PARAM
     held = compute + int(per_param * max(s.numel for s in mine))
     budget = states_budget(host_memory_limit, held, ranks_on_node)
+    # Units are numbered in block order, the order forward first runs them in (until a pass teaches another).
+    first = min((s.unit.index for s in layout.shards), default=None)
     chosen = (on_device([device_bytes(s.numel) for s in mine], [s.unit.index for s in mine],
-                        {b: u.nbytes for b, u in layout.units.items()}, device_budget)
+                        {b: u.nbytes for b, u in layout.units.items()}, device_budget, first)
               if requested == "auto" and device_budget > 0 else None)
     placed = place_states(sizes, requested, budget, chosen)
     tiers = dict(zip((s.index for s in mine), placed))

@@ -406,7 +406,7 @@ class Planner:
             prefetch_depth=self.config.prefetch_depth, host_static_bytes=self.accounts.held()["host"],
             device_overhead=self._device_overhead(layers) if self.device.is_cuda else None,
             read_ahead_sets=self._read_ahead_sets(), slot_copy=self.layout.generic is not None,
-            stored_copies=self._stored_copies())
+            stored_copies=self._stored_copies(), block_names={b.index: b.name for b in self.blocks})
         return dataclasses.replace(settings, updates_after_backward=not self.updates_overlap, **self._measured)
 
     def _device_tier_bytes(self) -> int:
@@ -618,7 +618,8 @@ def _read_ahead(shards: Sequence[Shard], sets: int, after_backward: bool = False
 def plan_settings(shards: Sequence[Shard], owned: Sequence[Shard], param_cache: str, ranks_on_node: int,
                   *, prefetch_depth: int, host_static_bytes: int,
                   device_overhead: DeviceOverhead | None, read_ahead_sets: int = 0,
-                  slot_copy: bool = False, stored_copies: Sequence[Shard] | None = None) -> CostSettings:
+                  slot_copy: bool = False, stored_copies: Sequence[Shard] | None = None,
+                  block_names: Mapping[int, str] | None = None) -> CostSettings:
     """The cost model's settings for one rank of ``ranks_on_node`` on its node.
 
     The cost model counts the optimizer's state bytes per parameter a rank owns, ``1 / ranks_on_node`` of the
@@ -639,6 +640,8 @@ def plan_settings(shards: Sequence[Shard], owned: Sequence[Shard], param_cache: 
             generic optimizer path; AdamW reads one slot and writes the other in its single pass).
         stored_copies: the shards of other ranks whose compute copies this rank keeps in its own swap files;
             ``None``: every one it does not own.
+        block_names: each block's name by index, naming the units updated on the device tier whole
+            (:attr:`CostSettings.device_updated`); ``None``: none named.
     """
     share = (sum(s.numel for s in shards) or 1) / ranks_on_node
     traffic = state_traffic(owned, param_cache)
@@ -656,11 +659,19 @@ def plan_settings(shards: Sequence[Shard], owned: Sequence[Shard], param_cache: 
     updated = sum(s.numel for s in owned)
     on_device = sum(s.numel for s in owned if s.state_tier == "device")
     in_host = sum(s.numel for s in owned if s.state_tier == "host") if slot_copy else 0
+    device_updated: tuple[str, ...] = ()
+    if block_names is not None:
+        tiers: dict[int, set[str]] = {}
+        for shard in shards:
+            tiers.setdefault(shard.unit.index, set()).add(shard.state_tier)
+        device_updated = tuple(block_names[u] for u, unit_tiers in sorted(tiers.items())
+                               if unit_tiers == {"device"} and u in block_names)
     return CostSettings(
         prefetch_depth=prefetch_depth, host_static_bytes=host_static_bytes,
         optimizer_memory_bytes_per_param=round((OPTIMIZER_MEMORY_BYTES_PER_PARAM * (updated - on_device)
                                                 + 24 * in_host) / share),
         device_update_share=on_device / (updated or 1),
+        device_updated=device_updated,
         state_read_bytes_per_param=round(traffic["read"] / share),
         state_write_bytes_per_param=round(traffic["written"] / share),
         state_read_ahead_bytes_per_param=min(traffic["read"], read_ahead_traffic(owned, read_ahead_sets)) / share,

@@ -341,6 +341,8 @@ class CostSettings:
         device_update_share: of the parameters this rank updates, the share whose states are on the device tier:
             their updates run where the model computes (on its lane, at the same measured rate), and they move
             nothing through host memory.
+        device_updated: the blocks whose units are updated on the device tier whole: ready as soon as backward
+            ends, so the next forward waits for the first unit the CPU updates only once it reaches that block.
         updates_after_backward: the optimizer's updates wait for the end of backward and run while the next forward
             starts (that forward pages each unit in only once its update ran): their time is charged to forward. Where
             ``False`` they overlap backward, each as its shard's gradients complete.
@@ -365,6 +367,7 @@ class CostSettings:
     backward_overhead: float = 0.0
     update_params_per_s: float = 0.0
     device_update_share: float = 0.0
+    device_updated: tuple[str, ...] = ()
     updates_after_backward: bool = False
     ranks_on_node: int = 1
     state_read_ahead_bytes_per_param: float = 0.0
@@ -382,6 +385,7 @@ class CostSettings:
     def from_dict(cls, data: Mapping[str, object]) -> CostSettings:
         """The settings ``dataclasses.asdict`` made of them (as in a plan file)."""
         values = dict(data)
+        values["device_updated"] = tuple(values.get("device_updated", ()))
         overhead = values.get("device_overhead")
         if isinstance(overhead, Mapping):
             values["device_overhead"] = DeviceOverhead(**overhead)
@@ -479,13 +483,21 @@ class CostModel:
         # The unit forward uses first gets its gradient last in backward; beside a GPU, its update (on the cores or
         # the memory bus, whichever is slower) starts only then, and the next forward waits for it. On the CPU the
         # cores' lane already runs every update after the compute it follows. With several ranks one owns that unit
-        # whole and updates it at its own share of the node's rates.
-        first = next((layer.trainable_numel for layer in self.layers if layer.trainable_numel), 0)
-        self._first_update = self._cpu_optimizer * first / numel if updates else 0.0
-        self._update_wait = 0.0 if hw.unified_memory or not updates else max(
+        # whole and updates it at its own share of the node's rates. Units updated on the device are ready at once:
+        # forward computes their blocks first, then waits for the first unit the CPU updates.
+        first, ahead = 0, 0.0
+        for layer in self.layers:
+            if layer.name in settings.device_updated:
+                ahead += layer.forward_time
+            elif layer.trainable_numel:
+                first = layer.trainable_numel
+                break
+        cpu_numel = numel * (1 - settings.device_update_share)
+        self._first_update = min(self._cpu_optimizer, self._cpu_optimizer * first / cpu_numel) if cpu_numel else 0.0
+        self._update_wait = 0.0 if hw.unified_memory or not updates else max(0.0, max(
             self._first_update,
             _seconds(first * settings.optimizer_memory_bytes_per_param, hw.host_memory_bandwidth)
-            if hw.host_memory_bandwidth else 0.0)
+            if hw.host_memory_bandwidth else 0.0) - ahead)
         # Compute copies read from the SSDs for each pass: every rank reads each from its own swap files.
         self._param_ssd_bytes = param_bytes if param_cache == "ssd" else 0
         self._param_ssd = _seconds(self._param_ssd_bytes, hw.ssd_read_bandwidth)

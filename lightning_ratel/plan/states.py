@@ -66,10 +66,14 @@ def device_bytes(numel: int) -> int:
 
 
 def on_device(shard_bytes: Sequence[int], units: Sequence[int], unit_bytes: Mapping[int, int],
-              budget: int) -> list[bool]:
+              budget: int, first: int | None = None) -> list[bool]:
     """Which shards ``"auto"`` puts on the device tier: whole units, so that a unit's compute copy stays resident on
-    the device and nothing of it crosses the link, the cheapest first (fewest device bytes), while ``budget`` holds
-    them.
+    the device and nothing of it crosses the link; ``first`` before the others where it fits, then the cheapest
+    first (fewest device bytes), while ``budget`` holds them.
+
+    ``first`` is the unit the next forward needs first (the embedding): backward hands its gradients over last, so
+    beside a GPU the step's last CPU update is its, and the next forward waits for it whole (with its states on
+    disk, for their reads and writes too); updated on the device, it is ready at once.
 
     Per byte the small units (a final norm, the embeddings and head of a small model) save the most: each shard on the
     CPU pays a fixed cost per step whatever its size (a job for the optimizer's worker, its gradient's copy to host
@@ -81,6 +85,7 @@ def on_device(shard_bytes: Sequence[int], units: Sequence[int], unit_bytes: Mapp
         units: the unit of each shard.
         unit_bytes: device bytes of each unit's compute copies.
         budget: device bytes the device tier may take.
+        first: the unit the next forward waits for first (``None``, or not one of ``units``: none of them).
     """
     cost = dict.fromkeys(units, 0)
     for size, unit in zip(shard_bytes, units):
@@ -89,7 +94,12 @@ def on_device(shard_bytes: Sequence[int], units: Sequence[int], unit_bytes: Mapp
         cost[unit] += unit_bytes[unit]
     chosen: set[int] = set()
     left = budget
+    if first in cost and cost[first] <= left:
+        chosen.add(first)
+        left -= cost[first]
     for unit in sorted(cost, key=lambda u: (cost[u], u)):
+        if unit in chosen:
+            continue
         if cost[unit] > left:
             break
         chosen.add(unit)
