@@ -147,6 +147,26 @@ def test_a_pass_holding_every_unit_matches_plain(tmp_path: Path, precision: str,
     compare_states(final_state(ref, t), final_state(lm, got), 0.0)
 
 
+class _TwoBackwardsLM(LM):
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        loss.backward(retain_graph=True)
+        (loss * 0.5).backward()
+
+
+@pytest.mark.parametrize("activations", ["host", "keep"])
+def test_two_backwards_on_one_graph_match_plain(tmp_path: Path, activations: str):
+    """A ``backward`` override that runs two backward passes over one graph: the second unpacks the saved tensors
+    again, the parameters among them too, which a pass holding every unit holds again for it."""
+    ref = _TwoBackwardsLM("llama")
+    t = trainer("auto", max_steps=3)
+    t.fit(ref)
+    lm = _TwoBackwardsLM("llama")
+    got = trainer(RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy=activations, optimizer_states="device"),
+                  max_steps=3)
+    got.fit(lm)
+    compare_states(final_state(ref, t), final_state(lm, got), 0.0)
+
+
 class _RaisingLM(LM):
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         if batch_idx == 3:

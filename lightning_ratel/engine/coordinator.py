@@ -550,6 +550,7 @@ class RatelEngine:
         # Under manual optimization the step runs its backward passes itself, `loss.backward()` as well as
         # `self.manual_backward(loss)`.
         manual = training and not getattr(self.module, "automatic_optimization", True)
+        self.scheduler.bound = False
         if not manual and self._resident_pass():
             with self._bound_pass(training):
                 yield

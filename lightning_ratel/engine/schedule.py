@@ -179,7 +179,8 @@ class BlockScheduler:
         # Told where each block's forward and backward start and end (the planner's timer while it profiles).
         self.observer: BlockObserver | None = None
         # Every unit is held through the pass (see ``RatelEngine.watch_forward``): the blocks' hooks have nothing to
-        # page in, place or learn.
+        # page in, place or learn, and each backward of the pass holds them again (a ``backward`` override may run
+        # two on one graph). Set for each pass.
         self.bound = False
         # Off while the engine looks for parameters used outside their block (see ``RatelEngine.watch_forward``).
         self.prefetching = True
@@ -338,7 +339,6 @@ class BlockScheduler:
         self._held.clear()
         self._current = None
         self.pager.release_all()
-        self.bound = False
         if self._order_pass:
             order = list(dict.fromkeys(self._order_pass))
             if len(order) == len(self.blocks) or len(order) > len(self.order):
