@@ -167,6 +167,30 @@ def test_two_backwards_on_one_graph_match_plain(tmp_path: Path, activations: str
     compare_states(final_state(ref, t), final_state(lm, got), 0.0)
 
 
+class _ForwardBetweenSteps(L.Callback):
+    """Runs the model on each batch after its step, outside autocast, as a callback logging samples would."""
+
+    def __init__(self) -> None:
+        self.sums: list[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        with torch.no_grad():
+            self.sums.append(pl_module.model(input_ids=batch).logits.double().sum().item())
+
+
+def test_a_forward_between_steps_reads_the_committed_values(tmp_path: Path):
+    """After passes that hold every unit, a forward between steps (a callback's, outside autocast under bf16-mixed)
+    computes with the committed values in the parameters' own dtype, as under plain Lightning."""
+    sums = []
+    for strategy in ("auto", RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy="keep",
+                                           optimizer_states="device")):
+        probe = _ForwardBetweenSteps()
+        trainer(strategy, max_steps=3, precision="bf16-mixed", callbacks=[probe]).fit(LM("llama"))
+        sums.append(probe.sums)
+    assert len(sums[0]) == 3 and sums[1] == sums[0]
+
+
 class _RaisingLM(LM):
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         if batch_idx == 3:

@@ -180,7 +180,7 @@ class BlockScheduler:
         self.observer: BlockObserver | None = None
         # Every unit is held through the pass (see ``RatelEngine.watch_forward``): the blocks' hooks have nothing to
         # page in, place or learn, and each backward of the pass holds them again (a ``backward`` override may run
-        # two on one graph). Set for each pass.
+        # two on one graph). Set for each pass, it lasts until the next.
         self.bound = False
         # Off while the engine looks for parameters used outside their block (see ``RatelEngine.watch_forward``).
         self.prefetching = True
