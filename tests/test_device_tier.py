@@ -179,12 +179,14 @@ class _ForwardBetweenSteps(L.Callback):
             self.sums.append(pl_module.model(input_ids=batch).logits.double().sum().item())
 
 
-def test_a_forward_between_steps_reads_the_committed_values(tmp_path: Path):
-    """After passes that hold every unit, a forward between steps (a callback's, outside autocast under bf16-mixed)
-    computes with the committed values in the parameters' own dtype, as under plain Lightning."""
+@pytest.mark.parametrize(("states", "activations"), [("device", "keep"), ("host", "host"), ("ssd", "host")])
+def test_a_forward_between_steps_reads_the_committed_values(tmp_path: Path, states: str, activations: str):
+    """A forward between steps (a callback's, outside autocast) under bf16-mixed computes with the committed values in
+    the parameters' own dtype, as under plain Lightning: the blocks do not page their 16-bit compute copies in for it
+    (after passes that hold every unit as after watched ones)."""
     sums = []
-    for strategy in ("auto", RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy="keep",
-                                           optimizer_states="device")):
+    for strategy in ("auto", RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy=activations,
+                                           optimizer_states=states)):
         probe = _ForwardBetweenSteps()
         trainer(strategy, max_steps=3, precision="bf16-mixed", callbacks=[probe]).fit(LM("llama"))
         sums.append(probe.sums)

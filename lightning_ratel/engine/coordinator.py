@@ -449,6 +449,8 @@ class RatelEngine:
         self.cache = ActivationCache(self.device, self.pager, [], _activation_store(self.device, config, io))
         self.scheduler = BlockScheduler(self.blocks, self.pager, self.cache, self.device, config.prefetch_depth,
                                         self.timeline, check=self.adam.check if self.adam is not None else lambda: None)
+        self.scheduler.aside_between_steps = any(slot.dtype != self.layout.orig_dtype[id(slot.param)]
+                                                 for unit in self.layout.units.values() for slot in unit.slots)
         # The device tier's gradients stay on the device (its own hooks).
         consumer = self.adam.cpu if isinstance(self.adam, TieredAdam) else self.adam
         self.gradients = (GradientOffload(self.device, consumer,
@@ -551,13 +553,17 @@ class RatelEngine:
         # `self.manual_backward(loss)`.
         manual = training and not getattr(self.module, "automatic_optimization", True)
         self.scheduler.bound = False
-        if not manual and self._resident_pass():
-            with self._bound_pass(training):
-                yield
-            self._unwatched_ran = False
-        else:
-            with self._watched_pass(training, manual):
-                yield
+        self.scheduler.forward_open = True
+        try:
+            if not manual and self._resident_pass():
+                with self._bound_pass(training):
+                    yield
+                self._unwatched_ran = False
+            else:
+                with self._watched_pass(training, manual):
+                    yield
+        finally:
+            self.scheduler.forward_open = False
         if self._buffers is not None:
             # DistributedDataParallel's rule: the next forward broadcasts the buffers after one with gradients enabled
             # that reduces them (not an accumulating micro-batch, not an evaluation pass).

@@ -182,6 +182,13 @@ class BlockScheduler:
         # page in, place or learn, and each backward of the pass holds them again (a ``backward`` override may run
         # two on one graph). Set for each pass, it lasts until the next.
         self.bound = False
+        # A forward of the engine's runs (``RatelEngine.watch_forward``); with ``aside_between_steps``, only then and in
+        # backward do the hooks page blocks in.
+        self.forward_open = False
+        # Some compute copy is not its parameter's own dtype (mixed precision): a forward between steps (a callback's,
+        # outside autocast) would mix 16-bit copies with fp32 values and differ from plain training, so the hooks leave
+        # it to ``ParameterReads``, which hands it the committed values in the parameters' own dtypes.
+        self.aside_between_steps = False
         # Off while the engine looks for parameters used outside their block (see ``RatelEngine.watch_forward``).
         self.prefetching = True
         self._handles: list[Any] = []
@@ -233,9 +240,13 @@ class BlockScheduler:
         self._path_call, self._path = call, path
         return path
 
+    def _stands_aside(self) -> bool:
+        return self.bound or (self.aside_between_steps and not self.forward_open
+                              and self.state is not TrainingState.BACKWARD)
+
     def _pre_forward(self, b: int, module: nn.Module, args: Any, kwargs: Any) -> None:
         self._check()
-        if self.bound:
+        if self._stands_aside():
             return
         waiting = time.perf_counter()
         self.pager.acquire(b)
@@ -279,7 +290,7 @@ class BlockScheduler:
         self._hook_stack.append((b, contexts))
 
     def _post_forward(self, b: int, module: nn.Module, args: Any, output: Any) -> None:
-        if self.bound:
+        if self._stands_aside():
             return
         self._path_call = None
         if self._hook_stack and self._hook_stack[-1][0] == b:
