@@ -168,26 +168,30 @@ def test_two_backwards_on_one_graph_match_plain(tmp_path: Path, activations: str
 
 
 class _ForwardBetweenSteps(L.Callback):
-    """Runs the model on each batch after its step, outside autocast, as a callback logging samples would."""
+    """Runs the model on each batch after its step, as a callback logging samples would, under autocast or not."""
 
-    def __init__(self) -> None:
+    def __init__(self, autocast: bool) -> None:
+        self.autocast = autocast
         self.sums: list[float] = []
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        with torch.no_grad():
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
             self.sums.append(pl_module.model(input_ids=batch).logits.double().sum().item())
 
 
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast"])
 @pytest.mark.parametrize(("states", "activations"), [("device", "keep"), ("host", "host"), ("ssd", "host")])
-def test_a_forward_between_steps_reads_the_committed_values(tmp_path: Path, states: str, activations: str):
-    """A forward between steps (a callback's, outside autocast) under bf16-mixed computes with the committed values in
-    the parameters' own dtype, as under plain Lightning: the blocks do not page their 16-bit compute copies in for it
-    (after passes that hold every unit as after watched ones)."""
+def test_a_forward_between_steps_reads_the_committed_values(tmp_path: Path, states: str, activations: str,
+                                                             autocast: bool):
+    """A forward between steps (a callback's) under bf16-mixed computes as under plain Lightning, after passes that
+    hold every unit as after watched ones: outside autocast with the committed values in the parameters' own dtype
+    (the blocks leave every read to ParameterReads), under autocast with the 16-bit compute copies the blocks page in
+    (what autocast makes of those values)."""
     sums = []
     for strategy in ("auto", RatelStrategy(ssd_paths=[str(tmp_path)], activation_policy=activations,
                                            optimizer_states=states)):
-        probe = _ForwardBetweenSteps()
+        probe = _ForwardBetweenSteps(autocast)
         trainer(strategy, max_steps=3, precision="bf16-mixed", callbacks=[probe]).fit(LM("llama"))
         sums.append(probe.sums)
     assert len(sums[0]) == 3 and sums[1] == sums[0]

@@ -582,9 +582,7 @@ class RatelEngine:
         """A forward with every unit held (see :meth:`_resident_pass`). The blocks' hooks step aside: on a GPU the
         host queues a small model's kernels barely ahead of the device, so their work would be the device's wait.
         The units are released when the forward ends, as between steps (Lightning's ``on_before_backward`` reads the
-        committed values, see :mod:`~lightning_ratel.engine.reads`), and held again for each backward. The hooks stay
-        aside until the next pass: a forward run between steps (a callback's) reads the committed values through
-        :class:`~lightning_ratel.engine.reads.ParameterReads`, in the parameters' own dtype, as plain training does."""
+        committed values, see :mod:`~lightning_ratel.engine.reads`), and held again for each backward."""
         self.scheduler.bound = True
         self.reads.pause()
         try:

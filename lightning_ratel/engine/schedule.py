@@ -185,9 +185,10 @@ class BlockScheduler:
         # A forward of the engine's runs (``RatelEngine.watch_forward``); with ``aside_between_steps``, only then and in
         # backward do the hooks page blocks in.
         self.forward_open = False
-        # Some compute copy is not its parameter's own dtype (mixed precision): a forward between steps (a callback's,
-        # outside autocast) would mix 16-bit copies with fp32 values and differ from plain training, so the hooks leave
-        # it to ``ParameterReads``, which hands it the committed values in the parameters' own dtypes.
+        # Some compute copy is not its parameter's own dtype (mixed precision): a forward between steps outside
+        # autocast (a callback's) would mix 16-bit copies with fp32 values and differ from plain training, so the hooks
+        # leave it to ``ParameterReads``, which hands it the committed values in the parameters' own dtypes. Under
+        # autocast the compute copies are what autocast makes of those values, and the blocks page them in.
         self.aside_between_steps = False
         # Off while the engine looks for parameters used outside their block (see ``RatelEngine.watch_forward``).
         self.prefetching = True
@@ -241,8 +242,9 @@ class BlockScheduler:
         return path
 
     def _stands_aside(self) -> bool:
-        return self.bound or (self.aside_between_steps and not self.forward_open
-                              and self.state is not TrainingState.BACKWARD)
+        if self.forward_open or self.state is TrainingState.BACKWARD:
+            return self.bound
+        return self.aside_between_steps and not torch.is_autocast_enabled(self.device.device.type)
 
     def _pre_forward(self, b: int, module: nn.Module, args: Any, kwargs: Any) -> None:
         self._check()
