@@ -556,7 +556,7 @@ class RatelEngine:
         self.scheduler.forward_open = True
         try:
             if not manual and self._resident_pass():
-                with self._bound_pass(training):
+                with self._bound_pass():
                     yield
                 self._unwatched_ran = False
             else:
@@ -578,7 +578,7 @@ class RatelEngine:
                 and all(p == "device" for p in self.cache.placements))
 
     @contextlib.contextmanager
-    def _bound_pass(self, training: bool) -> Iterator[None]:
+    def _bound_pass(self) -> Iterator[None]:
         """A forward with every unit held (see :meth:`_resident_pass`). The blocks' hooks step aside: on a GPU the
         host queues a small model's kernels barely ahead of the device, so their work would be the device's wait.
         The units are released when the forward ends, as between steps (Lightning's ``on_before_backward`` reads the

@@ -242,6 +242,7 @@ class BlockScheduler:
         return path
 
     def _stands_aside(self) -> bool:
+        """Whether a block's forward now leaves its parameters to others: the held pass, or ``ParameterReads``."""
         if self.forward_open or self.state is TrainingState.BACKWARD:
             return self.bound
         return self.aside_between_steps and not torch.is_autocast_enabled(self.device.device.type)
