@@ -182,6 +182,30 @@ def test_a_write_through_a_read_or_a_rebinding_reaches_the_master_like_plain(tmp
     assert max_rel_err(final_state(plain, t)[0], final_state(module, r)[0]) <= 1e-5
 
 
+class SeesDtypes(L.Callback):
+    """Records every parameter's dtype between steps, as an EMA callback reads it to make its shadow copies."""
+
+    def __init__(self) -> None:
+        self.dtypes: list[dict[str, torch.dtype]] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self.dtypes.append({name: p.dtype for name, p in pl_module.named_parameters()})
+
+
+@pytest.mark.parametrize("states", ["host", "ssd", "device"])
+def test_parameters_between_steps_have_their_own_dtype(tmp_path: Path, states: str) -> None:
+    """Under bf16-mixed the compute copies of the linear weights are bf16; between steps every parameter still reads
+    as plain Lightning holds it, fp32."""
+    seen = {}
+    ratel = RatelStrategy(ssd_paths=[str(tmp_path)], optimizer_states=states)
+    for name, strategy in [("plain", "auto"), ("ratel", ratel)]:
+        callback = SeesDtypes()
+        trainer(strategy, max_steps=2, precision="bf16-mixed", callbacks=[callback]).fit(LM("llama"))
+        seen[name] = callback.dtypes
+    assert len(seen["plain"]) == 2 and seen["ratel"] == seen["plain"]
+    assert set(seen["plain"][0].values()) == {torch.float32}
+
+
 class SavesAWeightNorm(LM):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["head_norm"] = self.model.lm_head.weight.norm().item()

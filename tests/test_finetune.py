@@ -626,7 +626,10 @@ def test_lora_with_every_unit_on_the_device_trains_like_plain(tmp_path: Path, pr
     strategy = RatelStrategy(ssd_paths=[swap(tmp_path)], optimizer_states="device", activation_policy="keep",
                              pretrained=str(folder))
     bound: list[bool] = []
-    module.on_before_backward = lambda loss: bound.append(strategy.engine.scheduler.bound)  # type: ignore[method-assign]
+    def seen(loss: torch.Tensor) -> None:
+        bound.append(strategy.engine.scheduler.bound)
+
+    module.on_before_backward = seen  # type: ignore[method-assign]
     t2 = trainer(strategy, precision=precision)
     t2.fit(module)
     assert bound and all(bound)

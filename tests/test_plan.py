@@ -527,7 +527,8 @@ def test_ranks_on_a_node_share_its_ssds_host_side_dram_and_cores():
     # cores: as long as one rank updating all of them.
     alone, shared = _hand_predict("cuda", host_io=1000), _hand_predict("cuda", host_io=1000, ranks_on_node=2)
     assert shared.backward["cpu_optimizer"] == 0
-    assert shared.forward["update_wait"] == pytest.approx(alone.forward["update_wait"] + alone.backward["cpu_optimizer"])
+    assert shared.forward["update_wait"] == pytest.approx(
+        alone.forward["update_wait"] + alone.backward["cpu_optimizer"])
     # Its 100 B of activations read back at 50 B/s, its 10 parameters' states (4 B read, 2 B written each).
     assert two.backward["ssd"] == pytest.approx(100 / 50 + 10 * 4 / 50 + 10 * 2 / 25)
     # Host side at half of 1000 B/s: in, 1000 B of gradients, 100 B of activations, 40 B of states; out, 2000 B of

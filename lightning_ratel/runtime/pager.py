@@ -129,7 +129,9 @@ class ParameterPager:
         self._host_views: dict[int, tuple[tuple[torch.Tensor, ...], list[torch.Tensor]]] = {}
         for unit in units.values():
             for slot in unit.slots:
-                nan = torch.full((), float("nan"), dtype=slot.dtype, device=self.device.device)
+                # The parameter's own dtype, not its compute copy's: code between steps reads ``p.dtype`` as plain
+                # training holds it (the fp32 master's under mixed precision), and makes its own buffers of it.
+                nan = torch.full((), float("nan"), dtype=slot.param.dtype, device=self.device.device)
                 self._placeholders[id(slot.param)] = nan.expand(slot.shape)
                 self._placeholder_slots[nan.data_ptr()] = (unit.index, slot)
                 slot.param.data = self._placeholder(slot)
