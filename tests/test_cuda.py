@@ -346,6 +346,39 @@ def test_device_tier_matches_plain_lightning_on_cuda(tmp_path, precision, states
     assert _moment_error(ref[1], got[1]) <= SAME_ARITHMETIC[precision]
 
 
+class _SamplesBetweenSteps(L.Callback):
+    """Runs the model on each batch after its step (a callback sampling from it), under CUDA autocast or not."""
+
+    def __init__(self, autocast: bool) -> None:
+        self.autocast = autocast
+        self.sums: list[float] = []
+        self.dtypes: set[torch.dtype] = set()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.dtypes |= {p.dtype for p in pl_module.parameters()}
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.autocast):
+            self.sums.append(pl_module.model(input_ids=batch).logits.double().sum().item())
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast"])
+def test_a_forward_between_steps_matches_plain_lightning_on_cuda(tmp_path, autocast):
+    """bf16-mixed with every state on the device and every activation kept (passes that hold every unit): a
+    callback's forward between steps computes as under plain Lightning, outside autocast with the fp32 values, under it
+    with the bf16 compute copies, and every parameter reads its own dtype (fp32) there."""
+    sums, dtypes = [], []
+    for strategy in ("auto", RatelStrategy(ssd_paths=swap_dirs(tmp_path), optimizer_states="device",
+                                           activation_policy="keep")):
+        probe = _SamplesBetweenSteps(autocast)
+        with reproducible():
+            gpu_trainer(strategy, precision="bf16-mixed", max_steps=3, callbacks=[probe]).fit(LM("llama"))
+        sums.append(probe.sums)
+        dtypes.append(probe.dtypes)
+    assert len(sums[0]) == 3
+    assert sums[1] == pytest.approx(sums[0], rel=SAME_ARITHMETIC["bf16-mixed"], abs=0)
+    assert dtypes == [{torch.float32}] * 2
+
+
 def _fit_with(t: L.Trainer, module: LM) -> tuple[LM, L.Trainer]:
     t.fit(module)
     return module, t
