@@ -235,26 +235,28 @@ class ActivationCache:
         finally:
             record.paused = False
 
+    def _param_ref(self, block: int, t: torch.Tensor, storage: int) -> _ParamRef | None:
+        """``t`` as a reference to the resident parameters it views (``storage``: its storage's address), read again
+        at unpack; ``None`` for any other tensor. Raises where an unwatched block saves a paging placeholder."""
+        if block in self.unwatched:
+            placeholder = self.pager.placeholder_slot(t)
+            if placeholder is not None:
+                raise PlaceholderRead(block, placeholder[1].name)
+        located = self.pager.param_view(storage)
+        if located is None:
+            return None
+        return _ParamRef(block, located[0], located[1], t.storage_offset(), tuple(t.size()), tuple(t.stride()))
+
     def _keep(self, block: int, t: torch.Tensor) -> Any:
         """:meth:`_place` for an untracked block whose activations stay on the device."""
-        located = self.pager.param_view(t.untyped_storage().data_ptr())
-        if located is not None:
-            return _ParamRef(block, located[0], located[1], t.storage_offset(), tuple(t.size()), tuple(t.stride()))
-        if block in self.unwatched:
-            placeholder = self.pager.placeholder_slot(t)
-            if placeholder is not None:
-                raise PlaceholderRead(block, placeholder[1].name)
-        return self._pack_as(block, t, "device")
+        param = self._param_ref(block, t, t.untyped_storage().data_ptr())
+        return param if param is not None else self._pack_as(block, t, "device")
 
     def _place(self, block: int, record: ForwardRecord | None, t: torch.Tensor) -> Any:
-        if block in self.unwatched:
-            placeholder = self.pager.placeholder_slot(t)
-            if placeholder is not None:
-                raise PlaceholderRead(block, placeholder[1].name)
         storage = t.untyped_storage().data_ptr()
-        located = self.pager.param_view(storage)
-        if located is not None:
-            return _ParamRef(block, located[0], located[1], t.storage_offset(), tuple(t.size()), tuple(t.stride()))
+        param = self._param_ref(block, t, storage)
+        if param is not None:
+            return param
         produced = record.producer(t) if record is not None else None
         tier = tier_of(self.placements[block], record.ops[produced[0]].name if produced is not None else None)
         nbytes = t.numel() * t.element_size()
