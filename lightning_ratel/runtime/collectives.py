@@ -723,6 +723,7 @@ class NodeCopies:
         rank: this rank.
         peers: a read-only store of each other rank of the node, by rank.
         shared: the shards, by index, whose copies the ranks share this way (trainable and frozen).
+        written_here: of those, the ones this rank writes into its own swap files.
     """
 
     def __init__(self, store: TieredStore, rank: int, peers: dict[int, PeerStore], shared: set[int],
@@ -1508,7 +1509,7 @@ class DataParallelAdam:
         # Compute copies in the swap files: read from the owner's where the node's ranks share them, else every rank
         # keeps each one in its own.
         self._node_copies = node_copies
-        stored = [s for s in self.shards if node_copies is None or not node_copies.shares(s)]
+        stored = [s for s in self.shards if not self._node_shares(s)]
         self.copies = (StoredCopies(self.local.store, stored, self.owns) if self.local.compute_on_store and stored
                        else None)
         self._publisher = _Publisher(self._owner, ranks.rank, groups[1], self._faults, node, self.copies,
@@ -1520,11 +1521,15 @@ class DataParallelAdam:
         """Whether this rank holds ``shard``'s states and runs its update."""
         return self._owner[shard.index] == self.ranks.rank
 
+    def _node_shares(self, shard: Shard) -> bool:
+        """Whether ``shard``'s compute copy is one the node's ranks read from its writer's swap files
+        (:class:`NodeCopies`)."""
+        return self._node_copies is not None and self._node_copies.shares(shard)
+
     def stores_copy(self, shard: Shard) -> bool:
         """Whether this rank keeps ``shard``'s compute copy in its own swap files, written from its owner's broadcast
         (:class:`StoredCopies`; not the shards it owns, nor those its node's ranks share)."""
-        return self.copies is not None and not self.owns(shard) and (
-            self._node_copies is None or not self._node_copies.shares(shard))
+        return self.copies is not None and not self.owns(shard) and not self._node_shares(shard)
 
     def owner(self, shard: Shard) -> int:
         """The rank holding ``shard``'s states."""
@@ -1699,11 +1704,8 @@ class DataParallelAdam:
         """Collective, after a skipped step's undo: announce again the 16-bit copies of ``shards`` that the node's
         ranks share. The owners' speculative updates replaced them in place and the undo wrote them back; the step
         publishes nothing, so without this a rank could page one in while its owner still rewrites it."""
-        copies = self._node_copies
-        if copies is None:
-            return
         for shard in shards:
-            if shard.dtype != torch.float32 and copies.shares(shard):
+            if shard.dtype != torch.float32 and self._node_shares(shard):
                 self._announce(shard, self.owner(shard))
 
     def finish(self, plan: StepPlan, unit_order: Sequence[int], loss_scale: torch.Tensor | None = None,
@@ -1813,7 +1815,7 @@ class DataParallelAdam:
                 self.share_frozen_copy(shard)
             for shard in self.shards:
                 owner = self.owner(shard)
-                if self._node_copies is not None and self._node_copies.shares(shard):
+                if self._node_shares(shard):
                     self._announce(shard, owner)
                 else:
                     assert self.copies is not None
@@ -1888,7 +1890,7 @@ class DataParallelAdam:
     def assign(self, shard: Shard, master: torch.Tensor) -> None:
         """Give ``shard`` new values between steps: its master on the owner, its compute copy on every rank (each
         rank runs the same code that wrote them)."""
-        if self._node_copies is not None and self._node_copies.shares(shard):
+        if self._node_shares(shard):
             if self.owns(shard):
                 self.local.assign(shard, master)
             self._announce(shard, self.owner(shard))
@@ -1914,8 +1916,7 @@ class DataParallelAdam:
         """Collective: a frozen shard's compute copy, written into the swap files by ``write`` (``None``: already
         written), on every rank: where the node's ranks share them, written by one rank and announced to the others
         (:class:`NodeCopies`), else by each rank into its own."""
-        copies = self._node_copies
-        if copies is None or not copies.shares(shard):
+        if not self._node_shares(shard):
             if write is not None:
                 write()
             return
@@ -1926,7 +1927,8 @@ class DataParallelAdam:
     def compute_copy(self, shard: Shard) -> torch.Tensor:
         """``shard``'s current compute copy on this rank, to read between steps (a buffer reused by the next call
         where the copies are in the swap files: copy what is kept)."""
-        if self._node_copies is not None and self._node_copies.shares(shard):
+        if self._node_shares(shard):
+            assert self._node_copies is not None
             self.barrier()
             return self._node_copies.read(shard)
         if self.copies is None:
