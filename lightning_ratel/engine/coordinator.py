@@ -451,6 +451,8 @@ class RatelEngine:
                                         self.timeline, check=self.adam.check if self.adam is not None else lambda: None)
         self.scheduler.aside_between_steps = any(slot.dtype != self.layout.orig_dtype[id(slot.param)]
                                                  for unit in self.layout.units.values() for slot in unit.slots)
+        # Every unit resident on the device (fixed by the layout): passes may hold them all (see _resident_pass).
+        self._every_unit_resident = all(unit.resident for unit in self.layout.units.values())
         # The device tier's gradients stay on the device (its own hooks).
         consumer = self.adam.cpu if isinstance(self.adam, TieredAdam) else self.adam
         self.gradients = (GradientOffload(self.device, consumer,
@@ -574,7 +576,7 @@ class RatelEngine:
         the device (nothing to page in, no placeholder for a read to meet, so nothing to watch), every block keeps
         its activations as they are (nothing to place), and no profile is being taken. The plan a model gets when its
         whole job fits the device."""
-        return (self.scheduler.observer is None and all(u.resident for u in self.pager.units.values())
+        return (self._every_unit_resident and self.scheduler.observer is None
                 and all(p == "device" for p in self.cache.placements))
 
     @contextlib.contextmanager
