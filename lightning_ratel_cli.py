@@ -73,8 +73,10 @@ def estimate_parser(prog: str = "ratel-estimate") -> argparse.ArgumentParser:
     parser.add_argument("--accumulate-grad-batches", type=int, default=1,
                         help="the Trainer's accumulate_grad_batches, for the gradient exchange of several ranks "
                              "(default: 1)")
-    parser.add_argument("--gradient-exchange", choices=["auto", "window", "micro_batch"], default="auto",
+    parser.add_argument("--gradient-exchange", choices=["auto", "window", "micro_batch", "device"], default="auto",
                         help="RatelStrategy's gradient_exchange (default: auto)")
+    parser.add_argument("--accelerator", choices=["gpu", "cpu"], default="gpu",
+                        help="where the run computes; on the CPU the device's memory is the host's (default: gpu)")
     return parser
 
 
@@ -89,7 +91,7 @@ def estimate(argv: Sequence[str] | None = None, prog: str = "ratel-estimate") ->
                            prefetch_depth=args.prefetch_depth, host_memory_limit=args.host_memory_limit,
                            checkpoint_format=args.checkpoint_format, ranks=args.ranks,
                            accumulate_grad_batches=args.accumulate_grad_batches,
-                           gradient_exchange=args.gradient_exchange))
+                           gradient_exchange=args.gradient_exchange, accelerator=args.accelerator))
     except RatelConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -69,15 +69,17 @@ class Estimate:
             most all of them at once (between the boundary micro-batches of gradient accumulation). Under
             ``"micro_batch"`` two buckets of gradients in flight, each one owner's fp32 gradients of consecutive
             parameters (a larger one in parts) and a flag per item, up to 25 MiB or half the largest shard, whichever
-            is less (:func:`~lightning_ratel.runtime.collectives.exchange_micro_batch_nbytes`). With
+            is less (:func:`~lightning_ratel.runtime.collectives.exchange_micro_batch_nbytes`); under ``"device"`` as
+            many host buffers, into which the owner copies the buckets reduced on the device. With
             ``param_cache="ssd"`` and fp32 masters held in host memory also the two buffers of the largest one's
             compute copy that copies published between ranks pass through
             (:class:`~lightning_ratel.runtime.collectives.StoredCopies`). 0 on one rank.
         exchange: with several ranks, the gradient exchange the planner chooses
             (:func:`~lightning_ratel.plan.exchange.choose_exchange`) from the host budget (``host_memory_limit``, else
             a rank's part of the memory available now) and the other host bytes; ``None`` on one rank.
-        device: the compute copies of the blocks in flight (``prefetch_depth + 1`` of the largest); activations and
-            workspaces come on top and are known only once a step has run.
+        device: the compute copies of the blocks in flight (``prefetch_depth + 1`` of the largest), and under
+            ``exchange="device"`` its two buckets; activations and workspaces come on top and are known only once a
+            step has run.
         checkpoint: one checkpoint in ``checkpoint_format`` (a sharded one: 12 bytes per trainable parameter, and the
             frozen parameters that did not come from ``pretrained``).
         read_ahead_sets: buffer sets beyond the pipeline's, reading more states ahead during forward (planned with
@@ -129,7 +131,7 @@ class Estimate:
 
 def estimate(model: nn.Module | Any | str | os.PathLike[str], precision: str = "bf16-mixed",
              optimizer: torch.optim.Optimizer | None = None, ranks: int = 1, accumulate_grad_batches: int = 1,
-             **strategy_args: Any) -> Estimate:
+             accelerator: Literal["gpu", "cpu"] = "gpu", **strategy_args: Any) -> Estimate:
     """The disk, host, device and checkpoint bytes a fit with :class:`~lightning_ratel.RatelStrategy` needs.
 
     Nothing is allocated: the model is laid out as a run lays it out, on the meta device.
@@ -144,6 +146,9 @@ def estimate(model: nn.Module | Any | str | os.PathLike[str], precision: str = "
         ranks: the ranks training data parallel, on one node (each holds a gradient exchange's buffers; the other parts
             are one process's, but for the swap files, which with ``param_cache="ssd"`` count every rank's).
         accumulate_grad_batches: the Trainer's, for the choice of gradient exchange with several ranks.
+        accelerator: where the run computes: ``"gpu"``, or ``"cpu"``, where the device's memory is the host's (the
+            parameters in flight count against the host budget too, and several ranks reduce their gradients in host
+            memory).
         **strategy_args: the arguments of :class:`~lightning_ratel.RatelStrategy` (``param_cache``,
             ``prefetch_depth``, ``host_memory_limit``, ``checkpoint_format``, ``blocks``, ``pretrained``...).
 
@@ -166,7 +171,9 @@ def estimate(model: nn.Module | Any | str | os.PathLike[str], precision: str = "
         optimizer = torch.optim.AdamW(trainable) if trainable else None
     if optimizer is None:
         raise RatelConfigError("the model has no parameter that requires a gradient: there is nothing to train")
-    return _estimate(model, optimizer, config, half, ranks, accumulate_grad_batches)
+    if accelerator not in ("gpu", "cpu"):
+        raise RatelConfigError(f"accelerator must be 'gpu' or 'cpu', got {accelerator!r}")
+    return _estimate(model, optimizer, config, half, ranks, accumulate_grad_batches, unified=accelerator == "cpu")
 
 
 def _estimate(module: nn.Module, optimizer: torch.optim.Optimizer, config: RatelConfig,
@@ -215,9 +222,12 @@ def _estimate(module: nn.Module, optimizer: torch.optim.Optimizer, config: Ratel
     copies = StoredCopies.buffer_nbytes(stored)
     # The bytes the budget check counts for a rank, without the exchange.
     held = estimate.host + (estimate.device if unified else 0) + copies
-    choice = choose_exchange(config.gradient_exchange, accumulate, ranks, held, window, budget, automatic=automatic)
+    choice = choose_exchange(config.gradient_exchange, accumulate, ranks, held, window, budget, automatic=automatic,
+                             gpu=not unified)
     nbytes = window if choice.mode == "window" else exchange_micro_batch_nbytes(layout.shards)
-    return replace(estimate, exchange_buffers=nbytes + copies, exchange=choice)
+    # Reducing on the device, the buckets are device memory too (the host holds the owner's copies of them).
+    device = estimate.device + (nbytes if choice.mode == "device" else 0)
+    return replace(estimate, exchange_buffers=nbytes + copies, exchange=choice, device=device)
 
 
 def _buffer_sets_bytes(layout: Layout, ranks_on_node: int = 1) -> int:

@@ -154,14 +154,16 @@ class RatelStrategy(ParallelStrategy):
             ``ratel-convert`` turns it into either of the others; with several ranks each writes the units it owns, in
             parallel); ``"auto"``: ``"sharded"`` when gathering the checkpoint would take more than half of the host
             memory budget. Either resumes at any world size.
-        gradient_exchange: how several ranks' gradients reach each shard's owner under gradient accumulation:
-            ``"window"`` (each rank sums its micro-batches, then one reduce per step, as ``DistributedDataParallel``;
-            every rank holds 4 bytes per trainable parameter for its sums), ``"micro_batch"`` (each micro-batch's
-            gradients are reduced at once and the owner sums them: no rank holds sums it does not own, at the cost of
-            ``accumulate_grad_batches`` reduces per step; the sums' order differs from ``ddp``'s within fp32
-            rounding) or ``"auto"`` (the planner's choice: the window while it fits the host budget, each
-            micro-batch where it does not, :func:`~lightning_ratel.plan.exchange.choose_exchange`; manual optimization
-            keeps ``"window"``). Without accumulation the two are one.
+        gradient_exchange: how several ranks' gradients reach each shard's owner: ``"window"`` (each rank sums its
+            micro-batches, then one reduce per step, as ``DistributedDataParallel``; every rank holds 4 bytes per
+            trainable parameter for its sums), ``"micro_batch"`` (each micro-batch's gradients are reduced at once and
+            the owner sums them: no rank holds sums it does not own, at the cost of ``accumulate_grad_batches``
+            reduces per step; the sums' order differs from ``ddp``'s within fp32 rounding), ``"device"`` (as
+            ``"micro_batch"``, reduced on the device by NCCL before they leave it, and only the owner copies them to
+            host memory) or ``"auto"`` (the planner's choice, :func:`~lightning_ratel.plan.exchange.choose_exchange`:
+            ``"device"`` on GPUs; on the CPU the window while it fits the host budget, each micro-batch where it does
+            not; manual optimization keeps ``"window"``). The first two reduce in host memory over gloo. Without
+            accumulation they all give the same sums.
         log_metrics: send the plugin's figures of every training step (time per part, disk bytes and throughput,
             overlap, bytes per tier; ``ratel/...`` keys) to the Trainer's loggers, at the rate of ``self.log``
             (``log_every_n_steps``).
@@ -204,7 +206,7 @@ class RatelStrategy(ParallelStrategy):
         param_init_fn: ParamInitFn | None = None,
         pretrained: str | None = None,
         checkpoint_format: CheckpointFormat = "auto",
-        gradient_exchange: Literal["auto", "window", "micro_batch"] = "auto",
+        gradient_exchange: Literal["auto", "window", "micro_batch", "device"] = "auto",
         log_metrics: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = timedelta(minutes=30),

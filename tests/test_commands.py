@@ -70,6 +70,11 @@ def test_estimate_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert estimate([str(tmp_path / "hf"), "--param-cache", "host", "--ranks", "2", "--accumulate-grad-batches", "2",
                      "--gradient-exchange", "micro_batch"]) == 0
     assert "gradient exchange  micro_batch (asked for)" in capsys.readouterr().out
+    # Several ranks on GPUs reduce on the device; on the CPU in host memory.
+    assert estimate([str(tmp_path / "hf"), "--ranks", "2"]) == 0
+    assert "gradient exchange  device (on the GPUs" in capsys.readouterr().out
+    assert estimate([str(tmp_path / "hf"), "--ranks", "2", "--accelerator", "cpu"]) == 0
+    assert "gradient exchange  window" in capsys.readouterr().out
     assert estimate([str(tmp_path)]) == 2
     assert "no config.json" in capsys.readouterr().err
 

@@ -23,12 +23,15 @@ import tempfile
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -36,8 +39,12 @@ from lightning_ratel import RatelConfigError, RatelStrategy
 from lightning_ratel.callbacks import RatelProfiler
 from lightning_ratel.plan.states import device_bytes
 from lightning_ratel.runtime import gds
+from lightning_ratel.runtime.collectives import Faults, Ranks, _Begin, _DeviceExchange, _Flush
+from lightning_ratel.runtime.device import Device
+from tests.forked_ranks import START_METHOD
 from tests.models import LM, MIXED_POLICY, MODELS, SEQ, VOCAB, HostAdamLM, cache_off, final_state, max_rel_err, trainer
 from tests.syncs import SyncCounter, extra_syncs
+from tests.test_micro_batch_exchange import _gradient, _Optimizer, _shards
 from tests.test_state_tiers import LateUpdates
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -506,3 +513,53 @@ def test_kvikio_measure(kvikio_dirs):
     assert min(figures.kvikio_read, figures.kvikio_write, figures.host_read, figures.host_write) > 0
     assert isinstance(figures.prefer_kvikio(), bool)
     assert all(os.listdir(d) == [] for d in kvikio_dirs)
+
+
+def _device_exchange_worker(rank: int, init: str) -> None:
+    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=1, device_id=torch.device("cuda", 0))
+    ranks = Ranks(rank=0, world=1, timeout=timedelta(minutes=5))
+    faults = Faults(ranks, "cuda-device-exchange")
+    group = dist.new_group(backend="nccl")
+    shards = _shards()
+    optimizer = _Optimizer()
+    exchange = _DeviceExchange(Device(torch.device("cuda", 0)), shards, {s.index: 0 for s in shards}, ranks, group,
+                               optimizer.deliver, faults, optimizer.begin, optimizer.take_in)
+    reduce = exchange.reduce
+    try:
+        for micro_batch in range(3):
+            reduce.begin()
+            exchange.put(_Begin(micro_batch == 2))
+            expected = {}
+
+            def backward() -> None:
+                # Autograd's thread hands the gradients over, as backward completes them (the last shard first).
+                for shard in reversed(shards):
+                    for position in range(len(shard.params)):
+                        grad = _gradient(shard, position, 0, micro_batch)
+                        if grad is not None:
+                            expected[(shard.index, position)] = grad.float()
+                            reduce.gradient(shard, position, grad.cuda())
+
+            thread = threading.Thread(target=backward)
+            thread.start()
+            thread.join()
+            reduce.close()
+            exchange.wait(_Flush)
+            optimizer.take_in()
+            assert optimizer.taken.keys() == expected.keys()
+            for key, tensor in expected.items():
+                assert torch.equal(optimizer.taken[key], tensor), (micro_batch, key)
+            optimizer.taken.clear()
+        assert reduce.reduces == 3 * len(reduce.buckets) and reduce.host_nbytes == reduce.device_nbytes > 0
+    finally:
+        exchange.stop()
+        dist.destroy_process_group()
+
+
+def test_gradients_reduced_on_the_device_reach_the_owner(tmp_path):
+    """``gradient_exchange="device"`` on CUDA, on the one rank a single GPU allows (NCCL refuses two ranks on one
+    device): each bucket packed on the device from gradients handed over on another thread, reduced by NCCL, copied
+    to pinned host memory on the device->host stream after the reduce, and delivered with the bits of the gradients
+    (16-bit, missing and non-contiguous ones, a parameter in parts, through two host buffers reused)."""
+    mp.start_processes(_device_exchange_worker, args=(f"file://{tmp_path}/init",), nprocs=1, join=True,
+                       start_method=START_METHOD)

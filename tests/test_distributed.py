@@ -144,6 +144,14 @@ def test_gradient_exchange_reduces_each_micro_batch_where_host_memory_needs_it()
     assert choose(host_budget=1399, automatic=False).mode == "window"
     assert choose_exchange("micro_batch", 4, 2, 1000, 400, automatic=False).mode == "micro_batch"
     assert choose_exchange("window", 4, 2, 1000, 400, host_budget=1).mode == "window"
+    # On GPUs the reduces run on the device whatever the budget, each micro-batch's; asked for, also on the CPU; under
+    # manual optimization only where asked for; on one rank nothing is exchanged.
+    on_gpus = choose(host_budget=1400, gpu=True)
+    assert (on_gpus.mode, on_gpus.reduces_per_step) == ("device", 4) and "NCCL" in on_gpus.describe()
+    assert choose_exchange("device", 4, 2, 1000, 400).mode == "device"
+    assert choose(gpu=True, automatic=False).mode == "window"
+    assert choose_exchange("device", 4, 2, 1000, 400, automatic=False).mode == "device"
+    assert choose_exchange("auto", 4, 1, 1000, 400, gpu=True).mode == "window"
     with pytest.raises(RatelConfigError, match="gradient_exchange"):
         choose_exchange("sometimes", 4, 2, 1000, 400)
 
@@ -239,7 +247,7 @@ def test_two_processes_equal_ddp_with_accumulation_and_clipping(tmp_path: Path, 
     # as the pre-flight estimate of two ranks does.
     lm = LM("llama")
     estimate = lightning_ratel.estimate(lm, precision="32-true", optimizer=lm.configure_optimizers()["optimizer"],
-                                        ranks=2, param_cache="host")
+                                        ranks=2, accelerator="cpu", param_cache="host")
     assert [_load(tmp_path, rank)["exchange_bytes"] for rank in (0, 1)] == [estimate.exchange_buffers] * 2
     # The first step speculated (each owner updated during backward as if nothing clipped), clipped, and was redone;
     # the steps after it waited for the end of backward.
@@ -311,7 +319,7 @@ def test_compute_copies_in_the_swap_files_equal_ddp(tmp_path: Path, ddp_referenc
     # The pre-flight estimate of two ranks counts both ranks' files.
     lm = LM("llama")
     estimate = lightning_ratel.estimate(lm, precision="32-true", optimizer=lm.configure_optimizers()["optimizer"],
-                                        ranks=2, param_cache="ssd", optimizer_states="ssd")
+                                        ranks=2, accelerator="cpu", param_cache="ssd", optimizer_states="ssd")
     assert estimate.disk == sum(g["placement"]["disk"] for g in got)
     assert [g["exchange_bytes"] for g in got] == [estimate.exchange_buffers] * 2
     # Each rank's optimizer buffer sets, its part of one process's: within the estimate, which counts that part.
@@ -474,8 +482,9 @@ def test_parameters_unused_on_some_ranks_equal_ddp_finding_unused_parameters(tmp
     # Reducing each micro-batch, a rank without a parameter's gradient reduces zeros in its bucket (flagged as none)
     # once the ranks agreed that another rank has one; one that no rank has is reduced by none.
     _ok(_run(tmp_path / "micro", "--exchange", "micro_batch", *args))
+    _ok(_run(tmp_path / "device", "--exchange", "device", *args))
     for rank in (0, 1):
-        for run, tol in (("ratel", 1e-6), ("micro", ROUNDING)):
+        for run, tol in (("ratel", 1e-6), ("micro", ROUNDING), ("device", ROUNDING)):
             got = _load(tmp_path / run, rank)
             _assert_same(_load(tmp_path / "ddp"), got, tol=tol)
             # Every parameter but the two of `unused` has a state.
@@ -545,7 +554,7 @@ def test_reducing_each_micro_batch_equals_ddp_and_repeats_exactly(tmp_path: Path
     _ok(_run(tmp_path / "b", *args))
     lm = LM("llama")
     estimate = lightning_ratel.estimate(lm, precision="32-true", optimizer=lm.configure_optimizers()["optimizer"],
-                                        ranks=2, param_cache="host", accumulate_grad_batches=2,
+                                        ranks=2, accelerator="cpu", param_cache="host", accumulate_grad_batches=2,
                                         gradient_exchange="micro_batch")
     assert estimate.exchange is not None and estimate.exchange.mode == "micro_batch"
     for rank in (0, 1):
@@ -559,6 +568,30 @@ def test_reducing_each_micro_batch_equals_ddp_and_repeats_exactly(tmp_path: Path
         # Three steps of two micro-batches.
         assert counts["reduces"] == 3 * 2 * counts["collectives"]
         assert got["counts"].get("redone", 0) > 0 and got["counts"].get("deferred", 0) > 0, got["counts"]
+
+
+@pytest.mark.parametrize("simulate", ["0", "1"], ids=["cpu", "simulated-streams"])
+def test_reducing_on_the_device_equals_ddp(tmp_path: Path, ddp_reference: dict, simulate: str) -> None:
+    """``gradient_exchange="device"`` (``"auto"``'s choice on GPUs: the buckets reduced where the gradients are, NCCL
+    there, gloo on these CPU ranks, and only the owner copies each to host memory), with accumulation and clipping by
+    norm: ddp's numbers up to the order of the sums, as ``"micro_batch"``; with CUDA's streams simulated too (the
+    gradients stay in device memory, the owner's copies land in the pinned pool's buffers). Each micro-batch reduces
+    one collective per bucket, and the exchange holds the owner's two host buffers."""
+    _ok(_run(tmp_path, "--exchange", "device", *ACCUMULATE_CLIP, "--sync-dist",
+             env=_env(RATEL_SIMULATE_STREAMS=simulate)))
+    lm = LM("llama")
+    estimate = lightning_ratel.estimate(lm, precision="32-true", optimizer=lm.configure_optimizers()["optimizer"],
+                                        ranks=2, param_cache="host", accumulate_grad_batches=2)
+    # On a GPU "auto" reduces on the device.
+    assert estimate.exchange is not None and estimate.exchange.mode == "device"
+    for rank in (0, 1):
+        got = _load(tmp_path, rank)
+        _assert_same(ddp_reference, got, tol=ROUNDING)
+        assert got["exchange"] == "device"
+        assert 0 < got["exchange_bytes"] <= estimate.exchange_buffers
+        counts = got["exchange_counts"]
+        assert 2 <= counts["collectives"] < len(got["params"])
+        assert counts["reduces"] == 3 * 2 * counts["collectives"]
 
 
 @pytest.mark.parametrize("states", ["ssd", "host"])
@@ -612,7 +645,7 @@ def test_host_cache_once_per_node(tmp_path: Path) -> None:
     assert _shared_caches() <= before
 
 
-@pytest.mark.parametrize("exchange", ["auto", "micro_batch"])
+@pytest.mark.parametrize("exchange", ["auto", "micro_batch", "device"])
 def test_a_killed_rank_stops_the_others(tmp_path: Path, exchange: str) -> None:
     before = _shared_caches()
     # One run as a user's starts: Lightning's launcher then watches the killed rank's process.
@@ -623,7 +656,7 @@ def test_a_killed_rank_stops_the_others(tmp_path: Path, exchange: str) -> None:
     assert _shared_caches() <= before
 
 
-@pytest.mark.parametrize("exchange", ["auto", "micro_batch"])
+@pytest.mark.parametrize("exchange", ["auto", "micro_batch", "device"])
 def test_a_raising_rank_stops_the_others(tmp_path: Path, exchange: str) -> None:
     result = _run(tmp_path, "--fail", "1:1", "--exchange", exchange, "--accumulate", "2", timeout=180)
     _failed(result)

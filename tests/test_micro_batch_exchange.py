@@ -4,7 +4,9 @@ parameter larger than a bucket goes in parts, the sums the owner receives are bi
 parameter's gradient by itself (16-bit, missing and non-contiguous gradients included; over three or more ranks gloo
 orders the sums otherwise), the bucket buffers are allocated once for every micro-batch and hold no more than the cap
 whatever the largest parameter, a buffer the owner's optimizer has not taken in yet is never reused, and a rank that
-fails is named instead of hanging the other."""
+fails is named instead of hanging the other. The same on the device (``gradient_exchange="device"``): buckets
+reduced where the gradients are (here the CPU, also with CUDA's streams simulated), the owner's copy of each in one of
+two host buffers reused."""
 
 from __future__ import annotations
 
@@ -18,17 +20,18 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from lightning_ratel.errors import RatelRankFailed
+from lightning_ratel.runtime.buckets import MICRO_BATCH_BUCKETS
 from lightning_ratel.runtime.collectives import (
-    MICRO_BATCH_BUCKETS,
     Faults,
     Ranks,
     _Begin,
+    _DeviceExchange,
     _Flush,
     _Gradient,
     _MicroBatchExchange,
     exchange_micro_batch_nbytes,
 )
-from lightning_ratel.runtime.device import DONE
+from lightning_ratel.runtime.device import DONE, Device
 from lightning_ratel.runtime.hostmem import ALIGNMENT
 from lightning_ratel.runtime.units import Shard, ShardParam, Unit
 from lightning_ratel.sizes import round_up
@@ -181,4 +184,76 @@ def _worker(rank: int, init: str, scenario: str) -> None:
 @pytest.mark.parametrize("scenario", ["healthy", "fails"])
 def test_micro_batch_exchange_of_two_ranks(tmp_path: Path, scenario: str) -> None:
     mp.start_processes(_worker, args=(f"file://{tmp_path}/init", scenario), nprocs=2, join=True,
+                       start_method=START_METHOD)
+
+
+def _device_worker(rank: int, init: str, scenario: str, simulate: bool) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=TIMEOUT)
+    ranks = Ranks(rank=rank, world=2, timeout=TIMEOUT, fault_timeout=timedelta(seconds=60))
+    faults = Faults(ranks, "test-device-exchange")
+    reference_group = dist.new_group(backend="gloo")
+    group = dist.new_group(backend="gloo")
+    shards = _shards()
+    owner = {s.index: OWNERS[s.unit.index] for s in shards}
+    optimizer = _Optimizer()
+    device = Device(torch.device("cpu"), simulate_streams=simulate)
+    exchange = _DeviceExchange(device, shards, owner, ranks, group, optimizer.deliver, faults, optimizer.begin,
+                               optimizer.take_in)
+    reduce = exchange.reduce
+    try:
+        if scenario == "fails":
+            reduce.begin()
+            exchange.put(_Begin(False))
+            if rank == 1:
+                faults.report(RuntimeError("rank 1 fails"))
+                return
+            with pytest.raises(RatelRankFailed, match=r"rank 1 failed \(RuntimeError: rank 1 fails\)"):
+                for shard in reversed(shards):
+                    for position in range(len(shard.params)):
+                        grad = _gradient(shard, position, rank, 0)
+                        if grad is not None:
+                            reduce.gradient(shard, position, grad)
+                reduce.close()
+                exchange.wait(_Flush)
+            return
+        assert exchange.collectives == BUCKETS
+        for micro_batch in range(MICRO_BATCHES):
+            reduce.begin()
+            exchange.put(_Begin(micro_batch == MICRO_BATCHES - 1))
+            for shard in reversed(shards):
+                for position in range(len(shard.params)):
+                    grad = _gradient(shard, position, rank, micro_batch)
+                    if grad is not None:
+                        reduce.gradient(shard, position, grad)
+            reduce.close()
+            exchange.wait(_Flush)
+            optimizer.take_in()
+            expected = _per_parameter(shards, rank, micro_batch, reference_group)
+            assert optimizer.taken.keys() == expected.keys()
+            for key, tensor in expected.items():
+                assert torch.equal(optimizer.taken[key], tensor), (micro_batch, key)
+            optimizer.taken.clear()
+        assert reduce.reduces == MICRO_BATCHES * BUCKETS
+        assert optimizer.parts == MICRO_BATCHES * PARTS
+        buffer = LARGEST_BUCKET * 4
+        # Two buckets on the device and, on an owner, two host buffers, for every bucket of every micro-batch: within
+        # the estimate.
+        assert reduce.device_nbytes == MICRO_BATCH_BUCKETS * buffer <= exchange_micro_batch_nbytes(shards)
+        assert exchange.nbytes == MICRO_BATCH_BUCKETS * buffer
+        # Each owner lands more buckets than it has host buffers: it waited for its optimizer to take them in.
+        assert optimizer.take_ins > MICRO_BATCHES
+        with pytest.raises(RuntimeError, match="gradient_exchange='device' expects each parameter's gradient once"):
+            reduce.gradient(shards[3], 0, torch.ones(10))
+            reduce.gradient(shards[3], 1, torch.ones(10))
+            reduce.gradient(shards[3], 2, torch.ones(10))
+            reduce.gradient(shards[3], 0, torch.ones(10))
+    finally:
+        exchange.stop()
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("simulate", [False, True], ids=["cpu", "simulated-streams"])
+@pytest.mark.parametrize("scenario", ["healthy", "fails"])
+def test_device_exchange_of_two_ranks(tmp_path: Path, scenario: str, simulate: bool) -> None:
+    mp.start_processes(_device_worker, args=(f"file://{tmp_path}/init", scenario, simulate), nprocs=2, join=True,
                        start_method=START_METHOD)

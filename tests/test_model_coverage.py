@@ -18,7 +18,6 @@ from lightning_ratel import RatelModelError, RatelStrategy
 from lightning_ratel.engine.blocks import discover_blocks
 from tests.models import LM, MLP, MODELS, SEQ, VOCAB, cache_off, final_state, max_rel_err, mlp_layers, trainer
 
-
 # Every unit resident on the device and every activation kept: passes hold every unit from forward to backward.
 RESIDENT = {"optimizer_states": "device", "activation_policy": "keep"}
 

@@ -120,7 +120,7 @@ def test_several_ranks_count_their_gradient_exchange() -> None:
     # move them.
     placed = {"param_cache": "host", "optimizer_states": "ssd", "read_ahead_sets": 0}
     one = lightning_ratel.estimate(lm, precision="32-true", optimizer=optimizer, **placed)
-    two = lightning_ratel.estimate(lm, precision="32-true", optimizer=optimizer, ranks=2, **placed)
+    two = lightning_ratel.estimate(lm, precision="32-true", optimizer=optimizer, ranks=2, accelerator="cpu", **placed)
     assert one.exchange_buffers == 0 and "gradient exchange" not in str(one)
     tensors = sum(1 for p in lm.parameters() if p.requires_grad)
     assert 4 * two.trainable <= two.exchange_buffers <= 4 * (two.trainable + tensors) + 4096 * tensors
@@ -166,12 +166,12 @@ def test_a_host_budget_the_windows_exceed_reduces_each_micro_batch() -> None:
     lm = LM("llama8", n_batches=2)
     optimizer = lm.configure_optimizers()["optimizer"]
     placed = {"param_cache": "host", "optimizer_states": "ssd", "read_ahead_sets": 0}
-    window = lightning_ratel.estimate(lm, precision="32-true", optimizer=optimizer, ranks=2,
+    window = lightning_ratel.estimate(lm, precision="32-true", optimizer=optimizer, ranks=2, accelerator="cpu",
                                       accumulate_grad_batches=4, gradient_exchange="window", **placed)
     assert window.exchange is not None and window.exchange.mode == "window"
     limit = window.host + window.device - window.exchange_buffers // 2
-    tight = lightning_ratel.estimate(lm, precision="32-true", optimizer=optimizer, ranks=2, accumulate_grad_batches=4,
-                                     host_memory_limit=limit, **placed)
+    tight = lightning_ratel.estimate(lm, precision="32-true", optimizer=optimizer, ranks=2, accelerator="cpu",
+                                     accumulate_grad_batches=4, host_memory_limit=limit, **placed)
     assert tight.exchange is not None and tight.exchange.mode == "micro_batch" and "host budget" in tight.exchange.reason
     largest = max(p.numel() for p in lm.parameters())
     assert largest * 4 <= tight.exchange_buffers < window.exchange_buffers // 2
@@ -183,7 +183,7 @@ def test_a_host_budget_the_windows_exceed_reduces_each_micro_batch() -> None:
         check_host_budget(lm, optimizer, RatelConfig(host_memory_limit=limit, gradient_exchange="window", **placed),
                           None, unified=True, ranks=2, accumulate=4)
     # Without accumulation as well: the same sums, one reduce per step either way, and the buckets' memory.
-    one_batch = lightning_ratel.estimate(lm, precision="32-true", optimizer=optimizer, ranks=2,
+    one_batch = lightning_ratel.estimate(lm, precision="32-true", optimizer=optimizer, ranks=2, accelerator="cpu",
                                          host_memory_limit=limit, **placed)
     assert one_batch.exchange is not None and one_batch.exchange.mode == "micro_batch"
     assert one_batch.exchange.reduces_per_step == 1 and one_batch.exchange_buffers == tight.exchange_buffers

@@ -419,7 +419,7 @@ class RatelEngine:
                     assert ranks is not None
                     assert self.exchange is not None
                     self.adam = DataParallelAdam(cpu_adam, self.layout.shards, owners, ranks, node, faults,
-                                                 self.exchange.mode, node_copies)
+                                                 self.exchange.mode, node_copies, self.device)
                     self.adam.sync_compute_copies(self.layout.frozen_shards)
                     # The training thread's own gloo group, whose waits watch for a failed rank (and which the ranks
                     # replace when they meet after a failure), also on CUDA.
@@ -457,7 +457,9 @@ class RatelEngine:
         consumer = self.adam.cpu if isinstance(self.adam, TieredAdam) else self.adam
         self.gradients = (GradientOffload(self.device, consumer,
                                           [s for s in self.layout.shards if s.state_tier != "device"],
-                                          self.layout.frozen_shards)
+                                          self.layout.frozen_shards,
+                                          to_host=not (isinstance(consumer, DataParallelAdam)
+                                                       and consumer.reduces_on_device))
                           if consumer is not None else None)
         # Autograd's backward, where the training thread calls it, is the engine's backward pass.
         self.backward_calls = BackwardCalls(self._begin_backward, self._end_backward, self._backward_raised)

@@ -407,7 +407,9 @@ class Planner:
             device_overhead=self._device_overhead(layers) if self.device.is_cuda else None,
             read_ahead_sets=self._read_ahead_sets(), slot_copy=self.layout.generic is not None,
             stored_copies=self._stored_copies(), block_names={b.index: b.name for b in self.blocks})
-        return dataclasses.replace(settings, updates_after_backward=not self.updates_overlap, **self._measured)
+        return dataclasses.replace(settings, updates_after_backward=not self.updates_overlap,
+                                   gradients_reduced_on_device=self._parallel is not None
+                                   and self._parallel.reduces_on_device, **self._measured)
 
     def _device_tier_bytes(self) -> int:
         """Device bytes the device tier holds: its shards' states and gradient sums, and the resident units."""

@@ -353,6 +353,9 @@ class CostSettings:
             ``param_cache="ssd"`` each from its own swap files, which hold every copy) and sends its whole gradient to
             the host, where the owners add the ranks' copies of their share (one more DRAM read of each peer's copy):
             the gradient's reduction passes through host memory, as on GPUs without peer-to-peer links.
+        gradients_reduced_on_device: with several ranks, the gradients are reduced on the devices
+            (``gradient_exchange="device"``) and each rank copies only its owned share, in fp32, to host memory, where
+            nothing more is added up; the reduces themselves run on the devices' own links (NCCL), not counted.
     """
 
     prefetch_depth: int = 1
@@ -371,6 +374,7 @@ class CostSettings:
     updates_after_backward: bool = False
     ranks_on_node: int = 1
     state_read_ahead_bytes_per_param: float = 0.0
+    gradients_reduced_on_device: bool = False
 
     def __post_init__(self) -> None:
         if min(self.forward_overhead, self.backward_overhead, self.update_params_per_s) < 0:
@@ -462,7 +466,9 @@ class CostModel:
         self._grad_bytes = sum(layer.grad_bytes for layer in self.layers)
         # What crosses the device's link: nothing on unified memory (see the module docstring).
         self._linked_params = 0 if hw.unified_memory else param_bytes
-        self._linked_grads = 0 if hw.unified_memory else self._grad_bytes
+        # Reduced on the devices, a rank's link carries its own share of the gradients (fp32) only.
+        grads_out = 4 * numel if settings.gradients_reduced_on_device and ranks > 1 else self._grad_bytes
+        self._linked_grads = 0 if hw.unified_memory else grads_out
         self._forward_h2d = _seconds(self._linked_params, hw.h2d_bandwidth)
         self._backward_d2h = _seconds(self._linked_grads, hw.d2h_bandwidth)
         self._state_read = math.ceil(numel * settings.state_read_bytes_per_param)
@@ -478,8 +484,8 @@ class CostModel:
         self._cpu_optimizer = updates - self._device_update
         self._updates_after_backward = settings.updates_after_backward
         # The owners read each peer's copy of their share of the gradients once more to add them up.
-        self._optimizer_memory = math.ceil(numel * settings.optimizer_memory_bytes_per_param
-                                           + self._grad_bytes * (ranks - 1) / ranks)
+        peers = 0 if settings.gradients_reduced_on_device else self._grad_bytes * (ranks - 1) / ranks
+        self._optimizer_memory = math.ceil(numel * settings.optimizer_memory_bytes_per_param + peers)
         # The unit forward uses first gets its gradient last in backward; beside a GPU, its update (on the cores or
         # the memory bus, whichever is slower) starts only then, and the next forward waits for it. On the CPU the
         # cores' lane already runs every update after the compute it follows. With several ranks one owns that unit

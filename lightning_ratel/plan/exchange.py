@@ -1,6 +1,6 @@
-"""How a rank's gradients reach their owners under gradient accumulation (several ranks; pure arithmetic).
+"""How a rank's gradients reach their owners (several ranks; pure arithmetic).
 
-Two ways, the same numbers within fp32 rounding (the sum over ranks and micro-batches is taken in another order):
+Three ways, the same numbers within fp32 rounding (the sum over ranks and micro-batches is taken in another order):
 
 - ``"window"``: each rank sums its gradients of the whole accumulation window in an fp32 buffer per shard and reduces
   the sum onto the shard's owner once, on the boundary micro-batch (``DistributedDataParallel``'s arithmetic and
@@ -9,15 +9,19 @@ Two ways, the same numbers within fp32 rounding (the sum over ranks and micro-ba
 - ``"micro_batch"``: each micro-batch's gradient is reduced onto its owner as soon as backward completes it, and the
   owner's optimizer sums the window (as it does on one rank). A rank holds no window for what it does not own, so a
   node holds each gradient sum once; the price is ``accumulate - 1`` more reduces of the gradients per step.
+- ``"device"``: as ``"micro_batch"``, reduced on the device (NCCL on CUDA) before anything leaves it, and only the
+  owner copies each reduced bucket to host memory: a rank's gradients cross PCIe for its own share only, and the sum
+  runs at the device link's speed instead of gloo's over the host's loopback.
 
-Without accumulation both reduce each gradient once, with the same sums; ``"micro_batch"`` then only saves the window
-buffers (it holds two buckets of gradients in flight: up to 25 MiB or half the largest shard, whichever is less; a
-larger parameter goes in parts; the window's buffers live from a shard's first gradient until its reduce landed, so
+Without accumulation all three reduce each gradient once, with the same sums; ``"micro_batch"`` then only saves the
+window buffers (it holds two buckets of gradients in flight: up to 25 MiB or half the largest shard, whichever is less;
+a larger parameter goes in parts; the window's buffers live from a shard's first gradient until its reduce landed, so
 how many are held at once depends on how far the reduces fall behind backward, up to all of them).
-:func:`choose_exchange` keeps the window (``ddp``'s very sums) while all its buffers fit the host budget, and reduces
-each micro-batch where they do not. Host memory the windows take is not weighed against what it would hold of the
-states (nor the extra reduces' time): ``gradient_exchange="micro_batch"`` asks for the node's bytes held once where the
-windows fit too.
+:func:`choose_exchange` reduces on the device on GPUs (under automatic optimization: manual optimization may run
+several backward passes in one micro-batch, which only the window sums); elsewhere it keeps the window (``ddp``'s very
+sums) while all its buffers fit the host budget, and reduces each micro-batch where they do not. Host memory the
+windows take is not weighed against what it would hold of the states (nor the extra reduces' time):
+``gradient_exchange="micro_batch"`` asks for the node's bytes held once where the windows fit too.
 """
 
 from __future__ import annotations
@@ -28,8 +32,8 @@ from typing import Literal
 from lightning_ratel.errors import RatelConfigError
 from lightning_ratel.sizes import format_bytes
 
-Exchange = Literal["window", "micro_batch"]
-GRADIENT_EXCHANGES: tuple[str, ...] = ("auto", "window", "micro_batch")
+Exchange = Literal["window", "micro_batch", "device"]
+GRADIENT_EXCHANGES: tuple[str, ...] = ("auto", "window", "micro_batch", "device")
 
 
 @dataclass(frozen=True)
@@ -37,7 +41,7 @@ class ExchangeChoice:
     """The planner's choice of gradient exchange, and why.
 
     Attributes:
-        mode: ``"window"`` or ``"micro_batch"``.
+        mode: ``"window"``, ``"micro_batch"`` or ``"device"``.
         reason: one clause for the run's log.
         reduces_per_step: how many times a rank reduces its gradients each step.
     """
@@ -52,11 +56,12 @@ class ExchangeChoice:
 
 
 def choose_exchange(requested: str, accumulate: int, ranks: int, rank_host_bytes: int, window_bytes: int,
-                    host_budget: int | None = None, automatic: bool = True) -> ExchangeChoice:
+                    host_budget: int | None = None, automatic: bool = True, gpu: bool = False) -> ExchangeChoice:
     """The gradient exchange of one rank.
 
     Args:
-        requested: ``"auto"``, ``"window"`` or ``"micro_batch"`` (the strategy's ``gradient_exchange``).
+        requested: ``"auto"``, ``"window"``, ``"micro_batch"`` or ``"device"`` (the strategy's
+            ``gradient_exchange``).
         accumulate: micro-batches per step (the Trainer's ``accumulate_grad_batches``).
         ranks: ranks training data parallel.
         rank_host_bytes: the host bytes this rank holds without any window buffer, as the host budget check counts
@@ -65,6 +70,7 @@ def choose_exchange(requested: str, accumulate: int, ranks: int, rank_host_bytes
         host_budget: host bytes this rank may take; ``None``: unlimited.
         automatic: Lightning's automatic optimization; manual optimization may run several backward passes in one
             micro-batch, which only the window sums, so ``"auto"`` keeps it.
+        gpu: the ranks train on GPUs, where ``"auto"`` reduces on the device.
 
     Raises:
         RatelConfigError: ``requested`` or ``accumulate`` is invalid.
@@ -81,8 +87,14 @@ def choose_exchange(requested: str, accumulate: int, ranks: int, rank_host_bytes
         return _because(window, "asked for")
     if requested == "micro_batch":
         return _because(micro, "asked for")
+    device = ExchangeChoice("device", "", accumulate)
+    if requested == "device":
+        return _because(device, "asked for")
     if not automatic:
         return _because(window, "manual optimization may run several backward passes in one micro-batch")
+    if gpu:
+        return _because(device, "on the GPUs, NCCL sums each micro-batch's gradients and each owner copies its share "
+                                "to host memory")
     with_window = rank_host_bytes + window_bytes
     if host_budget is not None and with_window > host_budget:
         return _because(micro, f"the window buffers ({format_bytes(window_bytes)}) would take this rank to "

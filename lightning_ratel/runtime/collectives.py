@@ -21,7 +21,9 @@ one rank and takes the same calls:
    reduced onto the owner in the same order, in buckets of one owner's parameters (one collective each, from a pool of
    two buffers reused every micro-batch), and the owner's ``CpuAdam`` sums the window as on one rank: no rank holds a
    window for shards it does not own, for one reduce per micro-batch instead of one per step (the sum over ranks and
-   micro-batches is taken in another order than ``ddp``'s).
+   micro-batches is taken in another order than ``ddp``'s). ``"device"``, the choice on GPUs (:class:`_DeviceExchange`),
+   reduces the same buckets on the device instead (:mod:`lightning_ratel.runtime.device_reduce`, NCCL on CUDA), so that
+   only each owner's share of the gradients reaches host memory.
 2. The owner hands the reduced gradients to its ``CpuAdam``, which updates the shard as on one rank (overlapped with
    backward where the step allows it, speculatively under clipping by norm or fp16 loss scaling; clipping by norm and
    fp16 overflow checks use the norm and the overflow of all ranks, :meth:`DataParallelAdam.clip_`,
@@ -36,8 +38,9 @@ one rank and takes the same calls:
    owner announces where the new copy is and its checksums instead of sending it. The owner's update may overwrite the
    shared bytes during backward: it runs on the reduced gradient, so after every rank's backward has left the unit.
 
-Each thread issues its collectives on a process group of its own (gloo, on host memory, whatever the default backend),
-so collectives of different threads never interleave differently on two ranks. The training thread's own collectives
+Each thread issues its collectives on a process group of its own (gloo, on host memory, whatever the default backend;
+the device reduces of ``"device"`` on the device's backend), so collectives of different threads never interleave
+differently on two ranks. The training thread's own collectives
 (the agreement, the global norm and overflow, reading another rank's states for a checkpoint) use a third group; they
 happen only where every rank runs the same code at the same point (finishing a step, a checkpoint, the end of fit).
 With a shared cache both also have a group of the node's ranks and, with several nodes, one of a rank per node.
@@ -57,6 +60,7 @@ from __future__ import annotations
 import pickle
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -68,7 +72,9 @@ import torch
 import torch.distributed as dist
 
 from lightning_ratel.errors import RatelConfigError, RatelRankFailed
-from lightning_ratel.runtime.device import DONE
+from lightning_ratel.runtime.buckets import MICRO_BATCH_BUCKETS, Bucket, bucket_cap, cut_buckets
+from lightning_ratel.runtime.device import DONE, Device
+from lightning_ratel.runtime.device_reduce import DeviceReduce
 from lightning_ratel.runtime.hostmem import ALIGNMENT, SharedHostMemory, aligned_empty
 from lightning_ratel.runtime.hoststore import TieredStore
 from lightning_ratel.runtime.optimizer import CpuAdam, Finished, Outcome, StepPlan, finish_step
@@ -587,14 +593,6 @@ class NodeCache:
             dist.destroy_process_group(group)
 
 
-MICRO_BATCH_BUCKET_BYTES = 25 * 2**20
-"""The most fp32 gradient bytes :class:`_MicroBatchExchange` reduces in one collective (``DistributedDataParallel``'s
-default bucket); a larger parameter is reduced in parts."""
-
-MICRO_BATCH_BUCKETS = 2
-"""Buckets :class:`_MicroBatchExchange` holds at once: one filled while the other's reduce runs."""
-
-
 def _wire(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor``'s bytes as a dtype every backend sends (a 16-bit float goes as bytes, bit for bit: gloo sends
     neither bfloat16 nor int16)."""
@@ -1047,115 +1045,41 @@ class _GradientExchange:
         self._cursor = 0
 
 
-@dataclass(frozen=True)
-class _Item:
-    """A parameter's gradient in a bucket, or a part of it: ``numel`` elements of ``shard.params[position]``, flat
-    from element ``start`` (``None``: the whole parameter), at element ``offset`` of the bucket."""
-
-    shard: Shard
-    position: int
-    offset: int
-    start: int | None
-    numel: int
-
-
-@dataclass(frozen=True)
-class _Bucket:
-    """Gradients of one owner reduced in one collective: the parameters' fp32 gradients (or parts of them) end to end,
-    then one flag per item (1 where this rank has the parameter's gradient, summed over the ranks by the reduce).
-
-    Attributes:
-        owner: the rank the bucket is reduced onto.
-        items: what it holds, in order.
-        numel: elements of the gradients (the flags follow).
-    """
-
-    owner: int
-    items: tuple[_Item, ...]
-    numel: int
-
-    @property
-    def size(self) -> int:
-        """Elements the reduce sends: the gradients and the flags."""
-        return self.numel + len(self.items)
-
-
 @dataclass
 class _BucketReducing:
-    bucket: _Bucket
+    bucket: Bucket
     buffer: torch.Tensor
     work: Any
-
-
-def _bucket_cap(params: Sequence[Sequence[int]]) -> int:
-    """Elements a bucket holds at most, flags included (``params``: each trainable shard's parameter sizes):
-    ``MICRO_BATCH_BUCKET_BYTES`` of fp32, or half the largest shard, so that the two buckets in flight hold no more
-    than the largest shard's gradients; at least 2 (a part and its flag)."""
-    largest = max((sum(numels) + len(numels) for numels in params), default=0)
-    return max(2, min(MICRO_BATCH_BUCKET_BYTES // 4, -(-largest // 2)))
-
-
-def _buckets(order: Sequence[Shard], positions: dict[int, list[int]], owner: dict[int, int]) -> list[_Bucket]:
-    """The buckets of one micro-batch: the parameters in ``order`` (each shard's ``positions``), cut where the owner
-    changes or where the next parameter would take a bucket over :func:`_bucket_cap`. A parameter larger than the cap
-    is cut into parts that fill a bucket each, its last part opening the next bucket. Every rank cuts the same
-    buckets."""
-    cap = _bucket_cap([[s.params[p].numel for p in positions[s.index]] for s in order])
-    buckets: list[_Bucket] = []
-    items: list[_Item] = []
-    numel = 0
-
-    def close() -> None:
-        nonlocal items, numel
-        if items:
-            buckets.append(_Bucket(owner[items[0].shard.index], tuple(items), numel))
-        items, numel = [], 0
-
-    for shard in order:
-        for position in positions[shard.index]:
-            size = shard.params[position].numel
-            if items and (owner[items[0].shard.index] != owner[shard.index] or numel + size + len(items) + 1 > cap):
-                close()
-            if size + 1 <= cap:
-                items.append(_Item(shard, position, numel, None, size))
-                numel += size
-                continue
-            # Each part but the last fills a bucket of its own (with its flag); the last opens the next bucket.
-            for start in range(0, size, cap - 1):
-                close()
-                items.append(_Item(shard, position, 0, start, min(cap - 1, size - start)))
-                numel = items[0].numel
-    close()
-    return buckets
 
 
 def exchange_micro_batch_nbytes(shards: Sequence[Shard]) -> int:
     """The most host memory a rank's gradient exchange holds when it reduces each micro-batch's gradients
     (:class:`_MicroBatchExchange`): ``MICRO_BATCH_BUCKETS`` buffers of its largest bucket, at most the cap of
-    :func:`_bucket_cap` and at most every gradient of ``shards`` (the trainable ones) with their flags."""
+    :func:`~lightning_ratel.runtime.buckets.bucket_cap` and at most every gradient of ``shards`` (the trainable ones)
+    with their flags."""
     sizes = [[sp.numel for sp in s.params] for s in shards]
     total = sum(numel + 1 for numels in sizes for numel in numels)
     if not total:
         return 0
-    return MICRO_BATCH_BUCKETS * round_up(min(_bucket_cap(sizes), total) * 4, ALIGNMENT)
+    return MICRO_BATCH_BUCKETS * round_up(min(bucket_cap(sizes), total) * 4, ALIGNMENT)
 
 
 class _MicroBatchExchange(_GradientExchange):
     """The exchange thread that reduces each micro-batch's gradients onto their owners (``gradient_exchange=
     "micro_batch"``): no rank holds a window, the owner's optimizer sums the micro-batches as on one rank.
 
-    Within a micro-batch, shards go in the fixed order of :class:`_GradientExchange`, each as soon as backward
-    completed it here (the ones before it first). Their parameters' gradients are copied, as fp32, into buckets
-    (:func:`_buckets`: consecutive parameters of one owner, up to a cap, the same on every rank; a parameter larger
-    than the cap in parts, so that the buffers stay at the cap whatever the largest parameter, such as a large
-    vocabulary's embedding), zeros where this rank has none, with a flag per item after them; a full bucket is
-    multiplied by ``1 / world_size`` and reduced onto its owner in one collective, which then hands each parameter (or
-    part) that any rank flagged to its optimizer, as a view of the bucket. On two ranks the sums are bit for bit those
-    of reducing each parameter's gradient by itself; over three or more, gloo's reduce orders an element's sum over
-    the ranks by the element's place in the buffer, so the bits may differ there (within rounding, as either order
-    may). A bucket's memory comes from a pool of ``MICRO_BATCH_BUCKETS`` buffers of the largest bucket, taken once
-    and reused: a buffer is taken again once its reduce landed and, on the owner, once the optimizer took in the
-    views. The next micro-batch's start (or the step's flush) reduces what is left, and only then starts the local
+    Within a micro-batch, shards go in the fixed order of :class:`_GradientExchange`, each as soon as backward completed
+    it here (the ones before it first). Their parameters' gradients are copied, as fp32, into buckets
+    (:func:`~lightning_ratel.runtime.buckets.cut_buckets`: consecutive parameters of one owner, up to a cap, the same on
+    every rank; a parameter larger than the cap in parts, so that the buffers stay at the cap whatever the largest
+    parameter, such as a large vocabulary's embedding), zeros where this rank has none, with a flag per item after them;
+    a full bucket is multiplied by ``1 / world_size`` and reduced onto its owner in one collective, which then hands
+    each parameter (or part) that any rank flagged to its optimizer, as a view of the bucket. On two ranks the sums are
+    bit for bit those of reducing each parameter's gradient by itself; over three or more, gloo's reduce orders an
+    element's sum over the ranks by the element's place in the buffer, so the bits may differ there (within rounding, as
+    either order may). A bucket's memory comes from a pool of ``MICRO_BATCH_BUCKETS`` buffers of the largest bucket,
+    taken once and reused: a buffer is taken again once its reduce landed and, on the owner, once the optimizer took in
+    the views. The next micro-batch's start (or the step's flush) reduces what is left, and only then starts the local
     optimizer's micro-batch, so that its count of a shard's gradients per micro-batch stays right.
 
     Args:
@@ -1180,7 +1104,7 @@ class _MicroBatchExchange(_GradientExchange):
         self._bucket_reducing: deque[_BucketReducing] = deque()
         super().__init__(shards, owner, ranks, group, lambda shard, buffer: None, faults)
         positions = {s.index: sorted(self._expected[s.index]) for s in self._order}
-        self._buckets = _buckets(self._order, positions, owner)
+        self._buckets = cut_buckets(self._order, positions, owner)
         # Each shard's parameters: (bucket, item) in the order they are packed.
         self._places: dict[int, list[tuple[int, int]]] = {}
         for b, bucket in enumerate(self._buckets):
@@ -1274,7 +1198,7 @@ class _MicroBatchExchange(_GradientExchange):
         self._filling = (b, buffer)
         return buffer
 
-    def _reduce(self, bucket: _Bucket, buffer: torch.Tensor) -> None:
+    def _reduce(self, bucket: Bucket, buffer: torch.Tensor) -> None:
         self._filling = None
         # DistributedDataParallel's arithmetic: each rank's gradient multiplied by 1/world, summed over the ranks.
         buffer[: bucket.numel].mul_(1.0 / self._ranks.world)
@@ -1330,6 +1254,100 @@ class _MicroBatchExchange(_GradientExchange):
         self._filling = None
         self._bucket_reducing.clear()
         self._open = False
+
+
+@dataclass(frozen=True)
+class _Landed:
+    bucket: Bucket
+    host: torch.Tensor
+    event: Any
+    slot: int
+
+
+class _DeviceExchange(_GradientExchange):
+    """The exchange thread of ``gradient_exchange="device"``: the reduces run on the device
+    (:class:`~lightning_ratel.runtime.device_reduce.DeviceReduce`, :attr:`reduce`, which autograd's and the training
+    thread drive); on the owner this thread waits for each reduced bucket's copy to host memory and hands the
+    parameters (or parts) any rank flagged to its optimizer, as views of the host buffer, which goes back to the
+    reduce once every host buffer is taken and the optimizer took the views in. It also starts the owner's
+    micro-batches (``CpuAdam.begin``) once the last one's gradients reached the optimizer.
+
+    Args:
+        device: the compute device.
+        shards, owner, ranks, faults: as for :class:`_GradientExchange`.
+        group: the process group of the reduces on the device (NCCL on CUDA).
+        deliver, begin, take_in: as for :class:`_MicroBatchExchange`.
+    """
+
+    def __init__(self, device: Device, shards: Sequence[Shard], owner: dict[int, int], ranks: Ranks, group: Any,
+                 deliver: Callable[[Shard, int, torch.Tensor, int | None], None], faults: Faults,
+                 begin: Callable[[StepPlan | None], None], take_in: Callable[[], None]) -> None:
+        self._deliver_param = deliver
+        self._begin_local = begin
+        self._take_in = take_in
+        # Host buffers whose views reached the optimizer, given back to the reduce once it took them in.
+        self._delivered_slots: list[int] = []
+        self.reduce = DeviceReduce(device, shards, owner, ranks.rank, ranks.world, group, self._landed,
+                                   lambda: self.error, host_wait=faults.wait)
+        super().__init__(shards, owner, ranks, group, lambda shard, buffer: None, faults)
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes of the owner's buffers the reduced buckets land in."""
+        return self.reduce.host_nbytes
+
+    @property
+    def collectives(self) -> int:
+        """Reduces of one micro-batch."""
+        return len(self.reduce.buckets)
+
+    def _landed(self, bucket: Bucket, host: torch.Tensor, event: Any, slot: int) -> None:
+        self.put(_Landed(bucket, host, event, slot))
+
+    def _handle(self, job: _Gradient | _Begin | _Flush | _Drop) -> None:
+        if isinstance(job, _Landed):
+            if self.error is None:
+                self._deliver_bucket(job)
+            else:
+                self.reduce.give_slot(job.slot)
+        elif isinstance(job, _Begin):
+            self._begin_local(job.plan)
+        elif isinstance(job, _Flush):
+            if self.error is not None:
+                job.future.set_exception(self.error)
+                return
+            job.future.set_result(None)
+        elif isinstance(job, _Drop):
+            # The optimizer drops what it holds next (``discard``), before any other bucket can land.
+            self._give_back()
+            job.future.set_result(None)
+        else:
+            raise RuntimeError("gradient_exchange='device' takes the gradients on the device, not here")
+
+    def _deliver_bucket(self, job: _Landed) -> None:
+        waited = 0
+        while not job.event.query():
+            time.sleep(0.0005)
+            waited += 1
+            if waited % 400 == 0:
+                self._faults.check()
+        bucket, host = job.bucket, job.host
+        flags = host[bucket.numel : bucket.size].tolist()
+        for part, flag in zip(bucket.items, flags):
+            if flag > 0:
+                grad = host[part.offset : part.offset + part.numel]
+                if part.start is None:
+                    grad = grad.view(part.shard.params[part.position].shape)
+                self._deliver_param(part.shard, part.position, grad, part.start)
+        self._delivered_slots.append(job.slot)
+        if self.reduce.slots_taken():
+            self._take_in()
+            self._give_back()
+
+    def _give_back(self) -> None:
+        for slot in self._delivered_slots:
+            self.reduce.give_slot(slot)
+        self._delivered_slots.clear()
 
 
 @dataclass(frozen=True)
@@ -1477,15 +1495,18 @@ class DataParallelAdam:
             collectives and these stop alike); ``None``: a watch of its own.
         exchange: ``"window"``: each rank sums its gradients of the accumulation window and reduces the sum once
             (:class:`_GradientExchange`); ``"micro_batch"``: each micro-batch's gradients are reduced onto their owners
-            and summed there (:class:`_MicroBatchExchange`). The planner's choice
+            and summed there (:class:`_MicroBatchExchange`); ``"device"``: the same, reduced on the device, and only
+            the owner copies them to host memory (:class:`_DeviceExchange`). The planner's choice
             (:func:`~lightning_ratel.plan.exchange.choose_exchange`).
         node_copies: with the compute copies in the swap files, those the node's ranks read from their owners' files
             (:class:`NodeCopies`, opened before the model was materialized); the others every rank stores.
+        device: the compute device, for ``exchange="device"``.
     """
 
     def __init__(self, make: Callable[[list[Shard]], CpuAdam], shards: Sequence[Shard], owners: dict[int, int],
                  ranks: Ranks, node: NodeCache | None = None, faults: Faults | None = None,
-                 exchange: str = "window", node_copies: NodeCopies | None = None) -> None:
+                 exchange: str = "window", node_copies: NodeCopies | None = None, device: Device | None = None
+                 ) -> None:
         self.shards = list(shards)
         self.ranks = ranks
         self._owner = {s.index: owners[s.unit.index] for s in self.shards}
@@ -1501,10 +1522,21 @@ class DataParallelAdam:
         # thread takes after backward).
         self._window: set[int] = set()
         self.exchange = exchange
-        self._exchange = (_MicroBatchExchange(self.shards, self._owner, ranks, groups[0], self._deliver_param,
-                                              self._faults, self.local.begin, self.local.take_in)
-                          if exchange == "micro_batch" else
-                          _GradientExchange(self.shards, self._owner, ranks, groups[0], self._deliver, self._faults))
+        self._exchange: _GradientExchange
+        self._device_reduce: DeviceReduce | None = None
+        if exchange == "device":
+            assert device is not None
+            # The device's own backend (NCCL on CUDA) for the gradients; the other groups stay gloo on host memory.
+            reduce_group = dist.new_group(backend="nccl" if device.is_cuda else "gloo", timeout=ranks.timeout)
+            self._groups.append(reduce_group)
+            on_device = _DeviceExchange(device, self.shards, self._owner, ranks, reduce_group, self._deliver_param,
+                                        self._faults, self.local.begin, self.local.take_in)
+            self._exchange, self._device_reduce = on_device, on_device.reduce
+        elif exchange == "micro_batch":
+            self._exchange = _MicroBatchExchange(self.shards, self._owner, ranks, groups[0], self._deliver_param,
+                                                 self._faults, self.local.begin, self.local.take_in)
+        else:
+            self._exchange = _GradientExchange(self.shards, self._owner, ranks, groups[0], self._deliver, self._faults)
         self._node = node
         # Compute copies in the swap files: read from the owner's where the node's ranks share them, else every rank
         # keeps each one in its own.
@@ -1547,10 +1579,16 @@ class DataParallelAdam:
         return self.local.host_buffer_bytes + self._exchange.nbytes + (self.copies.nbytes if self.copies else 0)
 
     @property
+    def reduces_on_device(self) -> bool:
+        """Whether the gradients are handed over on the device (``exchange="device"``), not copied to host memory."""
+        return self._device_reduce is not None
+
+    @property
     def exchange_counts(self) -> dict[str, int]:
         """How the gradient exchange ran: ``"reduces"`` issued so far, ``"collectives"`` per exchange (one per
         micro-batch reducing each, else per window)."""
-        return {"reduces": self._exchange.reduces, "collectives": self._exchange.collectives}
+        reduces = self._device_reduce.reduces if self._device_reduce is not None else self._exchange.reduces
+        return {"reduces": reduces, "collectives": self._exchange.collectives}
 
     def _mine(self, shards: Sequence[Shard]) -> list[Shard]:
         return [s for s in shards if self.owns(s)]
@@ -1558,8 +1596,12 @@ class DataParallelAdam:
     # ------------------------------------------------------------------ gradients
 
     def gradient(self, shard: Shard, position: int, grad: torch.Tensor, event: Any) -> None:
-        """Hand over the gradient of ``shard.params[position]`` (autograd's thread)."""
+        """Hand over the gradient of ``shard.params[position]`` (autograd's thread): in host memory, or, where the
+        reduces run on the device, the device's gradient itself (``event`` unused)."""
         self._window.add(shard.index)
+        if self._device_reduce is not None:
+            self._device_reduce.gradient(shard, position, grad)
+            return
         self._exchange.put(_Gradient(shard, position, grad, event))
 
     def take_window(self) -> list[Shard]:
@@ -1585,14 +1627,18 @@ class DataParallelAdam:
 
     def begin(self, plan: StepPlan | None) -> None:
         """Start a micro-batch; ``plan`` is set on the boundary micro-batch of an accumulation window."""
-        if self.exchange != "micro_batch":
+        if self.exchange == "window":
             self.local.begin(plan)
+        if self._device_reduce is not None:
+            self._device_reduce.begin()
         # Reducing each micro-batch, the exchange starts the local optimizer's micro-batch once the last one's
         # gradients reached it.
         self._exchange.put(_Begin(plan is not None, plan))
 
     def _flush(self) -> None:
         """Reduce whatever is left of the window and wait until the owned shards' gradients are with the optimizer."""
+        if self._device_reduce is not None:
+            self._device_reduce.close()
         self._exchange.wait(_Flush)
 
     def _agree(self, value: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
@@ -1728,7 +1774,7 @@ class DataParallelAdam:
 
     def discard_window(self) -> None:
         """Drop the gradients received since the last step without updating anything (``zero_grad``)."""
-        if self.exchange == "micro_batch":
+        if self.exchange != "window":
             # Collective: the micro-batch's reduces (some may have run, on every rank alike) go to their end, and each
             # owner drops what reached its optimizer, whatever this rank's own gradients were.
             self._flush()
@@ -1758,7 +1804,7 @@ class DataParallelAdam:
 
     def discard(self, shards: Sequence[Shard]) -> None:
         """Drop the window's gradients (a skipped step, ``zero_grad``)."""
-        if self.exchange == "micro_batch":
+        if self.exchange != "window":
             # The reduces of the micro-batch run to their end on every rank (some may have started): then dropped.
             self._flush()
         self._exchange.wait(_Drop)
@@ -1766,6 +1812,8 @@ class DataParallelAdam:
 
     def abort(self) -> None:
         """Abandon the unfinished step on this rank (no collective: the others may be gone)."""
+        if self._device_reduce is not None:
+            self._device_reduce.forget()
         self._exchange.wait(_Drop)
         self.local.abort()
 
@@ -1785,6 +1833,8 @@ class DataParallelAdam:
         """Free the buffers of the updates (no more will run)."""
         self._exchange.wait(_Drop)
         self._exchange.pool.clear()
+        if self._device_reduce is not None:
+            self._device_reduce.release()
         self.local.release_memory()
 
     def close(self) -> None:

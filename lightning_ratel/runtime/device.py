@@ -37,7 +37,7 @@ import math
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -250,6 +250,22 @@ class Device:
             self._wait_on(stream, self.record())
         else:
             stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def wait_collective(self, work: Any, host_wait: Callable[[Any], None] | None = None) -> None:
+        """Make the current stream wait for a collective (``work``, from ``async_op=True``): on CUDA without blocking
+        the host (NCCL's ``wait`` orders the current stream after it); on the CPU the host waits, through
+        ``host_wait`` where given (a wait that watches for a failed rank), and a simulated side stream waits in its own
+        turn."""
+        if self.is_cuda:
+            work.wait()
+            return
+        if self._sim is not None:
+            self._check()
+            stream = self._sim.current()
+            if not stream.synchronous:
+                stream.submit(work.wait, delay=False)
+                return
+        (host_wait or (lambda w: w.wait()))(work)
 
     def keep_alive(self, tensor: torch.Tensor, stream: Any = None) -> None:
         """Tell the caching allocator that ``tensor`` is used on ``stream`` (default: current), so it is not reused

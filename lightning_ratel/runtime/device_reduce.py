@@ -1,0 +1,222 @@
+"""Each micro-batch's gradients reduced onto their owners on the device (``gradient_exchange="device"``).
+
+The exchanges of :mod:`lightning_ratel.runtime.collectives` reduce in host memory over gloo: every rank copies all
+of its gradients to the host, and the ranks' copies are summed over the host's loopback network (gloo's reduce of
+fp32 moves under 1 GB/s on two CPU ranks of a 2-core box, ``benchmarks/RESULTS.md``), while on a GPU server the
+device-to-device path (NCCL over PCIe or NVLink) is one to two orders of magnitude faster. Here the gradients stay on
+the device: each micro-batch's are packed into the buckets every rank cuts alike
+(:func:`~lightning_ratel.runtime.buckets.cut_buckets`: one owner's consecutive parameters, a large one in parts, the
+shards in the exchanges' fixed order), each bucket is multiplied by ``1 / world_size`` and reduced onto its owner by
+the process group's backend on the device (NCCL on CUDA, gloo on the CPU), and only the owner copies the reduced
+bucket to host memory, where the exchange thread hands its parameters to the owner's optimizer
+(:class:`~lightning_ratel.runtime.collectives._DeviceExchange`). So a rank's gradients cross PCIe once for its own
+share instead of whole, and the sum runs at the device link's speed. The numbers are those of
+``gradient_exchange="micro_batch"``: the owner's optimizer sums the window's micro-batches.
+
+Threads and streams: autograd's thread hands each gradient over (:meth:`DeviceReduce.gradient`) and reduces a shard as
+soon as backward completes it, in the fixed order; the training thread reduces what is left at the micro-batch's end
+(:meth:`DeviceReduce.begin` of the next, :meth:`DeviceReduce.close`). Both issue device work and collectives, never at
+the same time. The packing and the ``1 / world_size`` run on the current stream, which the collective follows; the
+owner's copy to host memory runs on the device->host stream once the collective is done; a bucket buffer is packed again
+only after the current stream waited for its last collective (and copy). The owner's host buffers are two, reused: a
+third bucket waits until the exchange thread gives one back (once the optimizer took its views in).
+"""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_ratel.runtime.buckets import MICRO_BATCH_BUCKETS, Bucket, cut_buckets
+from lightning_ratel.runtime.device import Device
+from lightning_ratel.runtime.units import Shard
+
+
+class DeviceReduce:
+    """Packs a rank's gradients into device buckets and reduces each onto its owner (see the module docstring).
+
+    Args:
+        device: the compute device.
+        shards: every trainable shard, in forward order.
+        owner: each shard's owner rank, by shard index.
+        rank: this rank.
+        world: the number of ranks.
+        group: the process group of the reduces (NCCL on CUDA).
+        landed: called on the owner with a reduced bucket, the host buffer its copy lands in (the gradients, then one
+            flag per item: above 0 where some rank had that gradient), the copy's event and the host buffer's slot,
+            which :meth:`give_slot` takes back.
+        failed: the consumer's error, if it stopped: a wait for a host buffer raises it instead of waiting forever.
+        host_wait: how the host waits for a collective where it must (on the CPU): one that watches for a failed rank.
+    """
+
+    def __init__(self, device: Device, shards: Sequence[Shard], owner: dict[int, int], rank: int, world: int,
+                 group: Any, landed: Callable[[Bucket, torch.Tensor, Any, int], None],
+                 failed: Callable[[], BaseException | None], host_wait: Callable[[Any], None] | None = None) -> None:
+        self.device = device
+        self._owner = owner
+        self._rank = rank
+        self._world = world
+        self._group = group
+        self._landed = landed
+        self._failed = failed
+        self._host_wait = host_wait
+        # Parameters that get a gradient from autograd; a shard is complete once each of them came.
+        self._expected = {s.index: {i for i, sp in enumerate(s.params) if sp.param.requires_grad} for s in shards}
+        self._order = [s for s in reversed(shards) if self._expected[s.index]]
+        positions = {s.index: sorted(self._expected[s.index]) for s in self._order}
+        self.buckets = cut_buckets(self._order, positions, owner)
+        # Each shard's parameters: (bucket, item) in the order they are packed.
+        self._places: dict[int, list[tuple[int, int]]] = {}
+        for b, bucket in enumerate(self.buckets):
+            for i, item in enumerate(bucket.items):
+                self._places.setdefault(item.shard.index, []).append((b, i))
+        numel = max((b.size for b in self.buckets), default=0)
+        self._buffers = [device.device_empty(numel, torch.float32) for _ in range(MICRO_BATCH_BUCKETS if numel else 0)]
+        # What packing each buffer again waits for: its last collective, or the owner's copy that followed it.
+        self._last_use: list[Callable[[], None] | None] = [None] * len(self._buffers)
+        self._next = 0
+        owns_any = any(b.owner == rank for b in self.buckets)
+        self._host = [device.host_empty(numel, torch.float32) for _ in range(len(self._buffers) if owns_any else 0)]
+        self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for slot in range(len(self._host)):
+            self._free.put(slot)
+        # Collectives issued so far (read by the training thread for a run's figures).
+        self.reduces = 0
+        self._forget()
+
+    @property
+    def host_nbytes(self) -> int:
+        """Host bytes of the owner's buffers the reduced buckets land in."""
+        return sum(t.numel() * t.element_size() for t in self._host)
+
+    @property
+    def device_nbytes(self) -> int:
+        """Device bytes of the bucket buffers."""
+        return sum(t.numel() * t.element_size() for t in self._buffers)
+
+    def gradient(self, shard: Shard, position: int, grad: torch.Tensor) -> None:
+        """Hand over the gradient of ``shard.params[position]``, on the device (autograd's thread)."""
+        if shard.index in self._issued:
+            raise RuntimeError(
+                f"a second gradient of {shard.params[position].name} arrived in one micro-batch after its shard was "
+                "reduced; gradient_exchange='device' expects each parameter's gradient once per training step call: "
+                "use gradient_exchange='window'")
+        held = self._held.setdefault(shard.index, {})
+        if position in held:
+            held[position] = held[position] + grad
+        else:
+            held[position] = grad
+        self._open = True
+        if held.keys() >= self._expected[shard.index]:
+            self._complete.add(shard.index)
+            while self._cursor < len(self._order) and self._order[self._cursor].index in self._complete:
+                self._issue(self._order[self._cursor])
+
+    def begin(self) -> None:
+        """Start a micro-batch, once the last one's are reduced (training thread)."""
+        self.close()
+        self._open = True
+
+    def close(self) -> None:
+        """Reduce what is left of the open micro-batch, in order (zeros for the gradients this rank has none of)
+        (training thread)."""
+        if self._open:
+            while self._cursor < len(self._order):
+                self._issue(self._order[self._cursor])
+        self._forget()
+
+    def forget(self) -> None:
+        """Drop the micro-batch's gradients without reducing them (a step abandoned on this rank)."""
+        self._forget()
+
+    def give_slot(self, slot: int) -> None:
+        """Host buffer ``slot`` may take the next bucket (any thread)."""
+        self._free.put(slot)
+
+    def slots_taken(self) -> bool:
+        """Whether every host buffer is taken."""
+        return self._free.empty()
+
+    def release(self) -> None:
+        """Free the buffers (no more reduces will run)."""
+        self._buffers = []
+        self._last_use = []
+
+    def _forget(self) -> None:
+        self._held: dict[int, dict[int, torch.Tensor]] = {}
+        self._complete: set[int] = set()
+        self._issued: set[int] = set()
+        self._cursor = 0
+        # The bucket being filled and the index of its buffer.
+        self._filling: tuple[int, int] | None = None
+        # Whether a micro-batch is open: begun, or some gradient came (its reduces are then due).
+        self._open = False
+
+    def _issue(self, shard: Shard) -> None:
+        """Pack the shard's gradients into their buckets, reducing each bucket it fills."""
+        self._cursor += 1
+        self._issued.add(shard.index)
+        held = self._held.pop(shard.index, {})
+        for b, i in self._places.get(shard.index, ()):
+            bucket = self.buckets[b]
+            k = self._buffer(b)
+            buffer = self._buffers[k]
+            item = bucket.items[i]
+            target = buffer[item.offset : item.offset + item.numel]
+            grad = held.get(item.position)
+            if grad is None:
+                target.zero_()
+            elif item.start is None:
+                target.view(grad.shape).copy_(grad)
+            else:
+                if not grad.is_contiguous():
+                    grad = held[item.position] = grad.contiguous()
+                target.copy_(grad.view(-1)[item.start : item.start + item.numel])
+            buffer[bucket.numel + i].fill_(0.0 if grad is None else 1.0)
+            if i == len(bucket.items) - 1:
+                self._reduce(bucket, k)
+
+    def _buffer(self, b: int) -> int:
+        """The index of bucket ``b``'s buffer: the one being filled, else the next of the pool, once the current
+        stream waited for its last use."""
+        if self._filling is not None and self._filling[0] == b:
+            return self._filling[1]
+        k = self._next
+        self._next = (k + 1) % len(self._buffers)
+        last = self._last_use[k]
+        if last is not None:
+            last()
+        self._filling = (b, k)
+        return k
+
+    def _reduce(self, bucket: Bucket, k: int) -> None:
+        self._filling = None
+        sent = self._buffers[k][: bucket.size]
+        # DistributedDataParallel's arithmetic: each rank's gradient multiplied by 1/world, summed over the ranks.
+        sent[: bucket.numel].mul_(1.0 / self._world)
+        work = dist.reduce(sent, dst=bucket.owner, op=dist.ReduceOp.SUM, group=self._group, async_op=True)
+        self.reduces += 1
+        if bucket.owner != self._rank:
+            self._last_use[k] = lambda: self.device.wait_collective(work, self._host_wait)
+            return
+        slot = self._take_slot()
+        # The copy to the host follows the collective on the device->host stream, not the compute stream.
+        with self.device.on(self.device.d2h_stream):
+            self.device.wait_collective(work, self._host_wait)
+        host, event = self.device.to_host(sent, out=self._host[slot][: bucket.size])
+        self._last_use[k] = lambda: self.device.wait(event)
+        self._landed(bucket, host, event, slot)
+
+    def _take_slot(self) -> int:
+        """A free host buffer, once the consumer gave one back."""
+        while True:
+            try:
+                return self._free.get(timeout=1.0)
+            except queue.Empty:
+                error = self._failed()
+                if error is not None:
+                    raise RuntimeError(f"the gradient exchange stopped: {error!r}") from error
