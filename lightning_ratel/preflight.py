@@ -69,8 +69,8 @@ class Estimate:
             most all of them at once (between the boundary micro-batches of gradient accumulation). Under
             ``"micro_batch"`` two buckets of gradients in flight, each one owner's fp32 gradients of consecutive
             parameters (a larger one in parts) and a flag per item, up to 25 MiB or half the largest shard, whichever
-            is less (:func:`~lightning_ratel.runtime.collectives.exchange_micro_batch_nbytes`); under ``"device"`` as
-            many host buffers, into which the owner copies the buckets reduced on the device. With
+            is less (:func:`~lightning_ratel.runtime.collectives.exchange_micro_batch_nbytes`); under ``"device"``
+            none (its buckets are device memory). With
             ``param_cache="ssd"`` and fp32 masters held in host memory also the two buffers of the largest one's
             compute copy that copies published between ranks pass through
             (:class:`~lightning_ratel.runtime.collectives.StoredCopies`). 0 on one rank.
@@ -224,9 +224,11 @@ def _estimate(module: nn.Module, optimizer: torch.optim.Optimizer, config: Ratel
     held = estimate.host + (estimate.device if unified else 0) + copies
     choice = choose_exchange(config.gradient_exchange, accumulate, ranks, held, window, budget, automatic=automatic,
                              gpu=not unified)
-    nbytes = window if choice.mode == "window" else exchange_micro_batch_nbytes(layout.shards)
-    # Reducing on the device, the buckets are device memory too (the host holds the owner's copies of them).
-    device = estimate.device + (nbytes if choice.mode == "device" else 0)
+    buckets = exchange_micro_batch_nbytes(layout.shards)
+    # Reducing on the device, the buckets are device memory (the owner's copies of them are staged in host memory as
+    # offloaded gradients are).
+    nbytes = {"window": window, "micro_batch": buckets}.get(choice.mode, 0)
+    device = estimate.device + (buckets if choice.mode == "device" else 0)
     return replace(estimate, exchange_buffers=nbytes + copies, exchange=choice, device=device)
 
 

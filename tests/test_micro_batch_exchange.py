@@ -197,8 +197,7 @@ def _device_worker(rank: int, init: str, scenario: str, simulate: bool) -> None:
     owner = {s.index: OWNERS[s.unit.index] for s in shards}
     optimizer = _Optimizer()
     device = Device(torch.device("cpu"), simulate_streams=simulate)
-    exchange = _DeviceExchange(device, shards, owner, ranks, group, optimizer.deliver, faults, optimizer.begin,
-                               optimizer.take_in)
+    exchange = _DeviceExchange(device, shards, owner, ranks, group, optimizer.deliver, faults, optimizer.begin)
     reduce = exchange.reduce
     try:
         if scenario == "fails":
@@ -235,13 +234,10 @@ def _device_worker(rank: int, init: str, scenario: str, simulate: bool) -> None:
             optimizer.taken.clear()
         assert reduce.reduces == MICRO_BATCHES * BUCKETS
         assert optimizer.parts == MICRO_BATCHES * PARTS
-        buffer = LARGEST_BUCKET * 4
-        # Two buckets on the device and, on an owner, two host buffers, for every bucket of every micro-batch: within
-        # the estimate.
-        assert reduce.device_nbytes == MICRO_BATCH_BUCKETS * buffer <= exchange_micro_batch_nbytes(shards)
-        assert exchange.nbytes == MICRO_BATCH_BUCKETS * buffer
-        # Each owner lands more buckets than it has host buffers: it waited for its optimizer to take them in.
-        assert optimizer.take_ins > MICRO_BATCHES
+        # Two buckets on the device for every bucket of every micro-batch, within the estimate; the owner's copies
+        # are the device's pool's (views held by its optimizer keep them).
+        assert reduce.device_nbytes == MICRO_BATCH_BUCKETS * LARGEST_BUCKET * 4 <= exchange_micro_batch_nbytes(shards)
+        assert exchange.nbytes == 0
         with pytest.raises(RuntimeError, match="gradient_exchange='device' expects each parameter's gradient once"):
             reduce.gradient(shards[3], 0, torch.ones(10))
             reduce.gradient(shards[3], 1, torch.ones(10))

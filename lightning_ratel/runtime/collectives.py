@@ -1261,55 +1261,50 @@ class _Landed:
     bucket: Bucket
     host: torch.Tensor
     event: Any
-    slot: int
 
 
 class _DeviceExchange(_GradientExchange):
     """The exchange thread of ``gradient_exchange="device"``: the reduces run on the device
     (:class:`~lightning_ratel.runtime.device_reduce.DeviceReduce`, :attr:`reduce`, which autograd's and the training
     thread drive); on the owner this thread waits for each reduced bucket's copy to host memory and hands the
-    parameters (or parts) any rank flagged to its optimizer, as views of the host buffer, which goes back to the
-    reduce once every host buffer is taken and the optimizer took the views in. It also starts the owner's
-    micro-batches (``CpuAdam.begin``) once the last one's gradients reached the optimizer.
+    parameters (or parts) any rank flagged to its optimizer, as views of the host buffer (the device's pool takes it
+    back once the optimizer dropped them). It also starts the owner's micro-batches (``CpuAdam.begin``) once the last
+    one's gradients reached the optimizer.
 
     Args:
         device: the compute device.
         shards, owner, ranks, faults: as for :class:`_GradientExchange`.
         group: the process group of the reduces on the device (NCCL on CUDA).
-        deliver, begin, take_in: as for :class:`_MicroBatchExchange`.
+        deliver, begin: as for :class:`_MicroBatchExchange`.
     """
 
     def __init__(self, device: Device, shards: Sequence[Shard], owner: dict[int, int], ranks: Ranks, group: Any,
                  deliver: Callable[[Shard, int, torch.Tensor, int | None], None], faults: Faults,
-                 begin: Callable[[StepPlan | None], None], take_in: Callable[[], None]) -> None:
+                 begin: Callable[[StepPlan | None], None]) -> None:
         self._deliver_param = deliver
         self._begin_local = begin
-        self._take_in = take_in
-        # Host buffers whose views reached the optimizer, given back to the reduce once it took them in.
-        self._delivered_slots: list[int] = []
         self.reduce = DeviceReduce(device, shards, owner, ranks.rank, ranks.world, group, self._landed,
-                                   lambda: self.error, host_wait=faults.wait)
+                                   host_wait=faults.wait)
         super().__init__(shards, owner, ranks, group, lambda shard, buffer: None, faults)
 
     @property
     def nbytes(self) -> int:
-        """Host bytes of the owner's buffers the reduced buckets land in."""
-        return self.reduce.host_nbytes
+        """Host bytes of buffers of its own: none (the owner's copies are the device's pool's, as offloaded
+        gradients are on one rank)."""
+        return 0
 
     @property
     def collectives(self) -> int:
         """Reduces of one micro-batch."""
         return len(self.reduce.buckets)
 
-    def _landed(self, bucket: Bucket, host: torch.Tensor, event: Any, slot: int) -> None:
-        self.put(_Landed(bucket, host, event, slot))
+    def _landed(self, bucket: Bucket, host: torch.Tensor, event: Any) -> None:
+        self.put(_Landed(bucket, host, event))
 
     def _handle(self, job: _Gradient | _Begin | _Flush | _Drop) -> None:
         if isinstance(job, _Landed):
             if self.error is None:
                 self._deliver_bucket(job)
-            else:
-                self.reduce.give_slot(job.slot)
         elif isinstance(job, _Begin):
             self._begin_local(job.plan)
         elif isinstance(job, _Flush):
@@ -1318,8 +1313,6 @@ class _DeviceExchange(_GradientExchange):
                 return
             job.future.set_result(None)
         elif isinstance(job, _Drop):
-            # The optimizer drops what it holds next (``discard``), before any other bucket can land.
-            self._give_back()
             job.future.set_result(None)
         else:
             raise RuntimeError("gradient_exchange='device' takes the gradients on the device, not here")
@@ -1339,15 +1332,6 @@ class _DeviceExchange(_GradientExchange):
                 if part.start is None:
                     grad = grad.view(part.shard.params[part.position].shape)
                 self._deliver_param(part.shard, part.position, grad, part.start)
-        self._delivered_slots.append(job.slot)
-        if self.reduce.slots_taken():
-            self._take_in()
-            self._give_back()
-
-    def _give_back(self) -> None:
-        for slot in self._delivered_slots:
-            self.reduce.give_slot(slot)
-        self._delivered_slots.clear()
 
 
 @dataclass(frozen=True)
@@ -1530,7 +1514,7 @@ class DataParallelAdam:
             reduce_group = dist.new_group(backend="nccl" if device.is_cuda else "gloo", timeout=ranks.timeout)
             self._groups.append(reduce_group)
             on_device = _DeviceExchange(device, self.shards, self._owner, ranks, reduce_group, self._deliver_param,
-                                        self._faults, self.local.begin, self.local.take_in)
+                                        self._faults, self.local.begin)
             self._exchange, self._device_reduce = on_device, on_device.reduce
         elif exchange == "micro_batch":
             self._exchange = _MicroBatchExchange(self.shards, self._owner, ranks, groups[0], self._deliver_param,

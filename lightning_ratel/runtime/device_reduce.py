@@ -18,13 +18,14 @@ soon as backward completes it, in the fixed order; the training thread reduces w
 (:meth:`DeviceReduce.begin` of the next, :meth:`DeviceReduce.close`). Both issue device work and collectives, never at
 the same time. The packing and the ``1 / world_size`` run on the current stream, which the collective follows; the
 owner's copy to host memory runs on the device->host stream once the collective is done; a bucket buffer is packed again
-only after the current stream waited for its last collective (and copy). The owner's host buffers are two, reused: a
-third bucket waits until the exchange thread gives one back (once the optimizer took its views in).
+only after the current stream waited for its last collective (and copy). The owner's copy lands in a buffer of the
+device's host pool (pinned on CUDA), which takes it back once the optimizer dropped the views it was handed: as the
+copies of :class:`~lightning_ratel.runtime.gradients.GradientOffload` on one rank, bounded by the optimizer's
+gradient budget, so that backward never waits for the optimizer here.
 """
 
 from __future__ import annotations
 
-import queue
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -47,22 +48,19 @@ class DeviceReduce:
         world: the number of ranks.
         group: the process group of the reduces (NCCL on CUDA).
         landed: called on the owner with a reduced bucket, the host buffer its copy lands in (the gradients, then one
-            flag per item: above 0 where some rank had that gradient), the copy's event and the host buffer's slot,
-            which :meth:`give_slot` takes back.
-        failed: the consumer's error, if it stopped: a wait for a host buffer raises it instead of waiting forever.
+            flag per item: above 0 where some rank had that gradient) and the copy's event.
         host_wait: how the host waits for a collective where it must (on the CPU): one that watches for a failed rank.
     """
 
     def __init__(self, device: Device, shards: Sequence[Shard], owner: dict[int, int], rank: int, world: int,
-                 group: Any, landed: Callable[[Bucket, torch.Tensor, Any, int], None],
-                 failed: Callable[[], BaseException | None], host_wait: Callable[[Any], None] | None = None) -> None:
+                 group: Any, landed: Callable[[Bucket, torch.Tensor, Any], None],
+                 host_wait: Callable[[Any], None] | None = None) -> None:
         self.device = device
         self._owner = owner
         self._rank = rank
         self._world = world
         self._group = group
         self._landed = landed
-        self._failed = failed
         self._host_wait = host_wait
         # Parameters that get a gradient from autograd; a shard is complete once each of them came.
         self._expected = {s.index: {i for i, sp in enumerate(s.params) if sp.param.requires_grad} for s in shards}
@@ -79,19 +77,9 @@ class DeviceReduce:
         # What packing each buffer again waits for: its last collective, or the owner's copy that followed it.
         self._last_use: list[Callable[[], None] | None] = [None] * len(self._buffers)
         self._next = 0
-        owns_any = any(b.owner == rank for b in self.buckets)
-        self._host = [device.host_empty(numel, torch.float32) for _ in range(len(self._buffers) if owns_any else 0)]
-        self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
-        for slot in range(len(self._host)):
-            self._free.put(slot)
         # Collectives issued so far (read by the training thread for a run's figures).
         self.reduces = 0
         self._forget()
-
-    @property
-    def host_nbytes(self) -> int:
-        """Host bytes of the owner's buffers the reduced buckets land in."""
-        return sum(t.numel() * t.element_size() for t in self._host)
 
     @property
     def device_nbytes(self) -> int:
@@ -132,14 +120,6 @@ class DeviceReduce:
     def forget(self) -> None:
         """Drop the micro-batch's gradients without reducing them (a step abandoned on this rank)."""
         self._forget()
-
-    def give_slot(self, slot: int) -> None:
-        """Host buffer ``slot`` may take the next bucket (any thread)."""
-        self._free.put(slot)
-
-    def slots_taken(self) -> bool:
-        """Whether every host buffer is taken."""
-        return self._free.empty()
 
     def release(self) -> None:
         """Free the buffers (no more reduces will run)."""
@@ -203,20 +183,10 @@ class DeviceReduce:
         if bucket.owner != self._rank:
             self._last_use[k] = lambda: self.device.wait_collective(work, self._host_wait)
             return
-        slot = self._take_slot()
-        # The copy to the host follows the collective on the device->host stream, not the compute stream.
+        # The copy to the host follows the collective on the device->host stream, not the compute stream; into a
+        # buffer of its own also where the device is the host, since the bucket is packed again.
         with self.device.on(self.device.d2h_stream):
             self.device.wait_collective(work, self._host_wait)
-        host, event = self.device.to_host(sent, out=self._host[slot][: bucket.size])
+        host, event = self.device.to_host(sent, out=self.device.host_buffer(bucket.size, torch.float32))
         self._last_use[k] = lambda: self.device.wait(event)
-        self._landed(bucket, host, event, slot)
-
-    def _take_slot(self) -> int:
-        """A free host buffer, once the consumer gave one back."""
-        while True:
-            try:
-                return self._free.get(timeout=1.0)
-            except queue.Empty:
-                error = self._failed()
-                if error is not None:
-                    raise RuntimeError(f"the gradient exchange stopped: {error!r}") from error
+        self._landed(bucket, host, event)
