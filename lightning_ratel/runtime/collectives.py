@@ -40,10 +40,10 @@ one rank and takes the same calls:
 
 Each thread issues its collectives on a process group of its own (gloo, on host memory, whatever the default backend;
 the device reduces of ``"device"`` on the device's backend), so collectives of different threads never interleave
-differently on two ranks. The training thread's own collectives
-(the agreement, the global norm and overflow, reading another rank's states for a checkpoint) use a third group; they
-happen only where every rank runs the same code at the same point (finishing a step, a checkpoint, the end of fit).
-With a shared cache both also have a group of the node's ranks and, with several nodes, one of a rank per node.
+differently on two ranks. The training thread's own collectives (the agreement, the global norm and overflow, reading
+another rank's states for a checkpoint) use a third group; they happen only where every rank runs the same code at the
+same point (finishing a step, a checkpoint, the end of fit). With a shared cache both also have a group of the node's
+ranks and, with several nodes, one of a rank per node.
 
 A rank that raises never joins the collective the others wait in, and gloo notices only a rank whose process ended:
 every wait of these collectives also watches the process group's store, where a failing rank reports itself
