@@ -538,6 +538,14 @@ def test_ranks_on_a_node_share_its_ssds_host_side_dram_and_cores():
     # DRAM: that traffic, 10 updates of 28 B and the peer's copy of the owned half of the gradients (500 B).
     assert two.backward["dram"] == pytest.approx((1140 + 2520 + 10 * 28 + 500) / 500)
     assert two.iteration_time > one.iteration_time
+    # Reduced on the devices, each rank's link carries its whole gradient once in fp32 (20 parameters x 4 B) instead
+    # of its 1000 B, and the owners read no peer copy in host memory.
+    on_device = _hand_predict("cuda", host_io=1000, dram=1000, ranks_on_node=2, gradients_reduced_on_device=True)
+    assert on_device.backward["d2h"] == pytest.approx(80 / 500) and two.backward["d2h"] == pytest.approx(1000 / 500)
+    assert on_device.backward["host_in"] == pytest.approx(220 / 500)
+    assert on_device.backward["dram"] == pytest.approx((220 + 2520 + 10 * 28) / 500)
+    alone_on_device = _hand_predict("cuda", gradients_reduced_on_device=True)
+    assert alone_on_device.backward["d2h"] == one.backward["d2h"]
     with pytest.raises(RatelConfigError, match="ranks_on_node"):
         _hand_predict("cuda", ranks_on_node=0)
 

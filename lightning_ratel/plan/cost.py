@@ -354,8 +354,10 @@ class CostSettings:
             the host, where the owners add the ranks' copies of their share (one more DRAM read of each peer's copy):
             the gradient's reduction passes through host memory, as on GPUs without peer-to-peer links.
         gradients_reduced_on_device: with several ranks, the gradients are reduced on the devices
-            (``gradient_exchange="device"``) and each rank copies only its owned share, in fp32, to host memory, where
-            nothing more is added up; the reduces themselves run on the devices' own links (NCCL), not counted.
+            (``gradient_exchange="device"``, NCCL) and each owner copies its share to host memory, where nothing more
+            is added up. Counted as on GPUs without peer-to-peer links, where NCCL passes through host memory: each
+            rank's whole gradient leaves its device once, in fp32 (4 bytes per trainable parameter; the owner's copy
+            of its share is one part of that).
     """
 
     prefetch_depth: int = 1
@@ -466,8 +468,8 @@ class CostModel:
         self._grad_bytes = sum(layer.grad_bytes for layer in self.layers)
         # What crosses the device's link: nothing on unified memory (see the module docstring).
         self._linked_params = 0 if hw.unified_memory else param_bytes
-        # Reduced on the devices, a rank's link carries its own share of the gradients (fp32) only.
-        grads_out = 4 * numel if settings.gradients_reduced_on_device and ranks > 1 else self._grad_bytes
+        # Reduced on the devices, a rank's link carries its whole gradient in fp32 (see gradients_reduced_on_device).
+        grads_out = 4 * numel * ranks if settings.gradients_reduced_on_device and ranks > 1 else self._grad_bytes
         self._linked_grads = 0 if hw.unified_memory else grads_out
         self._forward_h2d = _seconds(self._linked_params, hw.h2d_bandwidth)
         self._backward_d2h = _seconds(self._linked_grads, hw.d2h_bandwidth)

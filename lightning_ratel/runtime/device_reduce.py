@@ -122,9 +122,11 @@ class DeviceReduce:
         self._forget()
 
     def release(self) -> None:
-        """Free the buffers (no more reduces will run)."""
+        """Free the buffers: no more reduces will run (a micro-batch begun after this reduces nothing)."""
         self._buffers = []
         self._last_use = []
+        self._order = []
+        self._forget()
 
     def _forget(self) -> None:
         self._held: dict[int, dict[int, torch.Tensor]] = {}
