@@ -292,12 +292,16 @@ def test_a_plan_that_does_not_fit_one_rank_stops_every_rank(tmp_path: Path) -> N
 
 
 def test_bf16_mixed_equals_ddp(tmp_path: Path) -> None:
-    """16-bit compute copies travel between ranks as bytes (gloo sends no bfloat16 and no int16)."""
+    """16-bit compute copies travel between ranks as bytes (gloo sends no bfloat16 and no int16). Reduced on the
+    device (CUDA's streams simulated), the 16-bit gradients go into fp32 buckets there: ddp's numbers up to the order
+    of the sums."""
     args = ["--precision", "bf16-mixed", *ACCUMULATE_CLIP]
     _ok(_run(tmp_path / "ddp", "--strategy", "ddp", *args))
     _ok(_run(tmp_path / "ratel", *args))
+    _ok(_run(tmp_path / "device", "--exchange", "device", *args, env=_env(RATEL_SIMULATE_STREAMS="1")))
     for rank in (0, 1):
         _assert_same(_load(tmp_path / "ddp"), _load(tmp_path / "ratel", rank))
+        _assert_same(_load(tmp_path / "ddp"), _load(tmp_path / "device", rank), tol=ROUNDING)
 
 
 def test_compute_copies_in_the_swap_files_equal_ddp(tmp_path: Path, ddp_reference: dict) -> None:
@@ -374,14 +378,16 @@ def test_speculation_that_stands_equals_ddp(tmp_path: Path) -> None:
         assert counts.get("overlapped", 0) > 0 and not counts.get("redone") and not counts.get("deferred"), counts
 
 
-@pytest.mark.parametrize("copies", ["host", "ssd"])
-def test_fp16_overflow_on_one_rank_drops_the_speculative_updates_of_all(tmp_path: Path, copies: str) -> None:
+@pytest.mark.parametrize("copies, exchange", [("host", "auto"), ("ssd", "auto"), ("host", "device")])
+def test_fp16_overflow_on_one_rank_drops_the_speculative_updates_of_all(tmp_path: Path, copies: str,
+                                                                       exchange: str) -> None:
     """fp16 loss scaling: at step 1 only rank 1's embedding gradient overflows, so only that shard's owner sees it;
     every rank drops its speculative updates and skips the step, on the very bits of the deferred path (Lightning
     runs no fp16 on the CPU under ``ddp``; the deferred path equals ``ddp`` in the tests above). With the compute
     copies in the swap files, the owners' undo writes back the 16-bit copies their speculative updates replaced, which
-    the other rank reads from the owners' files: it reads them only once the undo landed and was announced."""
-    args = ["--precision", "16-mixed", "--overflow", "1:1"]
+    the other rank reads from the owners' files: it reads them only once the undo landed and was announced. The
+    same with the gradients reduced on the device, their 16-bit gradients packed into fp32 buckets there."""
+    args = ["--precision", "16-mixed", "--overflow", "1:1", "--exchange", exchange]
     if copies == "ssd":
         args += ["--param-cache", "ssd", "--states", "ssd"]
     _ok(_run(tmp_path / "deferred", "--no-speculate", *args))
@@ -409,10 +415,13 @@ def _run_two_nodes(out: Path, devices: int, *args: str, timeout: float, lightnin
     return Ended([proc.returncode for proc in procs], errs)
 
 
-def test_two_nodes_of_one_device_equal_ddp(tmp_path: Path, ddp_reference: dict) -> None:
-    _ok(_run_two_nodes(tmp_path, 1, *ACCUMULATE_CLIP, timeout=240))
+@pytest.mark.parametrize("exchange", ["auto", "device"])
+def test_two_nodes_of_one_device_equal_ddp(tmp_path: Path, ddp_reference: dict, exchange: str) -> None:
+    """Two nodes of one rank each on localhost: ``ddp``'s numbers (reduced on the device: up to the order of the
+    sums)."""
+    _ok(_run_two_nodes(tmp_path, 1, "--exchange", exchange, *ACCUMULATE_CLIP, timeout=240))
     for rank in (0, 1):
-        _assert_same(ddp_reference, _load(tmp_path, rank))
+        _assert_same(ddp_reference, _load(tmp_path, rank), tol=ROUNDING if exchange == "device" else 1e-6)
 
 
 def test_plan_auto_on_two_nodes_holds_on_the_slower_node(tmp_path: Path) -> None:
