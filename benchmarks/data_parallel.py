@@ -12,8 +12,9 @@ runs the same on a GPU machine (NCCL for Lightning's own collectives).
 ``--exchanges window,micro_batch --accumulate 2`` runs RatelStrategy on N processes once per gradient exchange (and
 neither one rank nor ``ddp``): seconds per optimizer step, and rank 0's engine host bytes and those of its gradient
 exchange at the end of fit. ``--param-cache ssd`` pages RatelStrategy's compute copies from the swap files instead of
-a host cache (every rank then keeps and reads its own). The last line gives each run's tokens per second over
-``ddp``'s, where ``ddp`` ran.
+a host cache (every rank then keeps and reads its own); ``--states device`` keeps every state on the devices (each
+unit's on its owner's), the configuration to set against ``ddp`` where the model fits each GPU. The last line gives
+each run's tokens per second over ``ddp``'s, where ``ddp`` ran.
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ def _worker(args: argparse.Namespace) -> None:
     swap = Path(args.out) / "swap"
     exchange = {"gradient_exchange": args.exchange} if args.exchange else {}
     strategy: Any = (RatelStrategy(ssd_paths=[str(swap)], param_cache=args.param_cache, checkpoint_format="full",
-                                   **exchange)
+                                   optimizer_states=args.states, **exchange)
                      if args.strategy == "ratel" else "ddp")
     clock = _Clock(args.warmup)
     trainer = L.Trainer(accelerator=args.accelerator, devices=args.devices, strategy=strategy,
@@ -126,6 +127,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches")
     parser.add_argument("--param-cache", default="host", choices=["host", "ssd"], help="RatelStrategy's param_cache")
+    parser.add_argument("--states", default="auto", choices=["auto", "host", "ssd", "device"],
+                        help="RatelStrategy's optimizer_states (device: each rank's share on its GPU, for a model that "
+                             "fits it)")
     parser.add_argument("--exchanges", default="",
                         help="comma-separated gradient exchanges to run RatelStrategy on N ranks with, alone")
     parser.add_argument("--exchange", default="", help=argparse.SUPPRESS)

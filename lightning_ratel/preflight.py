@@ -223,7 +223,7 @@ def _estimate(module: nn.Module, optimizer: torch.optim.Optimizer, config: Ratel
     # The bytes the budget check counts for a rank, without the exchange.
     held = estimate.host + (estimate.device if unified else 0) + copies
     choice = choose_exchange(config.gradient_exchange, accumulate, ranks, held, window, budget, automatic=automatic,
-                             gpu=not unified)
+                             gpu=not unified, device_states=config.states_request == "device")
     buckets = exchange_micro_batch_nbytes(layout.shards)
     # Reducing on the device, the buckets are device memory (the owner's copies of them are staged in host memory as
     # offloaded gradients are).

@@ -362,6 +362,7 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--save", default=None, help="save a checkpoint here at the end of training")
     parser.add_argument("--resume", default=None, help="resume from this checkpoint")
     parser.add_argument("--states", default="auto", help="RatelStrategy's optimizer_states")
+    parser.add_argument("--device-memory-limit", default=None, help="RatelStrategy's device_memory_limit")
     parser.add_argument("--param-cache", default="host", help="RatelStrategy's param_cache")
     parser.add_argument("--exchange", default="auto", help="RatelStrategy's gradient_exchange")
     parser.add_argument("--node-states", default=None,
@@ -425,7 +426,7 @@ def main(argv: list[str]) -> None:
         strategy = RatelStrategy(ssd_paths=[str(swap)], activation_policy=None if args.plan_auto else "device",
                                  param_cache=args.param_cache,
                                  optimizer_states=states, checkpoint_format=args.checkpoint_format,
-                                 gradient_exchange=args.exchange,
+                                 gradient_exchange=args.exchange, device_memory_limit=args.device_memory_limit,
                                  pretrained=args.pretrained, keep_swap_files=args.keep_swap,
                                  timeout=timedelta(seconds=args.timeout),
                                  **({} if args.fault_timeout is None else

@@ -294,14 +294,16 @@ def test_a_plan_that_does_not_fit_one_rank_stops_every_rank(tmp_path: Path) -> N
 def test_bf16_mixed_equals_ddp(tmp_path: Path) -> None:
     """16-bit compute copies travel between ranks as bytes (gloo sends no bfloat16 and no int16). Reduced on the
     device (CUDA's streams simulated), the 16-bit gradients go into fp32 buckets there: ddp's numbers up to the order
-    of the sums."""
+    of the sums; so too with the states on the devices (the owners' new 16-bit copies sent over the device group)."""
     args = ["--precision", "bf16-mixed", *ACCUMULATE_CLIP]
     _ok(_run(tmp_path / "ddp", "--strategy", "ddp", *args))
     _ok(_run(tmp_path / "ratel", *args))
     _ok(_run(tmp_path / "device", "--exchange", "device", *args, env=_env(RATEL_SIMULATE_STREAMS="1")))
+    _ok(_run(tmp_path / "device_states", "--states", "device", *args, env=_env(RATEL_SIMULATE_STREAMS="1")))
     for rank in (0, 1):
         _assert_same(_load(tmp_path / "ddp"), _load(tmp_path / "ratel", rank))
-        _assert_same(_load(tmp_path / "ddp"), _load(tmp_path / "device", rank), tol=ROUNDING)
+        for run in ("device", "device_states"):
+            _assert_same(_load(tmp_path / "ddp"), _load(tmp_path / run, rank), tol=ROUNDING)
 
 
 def test_compute_copies_in_the_swap_files_equal_ddp(tmp_path: Path, ddp_reference: dict) -> None:
@@ -378,7 +380,8 @@ def test_speculation_that_stands_equals_ddp(tmp_path: Path) -> None:
         assert counts.get("overlapped", 0) > 0 and not counts.get("redone") and not counts.get("deferred"), counts
 
 
-@pytest.mark.parametrize("copies, exchange", [("host", "auto"), ("ssd", "auto"), ("host", "device")])
+@pytest.mark.parametrize("copies, exchange", [("host", "auto"), ("ssd", "auto"), ("host", "device"),
+                                              ("device", "device")])
 def test_fp16_overflow_on_one_rank_drops_the_speculative_updates_of_all(tmp_path: Path, copies: str,
                                                                        exchange: str) -> None:
     """fp16 loss scaling: at step 1 only rank 1's embedding gradient overflows, so only that shard's owner sees it;
@@ -386,16 +389,19 @@ def test_fp16_overflow_on_one_rank_drops_the_speculative_updates_of_all(tmp_path
     runs no fp16 on the CPU under ``ddp``; the deferred path equals ``ddp`` in the tests above). With the compute
     copies in the swap files, the owners' undo writes back the 16-bit copies their speculative updates replaced, which
     the other rank reads from the owners' files: it reads them only once the undo landed and was announced. The
-    same with the gradients reduced on the device, their 16-bit gradients packed into fp32 buckets there."""
+    same with the gradients reduced on the device, their 16-bit gradients packed into fp32 buckets there, and with
+    the states on the devices too (nothing of theirs speculates: the owners skip the step alike)."""
     args = ["--precision", "16-mixed", "--overflow", "1:1", "--exchange", exchange]
     if copies == "ssd":
         args += ["--param-cache", "ssd", "--states", "ssd"]
+    if copies == "device":
+        args += ["--states", "device"]
     _ok(_run(tmp_path / "deferred", "--no-speculate", *args))
     _ok(_run(tmp_path / "speculative", *args))
     for rank in (0, 1):
         _assert_same(_load(tmp_path / "deferred", rank), _load(tmp_path / "speculative", rank), tol=0.0)
         got = _load(tmp_path / "speculative", rank)
-        assert got["counts"].get("dropped", 0) > 0, got["counts"]
+        assert copies == "device" or got["counts"].get("dropped", 0) > 0, got["counts"]
         assert all(entry["step"].item() == 2 for entry in got["optimizer"]["state"].values())
 
 
@@ -492,8 +498,9 @@ def test_parameters_unused_on_some_ranks_equal_ddp_finding_unused_parameters(tmp
     # once the ranks agreed that another rank has one; one that no rank has is reduced by none.
     _ok(_run(tmp_path / "micro", "--exchange", "micro_batch", *args))
     _ok(_run(tmp_path / "device", "--exchange", "device", *args))
+    _ok(_run(tmp_path / "device_states", "--states", "device", *args))
     for rank in (0, 1):
-        for run, tol in (("ratel", 1e-6), ("micro", ROUNDING), ("device", ROUNDING)):
+        for run, tol in (("ratel", 1e-6), ("micro", ROUNDING), ("device", ROUNDING), ("device_states", ROUNDING)):
             got = _load(tmp_path / run, rank)
             _assert_same(_load(tmp_path / "ddp"), got, tol=tol)
             # Every parameter but the two of `unused` has a state.
@@ -603,6 +610,37 @@ def test_reducing_on_the_device_equals_ddp(tmp_path: Path, ddp_reference: dict, 
         assert counts["reduces"] == 3 * 2 * counts["collectives"]
 
 
+def test_states_on_the_devices_equal_ddp(tmp_path: Path, ddp_reference: dict) -> None:
+    """``optimizer_states="device"`` on two ranks: every unit resident on each rank's device, each unit's states on
+    its owner's device, updated there from the gradients reduced there, and its new compute copy sent to the other
+    rank over the device group. With accumulation and clipping by norm: ddp's numbers up to the order of the sums."""
+    _ok(_run(tmp_path / "one", "--devices", "1", "--states", "device", *ACCUMULATE_CLIP))
+    _ok(_run(tmp_path / "two", "--states", "device", *ACCUMULATE_CLIP))
+    one, two = _load(tmp_path / "one"), [_load(tmp_path / "two", rank) for rank in (0, 1)]
+    for got in two:
+        _assert_same(ddp_reference, got, tol=ROUNDING)
+        assert got["exchange"] == "device"
+        # Three steps of two micro-batches, one reduce per bucket.
+        assert got["exchange_counts"]["reduces"] == 3 * 2 * got["exchange_counts"]["collectives"]
+    # Each state once: the two ranks' device states are one rank's, split between them.
+    assert sum(t["states"]["device"] for t in two) == one["states"]["device"] > 0
+    assert all(0 < t["states"]["device"] < one["states"]["device"] for t in two)
+    # plan="auto" profiles and plans the same run (each rank updating its share on the device) and applies rank 0's
+    # plan on both.
+    _ok(_run(tmp_path / "planned", "--plan-auto", "--states", "device", *ACCUMULATE_CLIP))
+    planned = [_load(tmp_path / "planned", rank) for rank in (0, 1)]
+    assert planned[0]["plan"] == planned[1]["plan"]
+    settings = Plan.from_json(planned[0]["plan"]).settings
+    assert settings is not None and settings.device_update_share == 1.0 and settings.gradients_reduced_on_device
+    for got in planned:
+        _assert_same(ddp_reference, got, tol=ROUNDING)
+    # A device budget below the larger rank's share (its states and every compute copy) stops both ranks before
+    # anything trains.
+    result = _run(tmp_path / "tight", "--states", "device", "--device-memory-limit", "600KiB", *ACCUMULATE_CLIP)
+    _failed(result)
+    assert "optimizer_states='device' keeps" in result.stderr
+
+
 @pytest.mark.parametrize("states", ["ssd", "host"])
 def test_each_state_once_per_node(tmp_path: Path, states: str, ddp_reference: dict) -> None:
     """Two ranks on one node hold the optimizer states of one rank between them, in the swap files (whose bytes on
@@ -665,9 +703,11 @@ def test_a_killed_rank_stops_the_others(tmp_path: Path, exchange: str) -> None:
     assert _shared_caches() <= before
 
 
-@pytest.mark.parametrize("exchange", ["auto", "micro_batch", "device"])
-def test_a_raising_rank_stops_the_others(tmp_path: Path, exchange: str) -> None:
-    result = _run(tmp_path, "--fail", "1:1", "--exchange", exchange, "--accumulate", "2", timeout=180)
+@pytest.mark.parametrize("exchange, states", [("auto", "auto"), ("micro_batch", "auto"), ("device", "auto"),
+                                             ("device", "device")])
+def test_a_raising_rank_stops_the_others(tmp_path: Path, exchange: str, states: str) -> None:
+    result = _run(tmp_path, "--fail", "1:1", "--exchange", exchange, "--states", states, "--accumulate", "2",
+                  timeout=180)
     _failed(result)
     assert "rank 1 fails at step 1" in result.stderr
     assert not (tmp_path / "rank0.pt").exists()
@@ -827,6 +867,23 @@ def test_checkpoint_of_two_ranks_resumes_at_any_world_size(tmp_path: Path, saved
         reads = [run["reads"]["checkpoint"] for run in runs]
         assert sum(reads) == _checkpoint_bytes(saved_by_two / saved)
         assert all(reads)
+
+
+@pytest.mark.parametrize("checkpoint_format", ["full", "sharded"])
+def test_states_on_the_devices_save_and_resume_at_another_world_size(tmp_path: Path, saved_by_two: Path,
+                                                                     resumed_from_ddp: dict[int, dict],
+                                                                     checkpoint_format: str) -> None:
+    """A checkpoint two ranks with their states on the devices saved (each owner's states read from its device)
+    resumes on one rank as ``ddp``'s does; two ranks with their states on the devices resume an ordinary one so too
+    (each owner reads its units' states onto its device)."""
+    ckpt = tmp_path / "device.ckpt"
+    _ok(_run(tmp_path / "save", "--states", "device", "--steps", "2", "--checkpoint-format", checkpoint_format,
+             "--save", str(ckpt)))
+    _ok(_run(tmp_path / "one", "--devices", "1", "--steps", "4", "--resume", str(ckpt)))
+    _assert_same(resumed_from_ddp[1], _load(tmp_path / "one"))
+    _ok(_run(tmp_path / "two", "--states", "device", "--steps", "4", "--resume", str(saved_by_two / "ratel.ckpt")))
+    for rank in (0, 1):
+        _assert_same(resumed_from_ddp[2], _load(tmp_path / "two", rank))
 
 
 def test_a_drive_refusing_a_published_copy_stops_every_rank(tmp_path: Path) -> None:

@@ -49,6 +49,7 @@ from lightning_ratel.io.sources import ValueSource
 from lightning_ratel.plan.cost import updates_overlap
 from lightning_ratel.plan.exchange import ExchangeChoice
 from lightning_ratel.plan.owners import UnitCost, assign_owners
+from lightning_ratel.plan.states import check_device_fit, device_bytes
 from lightning_ratel.runtime import gds
 from lightning_ratel.runtime.activations import ActivationCache, PlaceholderRead
 from lightning_ratel.runtime.adamw import GroupHyper
@@ -331,14 +332,13 @@ class RatelEngine:
         if config.activation_policy is not None:
             check_patterns(found, config.activation_policy)
         parallel = ranks is not None and optimizer is not None
-        if parallel and config.states_request == "device":
-            raise RatelConfigError(
-                "optimizer_states='device' trains on one rank for now: each unit's states belong to one owner rank, "
-                "which updates them on the CPU; give optimizer_states='auto', 'host' or 'ssd', or train on one rank")
+        # Several ranks with every state on the device: each rank keeps every unit resident on its device, and each
+        # unit's owner its states, updated there (see DataParallelAdam).
+        device_states = parallel and config.states_request == "device"
         # The ranks of a node page from one host cache (each compute copy held once per node), unless the compute
-        # copies are to be read from the swap files.
-        node = (_node_cache(module, ranks, faults) if parallel and ranks is not None and config.param_cache != "ssd"
-                else None)
+        # copies are to be read from the swap files or are all resident on the devices.
+        node = (_node_cache(module, ranks, faults)
+                if parallel and ranks is not None and config.param_cache != "ssd" and not device_states else None)
         try:
             host_empty = (self.device.host_empty if node is None
                           else functools.partial(self.device.shared_host_empty, node.memory))
@@ -352,7 +352,9 @@ class RatelEngine:
             owners = _owners(self.layout, ranks) if parallel and ranks is not None else None
             # How the ranks' gradients reach their owners (the strategy's pre-flight plans it; window sums where it
             # did not).
-            self.exchange = None if owners is None else exchange or ExchangeChoice("window", "not planned", 1)
+            unplanned = (ExchangeChoice("device", "not planned", 1) if device_states
+                         else ExchangeChoice("window", "not planned", 1))
+            self.exchange = None if owners is None else exchange or unplanned
             if self.exchange is not None:
                 rank_zero_info(f"RatelStrategy: {self.exchange.describe()}.")
         except BaseException:
@@ -360,7 +362,14 @@ class RatelEngine:
                 node.close()
             raise
         owned = None if owners is None else {s.index for s in self.layout.shards if owners[s.unit.index] == ranks.rank}
-        if owned is not None:
+        if device_states and owners is not None:
+            # Every rank checks the largest rank's share (its states, every compute copy): they refuse alike.
+            compute = sum(u.nbytes for u in self.layout.units.values())
+            share: dict[int, int] = {}
+            for shard in self.layout.shards:
+                share[owners[shard.unit.index]] = share.get(owners[shard.unit.index], 0) + device_bytes(shard.numel)
+            check_device_fit(max(share.values(), default=0) + compute, _device_memory(self.device, config))
+        if owned is not None and not device_states:
             # Each rank places the states it owns, in its share of the node's memory.
             self.layout = with_state_tiers(self.layout, config.states_request, config.host_memory_limit, owned,
                                            ranks.local_world, cache_shared=node is not None,
@@ -409,6 +418,17 @@ class RatelEngine:
                                    grad_budget_bytes=GRAD_BUDGET_SHARDS * largest * 4 - kept,
                                    threads=threads, generic=self.layout.generic)
 
+                def rank_adam(shards: list[Shard]) -> CpuAdam:
+                    # With the device tier a rank's optimizer has both lanes; the device tier's gradients come to
+                    # it reduced, through the exchange, not from hooks of its own.
+                    assert self.store is not None
+                    if not device_states:
+                        return cpu_adam(shards)
+                    return TieredAdam(  # type: ignore[return-value]
+                        cpu_adam([s for s in shards if s.state_tier != "device"]),
+                        DeviceAdam(self.device, [s for s in shards if s.state_tier == "device"], self.store.device,
+                                   hooks=False))
+
                 on_device = [s for s in self.layout.shards if s.state_tier == "device"]
                 if owners is None and on_device:
                     self.adam = TieredAdam(cpu_adam([s for s in self.layout.shards if s.state_tier != "device"]),
@@ -418,7 +438,7 @@ class RatelEngine:
                 else:
                     assert ranks is not None
                     assert self.exchange is not None
-                    self.adam = DataParallelAdam(cpu_adam, self.layout.shards, owners, ranks, node, faults,
+                    self.adam = DataParallelAdam(rank_adam, self.layout.shards, owners, ranks, node, faults,
                                                  self.exchange.mode, node_copies, self.device)
                     self.adam.sync_compute_copies(self.layout.frozen_shards)
                     # The training thread's own gloo group, whose waits watch for a failed rank (and which the ranks
@@ -455,8 +475,10 @@ class RatelEngine:
         self._every_unit_resident = all(unit.resident for unit in self.layout.units.values())
         # The device tier's gradients stay on the device (its own hooks).
         consumer = self.adam.cpu if isinstance(self.adam, TieredAdam) else self.adam
+        # With several ranks every gradient goes to the exchange, the device tier's too.
         self.gradients = (GradientOffload(self.device, consumer,
-                                          [s for s in self.layout.shards if s.state_tier != "device"],
+                                          [s for s in self.layout.shards
+                                           if s.state_tier != "device" or isinstance(consumer, DataParallelAdam)],
                                           self.layout.frozen_shards,
                                           to_host=not (isinstance(consumer, DataParallelAdam)
                                                        and consumer.reduces_on_device))

@@ -56,7 +56,8 @@ class ExchangeChoice:
 
 
 def choose_exchange(requested: str, accumulate: int, ranks: int, rank_host_bytes: int, window_bytes: int,
-                    host_budget: int | None = None, automatic: bool = True, gpu: bool = False) -> ExchangeChoice:
+                    host_budget: int | None = None, automatic: bool = True, gpu: bool = False,
+                    device_states: bool = False) -> ExchangeChoice:
     """The gradient exchange of one rank.
 
     Args:
@@ -71,9 +72,12 @@ def choose_exchange(requested: str, accumulate: int, ranks: int, rank_host_bytes
         automatic: Lightning's automatic optimization; manual optimization may run several backward passes in one
             micro-batch, which only the window sums, so ``"auto"`` keeps it.
         gpu: the ranks train on GPUs, where ``"auto"`` reduces on the device.
+        device_states: the optimizer states are on the device tier (``optimizer_states="device"``), whose owners
+            update on the device the gradients reduced there: only ``"device"`` (or ``"auto"``) runs it.
 
     Raises:
-        RatelConfigError: ``requested`` or ``accumulate`` is invalid.
+        RatelConfigError: ``requested`` or ``accumulate`` is invalid, or ``device_states`` asks for an exchange in
+            host memory.
     """
     if requested not in GRADIENT_EXCHANGES:
         raise RatelConfigError(f"`gradient_exchange` must be one of {GRADIENT_EXCHANGES}, got {requested!r}")
@@ -83,11 +87,17 @@ def choose_exchange(requested: str, accumulate: int, ranks: int, rank_host_bytes
         return ExchangeChoice("window", "one rank: nothing is exchanged", 0)
     window = ExchangeChoice("window", "", 1)
     micro = ExchangeChoice("micro_batch", "", accumulate)
+    device = ExchangeChoice("device", "", accumulate)
+    if device_states:
+        if requested not in ("auto", "device"):
+            raise RatelConfigError(
+                f"optimizer_states='device' with several ranks updates each unit on its owner's device from the "
+                f"gradients reduced there: give gradient_exchange='device' (or 'auto'), not {requested!r}")
+        return _because(device, "optimizer_states='device': each owner updates its units on the device")
     if requested == "window":
         return _because(window, "asked for")
     if requested == "micro_batch":
         return _because(micro, "asked for")
-    device = ExchangeChoice("device", "", accumulate)
     if requested == "device":
         return _because(device, "asked for")
     if not automatic:

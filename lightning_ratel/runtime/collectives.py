@@ -23,7 +23,9 @@ one rank and takes the same calls:
    window for shards it does not own, for one reduce per micro-batch instead of one per step (the sum over ranks and
    micro-batches is taken in another order than ``ddp``'s). ``"device"``, the choice on GPUs (:class:`_DeviceExchange`),
    reduces the same buckets on the device instead (:mod:`lightning_ratel.runtime.device_reduce`, NCCL on CUDA), so that
-   only each owner's share of the gradients reaches host memory.
+   only each owner's share of the gradients reaches host memory. With the states on the devices
+   (``optimizer_states="device"``) the owner's reduced buckets stay there: its optimizer's device lane
+   (:class:`~lightning_ratel.runtime.device_adam.DeviceAdam`) adds them up and updates the unit on the device.
 2. The owner hands the reduced gradients to its ``CpuAdam``, which updates the shard as on one rank (overlapped with
    backward where the step allows it, speculatively under clipping by norm or fp16 loss scaling; clipping by norm and
    fp16 overflow checks use the norm and the overflow of all ranks, :meth:`DataParallelAdam.clip_`,
@@ -37,6 +39,8 @@ one rank and takes the same calls:
    writer of the unit tells the node's other ranks when it is there; with the copies shared in the swap files the
    owner announces where the new copy is and its checksums instead of sending it. The owner's update may overwrite the
    shared bytes during backward: it runs on the reduced gradient, so after every rank's backward has left the unit.
+   With the states on the devices every rank's units are resident there, and each owner's new compute copies go to
+   the other ranks as broadcasts on the device group, issued by the training thread, which the next forward follows.
 
 Each thread issues its collectives on a process group of its own (gloo, on host memory, whatever the default backend;
 the device reduces of ``"device"`` on the device's backend), so collectives of different threads never interleave
@@ -591,6 +595,21 @@ class NodeCache:
         groups, self._groups = self._groups, []
         for group in groups:
             dist.destroy_process_group(group)
+
+
+def _norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Each gradient's 2-norm, in host memory, in order (the gradients of the device tier are on the device)."""
+    norms = torch.empty(len(grads))
+    for device in {g.device for g in grads}:
+        at = [i for i, g in enumerate(grads) if g.device == device]
+        norms[at] = torch.stack(torch._foreach_norm([grads[i] for i in at], 2.0)).float().cpu()
+    return norms
+
+
+def _scale(grads: Sequence[torch.Tensor], coef: torch.Tensor) -> None:
+    """Multiply ``grads`` by ``coef`` in place, wherever each is."""
+    for device in {g.device for g in grads}:
+        torch._foreach_mul_([g for g in grads if g.device == device], coef.to(device))
 
 
 def _wire(tensor: torch.Tensor) -> torch.Tensor:
@@ -1276,14 +1295,17 @@ class _DeviceExchange(_GradientExchange):
         shards, owner, ranks, faults: as for :class:`_GradientExchange`.
         group: the process group of the reduces on the device (NCCL on CUDA).
         deliver, begin: as for :class:`_MicroBatchExchange`.
+        kept, stay: the shards whose reduced gradients stay on the device, and what takes them there (see
+            :class:`~lightning_ratel.runtime.device_reduce.DeviceReduce`).
     """
 
     def __init__(self, device: Device, shards: Sequence[Shard], owner: dict[int, int], ranks: Ranks, group: Any,
                  deliver: Callable[[Shard, int, torch.Tensor, int | None], None], faults: Faults,
-                 begin: Callable[[StepPlan | None], None]) -> None:
+                 begin: Callable[[StepPlan | None], None], kept: Callable[[Bucket, torch.Tensor], None] | None = None,
+                 stay: frozenset[int] = frozenset()) -> None:
         self._deliver_param = deliver
         self._begin_local = begin
-        self.reduce = DeviceReduce(device, shards, owner, ranks.rank, ranks.world, group, self._landed,
+        self.reduce = DeviceReduce(device, shards, owner, ranks.rank, ranks.world, group, self._landed, kept, stay,
                                    host_wait=faults.wait)
         super().__init__(shards, owner, ranks, group, lambda shard, buffer: None, faults)
 
@@ -1508,13 +1530,23 @@ class DataParallelAdam:
         self.exchange = exchange
         self._exchange: _GradientExchange
         self._device_reduce: DeviceReduce | None = None
+        self._device = device
+        # Shards on the device tier: their owner updates them on the device (the local optimizer's device lane) and
+        # sends their new compute copies to every rank's resident unit over the device group.
+        self._on_device = frozenset(s.index for s in self.shards if s.state_tier == "device")
+        # Flags of the reduced buckets kept on the device, on their way to the host: (bucket, flags, copy's event).
+        self._device_flags: list[tuple[Bucket, torch.Tensor, Any]] = []
+        self._reduce_group: Any = None
+        if self._on_device and exchange != "device":
+            raise RatelConfigError("the device tier's states with several ranks need gradient_exchange='device'")
         if exchange == "device":
             assert device is not None
             # The device's own backend (NCCL on CUDA) for the gradients; the other groups stay gloo on host memory.
-            reduce_group = dist.new_group(backend="nccl" if device.is_cuda else "gloo", timeout=ranks.timeout)
-            self._groups.append(reduce_group)
-            on_device = _DeviceExchange(device, self.shards, self._owner, ranks, reduce_group, self._deliver_param,
-                                        self._faults, self.local.begin)
+            self._reduce_group = dist.new_group(backend="nccl" if device.is_cuda else "gloo", timeout=ranks.timeout)
+            self._groups.append(self._reduce_group)
+            on_device = _DeviceExchange(device, self.shards, self._owner, ranks, self._reduce_group,
+                                        self._deliver_param, self._faults, self.local.begin, self._keep_on_device,
+                                        self._on_device)
             self._exchange, self._device_reduce = on_device, on_device.reduce
         elif exchange == "micro_batch":
             self._exchange = _MicroBatchExchange(self.shards, self._owner, ranks, groups[0], self._deliver_param,
@@ -1607,6 +1639,28 @@ class DataParallelAdam:
         optimizer (exchange thread)."""
         self.local.gradient(shard, position, grad, DONE, start)
 
+    def _keep_on_device(self, bucket: Bucket, reduced: torch.Tensor) -> None:
+        """A reduced bucket of owned device-tier shards reaches the local optimizer's device lane, on the device
+        (the thread that reduced it); its flags follow to the host, read when the micro-batch is flushed."""
+        lane = self.local.device
+        for item in bucket.items:
+            grad = reduced[item.offset : item.offset + item.numel]
+            lane.receive(item.shard, item.position, grad, item.start)
+        assert self._device is not None
+        flags, event = self._device.to_host(reduced[bucket.numel : bucket.size],
+                                            out=self._device.host_buffer(len(bucket.items), torch.float32))
+        self._device_flags.append((bucket, flags, event))
+
+    def _mark_device_gradients(self) -> None:
+        """The device lane learns which parameters of the buckets it kept some rank had a gradient of (training
+        thread, after a flush)."""
+        pending, self._device_flags = self._device_flags, []
+        for bucket, flags, event in pending:
+            event.synchronize()
+            for item, flag in zip(bucket.items, flags.tolist()):
+                if flag > 0:
+                    self.local.device.mark(item.shard, item.position)
+
     # ------------------------------------------------------------------ the step (training thread)
 
     def begin(self, plan: StepPlan | None) -> None:
@@ -1624,6 +1678,7 @@ class DataParallelAdam:
         if self._device_reduce is not None:
             self._device_reduce.close()
         self._exchange.wait(_Flush)
+        self._mark_device_gradients()
 
     def _agree(self, value: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
         self._faults.wait(dist.all_reduce(value, op=op, group=self._control, async_op=True))
@@ -1695,8 +1750,7 @@ class DataParallelAdam:
             return False
         grads, indices = self.local.gradients(mine) if mine else ([], [])
         coef = self._clip_coefficient(grads, indices, value)
-        if grads:
-            torch._foreach_mul_(grads, coef)
+        _scale(grads, coef)
         return coef.item() != 1.0
 
     def _clip_coefficient(self, grads: list[torch.Tensor], indices: list[int], max_norm: float) -> torch.Tensor:
@@ -1704,7 +1758,7 @@ class DataParallelAdam:
         each rank's norms of its owned ``grads`` (at ``indices`` in the optimizer's parameter order)."""
         table = torch.zeros(2, self._param_count)
         if grads:
-            table[0, indices] = torch.stack(torch._foreach_norm(grads, 2.0))
+            table[0, indices] = _norms(grads)
             table[1, indices] = 1.0
         self._agree(table)
         total_norm = torch.linalg.vector_norm(table[0][table[1] > 0], 2.0)
@@ -1781,10 +1835,22 @@ class DataParallelAdam:
         self.local.schedule(plan, self._mine(shards))
         by_unit: dict[int, list[Shard]] = {}
         for shard in shards:
+            if shard.index in self._on_device:
+                continue
             if not self.owns(shard):
                 shard.unit.ready.expect()
             by_unit.setdefault(shard.unit.index, []).append(shard)
+        self._send_device_copies([s for s in shards if s.index in self._on_device])
         self._publisher.publish([(shards_of[0].unit, shards_of) for shards_of in by_unit.values()])
+
+    def _send_device_copies(self, shards: Sequence[Shard]) -> None:
+        """Every rank's resident compute copy of device-tier ``shards`` gets its owner's (the owner's update wrote
+        it): broadcasts on the device group, which the current stream follows (training thread)."""
+        assert self._device is not None or not shards
+        for shard in shards:
+            work = dist.broadcast(_wire(_compute_copy(shard)), self.owner(shard), group=self._reduce_group,
+                                  async_op=True)
+            self._device.wait_collective(work, self._faults.wait)
 
     def discard(self, shards: Sequence[Shard]) -> None:
         """Drop the window's gradients (a skipped step, ``zero_grad``)."""
@@ -1860,7 +1926,9 @@ class DataParallelAdam:
             return
         if node is None:
             for shard in self.shards:
-                self._faults.broadcast(_wire(_compute_copy(shard)), self.owner(shard), self._control)
+                if shard.index not in self._on_device:
+                    self._faults.broadcast(_wire(_compute_copy(shard)), self.owner(shard), self._control)
+            self._send_device_copies([s for s in self.shards if s.index in self._on_device])
             return
         if node.column_control is not None:
             for shard in self.shards:

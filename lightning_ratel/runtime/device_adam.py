@@ -80,13 +80,19 @@ class DeviceStates(HostStore):
 class DeviceAdam:
     """Gradients, updates and the commit of the shards on the device tier (AdamW/Adam).
 
+    With several ranks each rank's holds the shards it owns, and their gradients come reduced over the ranks instead
+    of from hooks of its own: :meth:`receive` adds each reduced (part of a) gradient on the device, :meth:`mark` then
+    says which parameters any rank had a gradient of (see
+    :class:`~lightning_ratel.runtime.collectives.DataParallelAdam`).
+
     Args:
         device: the compute device.
         shards: the shards on the device tier, in forward order; their units are resident on the device.
         states: where their states live (the run's store routes their keys there).
+        hooks: take the gradients from hooks on the parameters (one rank); ``False``: through :meth:`receive`.
     """
 
-    def __init__(self, device: Device, shards: Sequence[Shard], states: DeviceStates) -> None:
+    def __init__(self, device: Device, shards: Sequence[Shard], states: DeviceStates, hooks: bool = True) -> None:
         self.device = device
         self.shards = list(shards)
         self.states = states
@@ -107,10 +113,12 @@ class DeviceAdam:
         self._views: dict[tuple[int, str, int], torch.Tensor] = {}
         # The CPU optimizer's step whose device updates ran and wait for that step's commit there.
         self._awaiting: int | None = None
+        # Parameters whose buffer holds a received gradient this window, by shard (copied into first, then added to).
+        self._filled: dict[int, list[bool]] = {s.index: [False] * len(s.params) for s in self.shards}
         # Whether the engine's backward pass runs: gradients are its (as GradientOffload's).
         self.open = False
         self._handles: list[Any] = []
-        for shard in self.shards:
+        for shard in self.shards if hooks else ():
             for position, sp in enumerate(shard.params):
                 if sp.param.requires_grad:
                     self._handles.append(sp.param.register_post_accumulate_grad_hook(
@@ -130,6 +138,26 @@ class DeviceAdam:
         else:
             view.copy_(grad)
             has[position] = True
+        self._window.add(shard.index)
+
+    def receive(self, shard: Shard, position: int, grad: torch.Tensor, start: int | None = None) -> None:
+        """Add a reduced gradient of ``shard.params[position]`` (with ``start``, the flat part of it from that element
+        on; a parameter's parts come in order) on the device; it counts only once :meth:`mark` says some rank had it.
+        The thread that issues device work (autograd's or the training thread)."""
+        view = self._grad_view(shard, position)
+        filled = self._filled[shard.index]
+        if start is not None:
+            view = view.view(-1)[start : start + grad.numel()]
+        if filled[position]:
+            view.add_(grad.view(view.shape))
+        else:
+            view.copy_(grad.view(view.shape))
+        if start is None or start + grad.numel() == shard.params[position].numel:
+            filled[position] = True
+
+    def mark(self, shard: Shard, position: int) -> None:
+        """Some rank had a gradient of ``shard.params[position]`` this window (training thread)."""
+        self._has[shard.index][position] = True
         self._window.add(shard.index)
 
     def _grad_view(self, shard: Shard, position: int) -> torch.Tensor:
@@ -171,6 +199,7 @@ class DeviceAdam:
         """Drop the gradients ``shards`` hold."""
         for shard in shards:
             self._has[shard.index] = [False] * len(shard.params)
+            self._filled[shard.index] = [False] * len(shard.params)
 
     def discard_window(self) -> None:
         """Drop the gradients received since the last step (``zero_grad``)."""
@@ -257,6 +286,7 @@ class DeviceAdam:
             for what in STATES:
                 self.states.mark_written(shard.key(what, written.slot))
             self._has[shard.index] = [False] * len(shard.params)
+            self._filled[shard.index] = [False] * len(shard.params)
         self._awaiting = step
 
     @staticmethod
@@ -426,6 +456,38 @@ class TieredAdam:
         cpu, device = self._lanes(shards)
         self.cpu.discard(cpu)
         self.device.discard(device)
+
+    def _merged(self, grads: list[torch.Tensor], positions: list[int], device: Sequence[Shard]
+                ) -> tuple[list[torch.Tensor], list[int]]:
+        """Both lanes' gradients in the optimizer's parameter order, with their positions in it."""
+        merged = sorted([*zip(positions, grads), *self.device.indexed_views(device)], key=lambda t: t[0])
+        return [g for _, g in merged], [i for i, _ in merged]
+
+    def gradients(self, shards: Sequence[Shard]) -> tuple[list[torch.Tensor], list[int]]:
+        """See :meth:`CpuAdam.gradients`: both lanes' (for a norm over several ranks' shards)."""
+        cpu, device = self._lanes(shards)
+        grads, positions = self.cpu.gradients(cpu)
+        return self._merged(grads, positions, device)
+
+    def kept_gradients(self, shards: Sequence[Shard]) -> tuple[bool, list[torch.Tensor], list[int]]:
+        """See :meth:`CpuAdam.kept_gradients`: both lanes', the device's unscaled under fp16 loss scaling (they were
+        not, since nothing of the device tier speculates)."""
+        cpu, device = self._lanes(shards)
+        finite, grads, positions = self.cpu.kept_gradients(cpu)
+        plan = self._plan
+        if plan is not None and plan.inv_scale is not None:
+            finite = self.device.unscale_(device, plan.inv_scale) and finite
+        return (finite, *self._merged(grads, positions, device))
+
+    def undo_speculation(self, coef: torch.Tensor | None) -> None:
+        """See :meth:`CpuAdam.undo_speculation`; the device tier's gradients are dropped or clipped alike."""
+        self.cpu.undo_speculation(coef)
+        if coef is None:
+            self.device.discard(self.device.shards)
+            return
+        device_grads = [v for _, v in self.device.indexed_views(self.device.shards)]
+        if device_grads:
+            torch._foreach_mul_(device_grads, coef.to(device_grads[0].device))
 
     def resolve(self, shards: Sequence[Shard], max_norm: float | None) -> Outcome:
         """See :meth:`CpuAdam.resolve`: the CPU optimizer's speculative updates stand or are undone as the gradients

@@ -49,11 +49,16 @@ class DeviceReduce:
         group: the process group of the reduces (NCCL on CUDA).
         landed: called on the owner with a reduced bucket, the host buffer its copy lands in (the gradients, then one
             flag per item: above 0 where some rank had that gradient) and the copy's event.
+        kept: for the buckets of ``stay``'s shards: called on the owner instead, with the reduced bucket on the device
+            (the current stream ordered after the collective), before the buffer is packed again.
+        stay: the shards, by index, whose reduced gradients stay on the device (their states are on the device tier:
+            the owner updates them there). A bucket holds one owner's shards of one tier.
         host_wait: how the host waits for a collective where it must (on the CPU): one that watches for a failed rank.
     """
 
     def __init__(self, device: Device, shards: Sequence[Shard], owner: dict[int, int], rank: int, world: int,
                  group: Any, landed: Callable[[Bucket, torch.Tensor, Any], None],
+                 kept: Callable[[Bucket, torch.Tensor], None] | None = None, stay: frozenset[int] = frozenset(),
                  host_wait: Callable[[Any], None] | None = None) -> None:
         self.device = device
         self._owner = owner
@@ -61,6 +66,8 @@ class DeviceReduce:
         self._world = world
         self._group = group
         self._landed = landed
+        self._kept = kept
+        self._stay = stay
         self._host_wait = host_wait
         # Parameters that get a gradient from autograd; a shard is complete once each of them came.
         self._expected = {s.index: {i for i, sp in enumerate(s.params) if sp.param.requires_grad} for s in shards}
@@ -72,6 +79,9 @@ class DeviceReduce:
         for b, bucket in enumerate(self.buckets):
             for i, item in enumerate(bucket.items):
                 self._places.setdefault(item.shard.index, []).append((b, i))
+        for bucket in self.buckets:
+            if len({item.shard.index in stay for item in bucket.items}) > 1:
+                raise ValueError("a bucket mixes shards whose gradients stay on the device with others")
         numel = max((b.size for b in self.buckets), default=0)
         self._buffers = [device.device_empty(numel, torch.float32) for _ in range(MICRO_BATCH_BUCKETS if numel else 0)]
         # What packing each buffer again waits for: its last collective, or the owner's copy that followed it.
@@ -184,6 +194,12 @@ class DeviceReduce:
         self.reduces += 1
         if bucket.owner != self._rank:
             self._last_use[k] = lambda: self.device.wait_collective(work, self._host_wait)
+            return
+        if bucket.items[0].shard.index in self._stay:
+            assert self._kept is not None
+            self.device.wait_collective(work, self._host_wait)
+            self._kept(bucket, sent)
+            self._last_use[k] = None
             return
         # The copy to the host follows the collective on the device->host stream, not the compute stream; into a
         # buffer of its own also where the device is the host, since the bucket is packed again.
