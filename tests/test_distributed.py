@@ -641,6 +641,22 @@ def test_states_on_the_devices_equal_ddp(tmp_path: Path, ddp_reference: dict) ->
     assert "optimizer_states='device' keeps" in result.stderr
 
 
+def test_auto_keeps_the_states_on_the_devices_where_every_ranks_share_fits(tmp_path: Path,
+                                                                           ddp_reference: dict) -> None:
+    """``optimizer_states="auto"`` on two ranks: where the larger rank's share (its states and every compute copy)
+    fits half of every rank's device budget (``device_memory_limit``, the way to give the CPU one), every state goes
+    to the devices and the gradients are reduced there, whatever exchange the pre-flight planned; where it does not,
+    the states stay in host memory, as before."""
+    _ok(_run(tmp_path / "roomy", "--device-memory-limit", "64MiB", *ACCUMULATE_CLIP))
+    _ok(_run(tmp_path / "tight", "--device-memory-limit", "1MiB", *ACCUMULATE_CLIP))
+    for rank in (0, 1):
+        roomy, tight = _load(tmp_path / "roomy", rank), _load(tmp_path / "tight", rank)
+        _assert_same(ddp_reference, roomy, tol=ROUNDING)
+        assert roomy["exchange"] == "device" and roomy["states"]["device"] > 0 == roomy["states"].get("host", 0)
+        _assert_same(ddp_reference, tight)
+        assert tight["exchange"] == "window" and tight["states"]["host"] > 0 == tight["states"].get("device", 0)
+
+
 @pytest.mark.parametrize("states", ["ssd", "host"])
 def test_each_state_once_per_node(tmp_path: Path, states: str, ddp_reference: dict) -> None:
     """Two ranks on one node hold the optimizer states of one rank between them, in the swap files (whose bytes on

@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,8 +35,8 @@ from torch import nn
 from lightning_ratel.config import RatelConfig
 from lightning_ratel.engine.accounting import ByteAccount, StepBreakdown
 from lightning_ratel.engine.backward import BackwardCalls
-from lightning_ratel.engine.blocks import BlockMembership, discover_blocks
-from lightning_ratel.engine.layout import buffer_sets, build_layout, with_state_tiers
+from lightning_ratel.engine.blocks import Block, BlockMembership, discover_blocks
+from lightning_ratel.engine.layout import buffer_sets, build_layout, fused, with_state_tiers
 from lightning_ratel.engine.materialize import Materializer
 from lightning_ratel.engine.placement import check_patterns
 from lightning_ratel.engine.planner import Planner
@@ -49,7 +49,7 @@ from lightning_ratel.io.sources import ValueSource
 from lightning_ratel.plan.cost import updates_overlap
 from lightning_ratel.plan.exchange import ExchangeChoice
 from lightning_ratel.plan.owners import UnitCost, assign_owners
-from lightning_ratel.plan.states import check_device_fit, device_bytes
+from lightning_ratel.plan.states import check_device_fit, device_bytes, device_states_budget
 from lightning_ratel.runtime import gds
 from lightning_ratel.runtime.activations import ActivationCache, PlaceholderRead
 from lightning_ratel.runtime.adamw import GroupHyper
@@ -62,6 +62,7 @@ from lightning_ratel.runtime.collectives import (
     Ranks,
     SharedCacheUnavailable,
     SharedCopiesUnavailable,
+    every_rank_agrees,
 )
 from lightning_ratel.runtime.device import Device
 from lightning_ratel.runtime.device_adam import DeviceAdam, DeviceStates, TieredAdam
@@ -218,6 +219,33 @@ def _kept_masters(layout: Layout) -> int:
     return KEPT_MASTER_SHARDS if masters else 0
 
 
+def _largest_device_share(layout: Layout, owners: dict[int, int]) -> int:
+    """Device bytes of the rank holding the most with every state on the devices: the states of the units it owns
+    (both slots, the gradient sums) and every unit's compute copy, resident on each rank."""
+    share: dict[int, int] = {}
+    for shard in layout.shards:
+        share[owners[shard.unit.index]] = share.get(owners[shard.unit.index], 0) + device_bytes(shard.numel)
+    return max(share.values(), default=0) + sum(u.nbytes for u in layout.units.values())
+
+
+def _states_fit_devices(module: nn.Module, blocks: Sequence[Block], optimizer: torch.optim.Optimizer,
+                        half_dtype: torch.dtype | None, config: RatelConfig, device: Device, ranks: Ranks,
+                        faults: Faults | None) -> bool:
+    """Whether ``optimizer_states="auto"`` keeps every state on the devices with several ranks (collective over
+    every rank): where the largest rank's share (:func:`_largest_device_share`, laid out on the meta device) fits
+    the device tier's part of every rank's device budget; never with the compute copies in the swap files or an
+    optimizer the device tier does not run."""
+    fits = False
+    if config.param_cache != "ssd" and fused(optimizer):
+        meta = functools.partial(torch.empty, device="meta")
+        probe = build_layout(module, blocks, optimizer, half_dtype, "host", config.host_memory_limit,
+                             lambda n, d: meta(n, dtype=d), announce=False, optimizer_states="device",
+                             device_empty=lambda n, d: meta(n, dtype=d))
+        fits = _largest_device_share(probe, _owners(probe, ranks)) <= device_states_budget(
+            _device_memory(device, config), 0)
+    return every_rank_agrees(ranks, fits, faults)
+
+
 def _owners(layout: Layout, ranks: Ranks) -> dict[int, int]:
     """Each unit's owner rank, balancing the states' bytes (both slots) and the update's CPU time over the ranks."""
     costs: dict[int, tuple[int, int]] = {}
@@ -333,8 +361,14 @@ class RatelEngine:
             check_patterns(found, config.activation_policy)
         parallel = ranks is not None and optimizer is not None
         # Several ranks with every state on the device: each rank keeps every unit resident on its device, and each
-        # unit's owner its states, updated there (see DataParallelAdam).
-        device_states = parallel and config.states_request == "device"
+        # unit's owner its states, updated there (see DataParallelAdam); "auto" where they fit every rank's device.
+        device_states = parallel and ranks is not None and optimizer is not None and (
+            config.states_request == "device" or config.states_request == "auto" and _states_fit_devices(
+                module, found, optimizer, half_dtype, config, self.device, ranks, faults))
+        states_request = "device" if device_states else config.states_request
+        if device_states and config.states_request == "auto":
+            rank_zero_info("RatelStrategy: every optimizer state fits the devices: each unit's states on its owner's "
+                           "device, every unit resident on every rank's (optimizer_states='device').")
         # The ranks of a node page from one host cache (each compute copy held once per node), unless the compute
         # copies are to be read from the swap files or are all resident on the devices.
         node = (_node_cache(module, ranks, faults)
@@ -344,7 +378,7 @@ class RatelEngine:
                           else functools.partial(self.device.shared_host_empty, node.memory))
             self.layout = build_layout(module, found, optimizer, half_dtype, config.param_cache,
                                        config.host_memory_limit, host_empty, announce=not parallel,
-                                       optimizer_states=config.states_request, read_ahead=config.read_ahead_sets,
+                                       optimizer_states=states_request, read_ahead=config.read_ahead_sets,
                                        device_empty=self.device.device_empty,
                                        device_memory=None if parallel else _device_memory(self.device, config),
                                        prefetch_depth=config.prefetch_depth)
@@ -355,6 +389,10 @@ class RatelEngine:
             unplanned = (ExchangeChoice("device", "not planned", 1) if device_states
                          else ExchangeChoice("window", "not planned", 1))
             self.exchange = None if owners is None else exchange or unplanned
+            if device_states and self.exchange is not None and self.exchange.mode != "device":
+                # "auto" put the states on the devices after the pre-flight planned an exchange in host memory.
+                self.exchange = ExchangeChoice("device", "the optimizer states are on the devices",
+                                               self.exchange.reduces_per_step)
             if self.exchange is not None:
                 rank_zero_info(f"RatelStrategy: {self.exchange.describe()}.")
         except BaseException:
@@ -363,12 +401,8 @@ class RatelEngine:
             raise
         owned = None if owners is None else {s.index for s in self.layout.shards if owners[s.unit.index] == ranks.rank}
         if device_states and owners is not None:
-            # Every rank checks the largest rank's share (its states, every compute copy): they refuse alike.
-            compute = sum(u.nbytes for u in self.layout.units.values())
-            share: dict[int, int] = {}
-            for shard in self.layout.shards:
-                share[owners[shard.unit.index]] = share.get(owners[shard.unit.index], 0) + device_bytes(shard.numel)
-            check_device_fit(max(share.values(), default=0) + compute, _device_memory(self.device, config))
+            # Every rank checks the largest rank's share: they refuse alike.
+            check_device_fit(_largest_device_share(self.layout, owners), _device_memory(self.device, config))
         if owned is not None and not device_states:
             # Each rank places the states it owns, in its share of the node's memory.
             self.layout = with_state_tiers(self.layout, config.states_request, config.host_memory_limit, owned,

@@ -154,6 +154,19 @@ def gather_outcomes(gather: Callable[[Any], list[Any]], step: Callable[[], Any],
     return [what for _, what in outcomes]
 
 
+def every_rank_agrees(ranks: Ranks, verdict: bool, faults: Faults | None = None) -> bool:
+    """Collective over every rank, on a gloo group of its own made for it: whether ``verdict`` holds on every rank
+    (a decision each rank takes from what it measures, such as its free device memory, made one of all ranks). The
+    wait watches ``faults`` for a failed rank (``None``: a watch of its own)."""
+    group = dist.new_group(backend="gloo", timeout=ranks.timeout)
+    try:
+        watch = faults if faults is not None else Faults(ranks, f"ratel-faults/{group.group_name}")
+        agreed = watch.all_reduce(torch.tensor([int(verdict)]), dist.ReduceOp.MIN, group)
+    finally:
+        dist.destroy_process_group(group)
+    return bool(agreed.item())
+
+
 def meet_at_rendezvous(rank: int, world: int, timeout: timedelta, value: str) -> tuple[dist.Store, list[str]]:
     """Meet the other ranks through torch's ``env://`` rendezvous (``MASTER_ADDR``/``MASTER_PORT``, or torchrun's
     agent store) and learn each rank's ``value``, before any process group exists.
