@@ -517,21 +517,25 @@ def test_a_loss_over_every_ranks_outputs_equals_ddp(tmp_path: Path) -> None:
         _assert_same(_load(tmp_path / "ddp"), _load(tmp_path / "ratel", rank))
 
 
-def test_encoder_decoder_equals_ddp(tmp_path: Path) -> None:
+@pytest.mark.parametrize("states", ["auto", "device"])
+def test_encoder_decoder_equals_ddp(tmp_path: Path, states: str) -> None:
     _ok(_run(tmp_path / "ddp", "--strategy", "ddp", "--model", "t5", "--clip", "0.3"))
-    _ok(_run(tmp_path / "ratel", "--model", "t5", "--clip", "0.3"))
+    _ok(_run(tmp_path / "ratel", "--model", "t5", "--clip", "0.3", "--states", states))
     _assert_same(_load(tmp_path / "ddp"), _load(tmp_path / "ratel", 1))
 
 
-def test_buffers_are_rank_zeros_as_under_ddp(tmp_path: Path) -> None:
+@pytest.mark.parametrize("states", ["auto", "device"])
+def test_buffers_are_rank_zeros_as_under_ddp(tmp_path: Path, states: str) -> None:
     """BatchNorm's running statistics, which each rank's forward updates from its own micro-batch, follow rank 0's as
     ``ddp`` broadcasts them (at setup, and before a forward that follows one which reduced gradients), with
-    accumulation (micro-batches that do not reduce) and validation during fit (forwards without gradients)."""
+    accumulation (micro-batches that do not reduce) and validation during fit (forwards without gradients); also with
+    the states on the devices, whose passes hold every resident unit."""
     args = ["--model", "batchnorm", *ACCUMULATE_CLIP, "--validate", "4"]
     _ok(_run(tmp_path / "ddp", "--strategy", "ddp", *args))
-    _ok(_run(tmp_path / "ratel", *args))
+    _ok(_run(tmp_path / "ratel", "--states", states, *args))
     for rank in (0, 1):
-        _assert_same(_load(tmp_path / "ddp", rank), _load(tmp_path / "ratel", rank))
+        _assert_same(_load(tmp_path / "ddp", rank), _load(tmp_path / "ratel", rank),
+                     tol=ROUNDING if states == "device" else 1e-6)
     # Each rank's last forward saw its own data: the ranks' statistics differ, so the comparison per rank tells.
     key = "model.layers.0.norm.running_mean"
     assert not torch.equal(_load(tmp_path / "ratel", 0)["params"][key], _load(tmp_path / "ratel", 1)["params"][key])
@@ -708,11 +712,12 @@ def test_host_cache_once_per_node(tmp_path: Path) -> None:
     assert _shared_caches() <= before
 
 
-@pytest.mark.parametrize("exchange", ["auto", "micro_batch", "device"])
-def test_a_killed_rank_stops_the_others(tmp_path: Path, exchange: str) -> None:
+@pytest.mark.parametrize("exchange, states", [("auto", "auto"), ("micro_batch", "auto"), ("device", "auto"),
+                                             ("device", "device")])
+def test_a_killed_rank_stops_the_others(tmp_path: Path, exchange: str, states: str) -> None:
     before = _shared_caches()
     # One run as a user's starts: Lightning's launcher then watches the killed rank's process.
-    result = _run(tmp_path, "--fail", "1:1", "--exchange", exchange, "--accumulate", "2",
+    result = _run(tmp_path, "--fail", "1:1", "--exchange", exchange, "--states", states, "--accumulate", "2",
                   env=_env(RATEL_TEST_KILL="1"), timeout=180, lightning_launcher=exchange == "auto")
     _failed(result)
     assert not (tmp_path / "rank0.pt").exists()
@@ -989,15 +994,17 @@ def test_pretrained_on_two_ranks_reads_each_value_once_and_exports(tmp_path: Pat
             assert torch.equal(p, trained[name]), (exported, name)
 
 
-def test_lora_on_two_ranks_checkpoint_refers_to_the_pretrained_folder(tmp_path: Path) -> None:
+@pytest.mark.parametrize("states", ["auto", "device"])
+def test_lora_on_two_ranks_checkpoint_refers_to_the_pretrained_folder(tmp_path: Path, states: str) -> None:
     """LoRA on a model built on the meta device: every rank reads the frozen weights (its compute copies), the sharded
-    checkpoint the ranks write together refers to the folder for them and holds the trained adapters."""
+    checkpoint the ranks write together refers to the folder for them and holds the trained adapters; also with the
+    states on the devices (the adapters' on their owners', every frozen weight resident on every rank)."""
     pytest.importorskip("peft")
     folder = tmp_path / "pretrained"
     LM("llama").model.save_pretrained(folder, safe_serialization=True)
     ckpt = tmp_path / "lora.ckpt"
     _ok(_run(tmp_path / "run", "--lora", "--pretrained", str(folder), "--checkpoint-format", "sharded",
-             "--save", str(ckpt)))
+             "--save", str(ckpt), "--states", states))
     runs = [_load(tmp_path / "run", rank) for rank in (0, 1)]
     total = sum(t.numel() * t.element_size() for t in load_file(folder / "model.safetensors").values())
     assert [run["reads"]["pretrained"] for run in runs] == [total, total]
