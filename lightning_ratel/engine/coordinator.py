@@ -233,10 +233,10 @@ def _states_fit_devices(module: nn.Module, blocks: Sequence[Block], optimizer: t
                         faults: Faults | None) -> bool:
     """Whether ``optimizer_states="auto"`` keeps every state on the devices with several ranks (collective over
     every rank): where the largest rank's share (:func:`_largest_device_share`, laid out on the meta device) fits
-    the device tier's part of every rank's device budget; never with the compute copies in the swap files or an
-    optimizer the device tier does not run."""
+    the device tier's part of every rank's device budget; never with the compute copies in the swap files, an
+    optimizer the device tier does not run, or a gradient exchange in host memory asked for."""
     fits = False
-    if config.param_cache != "ssd" and fused(optimizer):
+    if config.param_cache != "ssd" and fused(optimizer) and config.gradient_exchange in ("auto", "device"):
         meta = functools.partial(torch.empty, device="meta")
         probe = build_layout(module, blocks, optimizer, half_dtype, "host", config.host_memory_limit,
                              lambda n, d: meta(n, dtype=d), announce=False, optimizer_states="device",

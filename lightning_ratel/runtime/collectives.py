@@ -1859,11 +1859,14 @@ class DataParallelAdam:
     def _send_device_copies(self, shards: Sequence[Shard]) -> None:
         """Every rank's resident compute copy of device-tier ``shards`` gets its owner's (the owner's update wrote
         it): broadcasts on the device group, which the current stream follows (training thread)."""
-        assert self._device is not None or not shards
+        if not shards:
+            return
+        device = self._device
+        assert device is not None
         for shard in shards:
             work = dist.broadcast(_wire(_compute_copy(shard)), self.owner(shard), group=self._reduce_group,
                                   async_op=True)
-            self._device.wait_collective(work, self._faults.wait)
+            device.wait_collective(work, self._faults.wait)
 
     def discard(self, shards: Sequence[Shard]) -> None:
         """Drop the window's gradients (a skipped step, ``zero_grad``)."""
@@ -1877,6 +1880,7 @@ class DataParallelAdam:
         """Abandon the unfinished step on this rank (no collective: the others may be gone)."""
         if self._device_reduce is not None:
             self._device_reduce.forget()
+        self._device_flags.clear()
         self._exchange.wait(_Drop)
         self.local.abort()
 
