@@ -492,24 +492,16 @@ class TieredAdam:
     def resolve(self, shards: Sequence[Shard], max_norm: float | None) -> Outcome:
         """See :meth:`CpuAdam.resolve`: the CPU optimizer's speculative updates stand or are undone as the gradients
         of both lanes say (the device's run only now, after the decision)."""
-        cpu, device = self._lanes(shards)
-        finite, cpu_grads, cpu_positions = self.cpu.kept_gradients(cpu)
-        plan = self._plan
-        if plan is not None and plan.inv_scale is not None:
-            finite = self.device.unscale_(device, plan.inv_scale) and finite
+        finite, grads, _ = self.kept_gradients(shards)
         if not finite:
-            self.cpu.undo_speculation(None)
-            self.device.discard(device)
+            self.undo_speculation(None)
             return "skip"
         if max_norm is None:
             return "stand"
-        coef = self._coefficient(cpu_grads, cpu_positions, device, max_norm)
+        coef = clip_coefficient(grads, max_norm)
         if coef.item() == 1.0:
             return "stand"
-        self.cpu.undo_speculation(coef)
-        device_grads = [v for _, v in self.device.indexed_views(device)]
-        if device_grads:
-            torch._foreach_mul_(device_grads, coef.to(device_grads[0].device))
+        self.undo_speculation(coef)
         return "redo"
 
     def schedule(self, plan: StepPlan, shards: Sequence[Shard]) -> None:
