@@ -1314,7 +1314,7 @@ class _DeviceExchange(_GradientExchange):
 
     def __init__(self, device: Device, shards: Sequence[Shard], owner: dict[int, int], ranks: Ranks, group: Any,
                  deliver: Callable[[Shard, int, torch.Tensor, int | None], None], faults: Faults,
-                 begin: Callable[[StepPlan | None], None], kept: Callable[[Bucket, torch.Tensor], None] | None = None,
+                 begin: Callable[[StepPlan | None], None], kept: Callable[[Bucket, torch.Tensor], Any] | None = None,
                  stay: frozenset[int] = frozenset()) -> None:
         self._deliver_param = deliver
         self._begin_local = begin
@@ -1652,9 +1652,10 @@ class DataParallelAdam:
         optimizer (exchange thread)."""
         self.local.gradient(shard, position, grad, DONE, start)
 
-    def _keep_on_device(self, bucket: Bucket, reduced: torch.Tensor) -> None:
+    def _keep_on_device(self, bucket: Bucket, reduced: torch.Tensor) -> Any:
         """A reduced bucket of owned device-tier shards reaches the local optimizer's device lane, on the device
-        (the thread that reduced it); its flags follow to the host, read when the micro-batch is flushed."""
+        (the thread that reduced it); its flags follow to the host, read when the micro-batch is flushed. Returns
+        the flags' copy's event: the bucket's buffer is packed again only after it."""
         lane = self.local.device
         for item in bucket.items:
             grad = reduced[item.offset : item.offset + item.numel]
@@ -1663,6 +1664,7 @@ class DataParallelAdam:
         flags, event = self._device.to_host(reduced[bucket.numel : bucket.size],
                                             out=self._device.host_buffer(len(bucket.items), torch.float32))
         self._device_flags.append((bucket, flags, event))
+        return event
 
     def _mark_device_gradients(self) -> None:
         """The device lane learns which parameters of the buckets it kept some rank had a gradient of (training
@@ -1863,9 +1865,10 @@ class DataParallelAdam:
             return
         device = self._device
         assert device is not None
-        for shard in shards:
-            work = dist.broadcast(_wire(_compute_copy(shard)), self.owner(shard), group=self._reduce_group,
-                                  async_op=True)
+        # All issued before the current stream waits for any: they run back to back on the group's stream.
+        works = [dist.broadcast(_wire(_compute_copy(shard)), self.owner(shard), group=self._reduce_group,
+                                async_op=True) for shard in shards]
+        for work in works:
             device.wait_collective(work, self._faults.wait)
 
     def discard(self, shards: Sequence[Shard]) -> None:

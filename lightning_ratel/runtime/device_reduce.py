@@ -50,7 +50,8 @@ class DeviceReduce:
         landed: called on the owner with a reduced bucket, the host buffer its copy lands in (the gradients, then one
             flag per item: above 0 where some rank had that gradient) and the copy's event.
         kept: for the buckets of ``stay``'s shards: called on the owner instead, with the reduced bucket on the device
-            (the current stream ordered after the collective), before the buffer is packed again.
+            (the current stream ordered after the collective); returns the event of the last copy that reads the
+            bucket on another stream (``None``: none), which packing the buffer again waits for.
         stay: the shards, by index, whose reduced gradients stay on the device (their states are on the device tier:
             the owner updates them there). A bucket holds one owner's shards of one tier.
         host_wait: how the host waits for a collective where it must (on the CPU): one that watches for a failed rank.
@@ -58,7 +59,7 @@ class DeviceReduce:
 
     def __init__(self, device: Device, shards: Sequence[Shard], owner: dict[int, int], rank: int, world: int,
                  group: Any, landed: Callable[[Bucket, torch.Tensor, Any], None],
-                 kept: Callable[[Bucket, torch.Tensor], None] | None = None, stay: frozenset[int] = frozenset(),
+                 kept: Callable[[Bucket, torch.Tensor], Any] | None = None, stay: frozenset[int] = frozenset(),
                  host_wait: Callable[[Any], None] | None = None) -> None:
         self.device = device
         self._owner = owner
@@ -198,8 +199,8 @@ class DeviceReduce:
         if bucket.items[0].shard.index in self._stay:
             assert self._kept is not None
             self.device.wait_collective(work, self._host_wait)
-            self._kept(bucket, sent)
-            self._last_use[k] = None
+            read = self._kept(bucket, sent)
+            self._last_use[k] = None if read is None else (lambda: self.device.wait(read))
             return
         # The copy to the host follows the collective on the device->host stream, not the compute stream; into a
         # buffer of its own also where the device is the host, since the bucket is packed again.
