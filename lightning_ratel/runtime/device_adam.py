@@ -80,9 +80,9 @@ class DeviceStates(HostStore):
 class DeviceAdam:
     """Gradients, updates and the commit of the shards on the device tier (AdamW/Adam).
 
-    With several ranks each rank's holds the shards it owns, and their gradients come reduced over the ranks instead
-    of from hooks of its own: :meth:`receive` adds each reduced (part of a) gradient on the device, :meth:`mark` then
-    says which parameters any rank had a gradient of (see
+    With several ranks each rank's holds the shards that rank owns, and their gradients come reduced over the ranks
+    instead of from hooks of its own: :meth:`receive` adds each reduced (part of a) gradient on the device, :meth:`mark`
+    then says which parameters any rank had a gradient of (see
     :class:`~lightning_ratel.runtime.collectives.DataParallelAdam`).
 
     Args:

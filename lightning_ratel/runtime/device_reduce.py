@@ -9,9 +9,10 @@ the device: each micro-batch's are packed into the buckets every rank cuts alike
 shards in the exchanges' fixed order), each bucket is multiplied by ``1 / world_size`` and reduced onto its owner by
 the process group's backend on the device (NCCL on CUDA, gloo on the CPU), and only the owner copies the reduced
 bucket to host memory, where the exchange thread hands its parameters to the owner's optimizer
-(:class:`~lightning_ratel.runtime.collectives._DeviceExchange`). So a rank's gradients cross PCIe once for its own
-share instead of whole, and the sum runs at the device link's speed. The numbers are those of
-``gradient_exchange="micro_batch"``: the owner's optimizer sums the window's micro-batches.
+(:class:`~lightning_ratel.runtime.collectives._DeviceExchange`). So the sums run on the GPUs and their links (NVLink
+or PCIe peer to peer where the GPUs have them, through host memory where they do not), not on the host's cores, and
+only each owner's share of them reaches the CPU optimizer. The numbers are those of ``gradient_exchange="micro_batch"``:
+the owner's optimizer sums the window's micro-batches.
 
 Threads and streams: autograd's thread hands each gradient over (:meth:`DeviceReduce.gradient`) and reduces a shard as
 soon as backward completes it, in the fixed order; the training thread reduces what is left at the micro-batch's end
@@ -103,7 +104,7 @@ class DeviceReduce:
             raise RuntimeError(
                 f"a second gradient of {shard.params[position].name} arrived in one micro-batch after its shard was "
                 "reduced; gradient_exchange='device' expects each parameter's gradient once per training step call: "
-                "use gradient_exchange='window'")
+                "use gradient_exchange='window' (with the optimizer states in host memory or the swap files)")
         held = self._held.setdefault(shard.index, {})
         if position in held:
             held[position] = held[position] + grad
