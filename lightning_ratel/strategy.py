@@ -130,12 +130,14 @@ class RatelStrategy(ParallelStrategy):
             Fitting only; evaluation runs keep them in host memory.
         optimizer_states: where each shard's fp32 master and optimizer moments live (both the committed step's and
             the one being written, 24 bytes per parameter for AdamW): ``"device"`` (the accelerator's memory, updated
-            there once the step is decided, with every compute copy resident: for a job that fits the device; one
-            rank, AdamW/Adam), ``"host"`` (host memory), ``"ssd"`` (the swap files: 12 bytes per parameter read and
-            12 written each step) or ``"auto"`` (the device for the cheapest whole units while half of
-            ``device_memory_limit``, or of a GPU's free memory, holds them; host memory for the first blocks in
-            forward order while they fit in three quarters of ``host_memory_limit``, or of the available host memory,
-            less the parameter cache; the swap files for the rest). ``keep_swap_files=True`` keeps them in the swap
+            there once the step is decided, with every compute copy resident: for a job that fits the device;
+            AdamW/Adam; with several ranks each unit's states on its owner's device), ``"host"`` (host memory),
+            ``"ssd"`` (the swap files: 12 bytes per parameter read and 12 written each step) or ``"auto"`` (with
+            several ranks every state on the devices where the largest rank's share fits half of each one's device
+            budget; else the device for the cheapest whole units while half of ``device_memory_limit``, or of a GPU's
+            free memory, holds them (one rank); host memory for the first blocks in forward order while they fit in
+            three quarters of ``host_memory_limit``, or of the available host memory, less the parameter cache; the
+            swap files for the rest). ``keep_swap_files=True`` keeps them in the swap
             files.
         param_init_fn: initializes one module whose parameters or buffers were on the meta device; called with the
             module after its tensors got (uninitialized) host memory. ``None`` calls ``module.reset_parameters()``
