@@ -10,6 +10,7 @@ two host buffers reused."""
 
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
 from pathlib import Path
 
@@ -252,4 +253,67 @@ def _device_worker(rank: int, init: str, scenario: str, simulate: bool) -> None:
 @pytest.mark.parametrize("scenario", ["healthy", "fails"])
 def test_device_exchange_of_two_ranks(tmp_path: Path, scenario: str, simulate: bool) -> None:
     mp.start_processes(_device_worker, args=(f"file://{tmp_path}/init", scenario, simulate), nprocs=2, join=True,
+                       start_method=START_METHOD)
+
+
+def _kept_worker(rank: int, init: str) -> None:
+    """Every rank's buckets stay on the device (the states on the devices): the owner's callback takes each reduced
+    bucket there and copies its flags to the host on the device->host stream, held up by a slow copy queued before it,
+    while the next buckets are packed. Each bucket's gradients and flags are what reducing each parameter gives."""
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=TIMEOUT)
+    ranks = Ranks(rank=rank, world=2, timeout=TIMEOUT, fault_timeout=timedelta(seconds=60))
+    faults = Faults(ranks, "test-kept-exchange")
+    reference_group = dist.new_group(backend="gloo")
+    group = dist.new_group(backend="gloo")
+    shards = _shards()
+    owner = {s.index: OWNERS[s.unit.index] for s in shards}
+    device = Device(torch.device("cpu"), simulate_streams=True)
+    received: dict[tuple[int, int], torch.Tensor] = {}
+    flags: list[tuple[object, torch.Tensor, object]] = []
+    release = threading.Event()
+
+    def kept(bucket, reduced):  # type: ignore[no-untyped-def]
+        for item in bucket.items:
+            part = reduced[item.offset : item.offset + item.numel].clone()
+            sp = item.shard.params[item.position]
+            whole = received.setdefault((item.shard.index, item.position), torch.full((sp.numel,), float("nan")))
+            whole[item.start or 0 : (item.start or 0) + item.numel] = part
+        # A copy queued on the device->host stream before the flags' copy holds it back until the next buckets are
+        # packed (if the packing does not wait for the flags' copy, it reads their bytes).
+        device.d2h_stream.submit(lambda: release.wait(timeout=0.2), delay=False)
+        out, event = device.to_host(reduced[bucket.numel : bucket.size], out=device.host_buffer(len(bucket.items),
+                                                                                                 torch.float32))
+        flags.append((bucket, out, event))
+        return event
+
+    exchange = _DeviceExchange(device, shards, owner, ranks, group, lambda *a: None, faults, lambda plan: None, kept,
+                               frozenset(s.index for s in shards))
+    reduce = exchange.reduce
+    try:
+        reduce.begin()
+        for shard in reversed(shards):
+            for position in range(len(shard.params)):
+                grad = _gradient(shard, position, rank, 0)
+                if grad is not None:
+                    reduce.gradient(shard, position, grad)
+        reduce.close()
+        release.set()
+        expected = _per_parameter(shards, rank, 0, reference_group)
+        flagged = set()
+        for bucket, out, event in flags:
+            event.synchronize()
+            for item, flag in zip(bucket.items, out.tolist()):
+                if flag > 0:
+                    flagged.add((item.shard.index, item.position))
+                assert flag in (0.0, 1.0, 2.0), (item.shard.index, item.position, flag)
+        assert flagged == expected.keys()
+        for key, tensor in expected.items():
+            assert torch.equal(received[key], tensor.reshape(-1)), key
+    finally:
+        exchange.stop()
+        dist.destroy_process_group()
+
+
+def test_buckets_kept_on_the_device_are_packed_again_only_after_their_flags_left(tmp_path: Path) -> None:
+    mp.start_processes(_kept_worker, args=(f"file://{tmp_path}/init",), nprocs=2, join=True,
                        start_method=START_METHOD)
