@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from lightning_ratel.errors import RatelRankFailed
-from lightning_ratel.runtime.buckets import MICRO_BATCH_BUCKETS
+from lightning_ratel.runtime.buckets import MICRO_BATCH_BUCKETS, Bucket
 from lightning_ratel.runtime.collectives import (
     Faults,
     Ranks,
@@ -269,10 +270,10 @@ def _kept_worker(rank: int, init: str) -> None:
     owner = {s.index: OWNERS[s.unit.index] for s in shards}
     device = Device(torch.device("cpu"), simulate_streams=True)
     received: dict[tuple[int, int], torch.Tensor] = {}
-    flags: list[tuple[object, torch.Tensor, object]] = []
+    flags: list[tuple[Bucket, torch.Tensor, Any]] = []
     release = threading.Event()
 
-    def kept(bucket, reduced):  # type: ignore[no-untyped-def]
+    def kept(bucket: Bucket, reduced: torch.Tensor) -> Any:
         for item in bucket.items:
             part = reduced[item.offset : item.offset + item.numel].clone()
             sp = item.shard.params[item.position]
