@@ -1,4 +1,4 @@
-"""How each micro-batch's gradients are cut into buckets for their reduces onto the owners (several ranks).
+"""How each micro-batch's gradients are cut into buckets and packed for their reduces onto the owners (several ranks).
 
 Every rank cuts the same buckets from the trainable shards in the exchange's fixed order: consecutive parameters of
 one owner, up to a cap, a larger parameter in parts. Used by the exchange that reduces in host memory
@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import torch
 
 from lightning_ratel.runtime.units import Shard
 
@@ -94,3 +96,38 @@ def cut_buckets(order: Sequence[Shard], positions: dict[int, list[int]], owner: 
                 numel = items[0].numel
     close()
     return buckets
+
+
+def gradient_order(shards: Sequence[Shard]) -> tuple[dict[int, set[int]], list[Shard]]:
+    """The fixed order every rank reduces ``shards`` in (reverse forward order, the order backward completes them;
+    shards without a parameter that gets a gradient left out), and each shard's positions that get a gradient from
+    autograd, by shard index (the others never complete a shard)."""
+    expected = {s.index: {i for i, sp in enumerate(s.params) if sp.param.requires_grad} for s in shards}
+    return expected, [s for s in reversed(shards) if expected[s.index]]
+
+
+def bucket_places(buckets: Sequence[Bucket]) -> dict[int, list[tuple[int, int]]]:
+    """Each shard's parameters, by shard index: (bucket, item) in the order they are packed."""
+    places: dict[int, list[tuple[int, int]]] = {}
+    for b, bucket in enumerate(buckets):
+        for i, item in enumerate(bucket.items):
+            places.setdefault(item.shard.index, []).append((b, i))
+    return places
+
+
+def pack(buffer: torch.Tensor, bucket: Bucket, i: int, held: dict[int, torch.Tensor]) -> None:
+    """Put item ``i`` of ``bucket`` into its ``buffer``: this rank's gradient of the item's parameter (``held``, by
+    position; a parameter in parts is made contiguous there once), as fp32, zeros where this rank has none, and the
+    item's flag (1 where it has one)."""
+    item = bucket.items[i]
+    target = buffer[item.offset : item.offset + item.numel]
+    grad = held.get(item.position)
+    if grad is None:
+        target.zero_()
+    elif item.start is None:
+        target.view(grad.shape).copy_(grad)
+    else:
+        if not grad.is_contiguous():
+            grad = held[item.position] = grad.contiguous()
+        target.copy_(grad.view(-1)[item.start : item.start + item.numel])
+    buffer[bucket.numel + i].fill_(0.0 if grad is None else 1.0)

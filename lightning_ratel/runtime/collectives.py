@@ -76,7 +76,15 @@ import torch
 import torch.distributed as dist
 
 from lightning_ratel.errors import RatelConfigError, RatelRankFailed
-from lightning_ratel.runtime.buckets import MICRO_BATCH_BUCKETS, Bucket, bucket_cap, cut_buckets
+from lightning_ratel.runtime.buckets import (
+    MICRO_BATCH_BUCKETS,
+    Bucket,
+    bucket_cap,
+    bucket_places,
+    cut_buckets,
+    gradient_order,
+    pack,
+)
 from lightning_ratel.runtime.device import DONE, Device
 from lightning_ratel.runtime.device_reduce import DeviceReduce
 from lightning_ratel.runtime.hostmem import ALIGNMENT, SharedHostMemory, aligned_empty
@@ -933,8 +941,7 @@ class _GradientExchange:
         self._faults = faults
         self._deliver = deliver
         # Positions that get a gradient from autograd (the others never complete a shard).
-        self._expected = {s.index: {i for i, sp in enumerate(s.params) if sp.param.requires_grad} for s in shards}
-        self._order = [s for s in reversed(shards) if self._expected[s.index]]
+        self._expected, self._order = gradient_order(shards)
         self._cursor = 0
         self._boundary = False
         self._buffers: dict[int, torch.Tensor] = {}
@@ -1137,11 +1144,7 @@ class _MicroBatchExchange(_GradientExchange):
         super().__init__(shards, owner, ranks, group, lambda shard, buffer: None, faults)
         positions = {s.index: sorted(self._expected[s.index]) for s in self._order}
         self._buckets = cut_buckets(self._order, positions, owner)
-        # Each shard's parameters: (bucket, item) in the order they are packed.
-        self._places: dict[int, list[tuple[int, int]]] = {}
-        for b, bucket in enumerate(self._buckets):
-            for i, item in enumerate(bucket.items):
-                self._places.setdefault(item.shard.index, []).append((b, i))
+        self._places = bucket_places(self._buckets)
         self._buffer_numel = max((b.size for b in self._buckets), default=0)
         self._limit = MICRO_BATCH_BUCKETS * round_up(self._buffer_numel * 4, ALIGNMENT)
 
@@ -1207,18 +1210,7 @@ class _MicroBatchExchange(_GradientExchange):
         for b, i in self._places.get(shard.index, ()):
             bucket = self._buckets[b]
             buffer = self._bucket_buffer(b)
-            item = bucket.items[i]
-            target = buffer[item.offset : item.offset + item.numel]
-            grad = held.get(item.position)
-            if grad is None:
-                target.zero_()
-            elif item.start is None:
-                target.view(grad.shape).copy_(grad)
-            else:
-                if not grad.is_contiguous():
-                    grad = held[item.position] = grad.contiguous()
-                target.copy_(grad.view(-1)[item.start : item.start + item.numel])
-            buffer[bucket.numel + i] = 0.0 if grad is None else 1.0
+            pack(buffer, bucket, i, held)
             if i == len(bucket.items) - 1:
                 self._reduce(bucket, buffer)
 

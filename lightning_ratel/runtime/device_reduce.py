@@ -33,7 +33,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_ratel.runtime.buckets import MICRO_BATCH_BUCKETS, Bucket, cut_buckets
+from lightning_ratel.runtime.buckets import (
+    MICRO_BATCH_BUCKETS,
+    Bucket,
+    bucket_places,
+    cut_buckets,
+    gradient_order,
+    pack,
+)
 from lightning_ratel.runtime.device import Device
 from lightning_ratel.runtime.units import Shard
 
@@ -72,15 +79,10 @@ class DeviceReduce:
         self._stay = stay
         self._host_wait = host_wait
         # Parameters that get a gradient from autograd; a shard is complete once each of them came.
-        self._expected = {s.index: {i for i, sp in enumerate(s.params) if sp.param.requires_grad} for s in shards}
-        self._order = [s for s in reversed(shards) if self._expected[s.index]]
+        self._expected, self._order = gradient_order(shards)
         positions = {s.index: sorted(self._expected[s.index]) for s in self._order}
         self.buckets = cut_buckets(self._order, positions, owner)
-        # Each shard's parameters: (bucket, item) in the order they are packed.
-        self._places: dict[int, list[tuple[int, int]]] = {}
-        for b, bucket in enumerate(self.buckets):
-            for i, item in enumerate(bucket.items):
-                self._places.setdefault(item.shard.index, []).append((b, i))
+        self._places = bucket_places(self.buckets)
         for bucket in self.buckets:
             if len({item.shard.index in stay for item in bucket.items}) > 1:
                 raise ValueError("a bucket mixes shards whose gradients stay on the device with others")
@@ -158,19 +160,7 @@ class DeviceReduce:
         for b, i in self._places.get(shard.index, ()):
             bucket = self.buckets[b]
             k = self._buffer(b)
-            buffer = self._buffers[k]
-            item = bucket.items[i]
-            target = buffer[item.offset : item.offset + item.numel]
-            grad = held.get(item.position)
-            if grad is None:
-                target.zero_()
-            elif item.start is None:
-                target.view(grad.shape).copy_(grad)
-            else:
-                if not grad.is_contiguous():
-                    grad = held[item.position] = grad.contiguous()
-                target.copy_(grad.view(-1)[item.start : item.start + item.numel])
-            buffer[bucket.numel + i].fill_(0.0 if grad is None else 1.0)
+            pack(self._buffers[k], bucket, i, held)
             if i == len(bucket.items) - 1:
                 self._reduce(bucket, k)
 
