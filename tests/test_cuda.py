@@ -44,7 +44,7 @@ from lightning_ratel.runtime.device import Device
 from tests.forked_ranks import START_METHOD
 from tests.models import LM, MIXED_POLICY, MODELS, SEQ, VOCAB, HostAdamLM, cache_off, final_state, max_rel_err, trainer
 from tests.syncs import SyncCounter, extra_syncs
-from tests.test_micro_batch_exchange import _gradient, _Optimizer, _shards
+from tests.test_micro_batch_exchange import _hand_over, _Optimizer, _shards
 from tests.test_state_tiers import LateUpdates
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -531,16 +531,12 @@ def _device_exchange_worker(rank: int, init: str) -> None:
             exchange.put(_Begin(micro_batch == 2))
             expected = {}
 
-            def backward() -> None:
-                # Autograd's thread hands the gradients over, as backward completes them (the last shard first).
-                for shard in reversed(shards):
-                    for position in range(len(shard.params)):
-                        grad = _gradient(shard, position, 0, micro_batch)
-                        if grad is not None:
-                            expected[(shard.index, position)] = grad.float()
-                            reduce.gradient(shard, position, grad.cuda())
+            def give(shard: Any, position: int, grad: torch.Tensor) -> None:
+                expected[(shard.index, position)] = grad.float()
+                reduce.gradient(shard, position, grad.cuda())
 
-            thread = threading.Thread(target=backward)
+            # Autograd's thread hands the gradients over, as backward completes them.
+            thread = threading.Thread(target=_hand_over, args=(shards, 0, micro_batch, give))
             thread.start()
             thread.join()
             reduce.close()

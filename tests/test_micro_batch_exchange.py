@@ -11,6 +11,7 @@ two host buffers reused."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -131,46 +132,63 @@ class _Optimizer:
         self.held.clear()
 
 
-def _worker(rank: int, init: str, scenario: str) -> None:
+def _two_ranks(rank: int, init: str) -> tuple[Ranks, Faults, object, object, list[Shard], dict[int, int]]:
+    """This process as ``rank`` of two gloo ranks: its place, the failure watch, a group for the reference reduces
+    and one for the exchange, the shards and each shard's owner."""
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=TIMEOUT)
     ranks = Ranks(rank=rank, world=2, timeout=TIMEOUT, fault_timeout=timedelta(seconds=60))
     faults = Faults(ranks, "test-exchange")
     reference_group = dist.new_group(backend="gloo")
     group = dist.new_group(backend="gloo")
     shards = _shards()
-    owner = {s.index: OWNERS[s.unit.index] for s in shards}
+    return ranks, faults, reference_group, group, shards, {s.index: OWNERS[s.unit.index] for s in shards}
+
+
+def _hand_over(shards: list[Shard], rank: int, micro_batch: int, give: Callable[[Shard, int, torch.Tensor], None]
+               ) -> None:
+    """Give this rank's gradients of a micro-batch, the last shard first, as backward completes them."""
+    for shard in reversed(shards):
+        for position in range(len(shard.params)):
+            grad = _gradient(shard, position, rank, micro_batch)
+            if grad is not None:
+                give(shard, position, grad)
+
+
+def _check_received(optimizer: _Optimizer, shards: list[Shard], rank: int, micro_batch: int, group: object) -> None:
+    """The owner's optimizer took in, bit for bit, what reducing each parameter by itself gives; then forgets it."""
+    expected = _per_parameter(shards, rank, micro_batch, group)
+    assert optimizer.taken.keys() == expected.keys()
+    for key, tensor in expected.items():
+        assert torch.equal(optimizer.taken[key], tensor), (micro_batch, key)
+    optimizer.taken.clear()
+
+
+def _worker(rank: int, init: str, scenario: str) -> None:
+    ranks, faults, reference_group, group, shards, owner = _two_ranks(rank, init)
     optimizer = _Optimizer()
     exchange = _MicroBatchExchange(shards, owner, ranks, group, optimizer.deliver, faults, optimizer.begin,
                                    optimizer.take_in)
+
+    def put(shard: Shard, position: int, grad: torch.Tensor) -> None:
+        exchange.put(_Gradient(shard, position, grad, DONE))
+
     try:
         if scenario == "fails":
             exchange.put(_Begin(False))
             if rank == 1:
                 faults.report(RuntimeError("rank 1 fails"))
                 return
-            for shard in reversed(shards):
-                for position in range(len(shard.params)):
-                    grad = _gradient(shard, position, rank, 0)
-                    if grad is not None:
-                        exchange.put(_Gradient(shard, position, grad, DONE))
+            _hand_over(shards, rank, 0, put)
             with pytest.raises(RatelRankFailed, match=r"rank 1 failed \(RuntimeError: rank 1 fails\)"):
                 exchange.wait(_Flush)
             return
         assert exchange.collectives == BUCKETS
         for micro_batch in range(MICRO_BATCHES):
             exchange.put(_Begin(micro_batch == MICRO_BATCHES - 1))
-            for shard in reversed(shards):
-                for position in range(len(shard.params)):
-                    grad = _gradient(shard, position, rank, micro_batch)
-                    if grad is not None:
-                        exchange.put(_Gradient(shard, position, grad, DONE))
+            _hand_over(shards, rank, micro_batch, put)
             exchange.wait(_Flush)
             optimizer.take_in()
-            expected = _per_parameter(shards, rank, micro_batch, reference_group)
-            assert optimizer.taken.keys() == expected.keys()
-            for key, tensor in expected.items():
-                assert torch.equal(optimizer.taken[key], tensor), (micro_batch, key)
-            optimizer.taken.clear()
+            _check_received(optimizer, shards, rank, micro_batch, reference_group)
         assert exchange.reduces == MICRO_BATCHES * BUCKETS
         assert optimizer.parts == MICRO_BATCHES * PARTS
         buffer = round_up(LARGEST_BUCKET * 4, ALIGNMENT)
@@ -190,13 +208,7 @@ def test_micro_batch_exchange_of_two_ranks(tmp_path: Path, scenario: str) -> Non
 
 
 def _device_worker(rank: int, init: str, scenario: str, simulate: bool) -> None:
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=TIMEOUT)
-    ranks = Ranks(rank=rank, world=2, timeout=TIMEOUT, fault_timeout=timedelta(seconds=60))
-    faults = Faults(ranks, "test-device-exchange")
-    reference_group = dist.new_group(backend="gloo")
-    group = dist.new_group(backend="gloo")
-    shards = _shards()
-    owner = {s.index: OWNERS[s.unit.index] for s in shards}
+    ranks, faults, reference_group, group, shards, owner = _two_ranks(rank, init)
     optimizer = _Optimizer()
     device = Device(torch.device("cpu"), simulate_streams=simulate)
     exchange = _DeviceExchange(device, shards, owner, ranks, group, optimizer.deliver, faults, optimizer.begin)
@@ -209,11 +221,7 @@ def _device_worker(rank: int, init: str, scenario: str, simulate: bool) -> None:
                 faults.report(RuntimeError("rank 1 fails"))
                 return
             with pytest.raises(RatelRankFailed, match=r"rank 1 failed \(RuntimeError: rank 1 fails\)"):
-                for shard in reversed(shards):
-                    for position in range(len(shard.params)):
-                        grad = _gradient(shard, position, rank, 0)
-                        if grad is not None:
-                            reduce.gradient(shard, position, grad)
+                _hand_over(shards, rank, 0, reduce.gradient)
                 reduce.close()
                 exchange.wait(_Flush)
             return
@@ -221,19 +229,11 @@ def _device_worker(rank: int, init: str, scenario: str, simulate: bool) -> None:
         for micro_batch in range(MICRO_BATCHES):
             reduce.begin()
             exchange.put(_Begin(micro_batch == MICRO_BATCHES - 1))
-            for shard in reversed(shards):
-                for position in range(len(shard.params)):
-                    grad = _gradient(shard, position, rank, micro_batch)
-                    if grad is not None:
-                        reduce.gradient(shard, position, grad)
+            _hand_over(shards, rank, micro_batch, reduce.gradient)
             reduce.close()
             exchange.wait(_Flush)
             optimizer.take_in()
-            expected = _per_parameter(shards, rank, micro_batch, reference_group)
-            assert optimizer.taken.keys() == expected.keys()
-            for key, tensor in expected.items():
-                assert torch.equal(optimizer.taken[key], tensor), (micro_batch, key)
-            optimizer.taken.clear()
+            _check_received(optimizer, shards, rank, micro_batch, reference_group)
         assert reduce.reduces == MICRO_BATCHES * BUCKETS
         assert optimizer.parts == MICRO_BATCHES * PARTS
         # Two buckets on the device for every bucket of every micro-batch, within the estimate; the owner's copies
@@ -261,13 +261,7 @@ def _kept_worker(rank: int, init: str) -> None:
     """Every rank's buckets stay on the device (the states on the devices): the owner's callback takes each reduced
     bucket there and copies its flags to the host on the device->host stream, held up by a slow copy queued before it,
     while the next buckets are packed. Each bucket's gradients and flags are what reducing each parameter gives."""
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=TIMEOUT)
-    ranks = Ranks(rank=rank, world=2, timeout=TIMEOUT, fault_timeout=timedelta(seconds=60))
-    faults = Faults(ranks, "test-kept-exchange")
-    reference_group = dist.new_group(backend="gloo")
-    group = dist.new_group(backend="gloo")
-    shards = _shards()
-    owner = {s.index: OWNERS[s.unit.index] for s in shards}
+    ranks, faults, reference_group, group, shards, owner = _two_ranks(rank, init)
     device = Device(torch.device("cpu"), simulate_streams=True)
     received: dict[tuple[int, int], torch.Tensor] = {}
     flags: list[tuple[Bucket, torch.Tensor, Any]] = []
@@ -292,11 +286,7 @@ def _kept_worker(rank: int, init: str) -> None:
     reduce = exchange.reduce
     try:
         reduce.begin()
-        for shard in reversed(shards):
-            for position in range(len(shard.params)):
-                grad = _gradient(shard, position, rank, 0)
-                if grad is not None:
-                    reduce.gradient(shard, position, grad)
+        _hand_over(shards, rank, 0, reduce.gradient)
         reduce.close()
         release.set()
         expected = _per_parameter(shards, rank, 0, reference_group)
