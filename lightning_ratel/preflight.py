@@ -20,7 +20,7 @@ from torch import nn
 from lightning_ratel.config import RatelConfig
 from lightning_ratel.engine.blocks import discover_blocks
 from lightning_ratel.engine.coordinator import GRAD_BUDGET_SHARDS
-from lightning_ratel.engine.layout import buffer_sets, build_layout, set_needs
+from lightning_ratel.engine.layout import buffer_sets, build_layout, meta_empty, set_needs
 from lightning_ratel.errors import RatelConfigError, RatelPlanError
 from lightning_ratel.io.checkpoint import choose_checkpoint_format, gathered_checkpoint_bytes
 from lightning_ratel.plan.exchange import ExchangeChoice, choose_exchange
@@ -180,7 +180,7 @@ def _estimate(module: nn.Module, optimizer: torch.optim.Optimizer, config: Ratel
               half_dtype: torch.dtype | None, ranks: int = 1, accumulate: int = 1, unified: bool = False,
               automatic: bool = True, ranks_on_node: int | None = None) -> Estimate:
     layout = build_layout(module, discover_blocks(module, config.blocks), optimizer, half_dtype, config.param_cache,
-                          config.host_memory_limit, _meta_empty, announce=False,
+                          config.host_memory_limit, meta_empty, announce=False,
                           optimizer_states=config.states_request, read_ahead=config.read_ahead_sets)
     on_store = layout.param_cache == "ssd"
     disk = sum(state_bytes(s.numel) for s in layout.shards if s.state_tier == "ssd")
@@ -243,10 +243,6 @@ def _buffer_sets_bytes(layout: Layout, ranks_on_node: int = 1) -> int:
 
 def _buffer_bytes(module: nn.Module) -> int:
     return sum(b.numel() * b.dtype.itemsize for b in module.buffers())
-
-
-def _meta_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    return torch.empty(numel, dtype=dtype, device="meta")
 
 
 def _config_of(folder: str) -> Any:

@@ -36,7 +36,7 @@ from lightning_ratel.config import RatelConfig
 from lightning_ratel.engine.accounting import ByteAccount, StepBreakdown
 from lightning_ratel.engine.backward import BackwardCalls
 from lightning_ratel.engine.blocks import Block, BlockMembership, discover_blocks
-from lightning_ratel.engine.layout import buffer_sets, build_layout, fused, with_state_tiers
+from lightning_ratel.engine.layout import buffer_sets, build_layout, fused, meta_empty, with_state_tiers
 from lightning_ratel.engine.materialize import Materializer
 from lightning_ratel.engine.placement import check_patterns
 from lightning_ratel.engine.planner import Planner
@@ -237,10 +237,8 @@ def _states_fit_devices(module: nn.Module, blocks: Sequence[Block], optimizer: t
     optimizer the device tier does not run, or a gradient exchange in host memory asked for."""
     fits = False
     if config.param_cache != "ssd" and fused(optimizer) and config.gradient_exchange in ("auto", "device"):
-        meta = functools.partial(torch.empty, device="meta")
-        probe = build_layout(module, blocks, optimizer, half_dtype, "host", config.host_memory_limit,
-                             lambda n, d: meta(n, dtype=d), announce=False, optimizer_states="device",
-                             device_empty=lambda n, d: meta(n, dtype=d))
+        probe = build_layout(module, blocks, optimizer, half_dtype, "host", config.host_memory_limit, meta_empty,
+                             announce=False, optimizer_states="device", device_empty=meta_empty)
         fits = _largest_device_share(probe, _owners(probe, ranks)) <= device_states_budget(
             _device_memory(device, config), 0)
     return every_rank_agrees(ranks, fits, faults)

@@ -59,6 +59,11 @@ _WHOLE_MODEL_OPTIMIZERS = {
 HostAllocator = Callable[[int, torch.dtype], torch.Tensor]
 
 
+def meta_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A :data:`HostAllocator` that allocates nothing (the meta device): a layout laid out to be measured, not run."""
+    return torch.empty(numel, dtype=dtype, device="meta")
+
+
 def fused(optimizer: torch.optim.Optimizer) -> bool:
     """Whether the native fused AdamW kernel runs ``optimizer``: exactly ``torch.optim.AdamW`` or ``torch.optim.Adam``
     with none of the flags it does not implement (``amsgrad``, ``maximize``...)."""
